@@ -1,0 +1,191 @@
+"""Turning samples into batches, straight into a ring slot, and back into arrays.
+
+A worker describes each batch with a *layout*: the batch's tree (dicts, tuples, lists)
+whose array leaves are ``(dtype, shape, offset)`` records pointing into the slot, and
+whose other leaves (lists of str, bytes, arbitrary objects) travel inline in the small
+control message. The consumer turns the layout back into the same tree with arrays that
+are zero-copy views of the slot.
+
+Layout nodes are short lists, cheap to pickle:
+
+- ``[ARRAY, dtype_str, shape, offset]``: an array in the slot;
+- ``[INLINE, value]``: a value carried in the message (objects, or arrays that did not
+  fit their slot);
+- ``[DICT, keys, children]``, ``[SEQ, type, children]``: containers.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import CollateError
+
+ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
+ALIGN = 64  # every array starts on a cache line
+
+_NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
+
+
+def _path_str(path: tuple) -> str:
+    return "sample" + "".join(f"[{p!r}]" for p in path)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"array of shape {value.shape} and dtype {value.dtype}"
+    return f"{type(value).__name__}"
+
+
+class _Planner:
+    """Builds a layout and the list of array writes it needs, before any byte moves."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list, Any, bool]] = []  # (node, source, stack_it)
+        self.nbytes = 0
+
+    def _array_node(self, dtype: np.dtype, shape: tuple, source: Any, stack_it: bool) -> list:
+        node = [ARRAY, dtype.str, shape, None]
+        self.nbytes += -(-(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize) // ALIGN) * ALIGN
+        self.writes.append((node, source, stack_it))
+        return node
+
+    # -- stacking samples into a batch (the default collate) --------------------------
+    def stack(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+        first = values[0]
+        if isinstance(first, Mapping):
+            keys = tuple(first.keys())
+            for v, i in zip(values, indices):
+                if not isinstance(v, Mapping) or tuple(v.keys()) != keys and set(v.keys()) != set(keys):
+                    raise CollateError(
+                        f"cannot collate {_path_str(path)}: index {indices[0]} is a mapping with keys "
+                        f"{sorted(map(str, keys))} but index {i} is {_describe(v) if not isinstance(v, Mapping) else 'a mapping with keys ' + str(sorted(map(str, v.keys())))}. "
+                        "Every sample must have the same structure; pass collate_fn=... to combine them yourself."
+                    )
+            return [DICT, keys, [self.stack([v[k] for v in values], path + (k,), indices) for k in keys]]
+        if isinstance(first, (tuple, list)):
+            for v, i in zip(values, indices):
+                if not isinstance(v, (tuple, list)) or len(v) != len(first):
+                    raise CollateError(
+                        f"cannot collate {_path_str(path)}: index {indices[0]} is a {type(first).__name__} "
+                        f"of length {len(first)} but index {i} is {_describe(v)}"
+                        f"{' of length ' + str(len(v)) if isinstance(v, (tuple, list)) else ''}. "
+                        "Pass collate_fn=... to combine samples of different structure."
+                    )
+            columns = [self.stack([v[j] for v in values], path + (j,), indices) for j in range(len(first))]
+            return [SEQ, _seq_type(first), columns]
+        if isinstance(first, np.ndarray):
+            return self._stack_arrays(values, path, indices)
+        if isinstance(first, _NUMBER_TYPES) and not isinstance(first, (str, bytes)):
+            return self._stack_numbers(values, path, indices)
+        return [INLINE, list(values)]
+
+    def _stack_arrays(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+        first = values[0]
+        if first.dtype.hasobject:
+            raise CollateError(
+                f"cannot collate {_path_str(path)}: index {indices[0]} is an array of dtype object, "
+                "which cannot be placed in shared memory. Convert it to a numeric or fixed-width dtype "
+                "in fn, or pass collate_fn=... to build the batch yourself."
+            )
+        for v, i in zip(values, indices):
+            if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
+                raise CollateError(
+                    f"cannot stack {_path_str(path)} for indices {list(indices)}: index {indices[0]} is an "
+                    f"{_describe(first)} but index {i} is {'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
+                    "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
+                    "(for example to pad variable-length samples), or resize/cast them in fn."
+                )
+        return self._array_node(first.dtype, (len(values),) + first.shape, values, True)
+
+    def _stack_numbers(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+        for v, i in zip(values, indices):
+            if not isinstance(v, _NUMBER_TYPES):
+                raise CollateError(
+                    f"cannot collate {_path_str(path)}: index {indices[0]} is a number "
+                    f"({_describe(values[0])}) but index {i} is {_describe(v)}. "
+                    "Make the field the same type in every sample, or pass collate_fn=...."
+                )
+        column = np.asarray(values)
+        if column.dtype.hasobject:  # e.g. Python ints beyond 64 bits
+            return [INLINE, list(values)]
+        return self._array_node(column.dtype, column.shape, column, False)
+
+    # -- packing an already-built batch (collate_fn output, or unbatched samples) ------
+    def pack(self, value: Any) -> list:
+        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+            return self._array_node(value.dtype, value.shape, value, False)
+        if isinstance(value, Mapping):
+            keys = tuple(value.keys())
+            return [DICT, keys, [self.pack(value[k]) for k in keys]]
+        if isinstance(value, (tuple, list)):
+            return [SEQ, _seq_type(value), [self.pack(v) for v in value]]
+        return [INLINE, value]
+
+    # -- moving the bytes ----------------------------------------------------------------
+    def write(self, buffer: Any | None, capacity: int) -> bool:
+        """Write every array into ``buffer``; if it is None or too small, inline them.
+
+        Returns whether the arrays went to the buffer (False means the slow path).
+        """
+        in_slot = buffer is not None and self.nbytes <= capacity
+        offset = 0
+        for node, source, stack_it in self.writes:
+            dtype = np.dtype(node[1])
+            shape = node[2]
+            if in_slot:
+                out = np.ndarray(shape, dtype, buffer=buffer, offset=offset)
+                if stack_it:
+                    np.stack(source, out=out)
+                else:
+                    np.copyto(out, source, casting="no")
+                node[3] = offset
+                offset += -(-out.nbytes // ALIGN) * ALIGN
+            else:
+                node[0] = INLINE
+                node[1] = np.stack(source) if stack_it else np.array(source, copy=True)
+                del node[2:]
+        return in_slot
+
+
+def _seq_type(value: Any) -> type:
+    return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
+
+
+def layout_batch(samples: list, indices: Sequence[int], buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
+    """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``."""
+    planner = _Planner()
+    layout = planner.stack(samples, (), indices)
+    return layout, planner.nbytes, planner.write(buffer, capacity)
+
+
+def layout_value(value: Any, buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
+    """Lay out an already-built batch (``collate_fn`` output) or an unbatched sample."""
+    planner = _Planner()
+    layout = planner.pack(value)
+    return layout, planner.nbytes, planner.write(buffer, capacity)
+
+
+_dtype_cache: dict[str, np.dtype] = {}
+
+
+def build(node: list, buffer: Any | None) -> Any:
+    """Turn a layout back into a batch; array leaves become views of ``buffer``."""
+    kind = node[0]
+    if kind == ARRAY:
+        dtype = _dtype_cache.get(node[1])
+        if dtype is None:
+            dtype = _dtype_cache[node[1]] = np.dtype(node[1])
+        return np.ndarray(node[2], dtype, buffer=buffer, offset=node[3])
+    if kind == INLINE:
+        return node[1]
+    if kind == DICT:
+        return dict(zip(node[1], [build(child, buffer) for child in node[2]]))
+    seq_type = node[1]
+    items = [build(child, buffer) for child in node[2]]
+    if seq_type is list:
+        return items
+    if seq_type is tuple:
+        return tuple(items)
+    return seq_type(*items)  # namedtuple

@@ -1,0 +1,38 @@
+"""Exception types procpipe raises in the consumer's process.
+
+Errors raised by user code in a worker (``fn``, ``__getitem__``, ``collate_fn``) are
+re-raised with their *original* type; the classes here are for what procpipe itself
+detects.
+"""
+from __future__ import annotations
+
+
+class ProcpipeError(RuntimeError):
+    """Base class of the errors procpipe raises itself."""
+
+
+class CollateError(ProcpipeError, TypeError):
+    """Samples of one batch cannot be stacked into arrays (shape, dtype or structure)."""
+
+
+class SharedMemoryError(ProcpipeError, MemoryError):
+    """The shared-memory directory has too little room for the ring."""
+
+
+class WorkerError(ProcpipeError):
+    """A worker failed in a way that cannot be reported with the original exception type.
+
+    Raised when a worker's exception cannot be unpickled in the consumer, and when
+    workers keep dying past ``max_worker_restarts``.
+    """
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n" + self.tb.rstrip() + "\n(end of the worker's traceback)"
