@@ -27,7 +27,7 @@ from typing import Any
 import dill
 import psutil
 
-from . import collate
+from . import collate, wire
 from .errors import RemoteTraceback, WorkerError
 from .reassembly import Ordered, Sloppy
 from .shm import Ring, SharedFiles, round_slot_bytes
@@ -222,7 +222,7 @@ class Coordinator:
         workers, self.workers = self.workers, []
         for w in workers:
             try:
-                w.conn.send(None)
+                wire.send(w.conn, None)
             except OSError:
                 pass
         deadline = time.monotonic() + 2.0
@@ -329,7 +329,7 @@ class Coordinator:
         slot_bytes = ring.slot_bytes if ring is not None and task.slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
         try:
-            worker.conn.send((task_id, self.epoch.number, task.indices, ring_id, task.slot, slot_bytes))
+            wire.send(worker.conn, (task_id, self.epoch.number, task.indices, ring_id, task.slot, slot_bytes))
         except OSError:
             pass  # the worker is dying; its sentinel fires and the task is redone
 
@@ -337,7 +337,7 @@ class Coordinator:
     def _on_readable(self, worker: WorkerHandle) -> None:
         try:
             while worker.conn.poll():
-                self._on_message(worker, worker.conn.recv())
+                self._on_message(worker, wire.recv(worker.conn))
         except (EOFError, OSError):
             self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
 
@@ -461,7 +461,7 @@ class Coordinator:
         """Read replies a worker sent before it died, so finished work is not redone."""
         try:
             while worker.conn.poll():
-                self._on_message(worker, worker.conn.recv())
+                self._on_message(worker, wire.recv(worker.conn))
         except (EOFError, OSError):
             pass
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any, Callable
 
 import dill
 
-from . import collate
+from . import collate, wire
 from .rng import SampleScope
 from .shm import WorkerRings
 
@@ -95,7 +94,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
         try:
             loaded = _load_spec(spec)
         except BaseException:
-            conn.send(("fatal", traceback.format_exc()))
+            wire.send(conn, ("fatal", traceback.format_exc()))
             return
         _serve(conn, loaded, WorkerRings(files_prefix), parent)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -117,7 +116,7 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         while not conn.poll(_IDLE_CHECK_S):
             if parent.gone():
                 return
-        task = conn.recv()
+        task = wire.recv(conn)
         if task is None:
             return
         task_id, epoch, indices, ring_id, slot, slot_bytes = task
@@ -141,10 +140,10 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             else:
                 layout, nbytes, in_slot = collate.layout_batch(samples, indices, buffer, slot_bytes)
             del samples, buffer
-            conn.send(("ok", task_id, layout, nbytes, in_slot, time.perf_counter() - started))
+            wire.send(conn, ("ok", task_id, layout, nbytes, in_slot, time.perf_counter() - started))
         except Exception as exc:
             scope.leave()
-            conn.send(_error_reply(task_id, index, exc, time.perf_counter() - started))
+            wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
 
 
 def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: float) -> tuple:
@@ -155,6 +154,3 @@ def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: floa
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return ("err", task_id, index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, busy)
 
-
-if __name__ == "__main__":  # pragma: no cover - workers are started through multiprocess
-    sys.exit("procpipe.worker is started by procpipe.Loader, not run directly")
