@@ -4,7 +4,8 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
-from .errors import CollateError, ProcpipeError, RemoteTraceback, SharedMemoryError, WorkerError
+from .errors import (CollateError, ProcpipeError, RemoteTraceback, SharedMemoryError, TaskTimeoutError,
+                     WorkerError)
 from .loader import Loader
 from .rng import sample_rng
 
@@ -14,6 +15,7 @@ __all__ = [
     "ProcpipeError",
     "RemoteTraceback",
     "SharedMemoryError",
+    "TaskTimeoutError",
     "WorkerError",
     "sample_rng",
 ]

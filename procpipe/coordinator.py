@@ -4,6 +4,7 @@ It owns the slot free list, the task table (which batch is on which worker since
 worker health and the epoch in progress. Its loop is::
 
     apply commands from the consumer (start epoch, cancel, close)
+    watch for stragglers (speculate=...) and stuck workers (task_timeout=...)
     dispatch tasks: one per free slot, at most two per worker (one running, one queued)
     wait (epoll) for: a reply on a worker's pipe, a worker's death, a wake-up byte
     turn replies into batches (views of their slot), pass them through reassembly
@@ -11,16 +12,29 @@ worker health and the epoch in progress. Its loop is::
 
 It sleeps in ``select`` whenever there is nothing to do, so it does not compete with the
 training loop for the GIL.
+
+Fault tolerance. A batch of the epoch is a ``Job``; each time it is sent to a worker is
+an ``Attempt``, with its own ring slot. A job normally has one attempt; it gets another
+when its worker dies (the job is re-run from the start: samples are deterministic from
+``(seed, epoch, index)``, so the result is the same), when it straggles (``speculate``:
+a copy runs on a healthy worker), or when its worker is killed after ``task_timeout``.
+The first attempt to finish delivers the batch; any other is discarded when it replies
+(or dies), and its slot returns to the ring. Reassembly refuses a position twice, so no
+batch is ever delivered twice.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 import queue
 import selectors
 import signal
+import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,18 +42,28 @@ import dill
 import psutil
 
 from . import collate, wire
-from .errors import RemoteTraceback, WorkerError
-from .reassembly import Ordered, Sloppy
-from .shm import Ring, SharedFiles, round_slot_bytes
-from .stats import EpochCounters, WorkerCounters
+from .errors import RemoteTraceback, TaskTimeoutError, WorkerError
+from .reassembly import Ordered, Progress, Sloppy
+from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
+from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 from .worker import worker_main
 
 TASKS_PER_WORKER = 2  # one running, one queued so the worker never waits for the next
 _HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled
+TIMEOUT_ATTEMPTS = 2  # attempts a batch may have at once, or time out on before the epoch fails
+_SPECULATE_MIN_S = 0.02  # never call a batch a straggler before it has run this long
+_SPECULATE_AFTER = 5  # batches that must have finished before their median is trusted
+_DURATIONS_KEPT = 64  # the running median covers this many recent batches
+
+logger = logging.getLogger("procpipe")
 
 
 class EndOfEpoch:
     """Queue marker: every batch of the epoch has been delivered."""
+
+
+class _Empty:
+    """Reassembly item: a batch every sample of which was skipped (``on_error="skip"``)."""
 
 
 @dataclass
@@ -49,69 +73,156 @@ class Failure:
     exc: BaseException
 
 
-@dataclass
-class Task:
-    gen: int  # the Epoch.gen this task belongs to
+@dataclass(eq=False)
+class Job:
+    """One batch of an epoch, and the attempts now running it."""
+
+    gen: int  # the Epoch.gen this job belongs to
     seq: int  # position of the batch in the epoch
     indices: list[int]
-    slot: int = -1  # -1: no slot, arrays come back inline
-    worker: Any = None
-    started: float = 0.0
+    attempts: list[Attempt] = field(default_factory=list)  # live ones (sent, no reply yet)
+    done: bool = False  # an attempt replied; later replies are discarded
+    timeouts: int = 0  # attempts killed after task_timeout
+    slot: int = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One run of a job on one worker, into its own slot (-1: arrays come back inline)."""
+
+    id: int
+    job: Job
+    worker: WorkerHandle
+    slot: int
+    started: float | None  # when the worker began it; None while queued behind another task
+    skipped: list | None = None  # samples the worker left out (on_error="skip")
+
+
+class SkipBudget:
+    """``on_error="skip"`` for one epoch: logs each skip, records it, enforces ``max_skipped``.
+
+    ``max_skipped`` is a count (int) or a fraction of the epoch's samples (float, rounded up).
+    """
+
+    def __init__(self, max_skipped: int | float, batches: list[list[int]], counters: EpochCounters) -> None:
+        if isinstance(max_skipped, float):
+            max_skipped = math.ceil(max_skipped * sum(map(len, batches)))
+        self.limit = max_skipped
+        self.given = max_skipped
+        self.counters = counters
+
+    def add(self, indices: list[int], what: str, error: str) -> bool:
+        """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
+        self.counters.skipped.extend(indices)
+        logger.warning("procpipe skipped %s (epoch %d): %s", what, self.counters.epoch, error)
+        return len(self.counters.skipped) <= self.limit
+
+    def note(self) -> str:
+        return (f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
+                f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
+                f"({self.limit}); this error is raised instead of being skipped.")
 
 
 @dataclass
 class Epoch:
-    """One pass over the data: what is left to do, and the consumer's queue."""
+    """One pass over the data: what is left to do, and the consumer's queue.
+
+    ``done``: positions delivered before a resume (``Loader.load_state_dict``); they are
+    neither loaded nor delivered again.
+    """
 
     gen: int  # unique id of this iteration, distinct from the epoch number
     number: int
     batches: list[list[int]]
     ordered: bool
+    done: frozenset = frozenset()
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     counters: EpochCounters = None  # type: ignore[assignment]
     next_seq: int = 0  # next batch never dispatched yet
-    redo: deque = field(default_factory=deque)  # tasks to dispatch again (their worker died)
+    redo: deque = field(default_factory=deque)  # jobs to dispatch again (their worker died)
     issued: int = 0  # distinct batches dispatched
     consumed: int = 0  # batches the consumer took (written by the consumer thread)
+    dropped: int = 0  # batches that came out empty: every sample skipped (coordinator thread)
     delivered: int = 0
     finished: bool = False
+    skips: SkipBudget | None = None  # set by the coordinator with on_error="skip"
+    on_drop: Callable[[int], None] | None = None  # returns the slot of a job that will not run
+    out_seqs: deque = field(default_factory=deque)  # the position of each batch put in ``out``
+    skipped_seqs: list = field(default_factory=list)  # positions that came out empty
 
     def __post_init__(self) -> None:
-        self.reassembly = Ordered() if self.ordered else Sloppy()
+        if self.done:
+            self.done = frozenset(s for s in self.done if 0 <= s < len(self.batches))
+        self.reassembly = (Ordered if self.ordered else Sloppy)(self.done)
         self.counters = EpochCounters(epoch=self.number)
+        self.progress = Progress(self.done)  # what the consumer has had (consumer thread)
+        self.remaining = len(self.batches) - len(self.done)
+        self._skip_done()
+        if not self.remaining:  # empty source, drop_last with too few samples, or resumed at the end
+            self.finish()
+            self.out.put(EndOfEpoch)
+
+    def _skip_done(self) -> None:
+        while self.next_seq in self.done:
+            self.next_seq += 1
 
     @property
     def has_work(self) -> bool:
         return not self.finished and (bool(self.redo) or self.next_seq < len(self.batches))
 
+    def new_job(self) -> Job:
+        seq = self.next_seq
+        self.next_seq += 1
+        self._skip_done()
+        self.issued += 1
+        return Job(self.gen, seq, self.batches[seq])
+
     def deliver(self, seq: int, item: Any) -> None:
-        for ready in self.reassembly.add(seq, item):
+        for ready_seq, ready in self.reassembly.add(seq, item):
             if self.finished:
                 return
-            self.out.put(ready)
             if isinstance(ready, Failure):
+                self.out.put(ready)
                 self.finish()
                 return
+            if ready is _Empty:
+                self.skipped_seqs.append(ready_seq)
+            else:
+                self.out_seqs.append(ready_seq)  # before the batch, which the consumer may take at once
+                self.out.put(ready)
             self.delivered += 1
-            if self.delivered == len(self.batches):
+            if self.delivered == self.remaining:
                 self.finish()
                 self.out.put(EndOfEpoch)
 
+    def done_seqs(self) -> Progress:
+        """Positions the consumer has had, plus those that came out empty (consumer thread)."""
+        done = Progress(self.progress)
+        for seq in list(self.skipped_seqs):
+            done.add(seq)
+        return done
+
     def finish(self) -> None:
         self.finished = True
-        self.redo.clear()
+        redo, self.redo = self.redo, deque()
+        for job in redo:
+            if job.slot >= 0 and self.on_drop is not None:
+                self.on_drop(job.slot)
         if self.counters.ended is None:
             self.counters.ended = time.perf_counter()
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerHandle:
     index: int
     process: Any
     conn: Any
     counters: WorkerCounters
-    tasks: dict[int, Task] = field(default_factory=dict)
+    tasks: dict[int, Attempt] = field(default_factory=dict)  # in the order the worker runs them
     fatal: str | None = None
+    stalled: bool = False  # its running task is a straggler (speculate): give it no more work
+    doomed: str | None = None  # why the coordinator killed it ("timeout"); None: alive or died by itself
+    dead: bool = False  # died past max_worker_restarts; replaced when the next epoch starts
 
 
 @dataclass
@@ -125,6 +236,10 @@ class EngineConfig:
     max_worker_restarts: int
     worker_env: dict[str, str]
     start_method: str
+    on_error: str = "raise"
+    max_skipped: int | float = 0.01
+    task_timeout: float | None = None
+    speculate: float | None = None
 
 
 class Coordinator:
@@ -136,14 +251,18 @@ class Coordinator:
         self._spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.files = files
         self.max_outstanding = config.prefetch + TASKS_PER_WORKER * config.workers
+        # Speculative attempts need slots of their own, beyond those of the batches in flight.
+        self.spare_slots = config.workers if config.speculate is not None else 0
         self.ring: Ring | None = None
         if config.slot_bytes is not None:
             self._make_ring(config.slot_bytes)
         self.epoch: Epoch | None = None
         self.workers: list[WorkerHandle] = []
         self.worker_counters: list[WorkerCounters] = []
-        self._tasks: dict[int, Task] = {}
-        self._next_task_id = 0
+        self._attempts: dict[int, Attempt] = {}
+        self._next_attempt_id = 0
+        self._durations: deque[float] = deque(maxlen=_DURATIONS_KEPT)  # recent batches' busy time
+        self._watching = config.speculate is not None or config.task_timeout is not None
         self._restarts_this_epoch = 0
         self._broken: BaseException | None = None
         self._overflow_warned = False
@@ -151,6 +270,10 @@ class Coordinator:
         self._closing = False
         self._shut_down = False
         self.starved = False  # read by the consumer: wake me when capacity frees up
+        status_path = files.path("status")
+        create_file(status_path, 16 * config.workers, "the workers' status words")
+        self._status_map = map_file(status_path)
+        self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -179,6 +302,7 @@ class Coordinator:
 
     def consumed_one(self, epoch: Epoch) -> None:
         epoch.consumed += 1
+        epoch.progress.add(epoch.out_seqs.popleft())
         if self.starved:
             self.starved = False
             self.wake()
@@ -234,7 +358,12 @@ class Coordinator:
             w.process.join(1.0)
             w.conn.close()
         self.files.remove_all()
-        for fd in (self._wake_r, self._wake_w):
+        self._status.release()
+        self._status_map.close()  # an mmap holds a file descriptor until closed
+        if self.ring is not None:
+            self.ring.close()
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:  # a late wake() (a batch dropped after close) now fails instead of writing to a reused fd
             try:
                 os.close(fd)
             except OSError:
@@ -258,8 +387,9 @@ class Coordinator:
                 self._apply(*self._commands.popleft())
             if self._closing:
                 return
+            wait = self._watch(time.perf_counter()) if self._watching else _HEALTH_INTERVAL_S
             self._dispatch()
-            for key, _ in self._selector.select(_HEALTH_INTERVAL_S):
+            for key, _ in self._selector.select(wait):
                 if key.data is None:
                     _drain(self._wake_r)
                 else:
@@ -274,8 +404,15 @@ class Coordinator:
         if command == "start":
             if self.epoch is not None:
                 self.epoch.finish()
-            self.epoch = args[0]
+            epoch = self.epoch = args[0]
+            epoch.on_drop = self._release
+            if self.config.on_error == "skip":
+                epoch.skips = SkipBudget(self.config.max_skipped, epoch.batches, epoch.counters)
+            epoch.counters.worker_base = worker_baseline(self.worker_counters)
             self._restarts_this_epoch = 0
+            for i, w in enumerate(self.workers):
+                if w.dead:  # it died past the previous epoch's budget: a fresh start
+                    self.workers[i] = self._start_worker(w.index)
             if self._broken is not None:
                 self._fail(self._broken)
         elif command == "cancel":
@@ -286,52 +423,116 @@ class Coordinator:
             if self.epoch is not None:
                 self.epoch.finish()
 
+    def _idle_worker(self) -> WorkerHandle | None:
+        """The healthy worker with the fewest tasks, if it can take one more."""
+        best = None
+        for w in self.workers:
+            if w.fatal or w.stalled or w.doomed or w.dead or len(w.tasks) >= TASKS_PER_WORKER:
+                continue
+            if best is None or len(w.tasks) < len(best.tasks):
+                best = w
+        return best
+
+    def _take_slot(self, epoch: Epoch) -> int | None:
+        ring = self.ring
+        if ring is None or not ring.free:
+            return None
+        slot = ring.free.popleft()
+        epoch.counters.peak_slots_in_use = max(epoch.counters.peak_slots_in_use, ring.slots - len(ring.free))
+        return slot
+
     def _dispatch(self) -> None:
         epoch = self.epoch
-        if epoch is None or not epoch.has_work:
+        if epoch is None or epoch.finished:
             self.starved = False
             return
         self.starved = True  # published before looking, so a release after the look wakes us
+        if self._watching:
+            self._speculate(epoch)
         while epoch.has_work:
-            worker = min(self.workers, key=lambda w: len(w.tasks), default=None)
-            if worker is None or len(worker.tasks) >= TASKS_PER_WORKER or worker.fatal:
+            worker = self._idle_worker()
+            if worker is None:
                 return
             if epoch.redo:
-                task = epoch.redo.popleft()
+                job = epoch.redo.popleft()
+                slot, job.slot = job.slot, -1
                 epoch.counters.redispatched_tasks += 1
             else:
-                outstanding = epoch.issued - epoch.consumed
+                outstanding = epoch.issued - epoch.consumed - epoch.dropped
                 if outstanding >= self.max_outstanding:
                     return
-                if self.ring is not None and self.ring.free:
-                    slot = self.ring.free.popleft()
-                elif outstanding < len(self.workers):
+                slot = self._take_slot(epoch)
+                if slot is None:
+                    if outstanding >= len(self.workers):
+                        return
                     # No free slot: before the ring exists (the first batches size it), or
                     # when the consumer holds every slot (e.g. list(loader)). Inline keeps
                     # the pipeline moving instead of deadlocking.
                     slot = -1
-                else:
-                    return
-                task = Task(epoch.gen, epoch.next_seq, epoch.batches[epoch.next_seq], slot)
-                epoch.next_seq += 1
-                epoch.issued += 1
-            self._send(worker, task)
+                job = epoch.new_job()
+            self._send(worker, job, slot)
         self.starved = False
 
-    def _send(self, worker: WorkerHandle, task: Task) -> None:
-        task_id = self._next_task_id
-        self._next_task_id += 1
-        task.worker = worker
-        task.started = time.perf_counter()
-        self._tasks[task_id] = task
-        worker.tasks[task_id] = task
+    def _send(self, worker: WorkerHandle, job: Job, slot: int) -> None:
+        attempt = Attempt(self._next_attempt_id, job, worker, slot, None if worker.tasks else time.perf_counter())
+        self._next_attempt_id += 1
+        self._attempts[attempt.id] = attempt
+        worker.tasks[attempt.id] = attempt
+        job.attempts.append(attempt)
         ring = self.ring
-        slot_bytes = ring.slot_bytes if ring is not None and task.slot >= 0 else 0
+        slot_bytes = ring.slot_bytes if ring is not None and slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
         try:
-            wire.send(worker.conn, (task_id, self.epoch.number, task.indices, ring_id, task.slot, slot_bytes))
+            wire.send(worker.conn, (attempt.id, self.epoch.number, job.indices, ring_id, slot, slot_bytes))
         except OSError:
             pass  # the worker is dying; its sentinel fires and the task is redone
+
+    # ---------------------------------------------------------------- stragglers
+    def _watch(self, now: float) -> float:
+        """Mark straggling workers, kill those stuck past task_timeout; seconds until the next look."""
+        timeout = self.config.task_timeout
+        threshold = None
+        if self.config.speculate is not None and len(self._durations) >= _SPECULATE_AFTER:
+            threshold = max(self.config.speculate * statistics.median(self._durations), _SPECULATE_MIN_S)
+        wait = _HEALTH_INTERVAL_S
+        for w in self.workers:
+            if not w.tasks or w.doomed or w.dead:
+                continue
+            head = next(iter(w.tasks.values()))
+            if head.started is None:
+                head.started = now
+            running = now - head.started
+            if timeout is not None:
+                if running >= timeout:
+                    w.doomed = "timeout"
+                    _kill_tree(w.process.pid, wait=False)  # its sentinel fires: _on_exit re-runs its tasks
+                    continue
+                wait = min(wait, timeout - running)
+            if threshold is not None and not w.stalled:
+                if running >= threshold:
+                    w.stalled = True
+                else:
+                    wait = min(wait, threshold - running)
+        return max(wait, 0.001)
+
+    def _speculate(self, epoch: Epoch) -> None:
+        """Give the batches held by straggling workers to healthy ones too; the first result wins."""
+        for w in self.workers:
+            if not w.stalled:
+                continue
+            for attempt in list(w.tasks.values()):
+                job = attempt.job
+                if (job.done or job.gen != epoch.gen or any(_healthy(a.worker) for a in job.attempts)
+                        or len(job.attempts) + job.timeouts >= TIMEOUT_ATTEMPTS):
+                    continue  # done, healthy elsewhere, or already tried as often as a batch may be
+                target = self._idle_worker()
+                if target is None:
+                    return
+                slot = self._take_slot(epoch) if self.ring is not None else -1
+                if slot is None:
+                    return
+                epoch.counters.speculative_tasks += 1
+                self._send(target, job, slot)
 
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:
@@ -346,41 +547,99 @@ class Coordinator:
         if kind == "fatal":
             worker.fatal = message[1]
             return
-        task_id = message[1]
-        task = self._tasks.pop(task_id, None)
-        worker.tasks.pop(task_id, None)
+        if kind == "skip":
+            attempt = self._attempts.get(message[1])
+            if attempt is not None:
+                attempt.skipped = message[2]
+            return
+        attempt = self._attempts.pop(message[1], None)
+        worker.tasks.pop(message[1], None)
         busy = message[-1]
         worker.counters.tasks += 1
         worker.counters.busy_s += busy
-        epoch = self.epoch
-        if task is None or epoch is None or epoch.finished or task.gen != epoch.gen:
-            self._release_unused(task)
+        if self._watching:
+            self._durations.append(busy)
+            worker.stalled = False
+            if worker.tasks:  # the worker starts its queued task now
+                next(iter(worker.tasks.values())).started = time.perf_counter()
+        if attempt is None:
             return
+        job = attempt.job
+        job.attempts.remove(attempt)
+        epoch = self.epoch
+        if job.done or epoch is None or epoch.finished or job.gen != epoch.gen:
+            self._release_unused(attempt.slot)  # a lost race, or a cancelled epoch
+            return
+        job.done = True
         if kind == "ok":
             _, _, layout, nbytes, in_slot, _ = message
+            if attempt.skipped and not self._skip(epoch, job, worker, attempt.skipped, None):
+                self._release_unused(attempt.slot)
+                return
+            if layout is None:  # every sample was skipped
+                self._release_unused(attempt.slot)
+                epoch.dropped += 1
+                epoch.deliver(job.seq, _Empty)
+                return
             if self.ring is None:
                 self._make_ring_or_fail(nbytes)
             counters = epoch.counters
             if in_slot:
-                batch = collate.build(layout, self.ring.lease(task.slot, self._release))
+                batch = collate.build(layout, self.ring.lease(attempt.slot, self._release))
                 counters.bytes_in_slots += nbytes
             else:
-                self._release_unused(task)
+                self._release_unused(attempt.slot)
                 batch = collate.build(layout, None)
                 counters.bytes_inline += nbytes
-                if task.slot >= 0:
+                if attempt.slot >= 0:
                     counters.overflow_batches += 1
                     self._warn_overflow(nbytes)
             counters.batches += 1
-            counters.samples += len(task.indices)
-            epoch.deliver(task.seq, batch)
+            counters.samples += len(job.indices) - len(attempt.skipped or ())
+            counters.array_bytes += array_bytes(layout)
+            epoch.deliver(job.seq, batch)
         else:
-            self._release_unused(task)
-            epoch.deliver(task.seq, Failure(_rebuild_error(message, worker, task, epoch.number)))
+            self._release_unused(attempt.slot)
+            error = message[2:7]
+            if epoch.skips is None:
+                epoch.deliver(job.seq, Failure(_rebuild_error(error, worker, job, epoch.number)))
+            elif self._skip(epoch, job, worker, attempt.skipped or [], error):
+                epoch.dropped += 1
+                epoch.deliver(job.seq, _Empty)
 
-    def _release_unused(self, task: Task | None) -> None:
-        if task is not None and task.slot >= 0:
-            self._release(task.slot)
+    def _skip(self, epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tuple], batch_error: tuple | None) -> bool:
+        """on_error="skip": log and count what the batch left out; past the budget, fail the epoch.
+
+        ``samples``: ``(index, ...)`` of each sample the worker left out; ``batch_error``: why
+        the rest of the batch failed (collation), or None. Returns False if the epoch failed.
+        """
+        skips = epoch.skips
+        within = True
+        for info in samples:
+            within = skips.add([info[0]], f"index {info[0]} (batch {job.seq}, worker {worker.index})",
+                               f"{info[2]}: {info[3]}")
+            logger.debug("procpipe: the worker's traceback for index %s:\n%s", info[0], info[4])
+            if not within:
+                error = info
+                break
+        if within and batch_error is not None:
+            left = {info[0] for info in samples}
+            rest = [i for i in job.indices if i not in left]
+            where = "collating it" if batch_error[0] is None else f"loading index {batch_error[0]}"
+            within = skips.add(rest, f"batch {job.seq} (indices {rest}, worker {worker.index})",
+                               f"{where} failed: {batch_error[2]}: {batch_error[3]}")
+            logger.debug("procpipe: the worker's traceback for batch %s:\n%s", job.seq, batch_error[4])
+            error = batch_error
+        if within:
+            return True
+        exc = _rebuild_error(error, worker, job, epoch.number)
+        exc.add_note(skips.note())
+        epoch.deliver(job.seq, Failure(exc))
+        return False
+
+    def _release_unused(self, slot: int) -> None:
+        if slot >= 0:
+            self._release(slot)
 
     def _release(self, slot: int) -> None:
         """Return a slot to the ring (runs in whichever thread drops a batch's last view)."""
@@ -392,7 +651,7 @@ class Coordinator:
                 self.wake()
 
     def _make_ring(self, slot_bytes: int) -> None:
-        slots = self.max_outstanding + 1  # + the batch the consumer is working on
+        slots = self.max_outstanding + 1 + self.spare_slots  # + the batch the consumer is working on
         self.ring = Ring(self.files, 0, slots, round_slot_bytes(slot_bytes))
 
     def _make_ring_or_fail(self, nbytes: int) -> None:
@@ -423,6 +682,7 @@ class Coordinator:
 
     # ---------------------------------------------------------------- health
     def _on_exit(self, worker: WorkerHandle) -> None:
+        """A worker died (or was killed): re-run what it held, and replace it."""
         self._selector.unregister(worker.process.sentinel)
         try:
             self._selector.unregister(worker.conn.fileno())
@@ -431,17 +691,39 @@ class Coordinator:
         self._on_readable_quietly(worker)
         worker.process.join(0.1)
         worker.conn.close()
-        lost = sorted(worker.tasks.values(), key=lambda t: t.seq)
-        for task_id in list(worker.tasks):
-            self._tasks.pop(task_id, None)
+        lost = list(worker.tasks.values())
+        for attempt in lost:
+            self._attempts.pop(attempt.id, None)
         worker.tasks.clear()
         if self._closing:
             return
+        stuck_on = self._stuck_index(worker, lost)
         epoch = self.epoch
+        live = epoch is not None and not epoch.finished
         if epoch is not None:
             epoch.counters.worker_deaths += 1
-            if not epoch.finished:
-                epoch.redo.extendleft(reversed(lost))
+        redo, timed_out = [], None
+        for attempt in lost:
+            job = attempt.job
+            job.attempts.remove(attempt)
+            if job.done or not live or job.gen != epoch.gen:
+                self._release_unused(attempt.slot)  # finished elsewhere, or a stale epoch's
+                continue
+            if worker.doomed == "timeout" and attempt is lost[0]:
+                job.timeouts += 1
+                epoch.counters.timed_out_tasks += 1
+            if job.attempts:
+                self._release_unused(attempt.slot)  # still running elsewhere (speculation)
+                continue
+            if job.timeouts >= TIMEOUT_ATTEMPTS:
+                timed_out = job
+            job.slot = attempt.slot
+            redo.append(job)
+        if redo:
+            epoch.redo.extendleft(sorted(redo, key=lambda j: j.seq, reverse=True))
+        if timed_out is not None:
+            self._fail(TaskTimeoutError(_timeout_message(timed_out, stuck_on, self.config.task_timeout, epoch.number),
+                                        stuck_on))
         if worker.fatal is not None:
             exc = WorkerError(
                 f"procpipe worker {worker.index} could not start: loading the dataset, fn or collate_fn "
@@ -450,12 +732,21 @@ class Coordinator:
             self._broken = exc
             self._fail(exc)
             return
-        if self._restarts_this_epoch >= self.config.max_worker_restarts:
-            self._fail(WorkerError(_death_message(worker, lost, self.config.max_worker_restarts)))
-            return
-        self._restarts_this_epoch += 1
+        if worker.doomed is None:  # it died by itself: that counts against the budget
+            if self._restarts_this_epoch >= self.config.max_worker_restarts:
+                self._fail(WorkerError(_death_message(worker, lost, stuck_on, self.config.max_worker_restarts)))
+                worker.dead = True  # no restart (a crash loop must not spin between epochs)
+                return
+            self._restarts_this_epoch += 1
         worker.counters.restarts += 1
         self.workers[self.workers.index(worker)] = self._start_worker(worker.index)
+
+    def _stuck_index(self, worker: WorkerHandle, lost: list[Attempt]) -> int | None:
+        """The index a dead worker was loading when it died, if known (-1: it was collating)."""
+        if not lost:
+            return None
+        task_id, index = self._status[2 * worker.index], self._status[2 * worker.index + 1]
+        return index if task_id == lost[0].id else None
 
     def _on_readable_quietly(self, worker: WorkerHandle) -> None:
         """Read replies a worker sent before it died, so finished work is not redone."""
@@ -467,12 +758,18 @@ class Coordinator:
 
     def _sample_health(self) -> None:
         for w in self.workers:
+            if w.dead:
+                continue
             try:
                 rss = psutil.Process(w.process.pid).memory_info().rss
             except (psutil.Error, TypeError):
                 continue
             w.counters.rss_bytes = rss
             w.counters.peak_rss_bytes = max(w.counters.peak_rss_bytes, rss)
+
+
+def _healthy(worker: WorkerHandle) -> bool:
+    return not (worker.stalled or worker.doomed or worker.dead)
 
 
 def _drain(fd: int) -> None:
@@ -483,8 +780,8 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a worker and anything it started."""
+def _kill_tree(pid: int, wait: bool = True) -> None:
+    """SIGKILL a worker and anything it started (``wait``: until they are gone, 1 s at most)."""
     try:
         root = psutil.Process(pid)
         procs = root.children(recursive=True) + [root]
@@ -495,12 +792,16 @@ def _kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=1.0)
+    if wait:
+        psutil.wait_procs(procs, timeout=1.0)
 
 
-def _rebuild_error(message: tuple, worker: WorkerHandle, task: Task, epoch: int) -> BaseException:
-    """The worker's exception, with its original type when it unpickles, plus where it happened."""
-    _, _, index, exc_bytes, type_name, text, tb, _ = message
+def _rebuild_error(error: tuple, worker: WorkerHandle, job: Job, epoch: int) -> BaseException:
+    """The worker's exception, with its original type when it unpickles, plus where it happened.
+
+    ``error``: ``(index, exc_bytes, type_name, message, traceback)`` as the worker sent it.
+    """
+    index, exc_bytes, type_name, text, tb = error
     exc: BaseException | None = None
     if exc_bytes is not None:
         try:
@@ -510,14 +811,29 @@ def _rebuild_error(message: tuple, worker: WorkerHandle, task: Task, epoch: int)
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{type_name}: {text}")
     where = (f"while loading index {index}" if index is not None
-             else f"while collating indices {task.indices}")
-    exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {task.seq}); "
+             else f"while collating indices {job.indices}")
+    exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
                  "the worker's traceback is shown above.")
     exc.__cause__ = RemoteTraceback(tb)
     return exc
 
 
-def _death_message(worker: WorkerHandle, lost: list[Task], budget: int) -> str:
+def _where(index: int | None) -> str:
+    if index is None:
+        return ""
+    return " while collating its batch" if index < 0 else f" while loading index {index}"
+
+
+def _timeout_message(job: Job, index: int | None, timeout: float | None, epoch: int) -> str:
+    stuck = f"index {index}" if index is not None and index >= 0 else (
+        "collating the batch" if index is not None else "an unknown sample")
+    return (f"procpipe: batch {job.seq} of epoch {epoch} (indices {job.indices}) was still running after "
+            f"task_timeout={timeout} s on each of its {job.timeouts} attempts; the worker was stuck on {stuck}. "
+            "Each stuck worker was killed and replaced. Fix what blocks that sample (a hung read, a lock, "
+            "an endless loop in fn), or raise task_timeout if it legitimately takes that long.")
+
+
+def _death_message(worker: WorkerHandle, lost: list[Attempt], index: int | None, budget: int) -> str:
     code = worker.process.exitcode
     if code is not None and code < 0:
         try:
@@ -526,7 +842,7 @@ def _death_message(worker: WorkerHandle, lost: list[Task], budget: int) -> str:
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with code {code}"
-    indices = [i for t in lost for i in t.indices]
+    indices = [i for a in lost for i in a.job.indices]
     rss = worker.counters.rss_bytes
     if code == -signal.SIGKILL:
         cause = (f"SIGKILL usually means the out-of-memory killer (the worker's last RSS was "
@@ -536,6 +852,6 @@ def _death_message(worker: WorkerHandle, lost: list[Task], budget: int) -> str:
         cause = "a crash in native code (a C extension used by the dataset or fn)"
     else:
         cause = "user code ended the process (os._exit, sys.exit, or a library calling exit)"
-    return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how} while holding indices {indices}; "
-            f"workers have already been restarted {budget} times this epoch (max_worker_restarts={budget}). "
-            f"Likely cause: {cause}.")
+    return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how}{_where(index)}, holding indices "
+            f"{indices}; workers have already been restarted {budget} times this epoch "
+            f"(max_worker_restarts={budget}). Likely cause: {cause}.")

@@ -27,6 +27,14 @@ class WorkerError(ProcpipeError):
     """
 
 
+class TaskTimeoutError(ProcpipeError, TimeoutError):
+    """A batch was still running after ``task_timeout`` seconds on every attempt."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index  # the sample the worker was stuck on (None: while collating)
+
+
 class RemoteTraceback(Exception):
     """Carries a worker's formatted traceback; set as ``__cause__`` of re-raised errors."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import sys
 import time
 import traceback
 import weakref
@@ -19,12 +20,13 @@ from typing import Any
 import multiprocess
 
 from . import collate
-from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, Failure
+from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, Failure, SkipBudget
 from .errors import RemoteTraceback
+from .reassembly import Progress
 from .rng import SampleScope
-from .sampler import Sampler
+from .sampler import ExplicitBatches, Sampler
 from .shm import SharedFiles, check_capacity, create_file
-from .stats import EpochCounters
+from .stats import EpochCounters, array_bytes
 from .worker import WorkerSpec, dump_spec
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -55,6 +57,36 @@ class Loader:
         max_worker_restarts: worker deaths tolerated per epoch before the epoch fails.
         worker_env: environment variables set in each worker (by default, one thread
             per math library).
+        batches: optional ``batches(epoch) -> list of index lists``, called once per epoch
+            in the calling process, replacing the built-in order (``shuffle`` and
+            ``drop_last`` must then stay off). Each inner list is one batch, any size;
+            with ``batch_size=None`` every list must hold one index. A ``len()`` on the
+            callable, if it has one, is the loader's ``len()``. ``procpipe.torch.DataLoader``
+            uses it to follow a torch sampler.
+        shard: ``(rank, world_size)`` for data-parallel training: each rank gets a disjoint,
+            equal-length part of every epoch's order, like ``DistributedSampler``: the
+            order is padded by repeating its first indices up to a multiple of
+            ``world_size``, then rank ``r`` takes positions ``r, r + world_size, ...``.
+            Use the same ``seed`` on every rank.
+        device: ``None`` yields numpy batches; ``"cpu"`` yields torch tensors sharing memory
+            with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
+            copied by a background thread through pinned memory on its own CUDA stream.
+            Needs torch (imported only when ``device`` is given); see ``procpipe.torch``.
+        on_error: ``"raise"`` (default): an exception in ``fn``/``__getitem__``/``collate_fn``
+            ends the epoch with that exception. ``"skip"``: a failing sample is left out of
+            its batch (the batch is smaller); a batch whose collation fails is left out
+            whole. Each skip is logged (logger ``"procpipe"``, with index and exception)
+            and listed in ``stats()["skipped"]``.
+        max_skipped: with ``on_error="skip"``, the most samples an epoch may skip: an int
+            (a count) or a float (a fraction of the epoch's samples, rounded up); past
+            it, the exception that overflowed is raised. Default 0.01 (1 %).
+        task_timeout: seconds a batch may run on a worker; a worker stuck longer is killed
+            and replaced and the batch re-run; a batch stuck on every attempt (2) raises
+            ``TaskTimeoutError`` naming the sample. ``None`` (default): no limit.
+        speculate: a batch running longer than ``speculate`` times the median batch time
+            (and at least 20 ms) is also given to a healthy worker; the first result wins
+            and no batch is delivered twice. ``None`` (default) disables it. Adds
+            ``workers`` ring slots.
 
     Use it as a context manager, or call ``close()``; an unclosed loader is cleaned up
     when it is garbage collected or when the interpreter exits.
@@ -78,11 +110,29 @@ class Loader:
         slot_bytes: int | None = None,
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
+        batches: Callable[[int], Any] | None = None,
+        shard: tuple[int, int] | None = None,
+        device: Any = None,
+        on_error: str = "raise",
+        max_skipped: int | float = 0.01,
+        task_timeout: float | None = None,
+        speculate: float | None = None,
     ) -> None:
         _validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
-                  slot_bytes, max_worker_restarts)
-        self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last))
+                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
+                  drop_last=drop_last, on_error=on_error, max_skipped=max_skipped,
+                  task_timeout=task_timeout, speculate=speculate)
+        if batches is None:
+            self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
+                                    None if shard is None else tuple(shard))
+        else:
+            self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
+        # Checked before any worker starts; imports torch only when a device is asked for.
+        self._device_stage = None if device is None else _device_stage(device, prefetch)
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed))
+        self._spec.skip = on_error == "skip"
+        self._max_skipped = max_skipped
+        self._resume: tuple[int, frozenset] | None = None  # (epoch, positions done) from load_state_dict
         self._workers = workers
         self._ordered = bool(ordered)
         self._epoch = 0
@@ -93,7 +143,9 @@ class Loader:
         if workers > 0:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
-            config = EngineConfig(workers, self._ordered, prefetch, slot_bytes, max_worker_restarts, env, start_method)
+            config = EngineConfig(workers, self._ordered, prefetch, slot_bytes, max_worker_restarts, env, start_method,
+                                  on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
+                                  speculate=speculate)
             files = SharedFiles(shm_dir)
             try:
                 ctx = _context(start_method, env)
@@ -117,11 +169,15 @@ class Loader:
             self._active.cancel("a new iteration over the loader started")
         epoch = self._epoch
         self._epoch += 1
+        resume, self._resume = self._resume, None
+        done = resume[1] if resume is not None and resume[0] == epoch else frozenset()
         if self._coordinator is None:
-            it: _EpochIterator = _InlineIterator(self, epoch)
+            it: _EpochIterator = _InlineIterator(self, epoch, done)
         else:
-            it = _EpochIterator(self, epoch)
+            it = _EpochIterator(self, epoch, done)
         self._active = it
+        if self._device_stage is not None:
+            return self._device_stage(it)
         return it
 
     @property
@@ -134,6 +190,55 @@ class Loader:
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         self._epoch = epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands, to resume exactly there: a small JSON-serializable dict.
+
+        Taken after some batches of an epoch were returned (``ordered`` or not), and
+        loaded with ``load_state_dict`` into a loader over the same data (same length,
+        ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``; any ``workers``),
+        the next ``iter()`` yields exactly the batches of that epoch not returned yet, and
+        later epochs are those of an uninterrupted run. Batches still in the prefetch
+        queue were not returned, so they are loaded again. Keys: ``epoch`` (to resume),
+        ``done_below`` (every batch position below it was returned), ``done`` (positions
+        returned beyond that, out of order), plus the sampler's settings, checked on load.
+        """
+        epoch, done = self._epoch, Progress()
+        active = self._active
+        if self._resume is not None and self._resume[0] == epoch:
+            done = Progress(self._resume[1])
+        elif active is not None and active.number + 1 == epoch:
+            returned = active.done_seqs()
+            if len(returned) < active.batch_count:
+                epoch, done = active.number, returned
+        return {"version": 1, "epoch": epoch, "done_below": done.below, "done": sorted(done.beyond),
+                **_sampler_state(self._sampler)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next ``iter()`` continues that epoch where it stood.
+
+        An epoch in progress on this loader is ended. Raises ``ValueError`` if the state
+        comes from a loader over different data (length, batch_size, shuffle, seed,
+        drop_last, shard).
+        """
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
+        for key, mine in _sampler_state(self._sampler).items():
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
+                    f"{key}={mine!r}; resuming needs the same data and sampler settings "
+                    "(length, batch_size, shuffle, seed, drop_last, shard)."
+                )
+        epoch, below, beyond = state.get("epoch"), state.get("done_below"), state.get("done")
+        if (not isinstance(epoch, int) or epoch < 0 or not isinstance(below, int) or below < 0
+                or not isinstance(beyond, list) or not all(isinstance(s, int) and s > below for s in beyond)):
+            raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}, done_below={below!r}, done={beyond!r:.200}")
+        if self._active is not None:
+            self._active.cancel("load_state_dict() was called")
+            self._active = None
+        self._epoch = epoch
+        self._resume = (epoch, frozenset(itertools.chain(range(below), beyond)))
 
     def close(self) -> None:
         """End every worker and remove every shared-memory file. Safe to call twice.
@@ -164,6 +269,72 @@ class Loader:
         """Path prefix of every shared-memory file this loader creates."""
         return None if self._coordinator is None else self._coordinator.files.prefix
 
+    def stats(self) -> dict[str, Any]:
+        """Statistics of the current epoch, or of the last one once it ended: a plain dict.
+
+        The counters are always on (a few additions per batch); this call only reads
+        them. Every figure covers one epoch, from ``iter(loader)`` to the end of that
+        iteration, except ``tasks_total``, ``restarts`` and the memory figures of
+        ``per_worker``, which cover the loader's whole life.
+
+        Keys:
+            epoch: the epoch number (``None`` before the first ``iter(loader)``).
+            running: True while the epoch's iterator is live (not exhausted, failed or
+                cancelled by a new ``iter()`` or ``close()``).
+            workers: worker processes configured (0: everything runs in ``next()``).
+            wall_s: seconds since ``iter(loader)``, up to the end of the iteration.
+            batches, samples: batches and samples loaded and handed over by the engine
+                this epoch (ready for, or already returned by, ``next()``).
+            batches_consumed: batches ``next()`` has returned so far.
+            batches_per_s, samples_per_s: ``batches`` and ``samples`` over ``wall_s``.
+            wait_s: seconds the consumer spent inside ``next()`` waiting for a batch
+                (with ``workers=0``, producing it: the whole cost of loading).
+            wait_fraction: ``wait_s / wall_s`` in [0, 1]: how input-bound the training
+                loop is ("input-bound %" is 100 times this). Near 0: the pipeline keeps up.
+            bytes: bytes of array data delivered: the sum of ``.nbytes`` of every numpy
+                array of every batch (objects that are not arrays are not counted).
+            bytes_per_s: ``bytes / wall_s``.
+            bytes_in_slots: bytes the workers wrote into ring slots (each array padded
+                to 64 bytes).
+            bytes_inline: bytes that came through the workers' pipes instead (batches
+                before the ring existed, and overflows); 0 with ``workers=0``.
+            overflow_batches: batches larger than their slot, delivered on the slower
+                inline path (pass a larger ``slot_bytes`` if this is not 0).
+            redispatched_tasks: batches loaded again because their worker died.
+            worker_deaths: workers that died this epoch.
+            skipped: indices left out this epoch by ``on_error="skip"``, in the order met.
+            speculative_tasks: extra attempts given to straggling batches (``speculate``).
+            timed_out_tasks: attempts killed after ``task_timeout``.
+            ring_slots, ring_slot_bytes: the ring's size (0 before the first batch sized
+                it, and with ``workers=0``).
+            ring_slots_in_use: slots now being filled, queued or held by live batches.
+            ring_peak_slots_in_use: the most slots in use at once this epoch.
+            ring_occupancy, ring_peak_occupancy: the two above as fractions of ``ring_slots``.
+            worker_busy_fraction: mean over workers of ``per_worker[i]["busy_fraction"]``.
+            worker_tasks: sum of ``per_worker[i]["tasks"]``.
+            worker_peak_rss_bytes: the largest ``peak_rss_bytes`` of any worker.
+            per_worker: one dict per worker (empty with ``workers=0``):
+                index, pid; tasks (batches done this epoch); busy_s (seconds spent
+                loading and collating this epoch); busy_fraction (``busy_s / wall_s``, in
+                [0, 1]); tasks_total (since the loader started); restarts; rss_bytes
+                and peak_rss_bytes (resident memory, sampled by psutil every 0.5 s;
+                it includes the ring pages the worker has touched).
+        """
+        from .stats import snapshot
+
+        active = self._active
+        running = active is not None and not active._done
+        coordinator = self._coordinator
+        if coordinator is None:
+            return snapshot(self._last_counters, workers=0, running=running, consumed=None)
+        epoch = getattr(active, "_epoch", None)
+        return snapshot(
+            self._last_counters, workers=self._workers, running=running,
+            consumed=epoch.consumed if epoch is not None else None, ring=coordinator.ring,
+            worker_counters=coordinator.worker_counters,
+            pids=[w.process.pid for w in list(coordinator.workers)],
+        )
+
 
 def _close_engine(coordinator: Coordinator | None) -> None:
     if coordinator is not None:
@@ -173,10 +344,12 @@ def _close_engine(coordinator: Coordinator | None) -> None:
 class _EpochIterator:
     """One epoch from the workers: reads the epoch's queue, filled by the coordinator."""
 
-    def __init__(self, loader: Loader, number: int) -> None:
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset()) -> None:
         self._loader = loader
         self._coordinator = loader._coordinator
-        self._epoch = Epoch(next(_generations), number, loader._sampler.batches(number), loader._ordered)
+        self.number = number
+        self._epoch = Epoch(next(_generations), number, loader._sampler.batches(number), loader._ordered, done)
+        self.batch_count = len(self._epoch.batches)
         self._done = False
         self._cancelled: str | None = None
         loader._last_counters = self._epoch.counters
@@ -196,6 +369,7 @@ class _EpochIterator:
         epoch.counters.wait_s += time.perf_counter() - started
         if item is EndOfEpoch:
             self._done = True
+            epoch.counters.ended = time.perf_counter()  # the consumer's end of the epoch (stats)
             raise StopIteration
         if isinstance(item, Failure):
             self._done = True
@@ -212,11 +386,16 @@ class _EpochIterator:
                 if not self._coordinator.is_alive():
                     return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
+    def done_seqs(self) -> Progress:
+        """Batch positions of this epoch the consumer has had (for ``Loader.state_dict``)."""
+        return self._epoch.done_seqs()
+
     def cancel(self, why: str) -> None:
         if not self._done:
             self._done = True
             self._cancelled = why
             self._coordinator.submit("cancel", self._epoch.gen)
+            self._epoch.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
@@ -226,48 +405,86 @@ class _EpochIterator:
 class _InlineIterator(_EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, loader: Loader, number: int) -> None:
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset()) -> None:
         self._loader = loader
         self._coordinator = None
-        self._number = number
-        self._batches = iter(loader._sampler.batches(number))
+        self._number = self.number = number
+        batches = loader._sampler.batches(number)
+        self.batch_count = len(batches)
+        self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
+        self._progress = Progress(done)
         self._scope = SampleScope(loader._spec.seed)
         self._done = False
         self._cancelled = None
         self._counters = loader._last_counters = EpochCounters(epoch=number)
+        self._skips = SkipBudget(loader._max_skipped, batches, self._counters) if loader._spec.skip else None
 
     def __next__(self) -> Any:
         if self._done:
             return super().__next__()
-        indices = next(self._batches, None)
-        if indices is None:
-            self._done = True
-            self._counters.ended = time.perf_counter()
-            raise StopIteration
-        spec, index = self._loader._spec, None
+        started = time.perf_counter()
+        while True:
+            item = next(self._batches, None)
+            if item is None:
+                self._done = True
+                self._counters.ended = time.perf_counter()
+                raise StopIteration
+            seq, indices = item
+            try:
+                layout, kept = self._load(seq, indices)
+            except Exception:
+                self._done = True
+                raise
+            self._progress.add(seq)
+            if layout is not None:  # None: on_error="skip" left out every sample of the batch
+                break
+        counters = self._counters
+        counters.batches += 1
+        counters.samples += len(kept)
+        counters.array_bytes += array_bytes(layout)
+        batch = collate.build(layout, None)
+        counters.wait_s += time.perf_counter() - started
+        return batch
+
+    def _load(self, seq: int, indices: list[int]) -> tuple[Any, list[int]]:
+        """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
+        spec, scope, skips, index = self._loader._spec, self._scope, self._skips, None
+        samples, kept = [], []
         try:
-            samples = []
             for index in indices:
-                self._scope.enter(self._number, index)
-                sample = spec.source[index]
-                samples.append(sample if spec.fn is None else spec.fn(sample))
-            self._scope.leave()
+                scope.enter(self._number, index)
+                try:
+                    sample = spec.source[index]
+                    samples.append(sample if spec.fn is None else spec.fn(sample))
+                except Exception as exc:
+                    if skips is None or not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
+                        raise
+                    continue
+                kept.append(index)
+            scope.leave()
             index = None
+            if not samples:
+                return None, kept
             if not spec.batched:
                 layout = collate.layout_value(samples[0], None, 0)[0]
             elif spec.collate_fn is not None:
                 layout = collate.layout_value(spec.collate_fn(samples), None, 0)[0]
             else:
-                layout = collate.layout_batch(samples, indices, None, 0)[0]
+                layout = collate.layout_batch(samples, kept, None, 0)[0]
+            return layout, kept
         except Exception as exc:
-            self._scope.leave()
-            self._done = True
-            where = f"while loading index {index}" if index is not None else f"while collating indices {indices}"
+            scope.leave()
+            if skips is not None:
+                if index is None and skips.add(kept, f"batch {seq} (indices {kept})",
+                                               f"collating it failed: {_describe(exc)}"):
+                    return None, kept
+                exc.add_note(skips.note())
+            where = f"while loading index {index}" if index is not None else f"while collating indices {kept}"
             exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
-        self._counters.batches += 1
-        self._counters.samples += len(indices)
-        return collate.build(layout, None)
+
+    def done_seqs(self) -> Progress:
+        return self._progress
 
     def cancel(self, why: str) -> None:
         self._done = True
@@ -280,13 +497,14 @@ def _context(start_method: str, env: dict[str, str]) -> Any:
     """The multiprocess context; a forkserver preloads procpipe and the main module once."""
     ctx = multiprocess.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["__main__", "procpipe.worker"])
+        ctx.set_forkserver_preload(["procpipe.preload"])
         # The forkserver process inherits the environment when it starts: start it with
         # the workers' settings so libraries it preloads (numpy's BLAS) see them.
         from multiprocess import forkserver
 
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        server_env = dict(env, PROCPIPE_PRELOAD=",".join(_imported_packages()))
+        saved = {k: os.environ.get(k) for k in server_env}
+        os.environ.update(server_env)
         try:
             forkserver.ensure_running()
         finally:
@@ -296,6 +514,22 @@ def _context(start_method: str, env: dict[str, str]) -> Any:
                 else:
                     os.environ[k] = v
     return ctx
+
+
+def _imported_packages() -> list[str]:
+    """Third-party packages the parent has imported, for the forkserver to preload.
+
+    Every worker imports the main module again (the spawn-style start), and with it
+    whatever it imports: torch alone takes about a second. Preloading those packages
+    once in the forkserver makes each worker start in milliseconds. (CPython's own
+    ``"__main__"`` preload does not take effect: it never receives the main path.)
+    """
+    stdlib = set(sys.stdlib_module_names) | set(sys.builtin_module_names)
+    return sorted(
+        name for name, module in list(sys.modules.items())
+        if "." not in name and not name.startswith("_") and name not in stdlib
+        and getattr(module, "__spec__", None) is not None and name != "procpipe"
+    )
 
 
 def _ship_spec(spec: WorkerSpec, files: SharedFiles) -> str:
@@ -317,8 +551,43 @@ def _ship_spec(spec: WorkerSpec, files: SharedFiles) -> str:
     return path
 
 
+def _device_stage(device: Any, prefetch: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    from . import torch as adapter  # lazy: plain ``import procpipe`` never imports torch
+
+    return adapter.device_stage(device, prefetch)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+
+
+def _sampler_state(sampler: Any) -> dict[str, Any]:
+    """The sampler settings a saved state must match to be resumed."""
+    shard = getattr(sampler, "shard", None)
+    return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
+            "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
+            "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard)}
+
+
 def _validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,
-              start_method: Any, shm_dir: Any, slot_bytes: Any, max_worker_restarts: Any) -> None:
+              start_method: Any, shm_dir: Any, slot_bytes: Any, max_worker_restarts: Any, *,
+              batches: Any = None, shard: Any = None, shuffle: Any = False, drop_last: Any = False,
+              on_error: Any = "raise", max_skipped: Any = 0.01, task_timeout: Any = None,
+              speculate: Any = None) -> None:
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if isinstance(max_skipped, bool) or not (
+            (isinstance(max_skipped, int) and max_skipped >= 0)
+            or (isinstance(max_skipped, float) and 0.0 <= max_skipped <= 1.0)):
+        raise ValueError(f"max_skipped must be an int >= 0 (a count) or a float in [0, 1] (a fraction of the "
+                         f"epoch's samples), got {max_skipped!r}")
+    if task_timeout is not None and (isinstance(task_timeout, bool) or not isinstance(task_timeout, (int, float))
+                                     or not task_timeout > 0):
+        raise ValueError(f"task_timeout must be None or a number of seconds > 0, got {task_timeout!r}")
+    if speculate is not None and (isinstance(speculate, bool) or not isinstance(speculate, (int, float))
+                                  or not speculate >= 1):
+        raise ValueError(f"speculate must be None or a number >= 1 (a multiple of the median batch time), "
+                         f"got {speculate!r}")
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(
             f"source must support len() and indexing with an int (a list, a numpy array, a torch Dataset...); "
@@ -340,6 +609,19 @@ def _validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
         raise ValueError(f"shm_dir={shm_dir!r} is not a writable directory; pass a directory procpipe can create files in")
+    if batches is not None:
+        if not callable(batches):
+            raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")
+        if shuffle or drop_last or shard is not None:
+            raise ValueError(
+                "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "
+                "(leave them at their defaults and shuffle, drop or shard inside the callable)"
+            )
+    if shard is not None:
+        if (not isinstance(shard, (tuple, list)) or len(shard) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+                or not (shard[1] >= 1 and 0 <= shard[0] < shard[1])):
+            raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:

@@ -2,10 +2,17 @@
 
 The order depends only on ``(seed, epoch)``; batches are consecutive slices of it. This
 is the single source of truth for both the worker path and the ``workers=0`` path.
+
+Anything with ``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for
+``Sampler``: ``ExplicitBatches`` wraps a caller's ``batches=`` callable (used by
+``procpipe.torch.DataLoader`` to follow a torch sampler).
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +24,11 @@ class Sampler:
     """Splits ``range(length)`` into the batches of each epoch.
 
     ``batch_size=None`` means one sample per batch (yielded unbatched).
+    ``shard=(rank, world_size)`` keeps this rank's part of every epoch's order, as
+    ``torch.utils.data.DistributedSampler`` does: the order is padded by repeating its
+    first indices to a multiple of ``world_size``, then rank ``r`` takes positions
+    ``r, r + world_size, ...``. Every rank has the same length; together they see
+    every index once per epoch (plus the padding).
     """
 
     length: int
@@ -24,23 +36,85 @@ class Sampler:
     shuffle: bool
     seed: int
     drop_last: bool
+    shard: tuple[int, int] | None = None
 
     @property
     def step(self) -> int:
         return 1 if self.batch_size is None else self.batch_size
 
+    @property
+    def count(self) -> int:
+        """Samples in one epoch (this rank's share when sharded)."""
+        if self.shard is None:
+            return self.length
+        return -(-self.length // self.shard[1])
+
     def __len__(self) -> int:
         if self.drop_last:
-            return self.length // self.step
-        return -(-self.length // self.step)
+            return self.count // self.step
+        return -(-self.count // self.step)
 
     def order(self, epoch: int) -> np.ndarray:
         if self.shuffle:
-            return shuffle_rng(self.seed, epoch).permutation(self.length)
-        return np.arange(self.length)
+            order = shuffle_rng(self.seed, epoch).permutation(self.length)
+        else:
+            order = np.arange(self.length)
+        if self.shard is not None:
+            rank, world = self.shard
+            order = np.resize(order, self.count * world)[rank::world]  # resize pads by repeating
+        return order
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of ``epoch``, in delivery order."""
         order = self.order(epoch).tolist()
         step = self.step
         return [order[i * step:(i + 1) * step] for i in range(len(self))]
+
+
+class ExplicitBatches:
+    """The batches of each epoch come from the caller: ``batches(epoch) -> list of index lists``.
+
+    Called once per epoch in the consumer's process. Indices may be any integer type
+    (``int``, numpy integers, 0-d integer tensors); they are checked against the source's
+    length so a bad index fails here, with the culprit named, not in a worker.
+    """
+
+    def __init__(self, fn: Callable[[int], Any], length: int, unbatched: bool) -> None:
+        self.fn = fn
+        self.length = length
+        self.unbatched = unbatched
+
+    def __len__(self) -> int:
+        try:
+            return len(self.fn)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                "this Loader takes its batches from a batches= callable without __len__, so its "
+                "length is unknown; give the callable a __len__ returning the batches per epoch"
+            ) from None
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        length, out = self.length, []
+        for position, batch in enumerate(self.fn(epoch)):
+            try:
+                indices = [operator.index(i) for i in batch]
+            except TypeError:
+                raise TypeError(
+                    f"batches({epoch}) returned batch {position} = {batch!r}: every batch must be a list "
+                    "of integer indices"
+                ) from None
+            if not indices:
+                raise ValueError(f"batches({epoch}) returned an empty batch at position {position}")
+            if self.unbatched and len(indices) != 1:
+                raise ValueError(
+                    f"batches({epoch}) returned batch {position} with {len(indices)} indices, but with "
+                    "batch_size=None every batch must hold exactly one index"
+                )
+            for i in indices:
+                if not 0 <= i < length:
+                    raise IndexError(
+                        f"batches({epoch}) returned index {i} (batch {position}), outside the source "
+                        f"of length {length}"
+                    )
+            out.append(indices)
+        return out

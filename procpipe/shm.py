@@ -108,6 +108,14 @@ class Ring:
         # One exporter type per ring: its length is the slot size.
         self._lease_type = type("SlotLease", (ctypes.Array,), {"_type_": ctypes.c_char, "_length_": slot_bytes})
 
+    def close(self) -> None:
+        """Unmap the ring now (and close its file descriptor) unless a batch still uses it;
+        then it is unmapped when the last such batch dies."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
     def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:
         """A per-batch object exporting slot ``slot``; ``on_release(slot)`` runs when it dies."""
         lease = self._lease_type.from_buffer(self._map, slot * self.slot_bytes)

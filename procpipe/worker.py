@@ -7,16 +7,27 @@ pickled unless the batch does not fit its slot.
 
 Messages in: ``(task_id, epoch, indices, ring_id, slot, slot_bytes)``, ``slot = -1``
 meaning "no slot: send the arrays inline"; ``None`` means stop.
-Messages out: ``("ok", task_id, layout, nbytes, in_slot, busy_s)``,
-``("err", task_id, index, exc_bytes, type_name, message, traceback, busy_s)``,
-``("fatal", traceback)`` when the worker cannot start at all.
+Messages out: ``("ok", task_id, layout, nbytes, in_slot, busy_s)`` (``layout`` None: every
+sample of the batch was skipped), ``("err", task_id, index, exc_bytes, type_name, message,
+traceback, busy_s)``, ``("skip", task_id, [(index, exc_bytes, type_name, message,
+traceback), ...])`` before the ``ok`` of a batch some samples of which were left out
+(``on_error="skip"``), ``("fatal", traceback)`` when the worker cannot start at all.
+
+Each worker also keeps two int64s in the loader's ``status`` file up to date: the task id
+and the index it is loading (-1 between samples), so that when a worker dies or is killed
+for ``task_timeout``, the coordinator can name the sample it was stuck on.
 """
 from __future__ import annotations
 
+import io
 import os
+import select
 import signal
+import sys
+import threading
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,9 +35,10 @@ import dill
 
 from . import collate, wire
 from .rng import SampleScope
-from .shm import WorkerRings
+from .shm import WorkerRings, map_file
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
+_EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
 
 
 @dataclass
@@ -38,10 +50,31 @@ class WorkerSpec:
     collate_fn: Callable | None
     batched: bool
     seed: int
+    skip: bool = False  # on_error="skip": leave a failing sample out instead of failing the batch
+
+
+class _SpecPickler(dill.Pickler):
+    """dill, except that importable modules are always pickled by reference.
+
+    dill pickles a module that is not under site-packages or the stdlib (an editable
+    install such as procpipe itself, or the user's own helper module) *with its whole
+    ``__dict__``*, so a lambda or ``__main__`` function that merely references
+    ``procpipe`` or ``mylib`` fails (thread locals, locks) or clobbers the worker's copy.
+    """
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if (isinstance(obj, types.ModuleType) and id(obj) not in self.memo
+                and obj.__name__ != "__main__" and sys.modules.get(obj.__name__) is obj):
+            self.framer.commit_frame()
+            self.save_reduce(dill._dill._import_module, (obj.__name__,), obj=obj)
+            return
+        super().save(obj, save_persistent_id)
 
 
 def dump_spec(spec: WorkerSpec) -> bytes:
-    return dill.dumps(spec, protocol=dill.HIGHEST_PROTOCOL, recurse=True)
+    buffer = io.BytesIO()
+    _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(spec)
+    return buffer.getvalue()
 
 
 def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:
@@ -62,9 +95,47 @@ class _ParentWatch:
         import psutil
 
         try:
-            return psutil.Process(self.pid).create_time() != self.started
+            process = psutil.Process(self.pid)
+            return process.create_time() != self.started or process.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
+
+    def wait(self) -> None:
+        """Block until the loader's process has ended (a pidfd where Linux has them, else polling)."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            while not self.gone():
+                time.sleep(_IDLE_CHECK_S)
+            return
+        try:
+            if not self.gone():  # (the pid may have been reused before the pidfd was opened)
+                select.select([fd], [], [])
+        finally:
+            os.close(fd)
+
+
+def _remove_files(files_prefix: str) -> None:
+    from .shm import SharedFiles
+
+    orphan = SharedFiles.__new__(SharedFiles)
+    orphan.prefix = files_prefix
+    orphan.remove_all()
+
+
+def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
+    """Watchdog thread: when the loader's process dies, remove its files and end this worker.
+
+    It works even while the main thread is deep in user code. (PR_SET_PDEATHSIG is not
+    enough: a forkserver worker's parent is the forkserver, which outlives the loader as
+    long as any worker does.) SIGTERM makes the main thread exit normally; a main thread
+    stuck in native code, or swallowing SystemExit, is ended after a grace period.
+    """
+    parent.wait()
+    _remove_files(files_prefix)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(_EXIT_GRACE_S)
+    os._exit(1)
 
 
 def _die_with_parent() -> None:
@@ -90,28 +161,35 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     _die_with_parent()
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
+    threading.Thread(target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch",
+                     daemon=True).start()
     try:
         try:
             loaded = _load_spec(spec)
         except BaseException:
             wire.send(conn, ("fatal", traceback.format_exc()))
             return
-        _serve(conn, loaded, WorkerRings(files_prefix), parent)
+        _serve(conn, loaded, WorkerRings(files_prefix), parent, _status_view(files_prefix, worker_id))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the loader closed our pipe: nothing more to do
     finally:
         if parent.gone():
             # The loader was killed before it could clean up: remove its shared files.
-            from .shm import SharedFiles
-
-            orphan = SharedFiles.__new__(SharedFiles)
-            orphan.prefix = files_prefix
-            orphan.remove_all()
+            _remove_files(files_prefix)
 
 
-def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch) -> None:
+def _status_view(files_prefix: str, worker_id: int) -> Any:
+    """This worker's ``(task id, index)`` pair in the loader's status file (see the module doc)."""
+    try:
+        mapped = map_file(files_prefix + "status")
+    except OSError:
+        return [-1, -1]
+    return memoryview(mapped)[16 * worker_id:16 * worker_id + 16].cast("q")
+
+
+def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
     scope = SampleScope(spec.seed)
-    source, fn = spec.source, spec.fn
+    source, fn, skip = spec.source, spec.fn, spec.skip
     while True:
         while not conn.poll(_IDLE_CHECK_S):
             if parent.gone():
@@ -121,17 +199,34 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             return
         task_id, epoch, indices, ring_id, slot, slot_bytes = task
         started = time.perf_counter()
+        status[0] = task_id
         index = None
         try:
             samples = []
+            skipped = []
             for index in indices:
+                status[1] = index
                 scope.enter(epoch, index)
-                sample = source[index]
-                if fn is not None:
-                    sample = fn(sample)
+                try:
+                    sample = source[index]
+                    if fn is not None:
+                        sample = fn(sample)
+                except Exception as exc:
+                    if not skip:
+                        raise
+                    skipped.append(_error_info(index, exc))
+                    continue
                 samples.append(sample)
             scope.leave()
             index = None
+            status[1] = -1
+            if skipped:
+                wire.send(conn, ("skip", task_id, skipped))
+                if not samples:
+                    wire.send(conn, ("ok", task_id, None, 0, False, time.perf_counter() - started))
+                    continue
+                left_out = {info[0] for info in skipped}
+                indices = [i for i in indices if i not in left_out]
             buffer = rings.slot(ring_id, slot, slot_bytes) if slot >= 0 else None
             if not spec.batched:
                 layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, slot_bytes)
@@ -147,10 +242,15 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
 
 
 def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: float) -> tuple:
+    return ("err", task_id, *_error_info(index, exc), busy)
+
+
+def _error_info(index: int | None, exc: BaseException) -> tuple:
+    """``(index, exc_bytes, type_name, message, traceback)``: an exception, as the coordinator rebuilds it."""
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return ("err", task_id, index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, busy)
+    return (index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)
 

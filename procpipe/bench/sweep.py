@@ -1,0 +1,283 @@
+"""Measuring a loader at one worker count, and choosing the worker count from a sweep.
+
+:func:`measure` builds a loader, takes its first batch (timed apart: start-up is not
+throughput), then consumes the epoch, optionally spending ``step_s`` per batch as the
+training step would, and reads ``Loader.stats()`` before and after to get the consumer's
+wait and the workers' busy time over exactly the measured window.
+:func:`recommend` picks the smallest worker count within ``within`` of the best
+throughput and says why more would not help.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MiB = 2**20
+
+
+@dataclass
+class Setting:
+    """What one worker count achieved (the JSON ``settings`` entries; see docs_bench.md)."""
+
+    workers: int
+    batches: int  # batches consumed in the measured window (after the first batch)
+    samples: int
+    seconds: float  # length of the measured window
+    samples_per_s: float
+    batches_per_s: float
+    mb_per_s: float  # array bytes delivered, 10**6 bytes per second
+    wait_pct: float  # % of the window the consumer spent waiting in next()
+    worker_busy_pct: float | None  # mean over workers of the % of the window spent loading
+    worker_cpu_pct: float | None  # mean over workers of their CPU time (user+system) as % of the window
+    peak_rss_mib: float | None  # the largest peak RSS of one worker
+    total_rss_mib: float | None  # sum over workers of their peak RSS
+    first_batch_s: float  # from creating the loader to the first batch in hand
+    overflow_batches: int
+    stats: dict = field(default_factory=dict)  # loader.stats() at the end of the window
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_worker_counts(cpus: int | None = None) -> list[int]:
+    """0, 1, 2, ... up to twice the CPU count (every count up to 8, then about x1.5 steps)."""
+    cpus = cpus or cpu_count()
+    top = 2 * cpus
+    counts = list(range(0, min(top, 8) + 1))
+    w = 8
+    while w < top:
+        w = min(top, int(math.ceil(w * 1.5)))
+        counts.append(w)
+    for extra in (cpus, top):
+        if extra not in counts:
+            counts.append(extra)
+    return sorted(set(counts))
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _step(seconds: float, mode: str) -> None:
+    if seconds <= 0:
+        return
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _live_rss(pids: list[int]) -> dict[int, int]:
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return out
+
+
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def _pids(stats: dict) -> list[int]:
+    return [w["pid"] for w in stats["per_worker"] if w["pid"] is not None]
+
+
+def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 0.0, step_mode: str = "sleep",
+            max_batches: int | None = None, max_seconds: float | None = None,
+            progress: Callable[[int], None] | None = None) -> Setting:
+    """Run one epoch of ``make_loader(workers)`` (or until a budget) and return what it achieved."""
+    t0 = time.perf_counter()
+    loader = make_loader(workers)
+    try:
+        it = iter(loader)
+        try:
+            batch = next(it)
+        except StopIteration:
+            raise ValueError("the pipeline produced no batch: is the dataset empty?") from None
+        first_batch_s = time.perf_counter() - t0
+        _step(step_s, step_mode)
+        del batch
+        s0 = loader.stats()
+        cpu0 = _cpu_seconds(_pids(s0))
+        start = time.perf_counter()
+        deadline = start + max_seconds if max_seconds else math.inf
+        consumed = pending = 0
+        for batch in it:
+            consumed += 1
+            _step(step_s, step_mode)
+            del batch
+            if progress is not None:
+                pending += 1
+                if pending == 32:
+                    progress(pending)
+                    pending = 0
+            if max_batches is not None and consumed >= max_batches:
+                break
+            if time.perf_counter() >= deadline:
+                break
+        end = time.perf_counter()
+        s1 = loader.stats()
+        cpu1 = _cpu_seconds(_pids(s1))
+        rss_now = _live_rss(_pids(s1))
+    finally:
+        loader.close()
+    if progress is not None and pending:
+        progress(pending)
+    seconds = max(end - start, 1e-9)
+    per_batch_samples = s1["samples"] / s1["batches"] if s1["batches"] else 0.0
+    per_batch_bytes = s1["bytes"] / s1["batches"] if s1["batches"] else 0.0
+    samples = int(round(consumed * per_batch_samples))
+    wait = min(1.0, max(0.0, (s1["wait_s"] - s0["wait_s"]) / seconds))
+    busy_pct = cpu_pct = peak = total = None
+    if s1["per_worker"]:
+        before = {w["index"]: w["busy_s"] for w in s0["per_worker"]}
+        busy = [min(1.0, max(0.0, (w["busy_s"] - before.get(w["index"], 0.0)) / seconds)) for w in s1["per_worker"]]
+        busy_pct = 100.0 * sum(busy) / len(busy)
+        cpu = [max(0.0, cpu1[p] - cpu0[p]) / seconds for p in cpu1 if p in cpu0]  # restarted workers left out
+        cpu_pct = 100.0 * sum(cpu) / len(cpu) if cpu else None
+        peaks = [max(w["peak_rss_bytes"], rss_now.get(w["pid"], 0)) for w in s1["per_worker"]]
+        peak, total = max(peaks) / MiB, sum(peaks) / MiB
+    return Setting(
+        workers=workers, batches=consumed, samples=samples, seconds=seconds,
+        samples_per_s=samples / seconds, batches_per_s=consumed / seconds,
+        mb_per_s=consumed * per_batch_bytes / seconds / 1e6, wait_pct=100.0 * wait,
+        worker_busy_pct=busy_pct, worker_cpu_pct=cpu_pct, peak_rss_mib=peak, total_rss_mib=total,
+        first_batch_s=first_batch_s, overflow_batches=s1["overflow_batches"], stats=s1,
+    )
+
+
+def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 0.0,
+              cpus: int | None = None) -> dict[str, Any]:
+    """The smallest worker count reaching ``within`` of the best samples/s, and why.
+
+    Returns ``{"workers", "fraction_of_best", "best_workers", "best_samples_per_s",
+    "gain_beyond", "text", "why"}``; ``gain_beyond`` is the largest relative gain any
+    larger worker count showed (None when none was measured).
+    """
+    cpus = cpus or cpu_count()
+    best = max(settings, key=lambda s: s.samples_per_s)
+    if best.samples_per_s <= 0:
+        return {"workers": best.workers, "fraction_of_best": 1.0, "best_workers": best.workers,
+                "best_samples_per_s": 0.0, "gain_beyond": None,
+                "text": "no throughput measured", "why": "every setting delivered nothing"}
+    good = [s for s in settings if s.samples_per_s >= within * best.samples_per_s]
+    rec = min(good, key=lambda s: s.workers)
+    frac = rec.samples_per_s / best.samples_per_s
+    beyond = [s for s in settings if s.workers > rec.workers]
+    gain = max((s.samples_per_s / rec.samples_per_s - 1.0 for s in beyond), default=None)
+    noun = "worker" if rec.workers == 1 else "workers"
+    text = f"use {rec.workers} {noun}: {frac * 100:.0f} % of the best throughput"
+    if best is not rec:
+        text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
+    if gain is None:
+        text += "; it is the largest count measured: try more workers, throughput may still grow"
+    elif gain <= 0.0:
+        text += "; beyond that, no gain: more workers were slower"
+    elif gain <= 1.0 - within:
+        text += f"; beyond that, no gain (at most {gain * 100:+.0f} %)"
+    else:
+        text += f"; beyond that, at most {gain * 100:+.0f} %, not worth the extra processes"
+    return {"workers": rec.workers, "fraction_of_best": frac, "best_workers": best.workers,
+            "best_samples_per_s": best.samples_per_s, "gain_beyond": gain, "text": text,
+            "why": _why(rec, best, settings, step_s, cpus)}
+
+
+def _why(rec: Setting, best: Setting, settings: list[Setting], step_s: float, cpus: int) -> str:
+    busy = rec.worker_busy_pct
+    cpu = rec.worker_cpu_pct
+    wait = rec.wait_pct
+    used = (cpu or 0.0) * rec.workers / 100.0  # CPUs the workers kept busy
+    waits_on_io = busy is not None and cpu is not None and busy >= 50.0 and cpu < 0.5 * busy and used < 0.5 * cpus
+    if rec.workers == 0:
+        return ("loading in the training process is at least as fast as with workers: the per-batch work is "
+                "too small to pay for handing batches between processes (or the step leaves no CPU for them)")
+    if step_s > 0 and wait < 5.0:
+        rss = f" and about {rec.peak_rss_mib:.0f} MiB" if rec.peak_rss_mib else ""
+        return (f"with {rec.workers} the training loop waits only {wait:.1f} % of the time: the input pipeline "
+                f"keeps up with the {step_s * 1e3:g} ms step, so more workers would only cost CPU{rss} each")
+    if waits_on_io:
+        more = f" and more than the {cpus} CPUs help" if rec.workers > cpus else ""
+        return (f"the workers are {busy:.0f} % busy but use only {cpu:.0f} % of a CPU each: samples wait "
+                f"(I/O, sleep) more than they compute, so workers overlap the waits{more}")
+    if cpu is not None and (cpu >= 60.0 or used >= 0.6 * cpus):
+        return (f"the workers use {cpu:.0f} % of a CPU each ({used:.1f} of the {cpus} CPUs, which the training "
+                f"process shares): the pipeline is CPU-bound, more processes would share the same cores")
+    if busy is not None and wait >= 20.0 and busy < 60.0:
+        return (f"the training loop waits {wait:.0f} % of the time while the workers are idle {100 - busy:.0f} % "
+                "of it: the limit is in the training process (receiving batches, the loader's per-batch "
+                "cost, or the step), not in the workers, so more workers cannot help")
+    return (f"throughput stops growing after {rec.workers} (training loop waits {wait:.0f} %, workers "
+            f"{busy if busy is not None else 0:.0f} % busy, {cpu if cpu is not None else 0:.0f} % CPU)")
+
+
+# ------------------------------------------------------------------------------ output
+def format_table(settings: list[Setting]) -> str:
+    best = max((s.samples_per_s for s in settings), default=0.0) or 1.0
+    head = ("workers", "samples/s", "batches/s", "MB/s", "wait %", "busy %", "CPU %", "RSS MiB/worker",
+            "first batch s", "vs best")
+    rows = [head]
+    for s in settings:
+        rows.append((
+            str(s.workers), f"{s.samples_per_s:,.0f}", f"{s.batches_per_s:,.0f}", f"{s.mb_per_s:,.1f}",
+            f"{s.wait_pct:.1f}", "-" if s.worker_busy_pct is None else f"{s.worker_busy_pct:.1f}",
+            "-" if s.worker_cpu_pct is None else f"{s.worker_cpu_pct:.0f}",
+            "-" if s.peak_rss_mib is None else f"{s.peak_rss_mib:.0f}", f"{s.first_batch_s:.3f}",
+            f"{100 * s.samples_per_s / best:.0f} %",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+    """Throughput and consumer wait % against workers, one panel per run (matplotlib, Agg)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise SystemExit("--plot needs matplotlib: pip install 'procpipe[plot]'") from exc
+    fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
+    for ax, run in zip(axes, runs):
+        settings = run["settings"]
+        ws = [s["workers"] for s in settings]
+        ax.plot(ws, [s["samples_per_s"] for s in settings], "o-", color="tab:blue", label="samples/s")
+        ax.set_ylabel("samples/s", color="tab:blue")
+        ax.set_ylim(bottom=0)
+        ax.set_xticks(ws)
+        ax2 = ax.twinx()
+        ax2.plot(ws, [s["wait_pct"] for s in settings], "s--", color="tab:red", label="consumer wait %")
+        ax2.set_ylabel("consumer wait %", color="tab:red")
+        ax2.set_ylim(0, 105)
+        rec = run["recommendation"]["workers"]
+        ax.axvline(rec, color="gray", linestyle=":", label=f"recommended: {rec}")
+        ax.set_title(run["name"])
+        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="lower right", fontsize="small")
+    axes[-1].set_xlabel("workers")
+    fig.savefig(path, dpi=100)

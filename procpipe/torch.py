@@ -1,0 +1,852 @@
+"""PyTorch adapter: a drop-in ``DataLoader`` and the device stage (needs ``torch``).
+
+``import procpipe`` never imports this module; it is loaded by ``import procpipe.torch``
+or by ``procpipe.Loader(..., device=...)``.
+
+- ``procpipe.torch.DataLoader``: ``torch.utils.data.DataLoader`` with procpipe's engine.
+  Same arguments, same meaning, same batches in the same order; switch by changing one
+  import. Tensors produced in the workers travel through the shared-memory ring (never
+  pickled) and arrive as tensors sharing memory with it.
+- ``device_stage``: what ``Loader(device=...)`` uses. ``"cpu"`` turns every numpy array
+  of a batch into a tensor sharing its memory (no copy); ``"cuda[:N]"`` runs a background
+  thread that copies each batch from the ring into reused pinned buffers and from there
+  to the GPU with non-blocking copies on its own CUDA stream; the consumer's stream waits
+  on the copy (an event) and the tensors are ``record_stream``-ed to it, so ``next()``
+  costs nothing when the pipeline keeps up.
+
+Worker side of the facade: the dataset's samples are turned into numpy (tensors are
+viewed, not copied) so the core collates them straight into the ring; a custom
+``collate_fn``'s result is pickled *without* its tensors and numpy arrays (pickle's
+persistent ids), which go through the ring instead and are rebuilt on the consumer side
+as zero-copy views, whatever object holds them (dict, dataclass, custom batch class...).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import os
+import pickle
+import queue
+import random
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.utils.data as _tud
+
+from .loader import START_METHODS, Loader
+
+__all__ = ["DataLoader", "device_stage", "to_torch"]
+
+_MASK64 = (1 << 64) - 1
+_ALIGN = 64
+_UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
+
+# --------------------------------------------------------------------------- tensors <-> numpy
+# dtypes numpy has no equivalent for travel as same-width integers and are viewed back.
+_BITS_VIEW: dict[torch.dtype, torch.dtype] = {}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+for _name in dir(torch):
+    _dt = getattr(torch, _name)
+    if not isinstance(_dt, torch.dtype) or _dt in _BITS_VIEW:
+        continue
+    try:
+        torch.empty(1, dtype=_dt).numpy()
+    except TypeError:
+        try:
+            _size = torch.empty(0, dtype=_dt).element_size()
+            if _size in _INT_OF_SIZE:
+                torch.empty(1, dtype=_dt).view(_INT_OF_SIZE[_size])
+                _BITS_VIEW[_dt] = _INT_OF_SIZE[_size]
+        except (RuntimeError, TypeError):
+            pass
+    except RuntimeError:
+        pass
+_DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
+
+# Default-collate mode: a sample's special leaves become one-field namedtuples, which the
+# core stacks like any namedtuple; the consumer recognises the class.
+_Leaf = NamedTuple("_Leaf", [("value", Any)])  # str/bytes/None/objects: torch's collate decides
+_BITS_MARKERS: dict[type, torch.dtype] = {}
+_MARKER_OF: dict[torch.dtype, type] = {}
+for _dt, _name in _DTYPE_NAMES.items():
+    _cls = NamedTuple(f"_Bits_{_name}", [("bits", Any)])
+    _cls.__module__ = __name__
+    globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
+    _BITS_MARKERS[_cls] = _dt
+    _MARKER_OF[_dt] = _cls
+
+
+def _tensor_numpy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype | None]:
+    """A numpy view of a CPU tensor, and the torch dtype to view it back as (None: same)."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        raise TypeError(
+            f"procpipe.torch cannot move a {t.device.type} {t.layout} tensor"
+            f"{' (quantized)' if t.is_quantized else ''} through shared memory: return dense CPU tensors "
+            "from the dataset/collate_fn (move to the GPU in the training loop, or use device=...)"
+        )
+    t = t.detach().resolve_conj().resolve_neg()
+    view = _BITS_VIEW.get(t.dtype)
+    if view is None:
+        return t.numpy(), None
+    return t.view(view).numpy(), t.dtype
+
+
+def _numpy_tensor(array: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor if dtype is None else tensor.view(dtype)
+
+
+def to_torch(batch: Any) -> Any:
+    """Every numpy array (numeric or bool) of ``batch`` as a tensor sharing its memory.
+
+    Containers (dict, list, tuple, namedtuple) keep their type; other leaves (strings,
+    objects, arrays of str) are left as they are. This is ``Loader(device="cpu")``.
+    """
+    kind = type(batch)
+    if kind is np.ndarray:
+        return torch.from_numpy(batch) if batch.dtype.kind in "biufc" else batch
+    if kind is dict:
+        return {k: to_torch(v) for k, v in batch.items()}
+    if kind is list:
+        return [to_torch(v) for v in batch]
+    if kind is tuple:
+        return tuple(to_torch(v) for v in batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return kind(*(to_torch(v) for v in batch))
+    return batch
+
+
+# ---- default collate: samples in the worker, batches in the consumer -------------------
+def _sample_to_wire(x: Any) -> Any:
+    """A sample as the core stacks it, with what torch's default_collate must decide marked."""
+    if isinstance(x, torch.Tensor):
+        array, dtype = _tensor_numpy(x)
+        return array if dtype is None else _MARKER_OF[dtype](array)
+    kind = type(x)
+    if kind is np.ndarray:
+        return _Leaf(x) if x.dtype.kind in "OSUa" else x  # torch refuses those: let it say so
+    if isinstance(x, (int, float, np.number, np.bool_)):
+        return x
+    if kind is dict or isinstance(x, Mapping):
+        return {k: _sample_to_wire(v) for k, v in x.items()}
+    if kind is tuple or kind is list:
+        return kind([_sample_to_wire(v) for v in x])
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return kind(*(_sample_to_wire(v) for v in x))
+    return _Leaf(x)
+
+
+def _from_default(x: Any, in_sequence: bool = False) -> Any:
+    """A core batch of ``_sample_to_wire`` samples, as ``default_collate`` would have built it."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return torch.from_numpy(x)
+    if kind is dict:
+        return {k: _from_default(v) for k, v in x.items()}
+    if kind is list or kind is tuple:  # torch turns a tuple of columns into a list
+        return [_from_default(v, True) for v in x]
+    if kind is _Leaf:
+        # default_collate sees a column as the tuple zip() makes (inside a sequence) or a list.
+        values = x.value
+        return _tud.default_collate(tuple(values) if in_sequence else list(values))
+    dtype = _BITS_MARKERS.get(kind)
+    if dtype is not None:
+        return _numpy_tensor(x.bits, dtype)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return kind(*(_from_default(v, True) for v in x))
+    return x
+
+
+# ---- custom collate_fn / unbatched: pickle the object, its arrays through the ring ----
+class _Packed(NamedTuple):
+    skeleton: bytes  # the object pickled with each tensor/array replaced by a reference
+    arrays: list  # those arrays, in the ring
+
+
+class _RefPickler(pickle.Pickler):
+    def __init__(self, file: Any, arrays: list) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.arrays = arrays
+        self.seen: dict[int, tuple] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        return _persistent_id(self, obj)
+
+
+def _persistent_id(pickler: Any, obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
+            return None  # pickled the ordinary way
+        ref = pickler.seen.get(id(obj))
+        if ref is None:
+            array, dtype = _tensor_numpy(obj)
+            pickler.arrays.append(array)
+            ref = pickler.seen[id(obj)] = ("t", len(pickler.arrays) - 1, _DTYPE_NAMES.get(dtype),
+                                           bool(obj.requires_grad))
+        return ref
+    if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+        ref = pickler.seen.get(id(obj))
+        if ref is None:
+            pickler.arrays.append(obj)
+            ref = pickler.seen[id(obj)] = ("a", len(pickler.arrays) - 1)
+        return ref
+    return None
+
+
+def _pack(obj: Any) -> _Packed:
+    arrays: list = []
+    buffer = io.BytesIO()
+    try:
+        _RefPickler(buffer, arrays).dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        import dill  # lambdas, local classes...
+
+        class _DillRefPickler(dill.Pickler):
+            def persistent_id(self, o: Any) -> Any:
+                return _persistent_id(self, o)
+
+        arrays, buffer = [], io.BytesIO()
+        pickler = _DillRefPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.arrays, pickler.seen = arrays, {}
+        pickler.dump(obj)
+    return _Packed(buffer.getvalue(), arrays)
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, arrays: list) -> None:
+        super().__init__(file)
+        self.arrays = arrays
+
+    def persistent_load(self, ref: Any) -> Any:
+        array = self.arrays[ref[1]]
+        if ref[0] == "a":
+            return array
+        tensor = _numpy_tensor(array, None if ref[2] is None else getattr(torch, ref[2]))
+        return tensor.requires_grad_() if ref[3] else tensor
+
+
+def _unpack(packed: _Packed) -> Any:
+    return _RefUnpickler(io.BytesIO(packed.skeleton), packed.arrays).load()
+
+
+def _unpack_convert(packed: _Packed) -> Any:
+    return _tud.default_convert(_unpack(packed))
+
+
+class _PackingCollate:
+    """The user's collate_fn, run in the worker; its result leaves as a ``_Packed``."""
+
+    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list) -> _Packed:
+        return _pack(self.collate_fn(samples))
+
+
+# ---- the dataset, as the workers see it -----------------------------------------------
+DEFAULT, CUSTOM, UNBATCHED = "default", "custom", "unbatched"
+
+
+def _mix(*values: int) -> int:
+    """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
+    x = 0x243F6A8885A308D3
+    for v in values:
+        x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 & _MASK64
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x
+
+
+def _worker_index() -> int:
+    import multiprocess
+
+    name = multiprocess.current_process().name  # "procpipe-worker-<index>", set by the coordinator
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+class _TorchSource:
+    """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
+
+    In a worker, before each sample, torch's, numpy's and Python's global generators are
+    seeded from ``(seed, epoch, index)``, so augmentation drawn from them is the same
+    whatever ``num_workers`` and however batches are scheduled (torch seeds per worker).
+    """
+
+    def __init__(self, dataset: Any, mode: str, item_fn: Callable | None, worker_init_fn: Callable | None,
+                 num_workers: int, seed: int) -> None:
+        self.dataset = dataset
+        self.mode = mode
+        self.item_fn = item_fn  # collate_fn applied to each sample (batch_size=None + collate_fn)
+        self.worker_init_fn = worker_init_fn
+        self.num_workers = num_workers
+        self.seed = seed
+        self.parent_pid = os.getpid()
+        try:
+            self.length = len(dataset)
+        except TypeError:
+            self.length = _UNKNOWN_LENGTH
+        self._pid: int | None = None
+        self._in_worker = False
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pid"] = None
+        return state
+
+    def _enter_process(self) -> None:
+        self._pid = os.getpid()
+        self._in_worker = self._pid != self.parent_pid
+        if not self._in_worker:
+            return  # num_workers=0: like torch, the main process's generators are left alone
+        worker_id = _worker_index()
+        torch.set_num_threads(1)
+        seed = (self.seed + worker_id) & _MASK64
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(_mix(seed) & 0xFFFFFFFF)
+        try:
+            from torch.utils.data._utils import worker as _worker
+
+            _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=self.num_workers, seed=seed,
+                                                      dataset=self.dataset)
+        except Exception:  # noqa: BLE001 - private torch API; get_worker_info() then returns None
+            pass
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+    def __getitem__(self, index: int) -> Any:
+        if self._pid != os.getpid():
+            self._enter_process()
+        if self._in_worker:
+            from .rng import _current
+
+            scope = getattr(_current, "scope", None)
+            if scope is not None:
+                s = _mix(scope.seed, scope.epoch, scope.index)
+                torch.default_generator.manual_seed(s)
+                random.seed(s)
+                np.random.seed(s & 0xFFFFFFFF)
+        sample = self.dataset[index]
+        if self.mode == DEFAULT:
+            return _sample_to_wire(sample)
+        if self.mode == UNBATCHED:
+            return _pack(sample if self.item_fn is None else self.item_fn(sample))
+        return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
+
+
+class _SamplerBatches:
+    """``batches=`` for the core: one epoch of a torch (batch) sampler, materialized."""
+
+    def __init__(self, index_sampler: Any, unbatched: bool) -> None:
+        self.index_sampler = index_sampler
+        self.unbatched = unbatched
+
+    def __len__(self) -> int:
+        return len(self.index_sampler)
+
+    def __call__(self, epoch: int) -> list:
+        if self.unbatched:
+            return [[index] for index in self.index_sampler]
+        return [list(batch) for batch in self.index_sampler]
+
+
+# --------------------------------------------------------------------------- the stage thread
+class _End:
+    """Queue marker: the epoch is over."""
+
+
+class _Raised:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: threading.Event,
+                requests: queue.SimpleQueue | None) -> None:
+    try:
+        while not stop.is_set():
+            if requests is not None and requests.get() is None:
+                return
+            try:
+                batch = next(source)
+            except StopIteration:
+                out.put(_End)
+                return
+            item = transfer(batch)
+            del batch  # the ring slot is free once the transfer no longer needs it
+            out.put(item)
+    except BaseException as exc:  # noqa: BLE001 - delivered to the consumer, raised there
+        out.put(_Raised(exc))
+
+
+class _Stage:
+    """A background thread between an epoch iterator and the consumer.
+
+    ``transfer(batch) -> (batch, ready)`` runs in the thread; ``ready()`` (if not None)
+    runs in the consumer's thread just before the batch is returned (e.g. to make the
+    consumer's CUDA stream wait for the copy). With ``depth=0`` the thread fetches only
+    when asked (used for ``timeout``), holding no batch of its own.
+    """
+
+    def __init__(self, source: Iterator, transfer: Callable, depth: int, timeout: float | None = None) -> None:
+        self._source = source
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._requests: queue.SimpleQueue | None = queue.SimpleQueue() if depth == 0 else None
+        self._pending = False
+        self._timeout = timeout or None
+        self._finished = False
+        self._thread = threading.Thread(
+            target=_stage_main, args=(source, transfer, self._queue, self._stop, self._requests),
+            name="procpipe-device-stage", daemon=True,
+        )
+        self._thread.start()
+
+    def __iter__(self) -> _Stage:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if self._requests is not None and not self._pending:
+            self._requests.put(True)
+            self._pending = True
+        item = self._get()
+        self._pending = False
+        if item is _End:
+            self._finished = True
+            why = getattr(self._source, "_cancelled", None)
+            if why:
+                raise RuntimeError(f"this epoch's iterator was ended early: {why}")
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self._finished = True
+            raise item.exc
+        batch, ready = item
+        if ready is not None:
+            ready()
+        return batch
+
+    def _get(self) -> Any:
+        if self._timeout is not None:
+            try:
+                return self._queue.get(timeout=self._timeout)
+            except queue.Empty:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly"))
+
+    def close(self) -> None:
+        """Stop the thread; batches it holds are dropped (their slots return to the ring)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._finished = True
+        if self._requests is not None:
+            self._requests.put(None)
+        cancel = getattr(self._source, "cancel", None)
+        if cancel is not None:
+            cancel("the iterator was closed")  # wakes the thread if it waits for a batch
+        while True:
+            try:
+                self._queue.get_nowait()  # unblocks a put
+            except queue.Empty:
+                break
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Mapped:
+    """``fn`` applied to each batch, in the consumer's thread (``device="cpu"``)."""
+
+    def __init__(self, source: Iterator, fn: Callable) -> None:
+        self._source = source
+        self._fn = fn
+
+    def __iter__(self) -> _Mapped:
+        return self
+
+    def __next__(self) -> Any:
+        return self._fn(next(self._source))
+
+
+# ---- CUDA ------------------------------------------------------------------------------
+def _map_tensors(x: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``x`` with ``fn`` applied to every CPU tensor, containers rebuilt as torch's pin_memory does."""
+    if isinstance(x, torch.Tensor):
+        return fn(x) if x.device.type == "cpu" else x
+    if isinstance(x, (str, bytes, np.ndarray)):
+        return x
+    if isinstance(x, Mapping):
+        items = {k: _map_tensors(v, fn) for k, v in x.items()}
+        if type(x) is dict:
+            return items
+        try:
+            if isinstance(x, collections.abc.MutableMapping):
+                clone = copy.copy(x)
+                clone.update(items)
+                return clone
+            return type(x)(items)
+        except TypeError:
+            return items
+    if isinstance(x, tuple):
+        if hasattr(x, "_fields"):
+            return type(x)(*(_map_tensors(v, fn) for v in x))
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if isinstance(x, list):
+        return [_map_tensors(v, fn) for v in x]
+    return x
+
+
+class _StagingPool:
+    """Pinned host buffers for host-to-device copies, reused once the copy reading them is done.
+
+    ``allocate(nbytes)`` makes a 1-D uint8 tensor; ``give(buffer, event)`` returns a buffer
+    whose copy was recorded by ``event`` (``query()``/``synchronize()``). At most
+    ``capacity`` buffers exist; when all are in use, ``take`` waits for the oldest copy.
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor], capacity: int) -> None:
+        self._allocate = allocate
+        self.capacity = max(1, capacity)
+        self.free: list[torch.Tensor] = []
+        self.busy: collections.deque = collections.deque()
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        while self.busy and self.busy[0][0].query():
+            self.free.append(self.busy.popleft()[1])
+        while True:
+            fits = [b for b in self.free if b.numel() >= nbytes]
+            if fits:
+                buffer = min(fits, key=lambda b: b.numel())
+                self.free.remove(buffer)
+                return buffer
+            if len(self.free) + len(self.busy) < self.capacity:
+                self.allocations += 1
+                return self._allocate(max(nbytes, 1))
+            if self.free:  # all too small: drop the smallest, allocate a bigger one
+                self.free.remove(min(self.free, key=lambda b: b.numel()))
+                continue
+            event, buffer = self.busy.popleft()
+            event.synchronize()
+            self.free.append(buffer)
+
+    def give(self, buffer: torch.Tensor, event: Any) -> None:
+        self.busy.append((event, buffer))
+
+
+class _Ready:
+    """Run by the consumer: its current stream waits for the copy; the tensors are marked used by it."""
+
+    def __init__(self, device: torch.device, event: Any, tensors: list) -> None:
+        self.device = device
+        self.event = event
+        self.tensors = tensors
+
+    def __call__(self) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self.event)
+        for tensor in self.tensors:
+            tensor.record_stream(stream)  # the allocator must not reuse them before `stream` is done
+
+
+class _CudaTransfer:
+    """Ring -> pinned staging buffer (CPU copy) -> device (non-blocking, own stream).
+
+    The ring slot is released as soon as the host copy into the staging buffer is done
+    (the batch's views are dropped on return); the staging buffer is reused only after
+    the device copy that reads it has completed (its event).
+    """
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.pool = _StagingPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), capacity)
+        self._lock = threading.Lock()  # two epochs' threads may overlap briefly
+
+    def __call__(self, batch: Any) -> tuple[Any, _Ready | None]:
+        sources: list[torch.Tensor] = []
+        _map_tensors(batch, lambda t: sources.append(t) or t)
+        if not sources:
+            return batch, None
+        sizes = [t.numel() * t.element_size() for t in sources]
+        total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+        with self._lock:
+            buffer = self.pool.take(total)
+            staged, offset = [], 0
+            for tensor, n in zip(sources, sizes):
+                view = buffer[offset:offset + n].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)  # host copy out of the ring
+                staged.append(view)
+                offset += -(-n // _ALIGN) * _ALIGN
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                moved = [view.to(self.device, non_blocking=True) for view in staged]
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.pool.give(buffer, event)
+        del sources, staged
+        outputs = iter(moved)
+        return _map_tensors(batch, lambda t: next(outputs)), _Ready(self.device, event, moved)
+
+
+def _resolve_device(device: Any) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device: {exc}") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"device={device!r}: procpipe's device stage supports 'cpu' and 'cuda[:N]'")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise RuntimeError(
+            f"device={device!r} needs CUDA, but torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"{build}). Use device='cpu' (tensors sharing the ring's memory) or device=None (numpy), "
+            "or run where a GPU and a CUDA build of torch are available."
+        )
+    if resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return resolved
+
+
+def device_stage(device: Any, prefetch: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """For ``Loader(device=...)``: validate ``device`` and return ``wrap(epoch_iterator)``."""
+    resolved = _resolve_device(device)
+    if resolved.type == "cpu":
+        return lambda it: _Mapped(it, to_torch)
+    transfer = _CudaTransfer(resolved, capacity=prefetch + 2)
+    return lambda it: _Stage(it, lambda batch: transfer(to_torch(batch)), depth=prefetch)
+
+
+# --------------------------------------------------------------------------- DataLoader facade
+def _start_method(context: Any) -> str:
+    if context is None:
+        return "forkserver"
+    method = context if isinstance(context, str) else context.get_start_method()
+    if method not in START_METHODS:
+        raise ValueError(f"multiprocessing_context={context!r}: procpipe supports the start methods {START_METHODS}")
+    return method
+
+
+class DataLoader(_tud.DataLoader):
+    """``torch.utils.data.DataLoader``, loading with procpipe's engine.
+
+    Accepts torch's arguments with torch's meaning and yields the same batches, in the
+    same order (with ``in_order=False``, as they finish). torch validates the arguments
+    and builds the samplers; each epoch the index sampler runs in this process and its
+    batches go to procpipe's workers. Differences, all documented in docs_adapters.md:
+
+    - map-style datasets only (an ``IterableDataset`` raises ``TypeError``); the sampler
+      must have a length and yield integer indices; ``__getitems__`` is not used (each
+      index is fetched with ``__getitem__``, which is what it stands for);
+    - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"``;
+    - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
+      before every sample from ``(seed, epoch, index)``, so augmentation does not depend
+      on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);
+    - ``prefetch_factor * num_workers`` ready batches are kept ahead (torch counts the same
+      total; procpipe also keeps up to two tasks per worker in flight).
+
+    Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
+    on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
+    ``max_worker_restarts``, ``worker_env``. ``close()`` ends the workers now.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: Any = None,
+        slot_bytes: int | None = None,
+        shm_dir: str = "/dev/shm",
+        max_worker_restarts: int = 3,
+        worker_env: dict[str, str] | None = None,
+    ) -> None:
+        if isinstance(dataset, _tud.IterableDataset):
+            raise TypeError(
+                "procpipe.torch.DataLoader supports map-style datasets (__getitem__ + __len__) only; "
+                f"{type(dataset).__name__} is an IterableDataset. Use torch.utils.data.DataLoader for it."
+            )
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"dataset must support indexing (__getitem__); got {type(dataset).__name__}")
+        super().__init__(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
+            drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device, in_order=in_order,
+        )
+        try:
+            len(self._index_sampler)
+        except TypeError:
+            raise TypeError(
+                "procpipe.torch.DataLoader needs a sampler with a length (each epoch's batches are planned "
+                f"when it starts); {type(self._index_sampler).__name__} has no __len__"
+            ) from None
+        self._pp_start_method = _start_method(multiprocessing_context)
+        self._pp_device = None if device is None else _resolve_device(device)
+        if self._pp_device is not None and self._pp_device.type == "cpu":
+            self._pp_device = None  # batches are CPU tensors already
+        default = collate_fn is None or collate_fn is _tud.default_collate or collate_fn is _tud.default_convert
+        if not self._auto_collation:
+            mode, item_fn = UNBATCHED, (None if default else self.collate_fn)
+            self._pp_convert: Callable = _unpack_convert if default else _unpack
+        elif default and self.collate_fn is _tud.default_collate:
+            mode, item_fn = DEFAULT, None
+            self._pp_convert = _from_default
+        else:
+            mode, item_fn = CUSTOM, None
+            self._pp_convert = _unpack
+        self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
+        self._pp_source = _TorchSource(dataset, mode, item_fn, worker_init_fn, num_workers, self._pp_seed)
+        self._pp_options = dict(
+            batch_size=None if mode == UNBATCHED else 1,  # sizes come from the batch sampler
+            workers=num_workers,
+            ordered=bool(in_order),
+            prefetch=max(1, (self.prefetch_factor or 0) * num_workers),
+            seed=self._pp_seed,
+            collate_fn=_PackingCollate(self.collate_fn) if mode == CUSTOM else None,
+            start_method=self._pp_start_method,
+            shm_dir=shm_dir,
+            slot_bytes=slot_bytes,
+            max_worker_restarts=max_worker_restarts,
+            worker_env=worker_env,
+            batches=_SamplerBatches(self._index_sampler, mode == UNBATCHED),
+        )
+        self._pp_loader: Loader | None = None
+        self._pp_iterated = False
+        self._pp_epochs = 0
+        self._pp_transfer: _CudaTransfer | None = None
+
+    # ---------------------------------------------------------------- iteration
+    def __iter__(self) -> _DataLoaderIter:
+        reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
+        pin = False
+        if not reuse:
+            # What torch's iterator does when it is created: the same warnings, and the same
+            # draw from the generator (so shuffling stays in step with torch's DataLoader).
+            if self.pin_memory and self.pin_memory_device:
+                warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
+                              f"device,ignore pin_memory_device='{self.pin_memory_device}'.", stacklevel=2)
+            if self.pin_memory and not torch.accelerator.is_available():
+                warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
+                              "pinned memory won't be used.", stacklevel=2)
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        self._pp_iterated = True
+        if self.pin_memory and torch.accelerator.is_available():
+            accelerator = torch.accelerator.current_accelerator()
+            pin = accelerator is not None and accelerator.type != "mps"
+        if self.persistent_workers or self.num_workers == 0:
+            if self._pp_loader is None:
+                self._pp_loader = Loader(self._pp_source, **self._pp_options)
+            loader, owned = self._pp_loader, None
+        else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
+            loader = owned = Loader(self._pp_source, **self._pp_options)
+        loader.set_epoch(self._pp_epochs)
+        self._pp_epochs += 1
+        epoch = iter(loader)
+        convert = self._pp_convert
+        stage: _Stage | None = None
+        depth = self._pp_options["prefetch"]
+        if self._pp_device is not None:
+            if self._pp_transfer is None:
+                self._pp_transfer = _CudaTransfer(self._pp_device, capacity=depth + 2)
+            transfer = self._pp_transfer
+            stage = _Stage(epoch, lambda b: transfer(convert(b)), depth, self.timeout)
+        elif pin:
+            from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+            stage = _Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout)
+        elif self.timeout > 0:
+            stage = _Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
+        return _DataLoaderIter(epoch, convert, stage, owned, len(self))
+
+    def close(self) -> None:
+        """End the workers and remove the shared memory now (otherwise done when collected)."""
+        if self._pp_loader is not None:
+            self._pp_loader.close()
+            self._pp_loader = None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the persistent workers (empty before the first epoch or without them)."""
+        return [] if self._pp_loader is None else self._pp_loader.worker_pids
+
+
+class _DataLoaderIter:
+    """One epoch of a ``procpipe.torch.DataLoader``."""
+
+    def __init__(self, epoch: Iterator, convert: Callable, stage: _Stage | None, owned: Loader | None,
+                 length: int) -> None:
+        self._epoch = epoch
+        self._convert = convert
+        self._stage = stage
+        self._owned = owned  # a per-epoch Loader (persistent_workers=False), closed at the end
+        self._length = length
+
+    def __iter__(self) -> _DataLoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __next__(self) -> Any:
+        try:
+            if self._stage is not None:
+                return next(self._stage)
+            return self._convert(next(self._epoch))
+        except StopIteration:
+            self._finish()
+            raise
+
+    def _finish(self) -> None:
+        if self._stage is not None:
+            self._stage.close()
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,19 @@
+"""Tiny pipelines for tests/test_bench.py (``--pipeline tests.bench_pipeline:factory``)."""
+import numpy as np
+
+from procpipe import Loader
+from procpipe.bench.workloads import TinyDataset
+
+
+def square(i):
+    return {"x": np.full(4, i, dtype=np.float32), "y": i}
+
+
+def factory():
+    """Loader keyword arguments; the bench sets ``workers``."""
+    return {"source": TinyDataset(96), "fn": square, "batch_size": 8}
+
+
+def make_loader(workers):
+    """A ready Loader, for the bench's other factory form."""
+    return Loader(TinyDataset(48), batch_size=8, workers=workers)

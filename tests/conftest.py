@@ -1,0 +1,270 @@
+"""Shared fixtures and helpers for procpipe's tests.
+
+Every test is checked for leaks by the autouse fixture ``no_leaks``: after the test (and
+a ``gc.collect()``, since garbage collection of a loader is a supported way to clean up),
+it waits up to ``LEAK_DEADLINE_S`` for
+
+- every child process the test started (psutil, recursive) to be gone, and
+- every ``procpipe-<this pid>-*`` file in ``/dev/shm`` the test created to be gone.
+
+multiprocess's forkserver and resource-tracker processes are process-wide singletons that
+outlive a test by design; they are ignored, but the workers they fork are not. A leak fails
+the test (as an error in teardown), then the leaked processes are killed and the files
+removed so that one failure does not cascade into the next tests.
+Opt out with ``@pytest.mark.allow_leaks`` (e.g. a test that deliberately orphans a worker).
+
+The autouse fixture ``hang_guard`` dumps every thread's stack and ends the run if a test
+exceeds ``PROCPIPE_TEST_TIMEOUT_S`` seconds (default 180), so a deadlock fails loudly
+instead of hanging CI; raise it for one test with ``@pytest.mark.timeout_s(600)``.
+
+Helpers, importable from the tests (``from conftest import wait_until, ...``):
+
+- ``wait_until(condition, timeout, what)``: poll a condition until it holds or fail;
+  use it (or ``wait_gone``) instead of a ``time.sleep`` standing in for synchronization.
+- ``wait_gone(pids, timeout)``: pids still running after the deadline (zombies count as gone).
+- ``descendants(pid=None)``: pids of the live (non-zombie) descendants of a process.
+- ``shm_files(prefix)`` / ``our_shm_files()``: existing files with a prefix / of this process.
+- ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot.
+- ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout.
+"""
+from __future__ import annotations
+
+import faulthandler
+import gc
+import glob
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+SHM_DIR = "/dev/shm"
+LEAK_DEADLINE_S = 15.0
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main")
+
+
+# --------------------------------------------------------------------------- polling
+def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition",
+               interval: float = 0.02) -> Any:
+    """Poll ``condition()`` until it returns something truthy (returned) or fail the test."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
+    """Wait until no process in ``pids`` runs (zombies count as gone); returns the survivors."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        survivors = [p for p in pids if _alive(p)]
+        if not survivors or time.monotonic() >= deadline:
+            return survivors
+        time.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- processes
+def _is_infrastructure(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return any(marker in cmdline for marker in _INFRASTRUCTURE)
+
+
+def descendants(pid: int | None = None, include_infrastructure: bool = True) -> set[int]:
+    """Live descendants of ``pid`` (default: this process).
+
+    With ``include_infrastructure=False``, this process's forkserver and resource tracker
+    themselves are left out (not the workers the forkserver forks).
+    """
+    try:
+        root = psutil.Process(pid)
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    out = set()
+    for child in children:
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if not include_infrastructure and child.ppid() == root.pid and _is_infrastructure(child):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        out.add(child.pid)
+    return out
+
+
+def _describe(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        return f"{pid} ({p.name()}, parent {p.ppid()}, {' '.join(p.cmdline())[:120]!r})"
+    except psutil.Error:
+        return str(pid)
+
+
+def _kill(pids: Iterable[int]) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            p.kill()
+            procs.append(p)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+# --------------------------------------------------------------------------- shared memory
+def shm_files(prefix: str) -> list[str]:
+    """Files whose path starts with ``prefix`` (e.g. ``loader.shm_prefix``)."""
+    return sorted(glob.glob(glob.escape(prefix) + "*"))
+
+
+def our_shm_files(directory: str = SHM_DIR, pid: int | None = None) -> set[str]:
+    """procpipe files created by process ``pid`` (default: this one) in ``directory``."""
+    return set(shm_files(os.path.join(directory, f"procpipe-{pid or os.getpid()}-")))
+
+
+def _ring_lease(arr: np.ndarray) -> Any:
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base
+
+
+def is_ring_view(arr: Any) -> bool:
+    """True if ``arr`` is a numpy array whose memory is a procpipe ring slot (not a copy)."""
+    return (isinstance(arr, np.ndarray) and not arr.flags.owndata
+            and type(_ring_lease(arr)).__name__ == "SlotLease")
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of a batch (dicts, lists and tuples are walked; arrays are leaves)."""
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [x for v in tree for x in leaves(v)]
+    return [tree]
+
+
+def ring_views(batch: Any) -> list[bool]:
+    """For every array leaf of ``batch``: whether it is a ring view."""
+    return [is_ring_view(a) for a in leaves(batch) if isinstance(a, np.ndarray)]
+
+
+def mapping_of(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory mappings of file ``path`` (from /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].strip() == path:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+# --------------------------------------------------------------------------- subprocesses
+def python_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(args: list[str], timeout: float = 120, cwd: str | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``python <args>`` to completion (text output captured); fails the test on timeout."""
+    try:
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd, env=python_env(), **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"python {' '.join(args)} did not finish in {timeout} s; output:\n{exc.stdout}\n{exc.stderr}")
+
+
+# --------------------------------------------------------------------------- fixtures
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "allow_leaks: skip the autouse check for leaked processes and /dev/shm files")
+    config.addinivalue_line("markers", "timeout_s(seconds): per-test hang guard (default PROCPIPE_TEST_TIMEOUT_S or 180)")
+
+
+def _stderr_fd(config: pytest.Config) -> int:
+    """The real stderr (pytest's faulthandler plugin keeps a copy; capture redirects fd 2)."""
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        return config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):
+        return sys.__stderr__.fileno()
+
+
+@pytest.fixture(autouse=True)
+def hang_guard(request: pytest.FixtureRequest):
+    marker = request.node.get_closest_marker("timeout_s")
+    seconds = float(marker.args[0]) if marker else float(os.environ.get("PROCPIPE_TEST_TIMEOUT_S", "180"))
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_stderr_fd(request.config))
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest):
+    """Fail a test that leaves child processes or procpipe files of this process behind."""
+    if request.node.get_closest_marker("allow_leaks"):
+        yield
+        return
+    procs_before = descendants()
+    files_before = our_shm_files()
+    yield
+    gc.collect()
+    new_procs: set[int] = set()
+    new_files: set[str] = set()
+
+    def clean() -> bool:
+        nonlocal new_procs, new_files
+        new_procs = descendants(include_infrastructure=False) - procs_before
+        new_files = our_shm_files() - files_before
+        return not new_procs and not new_files
+
+    deadline = time.monotonic() + LEAK_DEADLINE_S
+    while not clean() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if new_procs or new_files:
+        details = [_describe(p) for p in sorted(new_procs)]
+        _kill(new_procs)
+        for path in new_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        pytest.fail(f"test leaked {len(new_procs)} process(es) {details} and {len(new_files)} "
+                    f"shared-memory file(s) {sorted(new_files)} (still there {LEAK_DEADLINE_S:.0f} s after the test)")
+
+
+@pytest.fixture
+def shm_dir(tmp_path) -> str:
+    """A fresh directory to pass as ``shm_dir=``; checked empty of procpipe files at the end."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    yield str(d)
+    wait_until(lambda: not glob.glob(str(d / "procpipe-*")), LEAK_DEADLINE_S, f"no procpipe files left in {d}")

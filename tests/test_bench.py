@@ -1,0 +1,116 @@
+"""The tuning CLI (python -m procpipe.bench): a tiny sweep end to end, JSON and PNG outputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO_ROOT, run_python
+
+from procpipe.bench import sweep
+from procpipe.bench.__main__ import main
+from procpipe.bench.workloads import WORKLOADS, resolve
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SETTING_FIELDS = {
+    "workers", "batches", "samples", "seconds", "samples_per_s", "batches_per_s", "mb_per_s", "wait_pct",
+    "worker_busy_pct", "worker_cpu_pct", "peak_rss_mib", "total_rss_mib", "first_batch_s", "overflow_batches",
+    "stats",
+}
+RECOMMENDATION_FIELDS = {"workers", "fraction_of_best", "best_workers", "best_samples_per_s", "gain_beyond",
+                         "text", "why"}
+
+
+def check_document(doc, workers):
+    assert {"procpipe_version", "python", "cpu_count", "argv", "workers", "step_ms", "step_mode", "within",
+            "runs"} <= set(doc)
+    assert doc["workers"] == workers
+    for run in doc["runs"]:
+        assert {"name", "description", "settings", "recommendation"} <= set(run)
+        assert [s["workers"] for s in run["settings"]] == workers
+        for s in run["settings"]:
+            assert set(s) == SETTING_FIELDS
+            assert s["batches"] > 0 and s["samples"] > 0 and s["samples_per_s"] > 0 and s["mb_per_s"] > 0
+            assert 0.0 <= s["wait_pct"] <= 100.0
+            assert s["first_batch_s"] > 0
+            if s["workers"] == 0:
+                assert s["worker_busy_pct"] is None and s["peak_rss_mib"] is None
+            else:
+                assert 0.0 <= s["worker_busy_pct"] <= 100.0
+                assert s["peak_rss_mib"] > 0 and s["total_rss_mib"] >= s["peak_rss_mib"]
+                assert len(s["stats"]["per_worker"]) == s["workers"]
+        rec = run["recommendation"]
+        assert set(rec) == RECOMMENDATION_FIELDS
+        assert rec["workers"] in workers and 0.0 < rec["fraction_of_best"] <= 1.0
+        assert rec["text"].startswith(f"use {rec['workers']} worker")
+
+
+def test_cli_sweeps_a_pipeline(tmp_path):
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    proc = run_python(["-m", "procpipe.bench", "--pipeline", "tests.bench_pipeline:factory", "--workers", "0,1",
+                       "--step-ms", "0.2", "--no-progress", "--json", str(out_json), "--plot", str(out_png)],
+                      cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "samples/s" in proc.stdout and "wait %" in proc.stdout and "why:" in proc.stdout
+    assert "use " in proc.stdout
+    doc = json.loads(out_json.read_text())
+    check_document(doc, [0, 1])
+    assert doc["step_ms"] == 0.2 and doc["runs"][0]["name"] == "tests.bench_pipeline:factory"
+    settings = doc["runs"][0]["settings"]
+    assert all(s["samples"] <= 96 for s in settings)
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_builtin_workload_and_ready_loader(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO_ROOT)
+    out_json = tmp_path / "builtin.json"
+    assert main(["--workloads", "tiny64", "--size", "640", "--workers", "0,1", "--no-progress",
+                 "--json", str(out_json)]) == 0
+    doc = json.loads(out_json.read_text())
+    check_document(doc, [0, 1])
+    assert [r["name"] for r in doc["runs"]] == ["tiny64"]
+    assert doc["runs"][0]["settings"][0]["batches"] == 640 // 64 - 1  # the first batch is timed apart
+
+    # A factory that returns a ready Loader and takes workers=.
+    assert main(["--pipeline", "tests.bench_pipeline:make_loader", "--workers", "1", "--no-progress",
+                 "--json", str(out_json)]) == 0
+    check_document(json.loads(out_json.read_text()), [1])
+    assert "use 1 worker" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--workers", "a,b"])
+    with pytest.raises(SystemExit, match="MODULE:FACTORY"):
+        main(["--pipeline", "no_colon"])
+    with pytest.raises(SystemExit, match="unknown workload"):
+        main(["--workloads", "nope"])
+
+
+def _setting(workers, rate, busy=None, cpu=None, wait=100.0):
+    return sweep.Setting(workers=workers, batches=10, samples=100, seconds=1.0, samples_per_s=rate, batches_per_s=10,
+                         mb_per_s=1.0, wait_pct=wait, worker_busy_pct=busy, worker_cpu_pct=cpu, peak_rss_mib=30.0,
+                         total_rss_mib=30.0 * workers, first_batch_s=0.1, overflow_batches=0)
+
+
+def test_recommendation_picks_fewest_workers_near_the_best():
+    settings = [_setting(0, 100), _setting(1, 150, 99, 99), _setting(2, 196, 98, 95), _setting(3, 200, 97, 66),
+                _setting(4, 199, 97, 50)]
+    rec = sweep.recommend(settings, within=0.95, cpus=2)
+    assert rec["workers"] == 2 and rec["best_workers"] == 3
+    assert rec["text"].startswith("use 2 workers: 98 % of the best throughput")
+    assert "beyond that, no gain" in rec["text"] and "CPU-bound" in rec["why"]
+
+    io_bound = [_setting(w, 100 * (w + 1), 99, 2) for w in range(5)]
+    rec = sweep.recommend(io_bound, cpus=2)
+    assert rec["workers"] == 4 and "try more workers" in rec["text"] and "overlap the waits" in rec["why"]
+
+    step_bound = [_setting(0, 50), _setting(1, 99, 40, 40, wait=2.0), _setting(2, 100, 20, 20, wait=1.0)]
+    rec = sweep.recommend(step_bound, step_s=0.01, cpus=2)
+    assert rec["workers"] == 1 and "keeps up" in rec["why"]
+
+
+def test_default_worker_counts_and_workload_names():
+    assert sweep.default_worker_counts(2) == [0, 1, 2, 3, 4]
+    many = sweep.default_worker_counts(16)
+    assert many[:9] == list(range(9)) and 16 in many and many[-1] == 32
+    assert resolve("cpu,tiny") == ["cpu", "tiny1", "tiny64"] and resolve(None) == list(WORKLOADS)

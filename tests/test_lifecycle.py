@@ -1,0 +1,277 @@
+"""Lifecycle: close, context manager, early exit, consumer errors, Ctrl-C, GC, a killed parent.
+
+Every test checks the process table (psutil) and the shared-memory files, not only that
+calls return; waits are polls with a deadline, never bare sleeps.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import psutil
+import pytest
+from conftest import descendants, python_env, shm_files, wait_gone, wait_until
+
+from procpipe import Loader
+
+N, BS = 48, 4
+EXPECTED = [list(range(k, k + BS)) for k in range(0, N, BS)]
+
+
+def square(i):
+    return {"x": np.full(16, i, np.int64), "y": i * i}
+
+
+def firsts(batches):
+    return [b["x"][:, 0].tolist() for b in batches]
+
+
+def assert_running(loader):
+    pids = loader.worker_pids
+    assert len(pids) == loader._workers and len(set(pids)) == len(pids)
+    assert set(pids) <= descendants(), "workers are not live descendants of this process"
+    assert shm_files(loader.shm_prefix), "no shared-memory file while the loader runs"
+    return pids, loader.shm_prefix
+
+
+def assert_cleaned(pids, prefix, timeout=15.0):
+    survivors = wait_gone(pids, timeout)
+    assert survivors == [], f"workers {survivors} still running {timeout} s after cleanup"
+    wait_until(lambda: not shm_files(prefix), timeout, f"removal of {prefix}*")
+
+
+def test_close_twice_ends_workers_and_removes_files():
+    loader = Loader(list(range(N)), square, batch_size=BS, workers=2)
+    pids, prefix = assert_running(loader)
+    assert firsts(loader) == EXPECTED
+    loader.close()
+    assert shm_files(prefix) == [], "close() returned before removing the files"
+    assert_cleaned(pids, prefix)
+    loader.close()
+    assert loader.worker_pids == []
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader)
+
+
+def test_context_manager_cleans_up():
+    with Loader(list(range(N)), square, batch_size=BS, workers=2) as loader:
+        pids, prefix = assert_running(loader)
+        assert firsts(loader) == EXPECTED
+    assert shm_files(prefix) == []
+    assert_cleaned(pids, prefix)
+
+
+def test_batches_stay_valid_after_close():
+    with Loader(list(range(N)), square, batch_size=BS, workers=2, slot_bytes=1 << 14) as loader:
+        it = iter(loader)
+        kept = [next(it) for _ in range(3)]
+        pids, prefix = assert_running(loader)
+    assert_cleaned(pids, prefix)
+    assert firsts(kept) == EXPECTED[:3]
+    assert kept[2]["y"].tolist() == [64, 81, 100, 121]
+
+
+def test_workers_persist_across_epochs():
+    with Loader(list(range(N)), square, batch_size=BS, workers=2, shuffle=True) as loader:
+        pids = loader.worker_pids
+        started = [psutil.Process(p).create_time() for p in pids]
+        for _ in range(3):
+            assert sorted(i for b in firsts(loader) for i in b) == list(range(N))
+            assert loader.worker_pids == pids
+            assert [psutil.Process(p).create_time() for p in pids] == started
+        assert set(pids) <= descendants()
+
+
+def _slots_free(loader):
+    ring = loader._coordinator.ring
+    return ring is not None and len(ring.free) == ring.slots
+
+
+def test_early_break_then_full_epochs():
+    with Loader(list(range(N)), square, batch_size=BS, workers=2, prefetch=2) as loader:
+        pids, prefix = assert_running(loader)
+        held = None
+        for n, batch in enumerate(loader):
+            if n == 1:
+                held = batch
+            if n == 3:
+                break
+        for _ in range(3):  # break again and again: no slot may leak
+            for n, batch in enumerate(loader):
+                if n == 2:
+                    break
+        del batch
+        assert firsts(loader) == EXPECTED
+        assert firsts(loader) == EXPECTED
+        assert firsts([held]) == [EXPECTED[1]]
+        del held
+        wait_until(lambda: _slots_free(loader), 10, "every ring slot back on the free list")
+        assert loader.worker_pids == pids
+    assert_cleaned(pids, prefix)
+
+
+class ConsumerBug(Exception):
+    pass
+
+
+def test_exception_in_the_loop_body():
+    # caught by the caller: the loader stays usable
+    with Loader(list(range(N)), square, batch_size=BS, workers=2) as loader:
+        pids, prefix = assert_running(loader)
+        with pytest.raises(ConsumerBug):
+            for n, _batch in enumerate(loader):
+                if n == 2:
+                    raise ConsumerBug
+        assert firsts(loader) == EXPECTED
+        assert loader.worker_pids == pids
+    assert_cleaned(pids, prefix)
+    # propagating out of the with block: everything is cleaned up
+    with pytest.raises(ConsumerBug):
+        with Loader(list(range(N)), square, batch_size=BS, workers=2) as loader:
+            pids, prefix = assert_running(loader)
+            for n, _batch in enumerate(loader):
+                if n == 1:
+                    raise ConsumerBug
+    assert_cleaned(pids, prefix)
+
+
+@pytest.mark.parametrize("iterate", [False, True])
+def test_garbage_collection_of_an_unclosed_loader(iterate):
+    loader = Loader(list(range(N)), square, batch_size=BS, workers=2)
+    pids, prefix = assert_running(loader)
+    it = batch = None
+    if iterate:  # an epoch in progress: the loader and its iterator reference each other
+        it = iter(loader)
+        batch = next(it)
+    del loader, it
+    gc.collect()
+    assert_cleaned(pids, prefix)
+    if iterate:
+        assert firsts([batch]) == [EXPECTED[0]]  # a batch kept past the loader's life stays valid
+
+
+# --------------------------------------------------------------------------- other processes
+SCRIPT = textwrap.dedent('''
+    import sys
+    import time
+
+    import numpy as np
+    import procpipe
+
+
+    def slow(i):
+        time.sleep(0.05)
+        return np.full(4, i)
+
+
+    if __name__ == "__main__":
+        mode = sys.argv[1]
+        loader = procpipe.Loader(list(range(100_000)), slow, batch_size=2, workers=2,
+                                 start_method=sys.argv[2])
+        print(loader.shm_prefix, *loader.worker_pids, flush=True)
+        if mode == "exit":
+            print(sum(int(b.sum()) for b, _ in zip(loader, range(3))), flush=True)
+            sys.exit(0)  # no close(): interpreter exit must clean up
+        if mode == "with":
+            with loader:
+                for i, b in enumerate(loader):
+                    if i == 2:
+                        print("looping", flush=True)
+        else:
+            for i, b in enumerate(loader):
+                if i == 2:
+                    print("looping", flush=True)
+''')
+
+
+class Child:
+    """A Python subprocess running SCRIPT; reads its lines with a deadline."""
+
+    def __init__(self, tmp_path, *args):
+        script = tmp_path / "consumer.py"
+        script.write_text(SCRIPT)
+        self.proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path))
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ)
+
+    def line(self, timeout=60.0):
+        if not self._sel.select(timeout):
+            self.kill()
+            pytest.fail(f"no output from the child in {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(10)
+            pytest.fail(f"child exited with {self.proc.returncode}: {self.proc.stderr.read()}")
+        return line.split()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self):
+        self.kill()
+        self._sel.close()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def _start(tmp_path, mode, start_method="forkserver"):
+    child = Child(tmp_path, mode, start_method)
+    prefix, *pids = child.line()
+    pids = [int(p) for p in pids]
+    assert len(pids) == 2 and set(pids) <= descendants(child.proc.pid)
+    return child, prefix, pids
+
+
+@pytest.mark.parametrize("mode", ["with", "bare"])
+def test_keyboard_interrupt_cleans_up(tmp_path, mode):
+    child, prefix, pids = _start(tmp_path, mode)
+    try:
+        assert child.line() == ["looping"]
+        tree = descendants(child.proc.pid)  # workers, forkserver, resource tracker
+        assert set(pids) <= tree and shm_files(prefix)
+        child.proc.send_signal(signal.SIGINT)
+        try:
+            child.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the consumer did not exit within 30 s of SIGINT")
+        stderr = child.proc.stderr.read()
+        assert child.proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+        assert_cleaned(tree, prefix)
+    finally:
+        child.close()
+
+
+def test_interpreter_exit_without_close_cleans_up(tmp_path):
+    child, prefix, pids = _start(tmp_path, "exit")
+    try:
+        assert child.line() == [str(sum(4 * i for i in range(6)))]
+        tree = descendants(child.proc.pid) | set(pids)
+        assert child.proc.wait(30) == 0
+        assert_cleaned(tree, prefix)
+    finally:
+        child.close()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+def test_sigkilled_parent_leaves_no_workers_and_no_files(tmp_path, start_method):
+    child, prefix, pids = _start(tmp_path, "bare", start_method)
+    try:
+        assert child.line() == ["looping"]
+        tree = descendants(child.proc.pid) | set(pids)
+        assert shm_files(prefix)
+        os.kill(child.proc.pid, signal.SIGKILL)
+        assert child.proc.wait(10) == -signal.SIGKILL
+        survivors = wait_gone(tree, 15)
+        assert survivors == [], f"processes {survivors} outlived their SIGKILLed parent"
+        wait_until(lambda: not shm_files(prefix), 15, f"removal of {prefix}* after the parent was killed")
+    finally:
+        child.close()
