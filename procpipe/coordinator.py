@@ -221,7 +221,7 @@ class WorkerHandle:
     tasks: dict[int, Attempt] = field(default_factory=dict)  # in the order the worker runs them
     fatal: str | None = None
     stalled: bool = False  # its running task is a straggler (speculate): give it no more work
-    doomed: str | None = None  # why the coordinator killed it ("timeout"); None: alive or died by itself
+    killed_for: Attempt | None = None  # the attempt it was running when killed after task_timeout
     dead: bool = False  # died past max_worker_restarts; replaced when the next epoch starts
 
 
@@ -427,7 +427,7 @@ class Coordinator:
         """The healthy worker with the fewest tasks, if it can take one more."""
         best = None
         for w in self.workers:
-            if w.fatal or w.stalled or w.doomed or w.dead or len(w.tasks) >= TASKS_PER_WORKER:
+            if w.fatal or w.stalled or w.killed_for or w.dead or len(w.tasks) >= TASKS_PER_WORKER:
                 continue
             if best is None or len(w.tasks) < len(best.tasks):
                 best = w
@@ -496,7 +496,7 @@ class Coordinator:
             threshold = max(self.config.speculate * statistics.median(self._durations), _SPECULATE_MIN_S)
         wait = _HEALTH_INTERVAL_S
         for w in self.workers:
-            if not w.tasks or w.doomed or w.dead:
+            if not w.tasks or w.killed_for or w.dead:
                 continue
             head = next(iter(w.tasks.values()))
             if head.started is None:
@@ -504,7 +504,7 @@ class Coordinator:
             running = now - head.started
             if timeout is not None:
                 if running >= timeout:
-                    w.doomed = "timeout"
+                    w.killed_for = head
                     _kill_tree(w.process.pid, wait=False)  # its sentinel fires: _on_exit re-runs its tasks
                     continue
                 wait = min(wait, timeout - running)
@@ -536,11 +536,16 @@ class Coordinator:
 
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:
+        """The selector saw a reply: read it, and any others already waiting."""
         try:
-            while worker.conn.poll():
-                self._on_message(worker, wire.recv(worker.conn))
+            self._on_message(worker, wire.recv(worker.conn))
+            self._read_waiting(worker)
         except (EOFError, OSError):
             self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
+
+    def _read_waiting(self, worker: WorkerHandle) -> None:
+        while worker.conn.poll():
+            self._on_message(worker, wire.recv(worker.conn))
 
     def _on_message(self, worker: WorkerHandle, message: tuple) -> None:
         kind = message[0]
@@ -697,7 +702,7 @@ class Coordinator:
         worker.tasks.clear()
         if self._closing:
             return
-        stuck_on = self._stuck_index(worker, lost)
+        stuck_on = self._stuck_index(worker, worker.killed_for or (lost[0] if lost else None))
         epoch = self.epoch
         live = epoch is not None and not epoch.finished
         if epoch is not None:
@@ -709,7 +714,7 @@ class Coordinator:
             if job.done or not live or job.gen != epoch.gen:
                 self._release_unused(attempt.slot)  # finished elsewhere, or a stale epoch's
                 continue
-            if worker.doomed == "timeout" and attempt is lost[0]:
+            if attempt is worker.killed_for:
                 job.timeouts += 1
                 epoch.counters.timed_out_tasks += 1
             if job.attempts:
@@ -732,7 +737,7 @@ class Coordinator:
             self._broken = exc
             self._fail(exc)
             return
-        if worker.doomed is None:  # it died by itself: that counts against the budget
+        if worker.killed_for is None:  # it died by itself: that counts against the budget
             if self._restarts_this_epoch >= self.config.max_worker_restarts:
                 self._fail(WorkerError(_death_message(worker, lost, stuck_on, self.config.max_worker_restarts)))
                 worker.dead = True  # no restart (a crash loop must not spin between epochs)
@@ -741,18 +746,17 @@ class Coordinator:
         worker.counters.restarts += 1
         self.workers[self.workers.index(worker)] = self._start_worker(worker.index)
 
-    def _stuck_index(self, worker: WorkerHandle, lost: list[Attempt]) -> int | None:
-        """The index a dead worker was loading when it died, if known (-1: it was collating)."""
-        if not lost:
+    def _stuck_index(self, worker: WorkerHandle, attempt: Attempt | None) -> int | None:
+        """The index a dead worker was loading for ``attempt`` when it died, if known (-1: collating)."""
+        if attempt is None:
             return None
         task_id, index = self._status[2 * worker.index], self._status[2 * worker.index + 1]
-        return index if task_id == lost[0].id else None
+        return index if task_id == attempt.id else None
 
     def _on_readable_quietly(self, worker: WorkerHandle) -> None:
         """Read replies a worker sent before it died, so finished work is not redone."""
         try:
-            while worker.conn.poll():
-                self._on_message(worker, wire.recv(worker.conn))
+            self._read_waiting(worker)
         except (EOFError, OSError):
             pass
 
@@ -769,7 +773,7 @@ class Coordinator:
 
 
 def _healthy(worker: WorkerHandle) -> bool:
-    return not (worker.stalled or worker.doomed or worker.dead)
+    return not (worker.stalled or worker.killed_for or worker.dead)
 
 
 def _drain(fd: int) -> None:

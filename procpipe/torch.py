@@ -31,7 +31,7 @@ import queue
 import random
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,33 +39,32 @@ import torch
 import torch.utils.data as _tud
 
 from .loader import START_METHODS, Loader
+from .rng import _current as _rng_current
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
 _MASK64 = (1 << 64) - 1
 _ALIGN = 64
+_ABANDON_CHECK_S = 0.25  # how often a stage thread blocked on a full queue checks it is still wanted
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
 # --------------------------------------------------------------------------- tensors <-> numpy
 # dtypes numpy has no equivalent for travel as same-width integers and are viewed back.
 _BITS_VIEW: dict[torch.dtype, torch.dtype] = {}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-for _name in dir(torch):
-    _dt = getattr(torch, _name)
-    if not isinstance(_dt, torch.dtype) or _dt in _BITS_VIEW:
-        continue
-    try:
-        torch.empty(1, dtype=_dt).numpy()
-    except TypeError:
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # e.g. "ComplexHalf support is experimental"
+    for _name in ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                  "float8_e5m2fnuz", "float8_e8m0fnu"):
+        _dt = getattr(torch, _name, None)
+        if not isinstance(_dt, torch.dtype):
+            continue
         try:
-            _size = torch.empty(0, dtype=_dt).element_size()
-            if _size in _INT_OF_SIZE:
-                torch.empty(1, dtype=_dt).view(_INT_OF_SIZE[_size])
-                _BITS_VIEW[_dt] = _INT_OF_SIZE[_size]
-        except (RuntimeError, TypeError):
-            pass
-    except RuntimeError:
-        pass
+            torch.empty(1, dtype=_dt).numpy()
+        except TypeError:
+            _view = _INT_OF_SIZE.get(torch.empty(0, dtype=_dt).element_size())
+            if _view is not None:
+                _BITS_VIEW[_dt] = _view
 _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
@@ -132,6 +131,8 @@ def _sample_to_wire(x: Any) -> Any:
         return _Leaf(x) if x.dtype.kind in "OSUa" else x  # torch refuses those: let it say so
     if isinstance(x, (int, float, np.number, np.bool_)):
         return x
+    if kind is complex:  # the core would stack it; torch's default_collate refuses it
+        raise TypeError(_tud._utils.collate.default_collate_err_msg_format.format(kind))
     if kind is dict or isinstance(x, Mapping):
         return {k: _sample_to_wire(v) for k, v in x.items()}
     if kind is tuple or kind is list:
@@ -265,13 +266,19 @@ def _mix(*values: int) -> int:
     return x
 
 
-def _worker_index() -> int:
+_WORKER_NAME = "procpipe-worker-"  # the coordinator names its processes procpipe-worker-<index>
+
+
+def _worker_index() -> int | None:
+    """This process's worker index, or None outside a procpipe worker."""
     import multiprocess
 
-    name = multiprocess.current_process().name  # "procpipe-worker-<index>", set by the coordinator
+    name = multiprocess.current_process().name
+    if not name.startswith(_WORKER_NAME):
+        return None
     try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
+        return int(name[len(_WORKER_NAME):])
+    except ValueError:
         return 0
 
 
@@ -291,7 +298,6 @@ class _TorchSource:
         self.worker_init_fn = worker_init_fn
         self.num_workers = num_workers
         self.seed = seed
-        self.parent_pid = os.getpid()
         try:
             self.length = len(dataset)
         except TypeError:
@@ -309,10 +315,10 @@ class _TorchSource:
 
     def _enter_process(self) -> None:
         self._pid = os.getpid()
-        self._in_worker = self._pid != self.parent_pid
+        worker_id = _worker_index()
+        self._in_worker = worker_id is not None
         if not self._in_worker:
             return  # num_workers=0: like torch, the main process's generators are left alone
-        worker_id = _worker_index()
         torch.set_num_threads(1)
         seed = (self.seed + worker_id) & _MASK64
         random.seed(seed)
@@ -332,9 +338,7 @@ class _TorchSource:
         if self._pid != os.getpid():
             self._enter_process()
         if self._in_worker:
-            from .rng import _current
-
-            scope = getattr(_current, "scope", None)
+            scope = getattr(_rng_current, "scope", None)
             if scope is not None:
                 s = _mix(scope.seed, scope.epoch, scope.index)
                 torch.default_generator.manual_seed(s)
@@ -387,7 +391,14 @@ def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: th
                 return
             item = transfer(batch)
             del batch  # the ring slot is free once the transfer no longer needs it
-            out.put(item)
+            while True:
+                try:
+                    out.put(item, timeout=_ABANDON_CHECK_S)
+                    break
+                except queue.Full:  # the consumer is busy, or gone: a new epoch or close() cancelled ours
+                    if stop.is_set() or getattr(source, "_cancelled", None):
+                        return
+            del item
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer, raised there
         out.put(_Raised(exc))
 
@@ -451,6 +462,8 @@ class _Stage:
                 return self._queue.get(timeout=1.0)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
+                    if getattr(self._source, "_cancelled", None):
+                        return _End  # abandoned: a new epoch or close() cancelled the epoch under us
                     return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly"))
 
     def close(self) -> None:
@@ -593,15 +606,15 @@ class _CudaTransfer:
             return batch, None
         sizes = [t.numel() * t.element_size() for t in sources]
         total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
-        with self._lock:
-            buffer = self.pool.take(total)
+        with self._lock, torch.cuda.device(self.device):
+            buffer = self.pool.take(total)  # may wait for the copy that last read it
             staged, offset = [], 0
             for tensor, n in zip(sources, sizes):
                 view = buffer[offset:offset + n].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor)  # host copy out of the ring
+                view.copy_(tensor)  # host copy out of the ring (synchronous)
                 staged.append(view)
                 offset += -(-n // _ALIGN) * _ALIGN
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream):  # allocations and copies on our own stream
                 moved = [view.to(self.device, non_blocking=True) for view in staged]
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -726,11 +739,11 @@ class DataLoader(_tud.DataLoader):
         self._pp_device = None if device is None else _resolve_device(device)
         if self._pp_device is not None and self._pp_device.type == "cpu":
             self._pp_device = None  # batches are CPU tensors already
-        default = collate_fn is None or collate_fn is _tud.default_collate or collate_fn is _tud.default_convert
-        if not self._auto_collation:
+        if not self._auto_collation:  # collate_fn (default: default_convert) applies to each sample
+            default = self.collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else self.collate_fn)
             self._pp_convert: Callable = _unpack_convert if default else _unpack
-        elif default and self.collate_fn is _tud.default_collate:
+        elif self.collate_fn is _tud.default_collate:
             mode, item_fn = DEFAULT, None
             self._pp_convert = _from_default
         else:
@@ -791,12 +804,12 @@ class DataLoader(_tud.DataLoader):
             if self._pp_transfer is None:
                 self._pp_transfer = _CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
-            stage = _Stage(epoch, lambda b: transfer(convert(b)), depth, self.timeout)
+            stage = _Stage(epoch, lambda b: transfer(convert(b)), depth, self.timeout if self.num_workers else None)
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-            stage = _Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout)
-        elif self.timeout > 0:
+            stage = _Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None)
+        elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = _Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
         return _DataLoaderIter(epoch, convert, stage, owned, len(self))
 

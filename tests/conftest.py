@@ -24,8 +24,13 @@ Helpers, importable from the tests (``from conftest import wait_until, ...``):
 - ``wait_gone(pids, timeout)``: pids still running after the deadline (zombies count as gone).
 - ``descendants(pid=None)``: pids of the live (non-zombie) descendants of a process.
 - ``shm_files(prefix)`` / ``our_shm_files()``: existing files with a prefix / of this process.
-- ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot.
-- ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout.
+- ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot;
+  ``mappings(prefix)``: address ranges where files with that prefix are mapped in this process.
+- ``leaves(batch)``: the leaves of a batch tree.
+- ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout;
+  ``python_env()``: the environment for a ``subprocess.Popen`` of your own.
+
+Fixture ``shm_dir``: a fresh directory for ``Loader(shm_dir=...)``, checked empty at the end.
 """
 from __future__ import annotations
 
@@ -172,13 +177,14 @@ def ring_views(batch: Any) -> list[bool]:
     return [is_ring_view(a) for a in leaves(batch) if isinstance(a, np.ndarray)]
 
 
-def mapping_of(path: str) -> list[tuple[int, int]]:
-    """Address ranges of this process's memory mappings of file ``path`` (from /proc/self/maps)."""
+def mappings(prefix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory mappings of files whose path starts with ``prefix``
+    (e.g. ``loader.shm_prefix``), from /proc/self/maps."""
     ranges = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].strip() == path:
+            if len(parts) == 6 and parts[5].strip().startswith(prefix):
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 ranges.append((start, end))
     return ranges
@@ -193,7 +199,8 @@ def python_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_python(args: list[str], timeout: float = 120, cwd: str | None = None, **kwargs: Any) -> subprocess.CompletedProcess:
+def run_python(args: list[str], timeout: float = 120, cwd: str | None = None,
+               **kwargs: Any) -> subprocess.CompletedProcess:
     """``python <args>`` to completion (text output captured); fails the test on timeout."""
     try:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,

@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
-from conftest import is_ring_view, leaves, our_shm_files, ring_views, run_python, shm_files
+from conftest import is_ring_view, leaves, mappings, our_shm_files, ring_views, run_python, shm_files
 
 import procpipe
 from procpipe import Loader
@@ -140,7 +140,7 @@ def test_arrays_are_zero_copy_views_of_a_ring_slot():
         prefix = loader.shm_prefix
         count = 0
         for n, batch in enumerate(loader):
-            maps = _mappings(prefix)
+            maps = mappings(prefix)
             assert maps, "the ring file is not mapped in the consumer"
             arrays = [a for a in leaves(batch) if isinstance(a, np.ndarray)]
             assert len(arrays) == 3
@@ -153,17 +153,6 @@ def test_arrays_are_zero_copy_views_of_a_ring_slot():
             count += 1
             del batch, arrays, arr
         assert count == 8
-
-
-def _mappings(prefix):
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].strip().startswith(prefix):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi))
-    return out
 
 
 def noisy(i):

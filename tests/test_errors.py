@@ -192,7 +192,8 @@ BAD_ARGUMENTS = [
     (dict(fn=42), TypeError, r"fn must be callable"),
     (dict(collate_fn="stack"), TypeError, r"collate_fn must be callable"),
     (dict(start_method="thread"), ValueError, r"start_method must be one of .*forkserver.*'thread'"),
-    (dict(shm_dir="/nonexistent/procpipe-test"), ValueError, r"shm_dir='/nonexistent/procpipe-test' is not a writable directory"),
+    (dict(shm_dir="/nonexistent/procpipe-test"), ValueError,
+     r"shm_dir='/nonexistent/procpipe-test' is not a writable directory"),
     (dict(shm_dir=__file__), ValueError, r"is not a writable directory"),
     (dict(slot_bytes=0), ValueError, r"slot_bytes"),
 ]

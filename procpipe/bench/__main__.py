@@ -166,9 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         for name, make, description in jobs:
             settings = []
             for workers in counts:
-                bar.set_postfix_str(f"{name}, {workers} workers")
+                done = [0]
+
+                def progress(n: int, name: str = name, workers: int = workers, done: list = done) -> None:
+                    done[0] += n
+                    bar.set_postfix_str(f"{name}, {workers} workers, {done[0]} batches", refresh=False)
+                    bar.update(0)  # redraws at most every bar.mininterval
+
+                progress(0)
                 settings.append(sweep.measure(make, workers, step_s=step_s, step_mode=args.step_mode,
-                                              max_batches=args.batches, max_seconds=args.seconds))
+                                              max_batches=args.batches, max_seconds=args.seconds,
+                                              progress=None if bar.disable else progress))
                 bar.update(1)
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
             out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{rec['text']}.\n  why: {rec['why']}.")

@@ -125,18 +125,20 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         start = time.perf_counter()
         deadline = start + max_seconds if max_seconds else math.inf
         consumed = pending = 0
+        report_at = start + 0.2
         for batch in it:
             consumed += 1
             _step(step_s, step_mode)
             del batch
-            if progress is not None:
-                pending += 1
-                if pending == 32:
-                    progress(pending)
-                    pending = 0
+            pending += 1
+            now = time.perf_counter()
+            if progress is not None and now >= report_at:
+                progress(pending)
+                pending = 0
+                report_at = now + 0.2
             if max_batches is not None and consumed >= max_batches:
                 break
-            if time.perf_counter() >= deadline:
+            if now >= deadline:
                 break
         end = time.perf_counter()
         s1 = loader.stats()

@@ -1,0 +1,489 @@
+"""Fault tolerance: worker deaths, skipped samples, stragglers, exact resume, process hygiene.
+
+Faults are injected deterministically: ``Faulty`` (the loader's ``fn``) acts on chosen
+indices, and only on the *first attempt* at each when asked to, using an ``O_EXCL``
+marker file in ``tmp_path`` (a re-run of the batch, in whichever worker, then succeeds).
+Every epoch is checked for exactly-once delivery and for values equal to an in-process
+(``workers=0``) reference: values include a draw from ``sample_rng()``, so a re-run that
+changed the randomness would be caught.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+from conftest import our_shm_files, python_env, shm_files, wait_gone, wait_until
+
+from procpipe import Loader, TaskTimeoutError, WorkerError, sample_rng
+from procpipe.reassembly import Ordered, Progress, Sloppy
+
+N, BS = 48, 4  # 12 batches per epoch
+
+
+class Faulty:
+    """``fn``: returns ``(index, [index, index**2, a sample_rng() draw])``; misbehaves on ``plan``.
+
+    ``plan`` maps an index to an action: ``"exit"`` (``os._exit(7)``), ``"sigkill"``,
+    ``"segv"`` (SIGSEGV, as a crash in native code would), ``"raise"`` (ValueError),
+    ``("sleep", seconds)``, or ``("wait", path)`` (block until ``path`` exists). With
+    ``once=True`` an action happens only on the first attempt at that index in the
+    loader's life (a marker file in ``marks``). ``delay`` is slept on every sample.
+    """
+
+    def __init__(self, marks=None, plan=None, once=True, delay=0.0):
+        self.marks, self.plan, self.once, self.delay = str(marks) if marks else None, plan or {}, once, delay
+
+    def _first_attempt(self, i):
+        if not self.once:
+            return True
+        try:
+            os.close(os.open(os.path.join(self.marks, f"attempted-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def __call__(self, i):
+        value = np.array([i, i * i, sample_rng().integers(1 << 40)], np.int64)
+        if self.delay:
+            time.sleep(self.delay)
+        action = self.plan.get(i)
+        if action is not None and self._first_attempt(i):
+            if action == "exit":
+                os._exit(7)
+            elif action == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif action == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            elif action == "raise":
+                raise ValueError(f"bad sample {i}")
+            elif action[0] == "sleep":
+                time.sleep(action[1])
+            elif action[0] == "wait":
+                while not os.path.exists(action[1]):
+                    time.sleep(0.005)
+        return np.int64(i), value
+
+
+class CrashWhileFlag(Faulty):
+    """Dies (``action``) on index 5 at every attempt while the file ``flag`` exists."""
+
+    def __init__(self, flag, action):
+        super().__init__(once=False)
+        self.flag, self.action = str(flag), action
+
+    def __call__(self, i):
+        self.plan = {5: self.action} if os.path.exists(self.flag) else {}
+        return super().__call__(i)
+
+
+class FailingCollate:
+    """``collate_fn`` that fails for the batch holding index ``bad``."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __call__(self, samples):
+        if any(int(s[0]) == self.bad for s in samples):
+            raise RuntimeError(f"cannot collate the batch of {self.bad}")
+        return np.array([s[0] for s in samples]), np.stack([s[1] for s in samples])
+
+
+def reference(epoch, n=N, bs=BS, shuffle=False, seed=0):
+    """``[(indices, values), ...]`` of one epoch, computed in this process."""
+    with Loader(list(range(n)), Faulty(), batch_size=bs, workers=0, shuffle=shuffle, seed=seed) as loader:
+        loader.set_epoch(epoch)
+        return [(idx.tolist(), vals.copy()) for idx, vals in loader]
+
+
+def take(batch):
+    idx, vals = batch
+    return idx.tolist(), vals.copy()
+
+
+def check_epoch(got, ref, ordered, skipped=()):
+    """Exactly once, correct values; in reference order if ``ordered``."""
+    ref_values = {i: v for idx, vals in ref for i, v in zip(idx, vals)}
+    indices = [i for idx, _ in got for i in idx]
+    assert sorted(indices) == sorted(set(ref_values) - set(skipped)), "not every index exactly once"
+    for idx, vals in got:
+        for i, v in zip(idx, vals):
+            np.testing.assert_array_equal(v, ref_values[i], err_msg=f"wrong value for index {i}")
+    if ordered and not skipped:
+        assert [idx for idx, _ in got] == [idx for idx, _ in ref]
+
+
+def spread(seed, count, n=N):
+    return sorted(random.Random(seed).sample(range(n), count))
+
+
+# --------------------------------------------------------------------------- reassembly units
+def test_reassembly_refuses_duplicates_and_skips_done_positions():
+    ordered = Ordered(done={1, 4})
+    assert ordered.add(2, "c") == []
+    assert ordered.add(0, "a") == [(0, "a"), (2, "c")]
+    assert ordered.add(2, "again") == [] and ordered.add(1, "done before") == []
+    assert ordered.add(3, "d") == [(3, "d")]
+    assert ordered.add(5, "f") == [(5, "f")]
+    sloppy = Sloppy(done={0})
+    assert sloppy.add(0, "x") == [] and sloppy.add(2, "y") == [(2, "y")] and sloppy.add(2, "z") == []
+
+
+def test_progress_is_a_watermark_plus_the_rest():
+    p = Progress([3, 0, 5])
+    assert (p.below, p.beyond) == (1, {3, 5}) and len(p) == 3 and 3 in p and 2 not in p
+    for s in (1, 2, 4):
+        p.add(s)
+    assert (p.below, p.beyond) == (6, set()) and list(p) == list(range(6))
+
+
+# --------------------------------------------------------------------------- worker deaths
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("action,seed", [("exit", 1), ("sigkill", 2), ("segv", 3)])
+def test_worker_dying_mid_epoch_changes_nothing(tmp_path, ordered, action, seed):
+    victims = spread(seed, 3)
+    fn = Faulty(tmp_path, {i: action for i in victims})
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=ordered) as loader:
+        got = [take(b) for b in loader]
+        stats = loader.stats()
+        again = [take(b) for b in loader]  # the replacements serve the next epoch too
+    check_epoch(got, reference(0), ordered)
+    check_epoch(again, reference(1), ordered)
+    assert stats["worker_deaths"] == 3 and stats["redispatched_tasks"] >= 3
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_workers_killed_from_the_consumer_loop(ordered, seed):
+    rng = random.Random(seed)
+    kill_at = set(rng.sample(range(1, 10), 2))
+    with Loader(list(range(N)), Faulty(delay=0.004), batch_size=BS, workers=2, ordered=ordered,
+                shuffle=True, seed=seed, prefetch=1) as loader:
+        got = []
+        for step, batch in enumerate(loader):
+            got.append(take(batch))
+            if step in kill_at:
+                deaths = loader.stats()["worker_deaths"]
+                victim = rng.choice(loader.worker_pids)
+                os.kill(victim, signal.SIGKILL)
+                wait_until(lambda: loader.stats()["worker_deaths"] > deaths, 1.0, "the death to be detected (1 s)")
+                wait_until(lambda: victim not in loader.worker_pids, 5.0, "a replacement worker")
+        assert loader.stats()["worker_deaths"] == 2
+    check_epoch(got, reference(0, shuffle=True, seed=seed), ordered)
+
+
+@pytest.mark.parametrize("action,how", [("exit", "exited with code 7"), ("sigkill", "killed by signal SIGKILL")])
+def test_restart_budget_then_a_clear_error_and_a_working_next_epoch(tmp_path, action, how):
+    flag = tmp_path / "still-broken"
+    flag.touch()
+    with Loader(list(range(N)), CrashWhileFlag(flag, action), batch_size=BS, workers=2,
+                max_worker_restarts=2) as loader:
+        with pytest.raises(WorkerError) as info:
+            for _ in loader:
+                pass
+        message = str(info.value)
+        assert how in message and "while loading index 5" in message
+        assert "max_worker_restarts=2" in message and "holding indices [4, 5, 6, 7" in message
+        if action == "sigkill":
+            assert "out-of-memory" in message and "RSS" in message and "MiB" in message
+        else:
+            assert "os._exit" in message
+        flag.unlink()
+        check_epoch([take(b) for b in loader], reference(1), True)
+
+
+# --------------------------------------------------------------------------- on_error="skip"
+@pytest.mark.parametrize("workers,ordered", [(2, True), (2, False), (0, True)])
+def test_skip_leaves_out_failing_samples_and_logs_them(tmp_path, caplog, workers, ordered):
+    bad = spread(21, 3)
+    fn = Faulty(tmp_path, {i: "raise" for i in bad}, once=False)
+    caplog.set_level(logging.WARNING, logger="procpipe")
+    with Loader(list(range(N)), fn, batch_size=BS, workers=workers, ordered=ordered, on_error="skip",
+                max_skipped=3) as loader:
+        got = [take(b) for b in loader]
+        stats = loader.stats()
+    check_epoch(got, reference(0), ordered, skipped=bad)
+    assert sorted(stats["skipped"]) == bad
+    assert stats["samples"] == N - 3
+    assert sum(len(idx) < BS for idx, _ in got) == len({i // BS for i in bad})  # smaller batches, not dropped
+    logged = [r.getMessage() for r in caplog.records if r.name == "procpipe"]
+    for i in bad:
+        assert any(f"index {i} " in m and f"bad sample {i}" in m and "ValueError" in m for m in logged), logged
+
+
+def test_skip_drops_a_batch_whose_collation_fails_and_one_left_empty(tmp_path, caplog):
+    whole = [8, 9, 10, 11]  # every sample raises: the batch comes out empty
+    fn = Faulty(tmp_path, {i: "raise" for i in whole}, once=False)
+    caplog.set_level(logging.WARNING, logger="procpipe")
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, on_error="skip", max_skipped=8,
+                collate_fn=FailingCollate(bad=21)) as loader:
+        got = [take(b) for b in loader]
+        assert sorted(loader.stats()["skipped"]) == whole + [20, 21, 22, 23]
+    check_epoch(got, reference(0), True, skipped=whole + [20, 21, 22, 23])
+    assert len(got) == 10
+    assert any("batch 5 " in r.getMessage() and "collating it failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+@pytest.mark.parametrize("max_skipped", [2, 0.05])  # 0.05 of 48 samples, rounded up: 3
+def test_skip_budget_raises_the_original_error(tmp_path, workers, max_skipped):
+    bad = [3, 17, 30, 41]
+    fn = Faulty(tmp_path, {i: "raise" for i in bad}, once=False)
+    with Loader(list(range(N)), fn, batch_size=BS, workers=workers, on_error="skip",
+                max_skipped=max_skipped) as loader:
+        with pytest.raises(ValueError, match="bad sample") as info:
+            for _ in loader:
+                pass
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert "max_skipped" in notes and "on_error='skip'" in notes
+        assert len(loader.stats()["skipped"]) > (2 if max_skipped == 2 else 3)
+
+
+def test_skip_with_worker_deaths_in_the_same_epoch(tmp_path):
+    plan = {2: "raise", 13: "sigkill", 26: "raise", 35: "exit"}
+    fn = Faulty(tmp_path, plan, once=True)
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=False, on_error="skip", max_skipped=2) as loader:
+        got = [take(b) for b in loader]
+        stats = loader.stats()
+    check_epoch(got, reference(0), False, skipped=[2, 26])
+    assert stats["worker_deaths"] == 2 and sorted(stats["skipped"]) == [2, 26]
+
+
+def test_raise_mode_reports_the_first_failure_in_order(tmp_path):
+    fn = Faulty(tmp_path, {9: "raise", 30: "raise"}, once=False)
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2) as loader:
+        got = []
+        with pytest.raises(ValueError, match="bad sample 9"):
+            for b in loader:
+                got.append(take(b))
+    assert [idx for idx, _ in got] == [idx for idx, _ in reference(0)[:2]]
+
+
+@pytest.mark.parametrize("kwargs", [dict(on_error="ignore"), dict(max_skipped=-1), dict(max_skipped=1.5),
+                                    dict(max_skipped=True), dict(task_timeout=0), dict(speculate=0.5),
+                                    dict(speculate="3")])
+def test_bad_fault_arguments(kwargs):
+    with pytest.raises(ValueError):
+        Loader(list(range(N)), batch_size=BS, workers=0, **kwargs)
+
+
+# --------------------------------------------------------------------------- stragglers
+@pytest.mark.parametrize("ordered", [True, False])
+def test_speculation_rescues_a_straggler_once(tmp_path, ordered):
+    fn = Faulty(tmp_path, {22: ("sleep", 1.5)}, delay=0.002)
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=ordered, speculate=2.0, prefetch=1) as loader:
+        got = [take(b) for b in loader]
+        stats = loader.stats()
+        assert stats["speculative_tasks"] >= 1
+        # The losing attempt is discarded when it finally replies, and its slot freed.
+        wait_until(lambda: loader.stats()["ring_slots_in_use"] == 0, 10, "the straggler's slot to be freed")
+        again = [take(b) for b in loader]
+    check_epoch(got, reference(0), ordered)
+    check_epoch(again, reference(1), ordered)
+
+
+def test_task_timeout_kills_a_stuck_worker_and_reruns_the_batch(tmp_path):
+    fn = Faulty(tmp_path, {13: ("sleep", 120)})
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, task_timeout=0.5) as loader:
+        got = [take(b) for b in loader]
+        stats = loader.stats()
+    check_epoch(got, reference(0), True)
+    assert stats["timed_out_tasks"] == 1 and stats["worker_deaths"] == 1
+
+
+@pytest.mark.parametrize("speculate", [None, 2.0])
+def test_a_batch_stuck_on_every_attempt_names_the_index(tmp_path, speculate):
+    fn = Faulty(tmp_path, {13: ("sleep", 120)}, once=False)
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, task_timeout=0.5, speculate=speculate) as loader:
+        with pytest.raises(TaskTimeoutError) as info:
+            for _ in loader:
+                pass
+        assert info.value.index == 13
+        assert "stuck on index 13" in str(info.value) and "task_timeout=0.5" in str(info.value)
+        assert "batch 3 " in str(info.value)
+
+
+# --------------------------------------------------------------------------- exact resume
+def _run_epoch_with_resume(tmp_path, ordered, workers_after, cut, shuffle, epoch_of_cut):
+    ref = [reference(e, shuffle=shuffle, seed=7) for e in range(epoch_of_cut + 2)]
+    before = []
+    with Loader(list(range(N)), Faulty(), batch_size=BS, workers=2, ordered=ordered, shuffle=shuffle,
+                seed=7) as first:
+        for e in range(epoch_of_cut):
+            check_epoch([take(b) for b in first], ref[e], ordered)
+        for step, batch in enumerate(first):
+            before.append(take(batch))
+            if step + 1 == cut:
+                break
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["epoch"] == epoch_of_cut
+    with Loader(list(range(N)), Faulty(), batch_size=BS, workers=workers_after, ordered=ordered,
+                shuffle=shuffle, seed=7) as second:
+        second.load_state_dict(state)
+        assert second.state_dict() == state
+        after = [take(b) for b in second]
+        following = [take(b) for b in second]
+    check_epoch(before + after, ref[epoch_of_cut], ordered)
+    check_epoch(following, ref[epoch_of_cut + 1], ordered)
+    return state
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("seed", [31, 32, 33])
+def test_resume_at_a_random_cut(tmp_path, ordered, seed):
+    rng = random.Random(seed)
+    cut = rng.randrange(1, N // BS)
+    workers_after = rng.choice([0, 1, 3])
+    _run_epoch_with_resume(tmp_path, ordered, workers_after, cut, shuffle=bool(seed % 2), epoch_of_cut=seed % 2)
+
+
+def test_sloppy_resume_remembers_batches_beyond_the_watermark(tmp_path):
+    release = tmp_path / "release"
+    fn = Faulty(tmp_path, {0: ("wait", str(release))}, once=False)  # batch 0 waits for the consumer
+    with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=False) as first:
+        it = iter(first)
+        before = [take(next(it)) for _ in range(3)]
+        state = json.loads(json.dumps(first.state_dict()))
+        release.touch()
+    assert state["done_below"] == 0 and len(state["done"]) == 3
+    assert sorted(state["done"]) == sorted(idx[0] // BS for idx, _ in before)
+    with Loader(list(range(N)), Faulty(), batch_size=BS, workers=1, ordered=False) as second:
+        second.load_state_dict(state)
+        after = [take(b) for b in second]
+    check_epoch(before + after, reference(0), False)
+
+
+def test_state_dict_between_epochs_and_refused_mismatch():
+    with Loader(list(range(N)), Faulty(), batch_size=BS, workers=1) as loader:
+        assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["done_below"] == 0
+        list(loader)
+        state = loader.state_dict()
+        assert (state["epoch"], state["done_below"], state["done"]) == (1, 0, [])
+    with Loader(list(range(N)), Faulty(), batch_size=BS + 1, workers=0) as other:
+        with pytest.raises(ValueError, match="batch_size"):
+            other.load_state_dict(state)
+    with Loader(list(range(N)), Faulty(), batch_size=BS, workers=0) as other:
+        other.load_state_dict(state)
+        check_epoch([take(b) for b in other], reference(1), True)
+
+
+def test_resume_after_worker_deaths_and_skips(tmp_path):
+    plan = {1: "sigkill", 6: "raise", 40: "exit"}
+    with Loader(list(range(N)), Faulty(tmp_path, plan), batch_size=BS, workers=2, ordered=False,
+                on_error="skip") as first:
+        it = iter(first)
+        before = [take(next(it)) for _ in range(5)]
+        state = first.state_dict()
+    with Loader(list(range(N)), Faulty(tmp_path / "none"), batch_size=BS, workers=2, ordered=False,
+                on_error="skip") as second:
+        second.load_state_dict(state)
+        after = [take(b) for b in second]
+    skipped = [6] if any(6 // BS == idx[0] // BS for idx, _ in before) else []
+    check_epoch(before + after, reference(0), False, skipped=skipped)
+
+
+# --------------------------------------------------------------------------- hygiene
+def test_many_loaders_leak_nothing():
+    me = psutil.Process()
+
+    def cycle():
+        with Loader(list(range(8)), batch_size=4, workers=1, prefetch=1) as loader:
+            assert sum(len(b) for b in loader) == 8
+
+    for _ in range(10):  # warm up: the forkserver, lazily imported modules
+        cycle()
+    fds, threads, files = me.num_fds(), me.num_threads(), our_shm_files()
+    for _ in range(200):
+        cycle()
+    assert me.num_fds() <= fds, "file descriptors leak"
+    assert me.num_threads() <= threads, "threads leak"
+    assert our_shm_files() == files == set(), "shared-memory files leak"
+
+
+def test_many_epochs_leak_nothing():
+    me = psutil.Process()
+    with Loader(list(range(64)), Faulty(), batch_size=8, workers=2) as loader:
+        for _ in range(5):
+            list(loader)
+        workers = [psutil.Process(p) for p in loader.worker_pids]
+        fds, threads, files = me.num_fds(), me.num_threads(), shm_files(loader.shm_prefix)
+        rss = [w.memory_info().rss for w in workers]
+        for _ in range(45):
+            assert sum(len(idx) for idx, _ in loader) == 64
+        assert me.num_fds() <= fds and me.num_threads() <= threads
+        assert shm_files(loader.shm_prefix) == files
+        assert loader.worker_pids == [w.pid for w in workers]
+        grown = [w.memory_info().rss - r for w, r in zip(workers, rss)]
+        assert max(grown) < 4 << 20, f"worker RSS grew by {grown} bytes over 45 epochs"
+
+
+PARENT = textwrap.dedent('''
+    import os, sys, time
+    import numpy as np
+    import procpipe
+
+    MARKS = sys.argv[1]
+
+    def stuck(i):
+        if i >= 8:  # the first batches come back; then every worker sits in a long task
+            open(os.path.join(MARKS, f"{os.getpid()}-{i}"), "w").close()
+            time.sleep(600)
+        return np.full(4, i)
+
+    if __name__ == "__main__":
+        # The fork-started loader first: forking while another loader's thread runs is unsafe.
+        b = procpipe.Loader(list(range(1000)), stuck, batch_size=4, workers=2, ordered=False, start_method="fork")
+        a = procpipe.Loader(list(range(1000)), stuck, batch_size=2, workers=2, speculate=2.0, task_timeout=300)
+        ia, ib = iter(a), iter(b)
+        next(ia), next(ib)
+        print(a.shm_prefix, b.shm_prefix, *a.worker_pids, *b.worker_pids, flush=True)
+        next(ia)  # blocks: the workers are stuck
+''')
+
+
+@pytest.mark.allow_leaks  # checked here, with a tighter deadline; the child is not this process
+def test_sigkilled_parent_while_workers_are_mid_task(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdout=subprocess.PIPE, text=True,
+                            env=python_env(), cwd=str(tmp_path))
+    tree, prefixes = set(), []
+    try:
+        line = proc.stdout.readline().split()
+        assert len(line) == 6, f"the parent did not start: {line}"
+        prefixes, pids = line[:2], [int(p) for p in line[2:]]
+        wait_until(lambda: len({name.split("-")[0] for name in os.listdir(marks)}) == 4, 30,
+                   "all four workers to be inside a long task")
+        tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | set(pids)
+        assert all(shm_files(p) for p in prefixes)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+        survivors = wait_gone(pids, 2.0)
+        assert survivors == [], f"workers {survivors} outlived their SIGKILLed parent by 2 s"
+        survivors = wait_gone(tree, 10.0)
+        assert survivors == [], f"processes {survivors} outlived their SIGKILLed parent by 10 s"
+        wait_until(lambda: not any(shm_files(p) for p in prefixes), 5, "the shared-memory files to be removed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        for pid in tree:  # never leave a process or a file behind, even on failure
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        for prefix in prefixes:
+            for path in shm_files(prefix):
+                os.unlink(path)
