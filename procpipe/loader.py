@@ -12,7 +12,6 @@ import os
 import queue
 import sys
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +20,6 @@ import multiprocess
 
 from . import collate
 from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, Failure, SkipBudget
-from .errors import RemoteTraceback
 from .reassembly import Progress
 from .rng import SampleScope
 from .sampler import ExplicitBatches, Sampler

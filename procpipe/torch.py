@@ -601,7 +601,12 @@ class _CudaTransfer:
 
     def __call__(self, batch: Any) -> tuple[Any, _Ready | None]:
         sources: list[torch.Tensor] = []
-        _map_tensors(batch, lambda t: sources.append(t) or t)
+
+        def collect(tensor: torch.Tensor) -> torch.Tensor:
+            sources.append(tensor)
+            return tensor
+
+        _map_tensors(batch, collect)
         if not sources:
             return batch, None
         sizes = [t.numel() * t.element_size() for t in sources]
@@ -619,7 +624,8 @@ class _CudaTransfer:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.pool.give(buffer, event)
-        del sources, staged
+        sources.clear()  # drop the ring views now, so the slot returns to the ring
+        staged.clear()
         outputs = iter(moved)
         return _map_tensors(batch, lambda t: next(outputs)), _Ready(self.device, event, moved)
 
