@@ -12,11 +12,12 @@ never asserted.
     python bench/compare.py --workloads cpu,tiny --json out.json
 
 Fairness: same worker count (``--workers``, default the CPU count), same batch size,
-and the same number of batches in flight: procpipe keeps ``prefetch + 2 * workers``
-batches outstanding, so the DataLoader gets ``prefetch_factor = ceil(that / workers)``.
+and at least as many batches in flight: procpipe keeps ``prefetch + 2 * workers``
+batches outstanding (``prefetch + 4 * workers`` for batches up to 1 MiB), so the
+DataLoader gets ``prefetch_factor = ceil((prefetch + 4 * workers) / workers)`` everywhere.
 Throughput is measured over the end of one epoch: after the first batch (start-up is
 the separate "first batch" row) and a warm-up of as many batches as procpipe keeps in
-flight (``prefetch + 2 * workers``), the same for every engine; the consumer does not
+flight (``prefetch + 4 * workers``), the same for every engine; the consumer does not
 touch the data. DataLoader and
 Pool use ``fork``; procpipe its default, fork-safe start method (forkserver).
 PyTorch is optional (``pip install torch``, the bench extra): without it the DataLoader
@@ -50,10 +51,7 @@ from procpipe import Loader, __version__
 from procpipe.bench.sweep import cpu_count
 from procpipe.bench.workloads import WORKLOADS, StragglerDataset, TinyDataset, load_batch
 
-try:
-    from procpipe.coordinator import TASKS_PER_WORKER
-except ImportError:  # pragma: no cover
-    TASKS_PER_WORKER = 2
+from procpipe.coordinator import TASKS_PER_WORKER_SMALL
 
 PREFETCH = 2  # procpipe's default prefetch; the DataLoader's prefetch_factor is matched to it
 
@@ -158,7 +156,7 @@ def _batches(n: int, batch_size: int) -> list[list[int]]:
 
 def warmup_batches(workers: int) -> int:
     """Batches left out of the throughput window after the first: as many as procpipe has in flight."""
-    return PREFETCH + TASKS_PER_WORKER * workers
+    return PREFETCH + TASKS_PER_WORKER_SMALL * workers
 
 
 def _consume(iterator: Any, t0: float, n: int, batch_size: int, warmup: int) -> Measurement:
@@ -189,7 +187,7 @@ def procpipe_engine(source: Any, batch_size: int, workers: int, *, ordered: bool
 
 
 def dataloader_prefetch_factor(workers: int) -> int:
-    return max(1, math.ceil((PREFETCH + TASKS_PER_WORKER * workers) / max(1, workers)))
+    return max(1, math.ceil((PREFETCH + TASKS_PER_WORKER_SMALL * workers) / max(1, workers)))
 
 
 def dataloader_engine(source: Any, batch_size: int, workers: int) -> Measurement:

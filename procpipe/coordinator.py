@@ -48,7 +48,12 @@ from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
 from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 from .worker import worker_main
 
-TASKS_PER_WORKER = 2  # one running, one queued so the worker never waits for the next
+# Tasks a worker holds at once: one running, the others queued so it never waits for the
+# next. Small batches are dominated by the round trip, so they get a deeper queue; large
+# ones would only cost ring memory.
+TASKS_PER_WORKER = 2
+TASKS_PER_WORKER_SMALL = 4
+SMALL_BATCH_BYTES = 1 << 20
 _HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled
 TIMEOUT_ATTEMPTS = 2  # attempts a batch may have at once, or time out on before the epoch fails
 _SPECULATE_MIN_S = 0.02  # never call a batch a straggler before it has run this long
@@ -250,6 +255,7 @@ class Coordinator:
         self._ctx = ctx
         self._spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.files = files
+        self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
         self.max_outstanding = config.prefetch + TASKS_PER_WORKER * config.workers
         # Speculative attempts need slots of their own, beyond those of the batches in flight.
         self.spare_slots = config.workers if config.speculate is not None else 0
@@ -427,7 +433,7 @@ class Coordinator:
         """The healthy worker with the fewest tasks, if it can take one more."""
         best = None
         for w in self.workers:
-            if w.fatal or w.stalled or w.killed_for or w.dead or len(w.tasks) >= TASKS_PER_WORKER:
+            if w.fatal or w.stalled or w.killed_for or w.dead or len(w.tasks) >= self.tasks_per_worker:
                 continue
             if best is None or len(w.tasks) < len(best.tasks):
                 best = w
@@ -656,6 +662,9 @@ class Coordinator:
                 self.wake()
 
     def _make_ring(self, slot_bytes: int) -> None:
+        if slot_bytes <= SMALL_BATCH_BYTES:
+            self.tasks_per_worker = TASKS_PER_WORKER_SMALL
+            self.max_outstanding = self.config.prefetch + TASKS_PER_WORKER_SMALL * self.config.workers
         slots = self.max_outstanding + 1 + self.spare_slots  # + the batch the consumer is working on
         self.ring = Ring(self.files, 0, slots, round_slot_bytes(slot_bytes))
 
