@@ -21,6 +21,7 @@ import multiprocess
 from . import collate
 from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, Failure, SkipBudget
 from .reassembly import Progress
+from .produce import produce
 from .rng import SampleScope
 from .sampler import ExplicitBatches, Sampler
 from .shm import SharedFiles, check_capacity, create_file
@@ -446,40 +447,24 @@ class _InlineIterator(_EpochIterator):
 
     def _load(self, seq: int, indices: list[int]) -> tuple[Any, list[int]]:
         """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
-        spec, scope, skips, index = self._loader._spec, self._scope, self._skips, None
-        samples, kept = [], []
+        skips, scope = self._skips, self._scope
         try:
-            for index in indices:
-                scope.enter(self._number, index)
-                try:
-                    sample = spec.source[index]
-                    samples.append(sample if spec.fn is None else spec.fn(sample))
-                except Exception as exc:
-                    if skips is None or not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
-                        raise
-                    continue
-                kept.append(index)
-            scope.leave()
-            index = None
-            if not samples:
-                return None, kept
-            if not spec.batched:
-                layout = collate.layout_value(samples[0], None, 0)[0]
-            elif spec.collate_fn is not None:
-                layout = collate.layout_value(spec.collate_fn(samples), None, 0)[0]
-            else:
-                layout = collate.layout_batch(samples, kept, None, 0)[0]
-            return layout, kept
+            batch = produce(self._loader._spec, scope, self._number, indices, None, 0)
         except Exception as exc:
+            index = scope.index
             scope.leave()
-            if skips is not None:
-                if index is None and skips.add(kept, f"batch {seq} (indices {kept})",
-                                               f"collating it failed: {_describe(exc)}"):
-                    return None, kept
+            if skips is not None:  # a sample failure would have been skipped: collation failed
+                if skips.add(indices, f"batch {seq} (indices {indices})", f"collating it failed: {_describe(exc)}"):
+                    return None, indices
                 exc.add_note(skips.note())
-            where = f"while loading index {index}" if index is not None else f"while collating indices {kept}"
+            where = f"while loading index {index}" if index is not None else f"while collating indices {indices}"
             exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
+        for index, exc in batch.skipped:
+            if not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
+                exc.add_note(skips.note())
+                raise exc
+        return batch.layout, batch.kept
 
     def done_seqs(self) -> Progress:
         return self._progress

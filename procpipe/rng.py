@@ -34,7 +34,7 @@ class SampleScope:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.epoch = 0
-        self.index = -1
+        self.index: int | None = None  # the sample being produced; None between samples
         self.rng: np.random.Generator | None = None
 
     def enter(self, epoch: int, index: int) -> None:
@@ -43,8 +43,8 @@ class SampleScope:
         self.rng = None  # created lazily: most pipelines never ask for one
         _current.scope = self
 
-    @staticmethod
-    def leave() -> None:
+    def leave(self) -> None:
+        self.index = None
         _current.scope = None
 
 

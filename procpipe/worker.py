@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import dill
 
-from . import collate, wire
+from . import wire
+from .produce import produce
 from .rng import SampleScope
 from .shm import WorkerRings, map_file
 
@@ -189,7 +190,6 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
     scope = SampleScope(spec.seed)
-    source, fn, skip = spec.source, spec.fn, spec.skip
     while True:
         while not conn.poll(_IDLE_CHECK_S):
             if parent.gone():
@@ -200,43 +200,15 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         task_id, epoch, indices, ring_id, slot, slot_bytes = task
         started = time.perf_counter()
         status[0] = task_id
-        index = None
         try:
-            samples = []
-            skipped = []
-            for index in indices:
-                status[1] = index
-                scope.enter(epoch, index)
-                try:
-                    sample = source[index]
-                    if fn is not None:
-                        sample = fn(sample)
-                except Exception as exc:
-                    if not skip:
-                        raise
-                    skipped.append(_error_info(index, exc))
-                    continue
-                samples.append(sample)
-            scope.leave()
-            index = None
-            status[1] = -1
-            if skipped:
-                wire.send(conn, ("skip", task_id, skipped))
-                if not samples:
-                    wire.send(conn, ("ok", task_id, None, 0, False, time.perf_counter() - started))
-                    continue
-                left_out = {info[0] for info in skipped}
-                indices = [i for i in indices if i not in left_out]
             buffer = rings.slot(ring_id, slot, slot_bytes) if slot >= 0 else None
-            if not spec.batched:
-                layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, slot_bytes)
-            elif spec.collate_fn is not None:
-                layout, nbytes, in_slot = collate.layout_value(spec.collate_fn(samples), buffer, slot_bytes)
-            else:
-                layout, nbytes, in_slot = collate.layout_batch(samples, indices, buffer, slot_bytes)
-            del samples, buffer
-            wire.send(conn, ("ok", task_id, layout, nbytes, in_slot, time.perf_counter() - started))
+            batch = produce(spec, scope, epoch, indices, buffer, slot_bytes, status)
+            del buffer
+            if batch.skipped:
+                wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
+            wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
         except Exception as exc:
+            index = scope.index
             scope.leave()
             wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
 

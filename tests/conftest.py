@@ -48,6 +48,8 @@ import numpy as np
 import psutil
 import pytest
 
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before any test module imports keras
+
 SHM_DIR = "/dev/shm"
 LEAK_DEADLINE_S = 15.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
