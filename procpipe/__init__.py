@@ -4,19 +4,27 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
-from .errors import (CollateError, ProcpipeError, RemoteTraceback, SharedMemoryError, TaskTimeoutError,
+from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, SharedMemoryError, TaskTimeoutError,
                      WorkerError)
+from .autotune import AutoWorkers
 from .loader import Loader
-from .rng import sample_rng
+from .records import Records
+from .streaming import Shards
+from .rng import batch_rng, sample_rng
 
 __all__ = [
+    "AutoWorkers",
+    "CacheError",
     "CollateError",
     "Loader",
     "ProcpipeError",
+    "Records",
     "RemoteTraceback",
     "SharedMemoryError",
+    "Shards",
     "TaskTimeoutError",
     "WorkerError",
+    "batch_rng",
     "sample_rng",
 ]
 __version__ = "0.1.0"

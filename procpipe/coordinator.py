@@ -21,6 +21,17 @@ a copy runs on a healthy worker), or when its worker is killed after ``task_time
 The first attempt to finish delivers the batch; any other is discarded when it replies
 (or dies), and its slot returns to the ring. Reassembly refuses a position twice, so no
 batch is ever delivered twice.
+
+Streams. One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or
+endless (``Loader(epochs=...)``). The stream opens the next ``Epoch`` as soon as every
+batch of the open ones has been dispatched, so workers keep working across the epoch
+boundary; each epoch keeps its own reassembly, counters and progress, and all of them
+feed one queue, tagged with their epoch.
+
+Autotune. With ``workers="auto"`` a ``Tuner`` (autotune.py) is consulted every control
+interval; the coordinator starts workers (``_add_worker``) or retires them (no more
+tasks, then ``None`` once idle; ``_retire_worker``). The ring and the status words are
+sized for the most workers the tuner may use.
 """
 from __future__ import annotations
 
@@ -42,6 +53,7 @@ import dill
 import psutil
 
 from . import collate, wire
+from .autotune import Sample, Tuner, memory_room
 from .errors import RemoteTraceback, TaskTimeoutError, WorkerError
 from .reassembly import Ordered, Progress, Sloppy
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
@@ -64,7 +76,14 @@ logger = logging.getLogger("procpipe")
 
 
 class EndOfEpoch:
-    """Queue marker: every batch of the epoch has been delivered."""
+    """Queue marker: the iteration is over: every batch of every epoch of the stream has been delivered."""
+
+
+@dataclass(eq=False)
+class EpochEnd:
+    """Queue marker: every batch of ``epoch`` is in the queue, before this marker."""
+
+    epoch: Epoch
 
 
 class _Empty:
@@ -82,13 +101,17 @@ class Failure:
 class Job:
     """One batch of an epoch, and the attempts now running it."""
 
-    gen: int  # the Epoch.gen this job belongs to
+    epoch: Epoch  # the epoch this job belongs to
     seq: int  # position of the batch in the epoch
     indices: list[int]
     attempts: list[Attempt] = field(default_factory=list)  # live ones (sent, no reply yet)
     done: bool = False  # an attempt replied; later replies are discarded
     timeouts: int = 0  # attempts killed after task_timeout
     slot: int = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
+
+    @property
+    def gen(self) -> int:
+        return self.epoch.gen
 
 
 @dataclass(eq=False)
@@ -128,20 +151,20 @@ class SkipBudget:
                 f"({self.limit}); this error is raised instead of being skipped.")
 
 
-@dataclass
+@dataclass(eq=False)
 class Epoch:
-    """One pass over the data: what is left to do, and the consumer's queue.
+    """One pass over the data within a ``Stream``: what is left to do, and what was delivered.
 
     ``done``: positions delivered before a resume (``Loader.load_state_dict``); they are
     neither loaded nor delivered again.
     """
 
-    gen: int  # unique id of this iteration, distinct from the epoch number
+    gen: int  # the stream's id (unique per iteration), distinct from the epoch number
     number: int
     batches: list[list[int]]
     ordered: bool
     done: frozenset = frozenset()
-    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    stream: Stream | None = None
     counters: EpochCounters = None  # type: ignore[assignment]
     next_seq: int = 0  # next batch never dispatched yet
     redo: deque = field(default_factory=deque)  # jobs to dispatch again (their worker died)
@@ -152,8 +175,8 @@ class Epoch:
     finished: bool = False
     skips: SkipBudget | None = None  # set by the coordinator with on_error="skip"
     on_drop: Callable[[int], None] | None = None  # returns the slot of a job that will not run
-    out_seqs: deque = field(default_factory=deque)  # the position of each batch put in ``out``
     skipped_seqs: list = field(default_factory=list)  # positions that came out empty
+    held: list = field(default_factory=list)  # queue items waiting for earlier epochs (ordered streams)
 
     def __post_init__(self) -> None:
         if self.done:
@@ -163,9 +186,6 @@ class Epoch:
         self.progress = Progress(self.done)  # what the consumer has had (consumer thread)
         self.remaining = len(self.batches) - len(self.done)
         self._skip_done()
-        if not self.remaining:  # empty source, drop_last with too few samples, or resumed at the end
-            self.finish()
-            self.out.put(EndOfEpoch)
 
     def _skip_done(self) -> None:
         while self.next_seq in self.done:
@@ -175,30 +195,50 @@ class Epoch:
     def has_work(self) -> bool:
         return not self.finished and (bool(self.redo) or self.next_seq < len(self.batches))
 
+    @property
+    def fresh(self) -> bool:
+        """Batches never dispatched remain."""
+        return not self.finished and self.next_seq < len(self.batches)
+
     def new_job(self) -> Job:
         seq = self.next_seq
         self.next_seq += 1
         self._skip_done()
         self.issued += 1
-        return Job(self.gen, seq, self.batches[seq])
+        self.stream.issued += 1
+        return Job(self, seq, self.batches[seq])
+
+    pins_workers = False  # True: ``dispatch(coordinator)`` sends its own jobs (procpipe.streaming)
+
+    def ring_slot_bytes(self, layout: list, nbytes: int) -> int:
+        """Slot size for the ring, from the first batch's layout and size."""
+        return nbytes
+
+    def accept(self, job: Job, layout: list, lease: Any, skipped: int) -> None:
+        """A job's batch arrived (``lease``: its ring slot, None if inline): count and deliver it."""
+        self.counters.batches += 1
+        self.counters.samples += len(job.indices) - skipped
+        self.deliver(job.seq, collate.build(layout, lease))
+
+    def drop(self) -> None:
+        """A batch came out empty (every sample skipped): it will not reach the consumer."""
+        self.dropped += 1
+        self.stream.dropped += 1
 
     def deliver(self, seq: int, item: Any) -> None:
         for ready_seq, ready in self.reassembly.add(seq, item):
             if self.finished:
                 return
             if isinstance(ready, Failure):
-                self.out.put(ready)
-                self.finish()
+                self.stream.fail_at(self, ready)
                 return
             if ready is _Empty:
                 self.skipped_seqs.append(ready_seq)
             else:
-                self.out_seqs.append(ready_seq)  # before the batch, which the consumer may take at once
-                self.out.put(ready)
+                self.stream.emit(self, (self, ready_seq, ready))
             self.delivered += 1
             if self.delivered == self.remaining:
-                self.finish()
-                self.out.put(EndOfEpoch)
+                self.stream.epoch_done(self)
 
     def done_seqs(self) -> Progress:
         """Positions the consumer has had, plus those that came out empty (consumer thread)."""
@@ -209,12 +249,193 @@ class Epoch:
 
     def finish(self) -> None:
         self.finished = True
+        waiting = getattr(self.reassembly, "_waiting", None)
+        if waiting:  # batches that will never be delivered (cancelled, or behind a failure)
+            waiting.clear()
         redo, self.redo = self.redo, deque()
         for job in redo:
             if job.slot >= 0 and self.on_drop is not None:
                 self.on_drop(job.slot)
         if self.counters.ended is None:
             self.counters.ended = time.perf_counter()
+
+
+class Stream:
+    """What one ``iter(loader)`` asked for: epochs ``start, start + 1, ...`` before ``until``
+    (``None``: forever), as one continuous series of jobs.
+
+    The coordinator opens the next epoch as soon as every batch of the open ones has been
+    dispatched (``fresh``), so workers go on across the boundary instead of draining.
+    Every epoch keeps its own reassembly, counters and progress; their batches go into
+    one queue, ``out``, as ``(epoch, position, batch)`` tuples, each epoch followed by an
+    ``EpochEnd`` marker and the stream by ``EndOfEpoch``. An ordered stream holds a later
+    epoch's items back until every earlier epoch is out (order by epoch, then position);
+    a sloppy one does not. A ``Failure`` ends the stream (in order, when ordered).
+
+    Threads: the consumer creates the stream and its first epoch (so that ``batches()``
+    errors surface in ``iter()``), reads ``out`` and writes ``consumed`` and ``wait_s``;
+    the rest is the coordinator thread's. ``opened`` maps an epoch number to its ``Epoch``
+    for the consumer (``Loader.state_dict``), which removes the epochs it is past.
+    """
+
+    def __init__(self, gen: int, sampler: Any, start: int, until: int | None, ordered: bool,
+                 first_batches: list[list[int]], done: frozenset = frozenset(),
+                 ahead: dict[int, frozenset] | None = None) -> None:
+        self.gen = gen
+        self.sampler = sampler
+        self.start = start
+        self.until = until
+        self.ordered = ordered
+        self.ahead = dict(ahead or {})  # epoch -> positions already delivered (resume); popped when opened
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.epochs: deque[Epoch] = deque()  # open: not yet finished, or (ordered) not yet all out
+        self.opened: dict[int, Epoch] = {}
+        self.next_number = start + 1  # the next epoch to open
+        self.finished = False
+        self.issued = 0  # batches dispatched, all epochs (coordinator thread)
+        self.dropped = 0  # batches that came out empty (coordinator thread)
+        self.consumed = 0  # batches the consumer took (consumer thread)
+        self.wait_s = 0.0  # seconds the consumer waited in next() (consumer thread; autotune reads it)
+        self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
+        self.last: Epoch | None = None  # the epoch opened last
+        # A streaming source's plan (procpipe.streaming) names its own Epoch class.
+        self.epoch_class = getattr(sampler, "epoch_class", Epoch)
+        self.first = self.epoch_class(gen, start, first_batches, ordered, done, stream=self)
+        self.opened[start] = self.first
+
+    @property
+    def exhausted(self) -> bool:
+        """No epoch is left to open."""
+        return self.until is not None and self.next_number >= self.until
+
+    def open(self, epoch: Epoch) -> None:
+        self.last = epoch
+        self.epochs.append(epoch)
+        self.opened[epoch.number] = epoch
+        if self.on_open is not None:
+            self.on_open(epoch)
+        if not epoch.remaining:  # empty, or resumed at its end
+            self.epoch_done(epoch)
+
+    def has_work(self) -> bool:
+        if self.finished:
+            return False
+        return any(e.redo for e in self.epochs) or self.fresh() is not None
+
+    def redo_job(self) -> Job | None:
+        for epoch in self.epochs:
+            if epoch.redo and not epoch.finished:
+                return epoch.redo.popleft()
+        return None
+
+    def fresh(self) -> Epoch | None:
+        """The first open epoch with batches never dispatched, opening the next epochs as needed."""
+        for epoch in self.epochs:
+            if epoch.fresh:
+                return epoch
+        while not self.finished and not self.exhausted:
+            number = self.next_number
+            self.next_number += 1
+            try:
+                batches = self.sampler.batches(number)
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised while computing the batches of epoch {number}")
+                failed = Epoch(self.gen, number, [], self.ordered, stream=self)
+                self.epochs.append(failed)
+                self.fail_at(failed, Failure(exc))
+                return None
+            if not batches and self.until is None:
+                self.until = number  # an empty epoch would repeat forever: the stream ends here
+                self._maybe_end()
+                return None
+            epoch = self.epoch_class(self.gen, number, batches, self.ordered, self.ahead.pop(number, frozenset()),
+                                     stream=self)
+            self.open(epoch)
+            if epoch.fresh:
+                return epoch
+        return None
+
+    def current_counters(self) -> EpochCounters | None:
+        """Counters of the oldest open epoch, else the last opened (where a worker death is counted)."""
+        if self.epochs:
+            return self.epochs[0].counters
+        return self.last.counters if self.last is not None else None
+
+    # ---- output (coordinator thread)
+    def emit(self, epoch: Epoch, item: Any) -> None:
+        if self.ordered and self.epochs and epoch is not self.epochs[0]:
+            epoch.held.append(item)  # an earlier epoch is not all out yet
+        else:
+            self._put(item)
+
+    def _put(self, item: Any) -> None:
+        self.out.put(item)
+        if isinstance(item, Failure):
+            self.finish()
+
+    def epoch_done(self, epoch: Epoch) -> None:
+        """Every batch of ``epoch`` has been delivered (or it had none)."""
+        epoch.finish()
+        self.emit(epoch, EpochEnd(epoch))
+        if not self.ordered:
+            self.epochs.remove(epoch)
+        else:
+            while self.epochs and self.epochs[0].finished:
+                self.epochs.popleft()
+                if self.epochs:
+                    head = self.epochs[0]
+                    held, head.held = head.held, []
+                    for item in held:
+                        self._put(item)
+                        if self.finished:
+                            return
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        if not self.finished and not self.epochs and self.exhausted:
+            self.finished = True
+            self.out.put(EndOfEpoch)
+
+    def fail_at(self, epoch: Epoch, failure: Failure) -> None:
+        """``epoch`` failed: raise in the consumer once the epochs before it are out (ordered)."""
+        if not self.ordered or not self.epochs or epoch is self.epochs[0]:
+            self._put(failure)
+            return
+        epoch.held.append(failure)
+        epoch.finish()
+        self.until = epoch.number + 1 if self.until is None else min(self.until, epoch.number + 1)
+        for later in [e for e in self.epochs if e.number > epoch.number]:
+            later.finish()
+            self.epochs.remove(later)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream now with ``exc`` (a worker error, a timeout, a broken engine)."""
+        if not self.finished:
+            self._put(Failure(exc))
+
+    def finish(self) -> None:
+        """Stop: the stream ended, failed or was cancelled; replies still coming are discarded."""
+        self.finished = True
+        for epoch in self.epochs:
+            epoch.finish()
+            epoch.held.clear()  # (epoch -> held -> item -> epoch: a cycle holding ring slots)
+        self.epochs.clear()
+
+    def abandon(self) -> None:
+        """The consumer is gone (cancel, a new iteration, close): stop, and drop what is queued.
+
+        Queued items reference their epoch, which references this stream, which holds the
+        queue: a cycle that would keep those batches, and their ring slots, alive until the
+        cyclic garbage collector runs. Dropping them returns the slots now. A reader still
+        blocked on the queue (a device stage thread) gets ``EndOfEpoch``.
+        """
+        self.finish()
+        while True:
+            try:
+                self.out.get_nowait()
+            except queue.Empty:
+                break
+        self.out.put(EndOfEpoch)
 
 
 @dataclass(eq=False)
@@ -228,6 +449,9 @@ class WorkerHandle:
     stalled: bool = False  # its running task is a straggler (speculate): give it no more work
     killed_for: Attempt | None = None  # the attempt it was running when killed after task_timeout
     dead: bool = False  # died past max_worker_restarts; replaced when the next epoch starts
+    retiring: bool = False  # autotune: no more tasks; told to stop once idle
+    stop_sent: bool = False
+    ps: Any = None  # its psutil.Process (autotune reads its CPU time)
 
 
 @dataclass
@@ -245,6 +469,7 @@ class EngineConfig:
     max_skipped: int | float = 0.01
     task_timeout: float | None = None
     speculate: float | None = None
+    autotune: Any = None  # an AutoWorkers (workers="auto"); ``workers`` is then the count to start with
 
 
 class Coordinator:
@@ -256,13 +481,22 @@ class Coordinator:
         self._spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.files = files
         self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
+        self.n_workers = config.workers  # workers given tasks (autotune changes it; retiring ones excluded)
+        # The most workers at once: status words and worker indices are sized for it.
+        self.capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
         self.max_outstanding = config.prefetch + TASKS_PER_WORKER * config.workers
         # Speculative attempts need slots of their own, beyond those of the batches in flight.
         self.spare_slots = config.workers if config.speculate is not None else 0
+        self.tuner: Tuner | None = None
+        if config.autotune is not None:
+            self.tuner = Tuner(config.autotune, self.capacity, config.workers, time.monotonic())
+        self._tune_base: tuple | None = None
+        self._next_tune = 0.0
+        self._cpu_seen: dict[int, tuple[float, float]] = {}
         self.ring: Ring | None = None
         if config.slot_bytes is not None:
             self._make_ring(config.slot_bytes)
-        self.epoch: Epoch | None = None
+        self.stream: Stream | None = None
         self.workers: list[WorkerHandle] = []
         self.worker_counters: list[WorkerCounters] = []
         self._attempts: dict[int, Attempt] = {}
@@ -277,7 +511,7 @@ class Coordinator:
         self._shut_down = False
         self.starved = False  # read by the consumer: wake me when capacity frees up
         status_path = files.path("status")
-        create_file(status_path, 16 * config.workers, "the workers' status words")
+        create_file(status_path, 16 * self.capacity, "the workers' status words")
         self._status_map = map_file(status_path)
         self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
         self._wake_r, self._wake_w = os.pipe()
@@ -306,15 +540,20 @@ class Coordinator:
         except (BlockingIOError, OSError):
             pass  # already awake (pipe full) or closing
 
-    def consumed_one(self, epoch: Epoch) -> None:
+    def consumed_one(self, stream: Stream, epoch: Epoch, seq: int) -> None:
         epoch.consumed += 1
-        epoch.progress.add(epoch.out_seqs.popleft())
+        epoch.progress.add(seq)
+        stream.consumed += 1
         if self.starved:
             self.starved = False
             self.wake()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def autotune_info(self) -> dict[str, Any] | None:
+        """``stats()["autotune"]``: None unless ``workers="auto"``."""
+        return None if self.tuner is None else self.tuner.info(self.n_workers)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread, end every worker, remove every shared file. Idempotent.
@@ -344,6 +583,104 @@ class Coordinator:
         self._selector.register(parent_conn.fileno(), selectors.EVENT_READ, (self._on_readable, handle))
         self._selector.register(process.sentinel, selectors.EVENT_READ, (self._on_exit, handle))
         return handle
+
+    def _add_worker(self) -> bool:
+        """Autotune: start one more worker, at the lowest free index; False if none is free."""
+        used = {w.index for w in self.workers}
+        index = next((i for i in range(self.capacity) if i not in used), None)
+        if index is None:
+            return False
+        while len(self.worker_counters) <= index:
+            self.worker_counters.append(WorkerCounters())
+        self.workers.append(self._start_worker(index))
+        self.n_workers += 1
+        self._set_outstanding()
+        return True
+
+    def _retire_worker(self) -> None:
+        """Autotune: the live worker with the highest index gets no more tasks, and stops once idle."""
+        live = [w for w in self.workers if not (w.retiring or w.dead)]
+        if len(live) <= 1:
+            return
+        worker = max(live, key=lambda w: w.index)
+        worker.retiring = True
+        self.n_workers -= 1
+        self._set_outstanding()
+        self._stop_if_idle(worker)
+
+    def _stop_if_idle(self, worker: WorkerHandle) -> None:
+        if worker.retiring and not worker.tasks and not worker.stop_sent:
+            worker.stop_sent = True
+            try:
+                wire.send(worker.conn, None)  # it exits; its sentinel fires and _on_exit removes it
+            except OSError:
+                pass
+
+    def _set_outstanding(self) -> None:
+        self.max_outstanding = self.config.prefetch + self.tasks_per_worker * self.n_workers
+
+    def _workers_cpu(self) -> tuple[float, float]:
+        """Seconds the live workers' main threads spent on a CPU, and runnable waiting for one,
+        since last asked (a new worker: since it started).
+
+        From ``/proc/<pid>/schedstat`` (nanoseconds) where the kernel has it, else psutil's
+        CPU times (10 ms ticks; no run-queue figure).
+        """
+        cpu = runq = 0.0
+        seen: dict[int, tuple[float, float]] = {}
+        for w in self.workers:
+            pid = w.process.pid
+            try:
+                with open(f"/proc/{pid}/schedstat", "rb") as f:
+                    fields = f.read().split()
+                now = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
+            except (OSError, ValueError, IndexError):
+                try:
+                    if w.ps is None:
+                        w.ps = psutil.Process(pid)
+                    t = w.ps.cpu_times()
+                except (psutil.Error, TypeError, ValueError):
+                    continue
+                now = (t.user + t.system, 0.0)
+            seen[pid] = now
+            before = self._cpu_seen.get(pid, (0.0, 0.0))
+            cpu += max(0.0, now[0] - before[0])
+            runq += max(0.0, now[1] - before[1])
+        self._cpu_seen = seen
+        return cpu, runq
+
+    def _tune(self, now: float) -> None:
+        """Autotune: close a control interval (if long enough), ask the tuner, follow it."""
+        tuner, auto = self.tuner, self.config.autotune
+        stream = self.stream
+        self._next_tune = now + auto.interval
+        if stream is None or stream.finished or self.ring is None:
+            self._tune_base = None  # between iterations (or before the first batch): nothing to measure
+            return
+        base = self._tune_base
+        if base is None or base[1] is not stream:
+            self._workers_cpu()
+            self._tune_base = (now, stream, stream.consumed, stream.wait_s,
+                               sum(c.busy_s for c in self.worker_counters), 0.0)
+            return
+        dt = now - base[0]
+        consumed = stream.consumed - base[2]
+        if consumed < auto.min_batches and dt < 8 * auto.interval:
+            return  # too few batches to judge yet: extend the interval
+        busy = sum(c.busy_s for c in self.worker_counters)
+        cpu, runq = self._workers_cpu()
+        wait = stream.wait_s
+        self._tune_base = (now, stream, stream.consumed, wait, busy, 0.0)
+        rss = max((w.counters.rss_bytes for w in self.workers), default=0)
+        tuner.memory_room = memory_room(rss) if rss else None
+        sample = Sample(dt, consumed / dt, min(1.0, max(0.0, (wait - base[3]) / dt)),
+                        max(0.0, busy - base[4]) / dt, cpu / dt, runq / dt)
+        target = tuner.step(now, sample)
+        while self.n_workers < target and self._add_worker():
+            pass
+        while self.n_workers > target and self.n_workers > 1:
+            self._retire_worker()
+        tuner.workers = self.n_workers
 
     def _shutdown_workers(self) -> None:
         if self._shut_down:
@@ -394,6 +731,11 @@ class Coordinator:
             if self._closing:
                 return
             wait = self._watch(time.perf_counter()) if self._watching else _HEALTH_INTERVAL_S
+            if self.tuner is not None:
+                now = time.monotonic()
+                if now >= self._next_tune:
+                    self._tune(now)
+                wait = min(wait, max(0.001, self._next_tune - now))
             self._dispatch()
             for key, _ in self._selector.select(wait):
                 if key.data is None:
@@ -408,32 +750,38 @@ class Coordinator:
 
     def _apply(self, command: str, *args: Any) -> None:
         if command == "start":
-            if self.epoch is not None:
-                self.epoch.finish()
-            epoch = self.epoch = args[0]
-            epoch.on_drop = self._release
-            if self.config.on_error == "skip":
-                epoch.skips = SkipBudget(self.config.max_skipped, epoch.batches, epoch.counters)
-            epoch.counters.worker_base = worker_baseline(self.worker_counters)
-            self._restarts_this_epoch = 0
+            if self.stream is not None:
+                self.stream.abandon()
+            stream = self.stream = args[0]
+            stream.on_open = self._on_open
+            stream.open(stream.first)
             for i, w in enumerate(self.workers):
                 if w.dead:  # it died past the previous epoch's budget: a fresh start
                     self.workers[i] = self._start_worker(w.index)
             if self._broken is not None:
                 self._fail(self._broken)
         elif command == "cancel":
-            if self.epoch is not None and self.epoch.gen == args[0]:
-                self.epoch.finish()
+            if self.stream is not None and self.stream.gen == args[0]:
+                self.stream.abandon()
         elif command == "close":
             self._closing = True
-            if self.epoch is not None:
-                self.epoch.finish()
+            if self.stream is not None:
+                self.stream.abandon()
+
+    def _on_open(self, epoch: Epoch) -> None:
+        """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
+        epoch.on_drop = self._release
+        if self.config.on_error == "skip":
+            epoch.skips = SkipBudget(self.config.max_skipped, epoch.batches, epoch.counters)
+        epoch.counters.worker_base = worker_baseline(self.worker_counters)
+        self._restarts_this_epoch = 0
 
     def _idle_worker(self) -> WorkerHandle | None:
         """The healthy worker with the fewest tasks, if it can take one more."""
         best = None
         for w in self.workers:
-            if w.fatal or w.stalled or w.killed_for or w.dead or len(w.tasks) >= self.tasks_per_worker:
+            if (w.fatal or w.stalled or w.killed_for or w.dead or w.retiring
+                    or len(w.tasks) >= self.tasks_per_worker):
                 continue
             if best is None or len(w.tasks) < len(best.tasks):
                 best = w
@@ -448,28 +796,33 @@ class Coordinator:
         return slot
 
     def _dispatch(self) -> None:
-        epoch = self.epoch
-        if epoch is None or epoch.finished:
+        stream = self.stream
+        if stream is None or stream.finished:
             self.starved = False
             return
         self.starved = True  # published before looking, so a release after the look wakes us
         if self._watching:
-            self._speculate(epoch)
-        while epoch.has_work:
+            self._speculate()
+        if stream.first.pins_workers:  # a streaming source: each block goes to its shard's worker
+            stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
+            self.starved = any([epoch.dispatch(self) for epoch in list(stream.epochs)])
+            return
+        while stream.has_work():  # across epochs: the next epoch opens once this one is all dispatched
             worker = self._idle_worker()
             if worker is None:
                 return
-            if epoch.redo:
-                job = epoch.redo.popleft()
+            job = stream.redo_job()
+            if job is not None:
                 slot, job.slot = job.slot, -1
-                epoch.counters.redispatched_tasks += 1
+                job.epoch.counters.redispatched_tasks += 1
             else:
-                outstanding = epoch.issued - epoch.consumed - epoch.dropped
+                outstanding = stream.issued - stream.consumed - stream.dropped
                 if outstanding >= self.max_outstanding:
                     return
+                epoch = stream.fresh()
                 slot = self._take_slot(epoch)
                 if slot is None:
-                    if outstanding >= len(self.workers):
+                    if outstanding >= self.n_workers:
                         return
                     # No free slot: before the ring exists (the first batches size it), or
                     # when the consumer holds every slot (e.g. list(loader)). Inline keeps
@@ -489,7 +842,7 @@ class Coordinator:
         slot_bytes = ring.slot_bytes if ring is not None and slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
         try:
-            wire.send(worker.conn, (attempt.id, self.epoch.number, job.indices, ring_id, slot, slot_bytes))
+            wire.send(worker.conn, (attempt.id, job.epoch.number, job.indices, ring_id, slot, slot_bytes))
         except OSError:
             pass  # the worker is dying; its sentinel fires and the task is redone
 
@@ -521,14 +874,15 @@ class Coordinator:
                     wait = min(wait, threshold - running)
         return max(wait, 0.001)
 
-    def _speculate(self, epoch: Epoch) -> None:
+    def _speculate(self) -> None:
         """Give the batches held by straggling workers to healthy ones too; the first result wins."""
         for w in self.workers:
             if not w.stalled:
                 continue
             for attempt in list(w.tasks.values()):
                 job = attempt.job
-                if (job.done or job.gen != epoch.gen or any(_healthy(a.worker) for a in job.attempts)
+                epoch = job.epoch
+                if (job.done or epoch.finished or any(_healthy(a.worker) for a in job.attempts)
                         or len(job.attempts) + job.timeouts >= TIMEOUT_ATTEMPTS):
                     continue  # done, healthy elsewhere, or already tried as often as a batch may be
                 target = self._idle_worker()
@@ -565,6 +919,8 @@ class Coordinator:
             return
         attempt = self._attempts.pop(message[1], None)
         worker.tasks.pop(message[1], None)
+        if worker.retiring:
+            self._stop_if_idle(worker)
         busy = message[-1]
         worker.counters.tasks += 1
         worker.counters.busy_s += busy
@@ -577,8 +933,8 @@ class Coordinator:
             return
         job = attempt.job
         job.attempts.remove(attempt)
-        epoch = self.epoch
-        if job.done or epoch is None or epoch.finished or job.gen != epoch.gen:
+        epoch = job.epoch
+        if job.done or epoch.finished:
             self._release_unused(attempt.slot)  # a lost race, or a cancelled epoch
             return
         job.done = True
@@ -589,33 +945,31 @@ class Coordinator:
                 return
             if layout is None:  # every sample was skipped
                 self._release_unused(attempt.slot)
-                epoch.dropped += 1
+                epoch.drop()
                 epoch.deliver(job.seq, _Empty)
                 return
             if self.ring is None:
-                self._make_ring_or_fail(nbytes)
+                self._make_ring_or_fail(epoch.ring_slot_bytes(layout, nbytes))
             counters = epoch.counters
             if in_slot:
-                batch = collate.build(layout, self.ring.lease(attempt.slot, self._release))
+                lease = self.ring.lease(attempt.slot, self._release)
                 counters.bytes_in_slots += nbytes
             else:
                 self._release_unused(attempt.slot)
-                batch = collate.build(layout, None)
+                lease = None
                 counters.bytes_inline += nbytes
                 if attempt.slot >= 0:
                     counters.overflow_batches += 1
                     self._warn_overflow(nbytes)
-            counters.batches += 1
-            counters.samples += len(job.indices) - len(attempt.skipped or ())
             counters.array_bytes += array_bytes(layout)
-            epoch.deliver(job.seq, batch)
+            epoch.accept(job, layout, lease, len(attempt.skipped or ()))
         else:
             self._release_unused(attempt.slot)
             error = message[2:7]
             if epoch.skips is None:
                 epoch.deliver(job.seq, Failure(_rebuild_error(error, worker, job, epoch.number)))
             elif self._skip(epoch, job, worker, attempt.skipped or [], error):
-                epoch.dropped += 1
+                epoch.drop()
                 epoch.deliver(job.seq, _Empty)
 
     def _skip(self, epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tuple], batch_error: tuple | None) -> bool:
@@ -664,9 +1018,33 @@ class Coordinator:
     def _make_ring(self, slot_bytes: int) -> None:
         if slot_bytes <= SMALL_BATCH_BYTES:
             self.tasks_per_worker = TASKS_PER_WORKER_SMALL
-            self.max_outstanding = self.config.prefetch + TASKS_PER_WORKER_SMALL * self.config.workers
-        slots = self.max_outstanding + 1 + self.spare_slots  # + the batch the consumer is working on
-        self.ring = Ring(self.files, 0, slots, round_slot_bytes(slot_bytes))
+        self._set_outstanding()
+        slot_bytes = round_slot_bytes(slot_bytes)
+        workers = self._ring_workers(slot_bytes)
+        if self.config.speculate is not None:
+            self.spare_slots = workers
+        # + the batch the consumer is working on
+        slots = self.config.prefetch + self.tasks_per_worker * workers + 1 + self.spare_slots
+        self.ring = Ring(self.files, 0, slots, slot_bytes)
+
+    def _ring_workers(self, slot_bytes: int) -> int:
+        """Workers the ring is sized for: all of them, or with autotune the most it may use.
+
+        Autotune sizes the ring once, for its maximum (rings never grow), but keeps it
+        within a quarter of the free space of ``shm_dir`` and of available memory; the
+        tuner then never goes beyond what the ring serves.
+        """
+        if self.tuner is None:
+            return self.config.workers
+        per_worker = slot_bytes * (self.tasks_per_worker + (1 if self.config.speculate is not None else 0))
+        try:
+            budget = 0.25 * min(psutil.disk_usage(self.files.directory).free, psutil.virtual_memory().available)
+        except OSError:
+            budget = 0.0
+        fit = int((budget - (self.config.prefetch + 1) * slot_bytes) // per_worker)
+        workers = max(self.n_workers, min(self.capacity, fit))
+        self.tuner.capacity = workers
+        return workers
 
     def _make_ring_or_fail(self, nbytes: int) -> None:
         try:
@@ -689,10 +1067,9 @@ class Coordinator:
             )
 
     def _fail(self, exc: BaseException) -> None:
-        epoch = self.epoch
-        if epoch is not None and not epoch.finished:
-            epoch.out.put(Failure(exc))
-            epoch.finish()
+        stream = self.stream
+        if stream is not None and not stream.finished:
+            stream.fail(exc)
 
     # ---------------------------------------------------------------- health
     def _on_exit(self, worker: WorkerHandle) -> None:
@@ -711,21 +1088,28 @@ class Coordinator:
         worker.tasks.clear()
         if self._closing:
             return
+        if worker.retiring:  # autotune retired it: it leaves for good
+            self._cpu_seen.pop(worker.process.pid, None)
+            if worker in self.workers:
+                self.workers.remove(worker)
+            if not lost:
+                return
         stuck_on = self._stuck_index(worker, worker.killed_for or (lost[0] if lost else None))
-        epoch = self.epoch
-        live = epoch is not None and not epoch.finished
-        if epoch is not None:
-            epoch.counters.worker_deaths += 1
+        stream = self.stream
+        if stream is not None:
+            counters = stream.current_counters()
+            if counters is not None:
+                counters.worker_deaths += 1
         redo, timed_out = [], None
         for attempt in lost:
             job = attempt.job
             job.attempts.remove(attempt)
-            if job.done or not live or job.gen != epoch.gen:
+            if job.done or job.epoch.finished:
                 self._release_unused(attempt.slot)  # finished elsewhere, or a stale epoch's
                 continue
             if attempt is worker.killed_for:
                 job.timeouts += 1
-                epoch.counters.timed_out_tasks += 1
+                job.epoch.counters.timed_out_tasks += 1
             if job.attempts:
                 self._release_unused(attempt.slot)  # still running elsewhere (speculation)
                 continue
@@ -733,11 +1117,13 @@ class Coordinator:
                 timed_out = job
             job.slot = attempt.slot
             redo.append(job)
-        if redo:
-            epoch.redo.extendleft(sorted(redo, key=lambda j: j.seq, reverse=True))
+        for epoch in {job.epoch: None for job in redo}:
+            epoch.redo.extendleft(sorted((j for j in redo if j.epoch is epoch), key=lambda j: j.seq, reverse=True))
         if timed_out is not None:
-            self._fail(TaskTimeoutError(_timeout_message(timed_out, stuck_on, self.config.task_timeout, epoch.number),
-                                        stuck_on))
+            self._fail(TaskTimeoutError(_timeout_message(timed_out, stuck_on, self.config.task_timeout,
+                                                         timed_out.epoch.number), stuck_on))
+        if worker.retiring:
+            return
         if worker.fatal is not None:
             exc = WorkerError(
                 f"procpipe worker {worker.index} could not start: loading the dataset, fn or collate_fn "

@@ -19,6 +19,11 @@ class SharedMemoryError(ProcpipeError, MemoryError):
     """The shared-memory directory has too little room for the ring."""
 
 
+class CacheError(ProcpipeError, ValueError):
+    """A sample cannot go into ``Loader(cache=...)``: its structure, dtype or shape differs
+    from the first sample's, or it holds something that is not an array or a number."""
+
+
 class WorkerError(ProcpipeError):
     """A worker failed in a way that cannot be reported with the original exception type.
 

@@ -1,8 +1,8 @@
 """``procpipe.Loader``: the public entry point.
 
 The Loader validates its arguments, ships the user's objects to the workers once, and
-hands each epoch to the coordinator. Iterating it once is one epoch; workers persist
-between epochs. With ``workers=0`` everything runs in the calling process through the
+hands each iteration to the coordinator. Iterating it once is one epoch (or ``epochs=N``
+epochs, or an endless stream with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs in the calling process through the
 same sampler, sample scope and collation, so results are identical.
 """
 from __future__ import annotations
@@ -19,12 +19,16 @@ from typing import Any
 import multiprocess
 
 from . import collate
-from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, Failure, SkipBudget
+from .cache import open_cache
+from .cache import validate as validate_cache
+from .autotune import resolve as resolve_autotune
+from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, EpochEnd, Failure, SkipBudget, Stream
 from .reassembly import Progress
 from .produce import produce
 from .rng import SampleScope
 from .sampler import ExplicitBatches, Sampler
 from .shm import SharedFiles, check_capacity, create_file
+from .streaming import InlineStream, Shards, StreamPlan
 from .stats import EpochCounters, array_bytes
 from .worker import WorkerSpec, dump_spec
 
@@ -41,12 +45,23 @@ class Loader:
         source: any object with ``__len__`` and ``__getitem__(int)``.
         fn: optional per-sample function, ``fn(source[i]) -> sample``; runs in the workers.
         batch_size: samples per batch; ``None`` yields single samples, unbatched.
-        workers: worker processes; ``0`` runs everything in the calling process.
+        workers: worker processes; ``0`` runs everything in the calling process;
+            ``"auto"`` (or a ``procpipe.AutoWorkers(...)``) starts with 2 and adds or
+            retires workers while running, until the consumer no longer waits or more
+            workers stop helping (bounded by CPUs, or more when workers wait on I/O,
+            and by memory); ``stats()["autotune"]`` shows its trace. See docs_epochs.md.
         ordered: ``True`` yields batches in sampler order; ``False`` yields them as they
             finish ("sloppy"), so a slow batch does not hold back the others.
         prefetch: ready batches kept ahead of the consumer.
         shuffle, seed: the order of each epoch is a permutation drawn from ``(seed, epoch)``.
         drop_last: drop the last batch if it is smaller than ``batch_size``.
+        reshuffle: with ``shuffle=True``, ``False`` keeps one order: every epoch uses epoch
+            0's permutation (``sample_rng()`` still differs by epoch).
+        epochs: epochs one ``iter(loader)`` spans: ``1`` (default), ``N``, or ``None`` for
+            an endless stream. Workers go on across epoch boundaries (the next epoch's
+            batches are dispatched while the last ones of this epoch still run); ordered
+            delivery is by (epoch, position).
+        with_epoch: yield ``(epoch, batch)`` pairs instead of batches.
         collate_fn: optional ``collate_fn(list_of_samples) -> batch``, run in the worker,
             replacing the default stacking (e.g. to pad variable-length samples).
         start_method: ``"forkserver"`` (default, safe when the parent runs threads),
@@ -86,6 +101,24 @@ class Loader:
             (and at least 20 ms) is also given to a healthy worker; the first result wins
             and no batch is delivered twice. ``None`` (default) disables it. Adds
             ``workers`` ring slots.
+        batch_fn: optional ``batch_fn(batch) -> batch``, a vectorized function run in the
+            worker on each collated batch (after the default stacking or ``collate_fn``),
+            before the batch goes into the ring. ``procpipe.batch_rng()`` works inside it;
+            ``sample_rng()`` does not. Needs a ``batch_size``.
+        cache: ``None``/``False`` (default): no cache. ``True`` or ``"memory"``: the output
+            of the deterministic first stage (``source[i]``, then ``fn``) is kept per index
+            in shared memory (``shm_dir``), computed once, and read back in later epochs;
+            a directory path: the same in a memory-mapped file there (data larger than
+            memory). The first sample is computed when the loader is created, to lay the
+            cache out (typed arrays: every sample must match its structure, dtypes and
+            shapes). The cache is removed with the loader. See ``docs_stages.md``.
+        augment: optional ``augment(sample) -> sample``, run every epoch after ``fn`` (or
+            on a copy of the cached sample); the place for random augmentation with
+            ``sample_rng()`` when ``cache`` is on.
+        shuffle_buffer: streaming sources (``procpipe.Shards``) only: shuffle records
+            through a buffer of this many records in the calling process, like tf.data's
+            ``shuffle(buffer_size)``; deterministic from ``(seed, epoch)`` with ``ordered=True``.
+            See docs_streaming.md.
 
     Use it as a context manager, or call ``close()``; an unclosed loader is cleaned up
     when it is garbage collected or when the interpreter exits.
@@ -97,12 +130,15 @@ class Loader:
         fn: Callable[[Any], Any] | None = None,
         *,
         batch_size: int | None = 32,
-        workers: int = 2,
+        workers: int | str | Any = 2,
         ordered: bool = True,
         prefetch: int = 2,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        reshuffle: bool = True,
+        epochs: int | None = 1,
+        with_epoch: bool = False,
         collate_fn: Callable[[list], Any] | None = None,
         start_method: str = "forkserver",
         shm_dir: str = "/dev/shm",
@@ -116,43 +152,66 @@ class Loader:
         max_skipped: int | float = 0.01,
         task_timeout: float | None = None,
         speculate: float | None = None,
+        batch_fn: Callable[[Any], Any] | None = None,
+        cache: Any = None,
+        augment: Callable[[Any], Any] | None = None,
+        shuffle_buffer: int | None = None,
     ) -> None:
         _validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                   slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
                   drop_last=drop_last, on_error=on_error, max_skipped=max_skipped,
-                  task_timeout=task_timeout, speculate=speculate)
-        if batches is None:
+                  task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
+                  augment=augment)
+        _validate_epochs(epochs, reshuffle, with_epoch, batches)
+        auto = resolve_autotune(workers)
+        if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
+            self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                       reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
+                                       shuffle_buffer=shuffle_buffer, on_error=on_error, speculate=speculate,
+                                       batches=batches, batch_fn=batch_fn, cache=cache)
+            source = self._sampler.source  # the copy that knows how to lay out blocks
+        elif shuffle_buffer is not None:
+            raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
+                             "source is shuffled whole with shuffle=True")
+        elif batches is None:
             self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
-                                    None if shard is None else tuple(shard))
+                                    None if shard is None else tuple(shard), bool(reshuffle))
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch)
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed))
         self._spec.skip = on_error == "skip"
+        self._spec.batch_fn, self._spec.augment = batch_fn, augment
         self._max_skipped = max_skipped
-        self._resume: tuple[int, frozenset] | None = None  # (epoch, positions done) from load_state_dict
+        self._resume: _Resume | None = None  # from load_state_dict
         self._workers = workers
+        self._epochs = epochs
+        self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
         self._epoch = 0
         self._active: _EpochIterator | None = None
         self._last_counters: EpochCounters | None = None
         self._closed = False
         self._coordinator: Coordinator | None = None
-        if workers > 0:
+        if auto is not None or workers > 0:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
-            config = EngineConfig(workers, self._ordered, prefetch, slot_bytes, max_worker_restarts, env, start_method,
+            config = EngineConfig(workers if auto is None else auto.first, self._ordered, prefetch, slot_bytes,
+                                  max_worker_restarts, env, start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
-                                  speculate=speculate)
+                                  speculate=speculate, autotune=auto)
             files = SharedFiles(shm_dir)
             try:
                 ctx = _context(start_method, env)
+                self._spec.cache = open_cache(self._spec, cache, files, shm_dir)  # runs the first sample here
                 shipped = self._spec if start_method == "fork" else _ship_spec(self._spec, files)
                 self._coordinator = Coordinator(config, ctx, shipped, files)
             except BaseException:
                 files.remove_all()
                 raise
+        else:
+            self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
         self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)
 
     # ------------------------------------------------------------------ public API
@@ -161,7 +220,7 @@ class Loader:
         return len(self._sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        """Start the next epoch (ending an unfinished previous one) and iterate over it."""
+        """Start the next epoch, or ``epochs`` epochs (ending an unfinished previous iteration), and iterate."""
         if self._closed:
             raise RuntimeError("this procpipe.Loader is closed; create a new one to load more data")
         if self._active is not None:
@@ -169,11 +228,16 @@ class Loader:
         epoch = self._epoch
         self._epoch += 1
         resume, self._resume = self._resume, None
-        done = resume[1] if resume is not None and resume[0] == epoch else frozenset()
+        done, ahead, until = frozenset(), {}, self._default_until(epoch)
+        if resume is not None and resume.epoch == epoch:
+            done, ahead = resume.done, resume.ahead
+            if resume.until is not _LOADER_EPOCHS:
+                until = resume.until
         if self._coordinator is None:
-            it: _EpochIterator = _InlineIterator(self, epoch, done)
+            inline = InlineStream if isinstance(self._sampler, StreamPlan) else _InlineIterator
+            it: _EpochIterator = inline(self, epoch, done, until, ahead)
         else:
-            it = _EpochIterator(self, epoch, done)
+            it = _EpochIterator(self, epoch, done, until, ahead)
         self._active = it
         if self._device_stage is not None:
             return self._device_stage(it)
@@ -181,8 +245,12 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """The epoch number the next ``iter(loader)`` will produce."""
+        """The epoch number the next ``iter(loader)`` will start with (during an iteration over
+        several epochs: the one after the epoch of the last batch returned)."""
         return self._epoch
+
+    def _default_until(self, start: int) -> int | None:
+        return None if self._epochs is None else start + self._epochs
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch number of the next iteration (its shuffle order and sample seeds)."""
@@ -200,17 +268,27 @@ class Loader:
         later epochs are those of an uninterrupted run. Batches still in the prefetch
         queue were not returned, so they are loaded again. Keys: ``epoch`` (to resume),
         ``done_below`` (every batch position below it was returned), ``done`` (positions
-        returned beyond that, out of order), plus the sampler's settings, checked on load.
+        returned beyond that, out of order), ``until`` (the epoch the resumed iteration
+        stops before, ``None``: never; with ``epochs=N`` the interrupted iteration's end),
+        ``ahead`` (``[epoch, done_below, done]`` for later epochs of which batches were
+        already returned: ``ordered=False`` across an epoch boundary), plus the sampler's
+        settings, checked on load.
         """
-        epoch, done = self._epoch, Progress()
-        active = self._active
-        if self._resume is not None and self._resume[0] == epoch:
-            done = Progress(self._resume[1])
-        elif active is not None and active.number + 1 == epoch:
-            returned = active.done_seqs()
-            if len(returned) < active.batch_count:
-                epoch, done = active.number, returned
+        _no_stream_state(self._sampler)
+        epoch, done, ahead = self._epoch, Progress(), {}
+        until = self._default_until(epoch)
+        active, resume = self._active, self._resume
+        if resume is not None and resume.epoch == epoch:
+            done = Progress(resume.done)
+            ahead = {n: Progress(v) for n, v in resume.ahead.items()}
+            if resume.until is not _LOADER_EPOCHS:
+                until = resume.until
+        elif active is not None and active.owns_epoch():
+            point = active.resume_point()
+            if point is not None:
+                epoch, done, ahead, until = point
         return {"version": 1, "epoch": epoch, "done_below": done.below, "done": sorted(done.beyond),
+                "until": until, "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())],
                 **_sampler_state(self._sampler)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,10 +298,11 @@ class Loader:
         comes from a loader over different data (length, batch_size, shuffle, seed,
         drop_last, shard).
         """
+        _no_stream_state(self._sampler)
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
         for key, mine in _sampler_state(self._sampler).items():
-            if state.get(key) != mine:
+            if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
                 raise ValueError(
                     f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                     f"{key}={mine!r}; resuming needs the same data and sampler settings "
@@ -233,11 +312,12 @@ class Loader:
         if (not isinstance(epoch, int) or epoch < 0 or not isinstance(below, int) or below < 0
                 or not isinstance(beyond, list) or not all(isinstance(s, int) and s > below for s in beyond)):
             raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}, done_below={below!r}, done={beyond!r:.200}")
+        until, ahead = _parse_stream_state(state, epoch)
         if self._active is not None:
             self._active.cancel("load_state_dict() was called")
             self._active = None
         self._epoch = epoch
-        self._resume = (epoch, frozenset(itertools.chain(range(below), beyond)))
+        self._resume = _Resume(epoch, frozenset(itertools.chain(range(below), beyond)), until, ahead)
 
     def close(self) -> None:
         """End every worker and remove every shared-memory file. Safe to call twice.
@@ -249,6 +329,8 @@ class Loader:
             self._active.cancel("the loader was closed")
         self._closed = True
         self._finalizer()
+        if self._spec.cache is not None:
+            self._spec.cache.close()
 
     def __enter__(self) -> Loader:
         return self
@@ -262,6 +344,12 @@ class Loader:
         if self._coordinator is None or self._closed:
             return []
         return [w.process.pid for w in self._coordinator.workers]
+
+    def cache_info(self) -> dict[str, Any] | None:
+        """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
+        (indices computed so far), ``sample_bytes``, ``bytes`` (the file); None without one."""
+        cache = self._spec.cache
+        return None if cache is None or self._closed else cache.info()
 
     @property
     def shm_prefix(self) -> str | None:
@@ -325,14 +413,22 @@ class Loader:
         running = active is not None and not active._done
         coordinator = self._coordinator
         if coordinator is None:
-            return snapshot(self._last_counters, workers=0, running=running, consumed=None)
+            out = snapshot(self._last_counters, workers=0, running=running, consumed=None)
+            out["autotune"] = None
+            return out
         epoch = getattr(active, "_epoch", None)
-        return snapshot(
-            self._last_counters, workers=self._workers, running=running,
-            consumed=epoch.consumed if epoch is not None else None, ring=coordinator.ring,
-            worker_counters=coordinator.worker_counters,
-            pids=[w.process.pid for w in list(coordinator.workers)],
+        counters = list(coordinator.worker_counters)
+        pids: list[int | None] = [None] * len(counters)
+        for w in list(coordinator.workers):
+            if w.index < len(pids):
+                pids[w.index] = w.process.pid
+        out = snapshot(
+            self._last_counters, workers=coordinator.n_workers if coordinator.tuner is not None else self._workers,
+            running=running, consumed=epoch.consumed if epoch is not None else None, ring=coordinator.ring,
+            worker_counters=counters, pids=pids,
         )
+        out["autotune"] = coordinator.autotune_info()
+        return out
 
 
 def _close_engine(coordinator: Coordinator | None) -> None:
@@ -341,43 +437,101 @@ def _close_engine(coordinator: Coordinator | None) -> None:
 
 
 class _EpochIterator:
-    """One epoch from the workers: reads the epoch's queue, filled by the coordinator."""
+    """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
 
-    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset()) -> None:
+    Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
+    last batch, ``EndOfEpoch`` the stream's. ``number`` is the latest epoch the consumer
+    has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
+    """
+
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
+                 ahead: dict[int, frozenset] | None = None) -> None:
         self._loader = loader
         self._coordinator = loader._coordinator
         self.number = number
-        self._epoch = Epoch(next(_generations), number, loader._sampler.batches(number), loader._ordered, done)
+        self._with_epoch = loader._with_epoch
+        self._ahead0 = dict(ahead or {})
+        self._stream = Stream(next(_generations), loader._sampler, number, until, loader._ordered,
+                              loader._sampler.batches(number), done, ahead)
+        self._epoch = self._stream.first  # the epoch the consumer is in
         self.batch_count = len(self._epoch.batches)
+        self._low = number
+        self._ended: set[int] = set()  # epochs at or above _low whose EpochEnd the consumer has seen
         self._done = False
+        self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
         loader._last_counters = self._epoch.counters
-        self._coordinator.submit("start", self._epoch)
+        self._set_epoch(number + 1)
+        self._coordinator.submit("start", self._stream)
 
     def __iter__(self) -> _EpochIterator:
         return self
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
+        loader = self._loader
+        if getattr(self, "_epoch_set", None) in (None, loader._epoch):
+            loader._epoch = self._epoch_set = epoch
+
+    def owns_epoch(self) -> bool:
+        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
+        return self._loader._epoch == getattr(self, "_epoch_set", None)
 
     def __next__(self) -> Any:
         if self._done:
             if self._cancelled:
                 raise RuntimeError(f"this epoch's iterator was ended early: {self._cancelled}")
             raise StopIteration
-        epoch = self._epoch
+        stream = self._stream
         started = time.perf_counter()
-        item = self._get()
-        epoch.counters.wait_s += time.perf_counter() - started
-        if item is EndOfEpoch:
+        while True:
+            item = self._get()
+            if type(item) is tuple:
+                epoch, seq, batch = item
+                waited = time.perf_counter() - started
+                epoch.counters.wait_s += waited
+                stream.wait_s += waited
+                self._coordinator.consumed_one(stream, epoch, seq)
+                if epoch.number > self.number:
+                    self._enter(epoch)
+                return (epoch.number, batch) if self._with_epoch else batch
+            if isinstance(item, EpochEnd):
+                self._epoch_end(item.epoch)
+                continue
+            now = time.perf_counter()
+            self._epoch.counters.wait_s += now - started
+            stream.wait_s += now - started
             self._done = True
-            epoch.counters.ended = time.perf_counter()  # the consumer's end of the epoch (stats)
-            raise StopIteration
-        if isinstance(item, Failure):
-            self._done = True
-            raise item.exc
-        self._coordinator.consumed_one(epoch)
-        return item
+            if item is EndOfEpoch:
+                self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
+                if not self._cancelled:
+                    self._complete = True
+                    self._set_epoch(stream.until if stream.until is not None else stream.next_number)
+                raise StopIteration
+            raise item.exc  # a Failure
+
+    def _enter(self, epoch: Epoch) -> None:
+        """The consumer received the first batch of a later epoch."""
+        self.number = epoch.number
+        self._epoch = epoch
+        self.batch_count = len(epoch.batches)
+        self._loader._last_counters = epoch.counters
+        self._set_epoch(epoch.number + 1)
+
+    def _epoch_end(self, epoch: Epoch) -> None:
+        now = time.perf_counter()
+        epoch.counters.ended = now  # the consumer's end of that epoch
+        following = self._stream.opened.get(epoch.number + 1)
+        if following is not None and following.consumed == 0:
+            following.counters.started = now  # its time, for stats, starts where this one's ends
+        self._ended.add(epoch.number)
+        while self._low in self._ended:
+            self._ended.discard(self._low)
+            self._stream.opened.pop(self._low, None)
+            self._low += 1
 
     def _get(self) -> Any:
-        out = self._epoch.out
+        out = self._stream.out
         while True:
             try:
                 return out.get(timeout=_CONSUMER_POLL_S)
@@ -386,37 +540,76 @@ class _EpochIterator:
                     return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
     def done_seqs(self) -> Progress:
-        """Batch positions of this epoch the consumer has had (for ``Loader.state_dict``)."""
+        """Batch positions of the current epoch the consumer has had."""
         return self._epoch.done_seqs()
+
+    def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
+        """``(epoch, its positions returned, later epochs' positions returned, until)`` to resume
+        this iteration exactly; None once every batch of it was returned."""
+        if self._complete:
+            return None
+        stream = self._stream
+        opened = dict(stream.opened)  # a copy: the coordinator thread adds epochs
+
+        def progress(n: int) -> tuple[Progress, int | None]:
+            epoch = opened.get(n)
+            if epoch is not None:
+                return epoch.done_seqs(), len(epoch.batches)
+            return Progress(self._ahead0.get(n, ())), None
+
+        low, until = self._low, stream.until
+        done, count = progress(low)
+        if count is not None and len(done) >= count:  # all returned; its end marker not read yet
+            low += 1
+            if until is not None and low >= until:
+                return None
+            done, _ = progress(low)
+        ahead = {}
+        for n in sorted(set(opened) | set(self._ahead0)):
+            if n > low:
+                p, _ = progress(n)
+                if len(p):
+                    ahead[n] = p
+        return low, done, ahead, until
 
     def cancel(self, why: str) -> None:
         if not self._done:
             self._done = True
             self._cancelled = why
-            self._coordinator.submit("cancel", self._epoch.gen)
-            self._epoch.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
+            self._coordinator.submit("cancel", self._stream.gen)
+            self._stream.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
-            self._coordinator.submit("cancel", self._epoch.gen)
+            self._coordinator.submit("cancel", self._stream.gen)
 
 
 class _InlineIterator(_EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset()) -> None:
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
+                 ahead: dict[int, frozenset] | None = None) -> None:
         self._loader = loader
         self._coordinator = None
+        self._with_epoch = loader._with_epoch
+        self._until = until
+        self._ahead0 = dict(ahead or {})
+        self._ahead = dict(ahead or {})
+        self._scope = SampleScope(loader._spec.seed)
+        self._done = False
+        self._complete = False
+        self._cancelled = None
+        self._open(number, loader._sampler.batches(number), done, time.perf_counter())
+
+    def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
+        loader = self._loader
         self._number = self.number = number
-        batches = loader._sampler.batches(number)
         self.batch_count = len(batches)
         self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
         self._progress = Progress(done)
-        self._scope = SampleScope(loader._spec.seed)
-        self._done = False
-        self._cancelled = None
-        self._counters = loader._last_counters = EpochCounters(epoch=number)
+        self._counters = loader._last_counters = EpochCounters(epoch=number, started=started)
         self._skips = SkipBudget(loader._max_skipped, batches, self._counters) if loader._spec.skip else None
+        self._set_epoch(number + 1)
 
     def __next__(self) -> Any:
         if self._done:
@@ -425,9 +618,20 @@ class _InlineIterator(_EpochIterator):
         while True:
             item = next(self._batches, None)
             if item is None:
-                self._done = True
-                self._counters.ended = time.perf_counter()
-                raise StopIteration
+                now = time.perf_counter()
+                self._counters.ended = now
+                following = self._number + 1
+                if (self._until is not None and following >= self._until) or (self._until is None and not self.batch_count):
+                    self._done = self._complete = True
+                    raise StopIteration
+                try:
+                    batches = self._loader._sampler.batches(following)
+                except Exception:
+                    self._done = True
+                    raise
+                self._open(following, batches, self._ahead.pop(following, frozenset()), now)
+                started = now
+                continue
             seq, indices = item
             try:
                 layout, kept = self._load(seq, indices)
@@ -443,7 +647,7 @@ class _InlineIterator(_EpochIterator):
         counters.array_bytes += array_bytes(layout)
         batch = collate.build(layout, None)
         counters.wait_s += time.perf_counter() - started
-        return batch
+        return (self._number, batch) if self._with_epoch else batch
 
     def _load(self, seq: int, indices: list[int]) -> tuple[Any, list[int]]:
         """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
@@ -468,6 +672,18 @@ class _InlineIterator(_EpochIterator):
 
     def done_seqs(self) -> Progress:
         return self._progress
+
+    def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
+        if self._complete:
+            return None
+        low, done, until = self._number, Progress(self._progress), self._until
+        if len(done) >= self.batch_count:  # all returned; the next epoch not begun
+            low += 1
+            if until is not None and low >= until:
+                return None
+            done = Progress(self._ahead.get(low, ()))
+        ahead = {n: Progress(v) for n, v in sorted(self._ahead.items()) if n > low and v}
+        return low, done, ahead, until
 
     def cancel(self, why: str) -> None:
         self._done = True
@@ -544,19 +760,77 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
 
 
+def _no_stream_state(sampler: Any) -> None:
+    if isinstance(sampler, StreamPlan):
+        raise NotImplementedError(
+            "state_dict()/load_state_dict() do not support streaming sources (procpipe.Shards) yet: resuming "
+            "mid-epoch would need every open shard's position; restart the epoch instead")
+
+
 def _sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler settings a saved state must match to be resumed."""
     shard = getattr(sampler, "shard", None)
     return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
             "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
-            "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard)}
+            "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard),
+            "reshuffle": getattr(sampler, "reshuffle", True)}
+
+
+_STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
+_LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
+
+
+class _Resume(tuple):
+    """What ``load_state_dict`` left for the next ``iter()``."""
+
+    def __new__(cls, epoch: int, done: frozenset, until: Any, ahead: dict[int, frozenset]) -> _Resume:
+        return super().__new__(cls, (epoch, done, until, ahead))
+
+    epoch = property(lambda self: self[0])
+    done = property(lambda self: self[1])
+    until = property(lambda self: self[2])  # int, None (endless) or _LOADER_EPOCHS
+    ahead = property(lambda self: self[3])
+
+
+def _parse_stream_state(state: dict[str, Any], epoch: int) -> tuple[Any, dict[int, frozenset]]:
+    """``until`` and ``ahead`` of a saved state, checked (both optional: older states lack them)."""
+    until = state.get("until", _LOADER_EPOCHS)
+    if until is not _LOADER_EPOCHS and until is not None and (
+            isinstance(until, bool) or not isinstance(until, int) or until <= epoch):
+        raise ValueError(f"corrupt procpipe Loader state: until={until!r} with epoch={epoch!r}")
+    ahead: dict[int, frozenset] = {}
+    raw = state.get("ahead", [])
+    if not isinstance(raw, list):
+        raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")
+    for entry in raw:
+        ok = isinstance(entry, list) and len(entry) == 3
+        if ok:
+            n, below, beyond = entry
+            ok = (isinstance(n, int) and n > epoch and (not isinstance(until, int) or n < until)
+                  and isinstance(below, int) and below >= 0 and isinstance(beyond, list)
+                  and all(isinstance(x, int) and x > below for x in beyond))
+        if not ok:
+            raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
+        ahead[n] = frozenset(itertools.chain(range(below), beyond))
+    return until, ahead
+
+
+def _validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) -> None:
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise ValueError(f"epochs must be an int >= 1 or None (endless), got {epochs!r}")
+    for name, value in (("reshuffle", reshuffle), ("with_epoch", with_epoch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if batches is not None and not reshuffle:
+        raise ValueError("batches=... decides every epoch's batches itself: reshuffle does not apply "
+                         "(return the same batches for every epoch from the callable instead)")
 
 
 def _validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,
               start_method: Any, shm_dir: Any, slot_bytes: Any, max_worker_restarts: Any, *,
               batches: Any = None, shard: Any = None, shuffle: Any = False, drop_last: Any = False,
               on_error: Any = "raise", max_skipped: Any = 0.01, task_timeout: Any = None,
-              speculate: Any = None) -> None:
+              speculate: Any = None, batch_fn: Any = None, cache: Any = None, augment: Any = None) -> None:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if isinstance(max_skipped, bool) or not (
@@ -571,7 +845,14 @@ def _validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any
                                   or not speculate >= 1):
         raise ValueError(f"speculate must be None or a number >= 1 (a multiple of the median batch time), "
                          f"got {speculate!r}")
-    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+    for name, value in (("batch_fn", batch_fn), ("augment", augment)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
+    if batch_fn is not None and batch_size is None:
+        raise ValueError("batch_fn needs a batch_size: with batch_size=None samples are yielded unbatched "
+                         "(apply the function in fn or augment instead)")
+    validate_cache(cache)
+    if not isinstance(source, Shards) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(
             f"source must support len() and indexing with an int (a list, a numpy array, a torch Dataset...); "
             f"got {type(source).__name__}, which lacks "
@@ -581,7 +862,10 @@ def _validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
     _check_int("batch_size", batch_size, 1, allow_none=True)
-    _check_int("workers", workers, 0)
+    if resolve_autotune(workers) is None:
+        if isinstance(workers, str):
+            raise ValueError(f"workers must be an int >= 0 or 'auto', got {workers!r}")
+        _check_int("workers", workers, 0)
     _check_int("prefetch", prefetch, 1)
     _check_int("seed", seed, 0)
     _check_int("slot_bytes", slot_bytes, 1, allow_none=True)

@@ -4,7 +4,20 @@ The one implementation of "load these indices into a batch", shared by the worke
 processes and by ``workers=0`` (the calling process), so both give identical results.
 What to do with a failing sample is the caller's: with ``spec.skip`` the sample is left
 out and reported in ``Produced.skipped``; otherwise its exception propagates, and
-``scope.index`` still names the failing index (it is ``None`` when collation failed).
+``scope.index`` still names the failing index (it is ``None`` when collation or
+``batch_fn`` failed).
+
+The stages, per sample then per batch::
+
+    sample = cache.get(i) or cache.compute(i)   # cache=...: fn(source[i]) once per index
+             (else fn(source[i]))               # under the sample's scope (sample_rng)
+    sample = augment(sample)                    # augment=..., every epoch, sample_rng() allowed
+    batch  = collate(samples)                   # default stacking, or collate_fn
+    batch  = batch_fn(batch)                    # batch_fn=..., batch_rng() allowed
+    -> arrays packed into the ring slot
+
+Without ``batch_fn`` the default collation stacks samples straight into the slot; with
+it, the batch is collated privately (new arrays), transformed, then packed.
 """
 from __future__ import annotations
 
@@ -12,7 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import collate
-from .rng import SampleScope
+from .rng import BatchScope, SampleScope, no_sample_rng
+
+_NO_SAMPLE_RNG_IN_BATCH_FN = (
+    "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
+    "use procpipe.batch_rng() there (seeded from (seed, epoch, first index of the batch)), or draw "
+    "per-sample randomness in fn or augment."
+)
 
 
 @dataclass
@@ -31,17 +50,29 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
     Arrays go straight into ``buffer`` (a ring slot of ``capacity`` bytes) when they fit,
     else inline. ``status``, if given, receives the index being loaded (``status[1]``),
     so the coordinator can name a stuck sample.
+
+    ``indices`` may instead be a ``procpipe.streaming.Block`` (a streaming source's task):
+    the source reads, maps and collates it itself (``Shards.produce_block``).
     """
+    if type(indices) is not list:
+        return spec.source.produce_block(spec, scope, epoch, indices, buffer, capacity, status)
     samples, kept, skipped = [], [], []
-    source, fn = spec.source, spec.fn
+    source, fn, cache, augment = spec.source, spec.fn, spec.cache, spec.augment
     for index in indices:
         if status is not None:
             status[1] = index
         scope.enter(epoch, index)
         try:
-            sample = source[index]
-            if fn is not None:
-                sample = fn(sample)
+            if cache is not None:
+                sample = cache.get(index)
+                if sample is None:
+                    sample = cache.compute(index, source, fn)
+            else:
+                sample = source[index]
+                if fn is not None:
+                    sample = fn(sample)
+            if augment is not None:
+                sample = augment(sample)
         except Exception as exc:
             if not spec.skip:
                 raise
@@ -56,8 +87,25 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
         return Produced(None, 0, False, kept, skipped)
     if not spec.batched:
         layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
+    elif spec.batch_fn is not None:
+        if spec.collate_fn is not None:
+            batch = spec.collate_fn(samples)
+        else:  # collated privately (buffer None: new arrays), so batch_fn may transform it freely
+            batch = collate.build(collate.layout_batch(samples, kept, None, 0)[0], None)
+        batch = _run_batch_fn(spec, epoch, indices, batch)
+        layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     elif spec.collate_fn is not None:
         layout, nbytes, in_slot = collate.layout_value(spec.collate_fn(samples), buffer, capacity)
     else:
         layout, nbytes, in_slot = collate.layout_batch(samples, kept, buffer, capacity)
     return Produced(layout, nbytes, in_slot, kept, skipped)
+
+
+def _run_batch_fn(spec: Any, epoch: int, indices: list[int], batch: Any) -> Any:
+    """``batch_fn(batch)`` with ``batch_rng()`` available; its exceptions get a note naming it."""
+    try:
+        with no_sample_rng(_NO_SAMPLE_RNG_IN_BATCH_FN, BatchScope(spec.seed, epoch, indices[0])):
+            return spec.batch_fn(batch)
+    except Exception as exc:
+        exc.add_note(f"procpipe: raised by batch_fn on the batch of indices {list(indices)} (epoch {epoch}).")
+        raise

@@ -13,6 +13,8 @@ import numpy as np
 # Distinct spawn-key prefixes keep the shuffle stream and the per-sample streams apart.
 _SHUFFLE_KEY = 0
 _SAMPLE_KEY = 1
+_BUFFER_KEY = 3  # streaming sources' shuffle buffer (procpipe.streaming)
+_BATCH_KEY = 4  # batch_rng(), inside batch_fn
 
 _current = threading.local()
 
@@ -20,6 +22,11 @@ _current = threading.local()
 def shuffle_rng(seed: int, epoch: int) -> np.random.Generator:
     """Generator for the sampler's order of one epoch."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(_SHUFFLE_KEY, epoch))))
+
+
+def buffer_rng(seed: int, epoch: int) -> np.random.Generator:
+    """Generator for a streaming source's shuffle buffer in one epoch (``shuffle_buffer=``)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(_BUFFER_KEY, epoch))))
 
 
 class SampleScope:
@@ -57,11 +64,66 @@ def sample_rng() -> np.random.Generator:
     """
     scope = getattr(_current, "scope", None)
     if scope is None:
-        raise RuntimeError(
+        raise RuntimeError(getattr(_current, "why_not", None) or (
             "procpipe.sample_rng() was called outside a procpipe.Loader: it only works while a "
-            "loader produces a sample (inside fn or the source's __getitem__)."
-        )
+            "loader produces a sample (inside fn, augment or the source's __getitem__)."
+        ))
     if scope.rng is None:
-        seq = np.random.SeedSequence(scope.seed, spawn_key=(_SAMPLE_KEY, scope.epoch, scope.index))
+        index = scope.index  # an int, or (shard, record) for a streaming source's record
+        key = (_SAMPLE_KEY, scope.epoch, *index) if isinstance(index, tuple) else (_SAMPLE_KEY, scope.epoch, index)
+        seq = np.random.SeedSequence(scope.seed, spawn_key=key)
         scope.rng = np.random.Generator(np.random.PCG64(seq))
     return scope.rng
+
+
+class BatchScope:
+    """Marks the batch ``batch_fn`` is transforming, so ``batch_rng()`` can seed from it."""
+
+    __slots__ = ("seed", "epoch", "first", "rng")
+
+    def __init__(self, seed: int, epoch: int, first: int) -> None:
+        self.seed = seed
+        self.epoch = epoch
+        self.first = first  # the batch's first index (as the sampler made it)
+        self.rng: np.random.Generator | None = None
+
+
+class no_sample_rng:
+    """Context: ``sample_rng()`` raises ``RuntimeError(why)`` inside it; ``batch`` enables ``batch_rng()``.
+
+    Used around a cached ``fn`` (whose output must not depend on the epoch) and around
+    ``batch_fn`` (which works on a whole batch, not one sample).
+    """
+
+    __slots__ = ("why", "batch", "saved")
+
+    def __init__(self, why: str, batch: BatchScope | None = None) -> None:
+        self.why = why
+        self.batch = batch
+
+    def __enter__(self) -> None:
+        self.saved = (getattr(_current, "scope", None), getattr(_current, "why_not", None),
+                      getattr(_current, "batch", None))
+        _current.scope, _current.why_not, _current.batch = None, self.why, self.batch
+
+    def __exit__(self, *exc: object) -> None:
+        _current.scope, _current.why_not, _current.batch = self.saved
+
+
+def batch_rng() -> np.random.Generator:
+    """The random generator of the batch ``batch_fn`` is transforming.
+
+    Seeded from ``(seed, epoch, first index of the batch)``, so, like ``sample_rng()``, it
+    does not depend on the number of workers or on re-runs. Repeated calls within one
+    batch return the same generator. Outside ``batch_fn`` it raises ``RuntimeError``.
+    """
+    batch = getattr(_current, "batch", None)
+    if batch is None:
+        raise RuntimeError(
+            "procpipe.batch_rng() only works inside batch_fn (a Loader's batch-level function); "
+            "in fn, augment or __getitem__ use procpipe.sample_rng()."
+        )
+    if batch.rng is None:
+        seq = np.random.SeedSequence(batch.seed, spawn_key=(_BATCH_KEY, batch.epoch, batch.first))
+        batch.rng = np.random.Generator(np.random.PCG64(seq))
+    return batch.rng

@@ -29,6 +29,8 @@ class Sampler:
     first indices to a multiple of ``world_size``, then rank ``r`` takes positions
     ``r, r + world_size, ...``. Every rank has the same length; together they see
     every index once per epoch (plus the padding).
+    ``reshuffle=False`` keeps one order: every epoch uses epoch 0's permutation (the
+    per-sample random generators still differ by epoch).
     """
 
     length: int
@@ -37,6 +39,7 @@ class Sampler:
     seed: int
     drop_last: bool
     shard: tuple[int, int] | None = None
+    reshuffle: bool = True
 
     @property
     def step(self) -> int:
@@ -56,7 +59,7 @@ class Sampler:
 
     def order(self, epoch: int) -> np.ndarray:
         if self.shuffle:
-            order = shuffle_rng(self.seed, epoch).permutation(self.length)
+            order = shuffle_rng(self.seed, epoch if self.reshuffle else 0).permutation(self.length)
         else:
             order = np.arange(self.length)
         if self.shard is not None:

@@ -130,11 +130,19 @@ def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, con
     worker_counters = worker_counters or []
     base = c.worker_base
     for i, w in enumerate(worker_counters):
-        tasks0, busy0 = base[i] if i < len(base) else (w.tasks, w.busy_s)  # epoch not begun in the coordinator yet
+        if i < len(base):
+            tasks0, busy0 = base[i]
+        elif base:  # a worker added (autotune) after the epoch began
+            tasks0, busy0 = 0, 0.0
+        else:  # the epoch has not begun in the coordinator yet
+            tasks0, busy0 = w.tasks, w.busy_s
         busy = max(0.0, w.busy_s - busy0)
+        pid = pids[i] if pids is not None and i < len(pids) else None
+        if pids is not None and pid is None and w.tasks == tasks0:
+            continue  # no process at this index now (autotune retired it) and no work this epoch
         per_worker.append({
             "index": i,
-            "pid": pids[i] if pids is not None and i < len(pids) else None,
+            "pid": pid,
             "tasks": w.tasks - tasks0,
             "busy_s": busy,
             "busy_fraction": _fraction(busy, wall),

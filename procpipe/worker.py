@@ -52,6 +52,9 @@ class WorkerSpec:
     batched: bool
     seed: int
     skip: bool = False  # on_error="skip": leave a failing sample out instead of failing the batch
+    batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
+    augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
+    cache: Any = None  # a procpipe.cache.Cache: fn's output per index, computed once
 
 
 class _SpecPickler(dill.Pickler):
@@ -117,8 +120,10 @@ class _ParentWatch:
 
 
 def _remove_files(files_prefix: str) -> None:
+    from .cache import remove_orphan
     from .shm import SharedFiles
 
+    remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
     orphan = SharedFiles.__new__(SharedFiles)
     orphan.prefix = files_prefix
     orphan.remove_all()

@@ -44,3 +44,27 @@ def test_straggler_demo():
 def test_example_has_a_main_guard(name):
     with open(os.path.join(EXAMPLES, name)) as f:
         assert 'if __name__ == "__main__":' in f.read()
+
+
+def test_records_metadata():
+    out = run_example("records_metadata.py")
+    assert "<procpipe.Records: 200000 dict records (path: str, label: int64, width: int64)" in out
+    assert "labels: 100 classes, 2000 to 2000 images each" in out
+    pickled = out.split("pickled dataset:")[1].split("\n")[0]  # "list 8.5 MiB, Records 146 bytes"
+    assert pickled.endswith(" bytes") and int(pickled.split()[-2]) < 1000, pickled
+    assert "workers grew less with Records: yes" in out and "same records: True" in out
+
+
+def test_cache_and_batch_fn():
+    out = run_example("cache_and_batch_fn.py")
+    assert "cache: 1000 samples x 776 bytes in /dev/shm, 1 filled at creation" in out
+    assert "epoch 2: 1000 samples in" in out and "batch image float32 (40, 16, 16, 3)" in out
+    assert "cache filled: 1000/1000" in out
+    assert "identical to an uncached run with workers=0: yes" in out
+
+
+def test_text_zip():
+    out = run_example("text_zip.py")
+    assert "200 (sentence, label) pairs in 13 batches; tokens (16, 8) int32, labels int64" in out
+    assert "zipped line by line, in file order: True" in out
+    assert "same order with 1 and 2 workers: True" in out
