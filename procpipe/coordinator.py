@@ -597,16 +597,17 @@ class Coordinator:
         self._set_outstanding()
         return True
 
-    def _retire_worker(self) -> None:
+    def _retire_worker(self) -> bool:
         """Autotune: the live worker with the highest index gets no more tasks, and stops once idle."""
         live = [w for w in self.workers if not (w.retiring or w.dead)]
         if len(live) <= 1:
-            return
+            return False
         worker = max(live, key=lambda w: w.index)
         worker.retiring = True
         self.n_workers -= 1
         self._set_outstanding()
         self._stop_if_idle(worker)
+        return True
 
     def _stop_if_idle(self, worker: WorkerHandle) -> None:
         if worker.retiring and not worker.tasks and not worker.stop_sent:
@@ -678,8 +679,8 @@ class Coordinator:
         target = tuner.step(now, sample)
         while self.n_workers < target and self._add_worker():
             pass
-        while self.n_workers > target and self.n_workers > 1:
-            self._retire_worker()
+        while self.n_workers > target and self._retire_worker():
+            pass
         tuner.workers = self.n_workers
 
     def _shutdown_workers(self) -> None:

@@ -362,13 +362,16 @@ class Loader:
         The counters are always on (a few additions per batch); this call only reads
         them. Every figure covers one epoch, from ``iter(loader)`` to the end of that
         iteration, except ``tasks_total``, ``restarts`` and the memory figures of
-        ``per_worker``, which cover the loader's whole life.
+        ``per_worker``, which cover the loader's whole life, and ``autotune``. With
+        ``epochs=N``/``None`` "the epoch" is the one the last batch returned belongs to;
+        its time starts where the consumer finished the previous epoch.
 
         Keys:
             epoch: the epoch number (``None`` before the first ``iter(loader)``).
             running: True while the epoch's iterator is live (not exhausted, failed or
                 cancelled by a new ``iter()`` or ``close()``).
-            workers: worker processes configured (0: everything runs in ``next()``).
+            workers: worker processes configured (0: everything runs in ``next()``;
+                with ``workers="auto"``, the number the tuner runs now).
             wall_s: seconds since ``iter(loader)``, up to the end of the iteration.
             batches, samples: batches and samples loaded and handed over by the engine
                 this epoch (ready for, or already returned by, ``next()``).
@@ -405,7 +408,14 @@ class Loader:
                 loading and collating this epoch); busy_fraction (``busy_s / wall_s``, in
                 [0, 1]); tasks_total (since the loader started); restarts; rss_bytes
                 and peak_rss_bytes (resident memory, sampled by psutil every 0.5 s;
-                it includes the ring pages the worker has touched).
+                it includes the ring pages the worker has touched). With ``workers="auto"``,
+                a retired worker is listed only in an epoch it worked in (``pid`` None).
+            autotune: None unless ``workers="auto"``; else ``workers`` (now), ``min``,
+                ``max``, ``limit`` (the most it may use now: CPUs, I/O, memory),
+                ``capacity`` (workers the ring serves), ``cpus``, ``io_bound``,
+                ``contended``, ``changes``, and ``trace``: ``[time_s, workers,
+                batches_per_s, wait_fraction]`` per control interval (the last 2000),
+                over the loader's life.
         """
         from .stats import snapshot
 
