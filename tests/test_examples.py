@@ -68,3 +68,11 @@ def test_text_zip():
     assert "200 (sentence, label) pairs in 13 batches; tokens (16, 8) int32, labels int64" in out
     assert "zipped line by line, in file order: True" in out
     assert "same order with 1 and 2 workers: True" in out
+
+
+def test_epochs_autotune():
+    out = run_example("epochs_autotune.py")
+    for epoch in range(3):
+        assert f"epoch {epoch}: 1200 samples, every index once: True" in out
+    assert "epoch 3" not in out and "orders differ between epochs: True" in out
+    assert "t=" in out and "workers=" in out  # the autotune trace was recorded
