@@ -104,17 +104,25 @@ class _ParentWatch:
         except psutil.NoSuchProcess:
             return True
 
-    def wait(self) -> None:
-        """Block until the loader's process has ended (a pidfd where Linux has them, else polling)."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the loader's process has ended, at most ``timeout`` seconds (None: no limit).
+
+        Returns whether it has ended. Uses a pidfd where Linux has them, else polling.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             fd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
             while not self.gone():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 time.sleep(_IDLE_CHECK_S)
-            return
+            return True
         try:
-            if not self.gone():  # (the pid may have been reused before the pidfd was opened)
-                select.select([fd], [], [])
+            if self.gone():  # (the pid may have been reused before the pidfd was opened)
+                return True
+            select.select([fd], [], [], None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return self.gone()
         finally:
             os.close(fd)
 
@@ -167,6 +175,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     _die_with_parent()
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
+    pipe_closed = False
     threading.Thread(target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch",
                      daemon=True).start()
     try:
@@ -177,9 +186,11 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
             return
         _serve(conn, loaded, WorkerRings(files_prefix), parent, _status_view(files_prefix, worker_id))
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the loader closed our pipe: nothing more to do
+        pipe_closed = True  # the loader closed our pipe, or died
     finally:
-        if parent.gone():
+        # A loader that was killed closes our pipe while it is still exiting (not yet a
+        # zombie): give its death a moment before deciding whether it is gone.
+        if parent.wait(timeout=_EXIT_GRACE_S if pipe_closed else 0.0):
             # The loader was killed before it could clean up: remove its shared files.
             _remove_files(files_prefix)
 
