@@ -75,6 +75,13 @@ _DURATIONS_KEPT = 64  # the running median covers this many recent batches
 logger = logging.getLogger("procpipe")
 
 
+def iteration_over(cancelled: str | None) -> None:
+    """What ``next()`` does on an epoch iterator that has ended: say why if it was ended early."""
+    if cancelled:
+        raise RuntimeError(f"this epoch's iterator was ended early: {cancelled}")
+    raise StopIteration
+
+
 class EndOfEpoch:
     """Queue marker: the iteration is over: every batch of every epoch of the stream has been delivered."""
 

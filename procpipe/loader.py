@@ -22,7 +22,8 @@ from . import collate
 from .cache import open_cache
 from .cache import validate as validate_cache
 from .autotune import resolve as resolve_autotune
-from .coordinator import Coordinator, EndOfEpoch, EngineConfig, Epoch, EpochEnd, Failure, SkipBudget, Stream
+from .coordinator import (Coordinator, EndOfEpoch, EngineConfig, Epoch, EpochEnd, Failure, SkipBudget, Stream,
+                          iteration_over)
 from .reassembly import Progress
 from .produce import produce
 from .rng import SampleScope
@@ -489,9 +490,7 @@ class _EpochIterator:
 
     def __next__(self) -> Any:
         if self._done:
-            if self._cancelled:
-                raise RuntimeError(f"this epoch's iterator was ended early: {self._cancelled}")
-            raise StopIteration
+            iteration_over(self._cancelled)
         stream = self._stream
         started = time.perf_counter()
         while True:
@@ -623,7 +622,7 @@ class _InlineIterator(_EpochIterator):
 
     def __next__(self) -> Any:
         if self._done:
-            return super().__next__()
+            iteration_over(self._cancelled)
         started = time.perf_counter()
         while True:
             item = next(self._batches, None)

@@ -34,9 +34,15 @@ def _mib(n: int) -> str:
 class SharedFiles:
     """Names and removes the files of one loader in its shared-memory directory."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, prefix: str | None = None) -> None:
+        """A new, unique set of names in ``directory``; or, given ``prefix``, an existing set
+        (a worker removing the files of a loader that was killed)."""
         self.directory = directory
-        self.prefix = os.path.join(directory, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
+        self.prefix = prefix or os.path.join(directory, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
+
+    @classmethod
+    def from_prefix(cls, prefix: str) -> SharedFiles:
+        return cls(os.path.dirname(prefix), prefix)
 
     def path(self, what: str) -> str:
         return self.prefix + what

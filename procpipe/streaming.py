@@ -51,7 +51,7 @@ import numpy as np
 
 from . import collate
 from .collate import ARRAY, DICT, INLINE, SEQ
-from .coordinator import EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, _Empty
+from .coordinator import EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, _Empty, iteration_over
 from .errors import CollateError
 from .produce import Produced, produce
 from .reassembly import Progress
@@ -997,9 +997,7 @@ class InlineStream:
 
     def __next__(self) -> Any:
         if self._done:
-            if self._cancelled:
-                raise RuntimeError(f"this epoch's iterator was ended early: {self._cancelled}")
-            raise StopIteration
+            iteration_over(self._cancelled)
         stream = self._stream
         started = time.perf_counter()
         while True:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from .coordinator import iteration_over
 from .loader import START_METHODS, Loader
 from .rng import _current as _rng_current
 
@@ -439,10 +440,7 @@ class _Stage:
         self._pending = False
         if item is _End:
             self._finished = True
-            why = getattr(self._source, "_cancelled", None)
-            if why:
-                raise RuntimeError(f"this epoch's iterator was ended early: {why}")
-            raise StopIteration
+            iteration_over(getattr(self._source, "_cancelled", None))
         if isinstance(item, _Raised):
             self._finished = True
             raise item.exc

@@ -132,9 +132,7 @@ def _remove_files(files_prefix: str) -> None:
     from .shm import SharedFiles
 
     remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
-    orphan = SharedFiles.__new__(SharedFiles)
-    orphan.prefix = files_prefix
-    orphan.remove_all()
+    SharedFiles.from_prefix(files_prefix).remove_all()
 
 
 def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
