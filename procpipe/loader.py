@@ -695,7 +695,9 @@ class _InlineIterator(_EpochIterator):
         return low, done, ahead, until
 
     def cancel(self, why: str) -> None:
-        self._done = True
+        if not self._done:  # like the workers' iterator: a superseded epoch says so
+            self._done = True
+            self._cancelled = why
 
     def __del__(self) -> None:
         pass

@@ -496,3 +496,16 @@ def test_no_overflow_warning_when_batches_fit():
             assert len(list(loader)) == 5
             assert len(list(loader)) == 5
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_superseded_by_a_new_epoch_says_so(workers):
+    with Loader(list(range(40)), batch_size=4, workers=workers) as loader:
+        old = iter(loader)
+        next(old)
+        new = iter(loader)  # ends the old epoch early
+        with pytest.raises(RuntimeError, match="ended early: a new iteration over the loader started"):
+            next(old)
+        assert sorted(i for b in new for i in b.tolist()) == list(range(40))
+        with pytest.raises(StopIteration):  # an epoch that ran to its end just stops
+            next(new)
