@@ -38,10 +38,13 @@ for one (they sleep, or wait on disk or network). ``/proc/<pid>/schedstat`` give
 CPU time and run-queue time, so a CPU-bound pipeline on a busy machine is not mistaken
 for an I/O-bound one; the share is smoothed over intervals. Only then may the count
 exceed the CPUs. Memory: a new worker needs the largest resident size seen in a worker, and ``psutil``'s available
-memory must keep 10 % of the total (at least 256 MiB) free after it.
+memory must keep 10 % of the total (at least 256 MiB) free after it; when available memory
+falls below that reserve (other processes took it), workers are retired, one per interval,
+until it is back or ``min`` is reached.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -130,13 +133,14 @@ def cpu_count() -> int:
 
 
 def memory_room(worker_rss: int) -> int:
-    """How many more workers of ``worker_rss`` bytes fit in available memory, keeping a reserve."""
+    """How many more workers of ``worker_rss`` bytes fit in available memory, keeping a reserve.
+
+    Negative when available memory is already below the reserve: how many workers would
+    have to go to give it back (the tuner retires them, one per interval, down to ``min``).
+    """
     vm = psutil.virtual_memory()
     reserve = max(MEMORY_RESERVE * vm.total, MEMORY_RESERVE_MIN)
-    spare = vm.available - reserve
-    if spare <= 0:
-        return 0
-    return int(spare // max(worker_rss, 1 << 20))
+    return math.floor((vm.available - reserve) / max(worker_rss, 1 << 20))
 
 
 @dataclass

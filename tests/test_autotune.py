@@ -1,0 +1,181 @@
+"""The ``workers="auto"`` policy (``procpipe.autotune.Tuner``) on simulated pipelines.
+
+The tuner only sees one ``Sample`` per control interval, so its decisions can be tested
+exactly, without processes or timing: a model maps a worker count to what the
+coordinator would measure (throughput, consumer wait, worker busy / CPU / run-queue
+time), and the tuner is stepped through simulated time. The end-to-end behaviour with
+real workers is in ``test_epochs.py``; the throughput against fixed counts is measured
+by ``bench/autotune.py``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import procpipe.autotune as autotune
+from procpipe.autotune import AutoWorkers, Sample, Tuner
+
+INTERVAL = 0.25
+
+
+def make_tuner(monkeypatch, cpus: int, capacity: int = 64, **settings) -> Tuner:
+    monkeypatch.setattr(autotune, "cpu_count", lambda: cpus)
+    auto = AutoWorkers(**settings)
+    return Tuner(auto, capacity=capacity, workers=auto.first, started=0.0)
+
+
+def simulate(tuner: Tuner, model: Callable[[int], Sample], seconds: float, memory_fits: int | None = None,
+             start: float = 0.0) -> list[int]:
+    """Step the tuner through ``seconds`` of intervals; the worker count in force in each one.
+
+    ``memory_fits``: the most workers available memory holds; the room left is given to
+    the tuner before every interval, as the coordinator does (``autotune.memory_room``).
+    """
+    counts, now, n = [], start, tuner.workers
+    while now < start + seconds:
+        now += INTERVAL
+        counts.append(n)
+        if memory_fits is not None:
+            tuner.memory_room = memory_fits - n
+        n = tuner.step(now, model(n))
+        assert n == tuner.workers
+    return counts
+
+
+def cpu_bound(cpus: int, per_worker: float = 100.0) -> Callable[[int], Sample]:
+    """Each worker adds ``per_worker`` batches/s up to the CPUs; beyond, they queue for a CPU."""
+    def model(n: int) -> Sample:
+        on_cpu = min(n, cpus)
+        return Sample(INTERVAL, per_worker * on_cpu, wait=0.4, busy=float(n), cpu=float(on_cpu),
+                      runq=float(n - on_cpu))
+    return model
+
+
+def io_bound(saturates_at: int, per_worker: float = 50.0) -> Callable[[int], Sample]:
+    """Workers mostly sleep (I/O); throughput grows with them up to ``saturates_at``."""
+    def model(n: int) -> Sample:
+        return Sample(INTERVAL, per_worker * min(n, saturates_at), wait=0.4, busy=float(n), cpu=0.1 * n)
+    return model
+
+
+def changes(counts: list[int]) -> int:
+    return sum(a != b for a, b in zip(counts, counts[1:]))
+
+
+def test_cpu_bound_grows_to_the_cpu_count_and_no_further(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=4, start=1)
+    counts = simulate(tuner, cpu_bound(cpus=4), seconds=60)
+    assert counts[0] == 1
+    assert max(counts) == 4 and counts[-1] == 4, counts
+    assert not tuner.io_bound and not tuner.contended
+    assert counts.index(4) * INTERVAL < 5, "took too long to reach the CPU count"
+
+
+def test_io_bound_goes_beyond_the_cpus_to_where_throughput_stops_growing(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=2, start=2, max=12)
+    counts = simulate(tuner, io_bound(saturates_at=6), seconds=120)
+    assert tuner.io_bound
+    assert counts[-1] == 6, counts[-40:]
+    assert max(counts) == 7, "tried more than one worker past the point where throughput stopped growing"
+    # 7 did not help: it is retried only after a backoff that doubles (2 s, 4 s, ... at most 60 s).
+    tries = sum(1 for a, b in zip(counts, counts[1:]) if a == 6 and b == 7)
+    assert 1 <= tries <= 6, tries
+
+
+def test_a_worker_that_does_not_help_is_removed_and_not_retried_at_once(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=4, start=2)
+    flat = lambda n: Sample(INTERVAL, 200.0, wait=0.4, busy=float(n), cpu=float(n))  # noqa: E731
+    counts = simulate(tuner, flat, seconds=10)
+    assert max(counts) == 3 and counts[-1] == 2
+    first_try = counts.index(3)
+    back = counts.index(2, first_try)
+    retry = counts.index(3, back) if 3 in counts[back:] else len(counts)
+    assert (retry - back) * INTERVAL >= autotune.BACKOFF_S
+
+
+def test_noise_alone_does_not_make_it_thrash(monkeypatch):
+    rng = np.random.default_rng(0)
+    tuner = make_tuner(monkeypatch, cpus=2, start=2)
+    noisy = lambda n: Sample(INTERVAL, 500.0 * rng.uniform(0.9, 1.1), wait=0.3, busy=0.9 * n,  # noqa: E731
+                             cpu=0.9 * n)
+    counts = simulate(tuner, noisy, seconds=120)
+    assert set(counts) <= {1, 2, 3}
+    assert changes(counts) <= 30, f"{changes(counts)} changes in 480 intervals of pure noise"
+
+
+def test_when_workers_idle_while_the_consumer_waits_it_tries_fewer(monkeypatch):
+    """The engine's own per-batch work is the limit (tiny samples): a worker fewer costs nothing."""
+    tuner = make_tuner(monkeypatch, cpus=2, start=2)
+    engine_bound = lambda n: Sample(INTERVAL, 1000.0 if n == 1 else 900.0, wait=0.3, busy=0.2 * n,  # noqa: E731
+                                    cpu=0.2 * n)
+    counts = simulate(tuner, engine_bound, seconds=20)
+    assert counts[-1] == 1 and max(counts) == 2
+
+
+def test_it_retires_workers_the_consumer_does_not_need(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=4, start=4)
+    slow_consumer = lambda n: Sample(INTERVAL, 100.0, wait=0.0, busy=0.3, cpu=0.3)  # noqa: E731
+    counts = simulate(tuner, slow_consumer, seconds=30)
+    assert counts[-1] == 1 and counts == sorted(counts, reverse=True)
+    # one at a time, each after SHRINK_AFTER intervals of spare capacity
+    assert changes(counts) == 3
+
+
+@pytest.mark.parametrize("limit", ["max", "capacity", "memory", "min"])
+def test_bounds_are_never_crossed(monkeypatch, limit):
+    settings = {"start": 2}
+    capacity = 64
+    if limit == "max":
+        settings["max"] = 3
+    elif limit == "min":
+        settings["min"] = 3
+    elif limit == "capacity":
+        capacity = 3
+    tuner = make_tuner(monkeypatch, cpus=2, capacity=capacity, **settings)
+    model = io_bound(saturates_at=20) if limit != "min" else (
+        lambda n: Sample(INTERVAL, 100.0, wait=0.0, busy=0.1, cpu=0.1))
+    counts = simulate(tuner, model, seconds=60, memory_fits=3 if limit == "memory" else None)
+    assert min(counts) >= tuner.auto.min
+    if limit == "min":
+        assert counts[0] == 3 and set(counts) == {3}
+    else:
+        assert max(counts) == 3 and counts[-1] == 3, counts
+
+
+def test_memory_that_runs_short_brings_the_count_down(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=2, start=2, max=8)
+    counts = simulate(tuner, io_bound(saturates_at=20), seconds=20, memory_fits=100)
+    assert counts[-1] == 8
+    # other processes took memory: it now holds five workers
+    counts = simulate(tuner, io_bound(saturates_at=20), seconds=5, memory_fits=5, start=20)
+    assert counts[-1] == 5 and counts == sorted(counts, reverse=True), counts
+    assert changes(counts) == 3  # one worker per interval
+
+
+def test_contended_cpus_allow_one_worker_beyond_them(monkeypatch):
+    """Other processes hold the CPUs (workers queue for them): one more worker is tried."""
+    tuner = make_tuner(monkeypatch, cpus=2, start=2)
+    def shared(n: int) -> Sample:  # each extra worker wins a larger share of the contended CPUs
+        return Sample(INTERVAL, 100.0 * n, wait=0.4, busy=float(n), cpu=0.6 * n, runq=0.4 * n)
+    counts = simulate(tuner, shared, seconds=20)
+    assert tuner.contended and not tuner.io_bound
+    assert max(counts) == 3 and counts[-1] == 3
+
+
+def test_the_trace_records_every_interval(monkeypatch):
+    tuner = make_tuner(monkeypatch, cpus=4, start=1)
+    counts = simulate(tuner, cpu_bound(cpus=4), seconds=5)
+    info = tuner.info(tuner.workers)
+    assert [entry[1] for entry in info["trace"]] == counts
+    assert info["changes"] == changes(counts) and info["limit"] == 4 and info["cpus"] == 4
+
+
+@pytest.mark.parametrize("available_gib, expected", [(10.0, 6), (2.6, 0), (1.0, -1)])
+def test_memory_room_counts_workers_that_fit_or_must_go(monkeypatch, available_gib, expected):
+    """Total 16 GiB keeps a 1.6 GiB reserve; each worker holds 1.4 GiB."""
+    gib = 2**30
+    memory = type("VM", (), {"total": 16 * gib, "available": int(available_gib * gib)})
+    monkeypatch.setattr(autotune.psutil, "virtual_memory", lambda: memory)
+    assert autotune.memory_room(int(1.4 * gib)) == expected
