@@ -1,10 +1,10 @@
 """``workers="auto"``: choose the number of worker processes while the loader runs.
 
-The coordinator thread measures, over each control interval, how many batches the
-consumer took, how long it waited inside ``next()``, how long the workers were busy
-loading, and how long they were on a CPU or waiting for one (``/proc/<pid>/schedstat``,
-else psutil). :class:`Tuner` turns that into a worker count; the coordinator starts or
-retires workers to follow it. The policy, in full:
+The coordinator thread measures (:class:`Meter`), over each control interval, how many
+batches the consumer took, how long it waited inside ``next()``, how long the workers
+were busy loading, and how long they were on a CPU or waiting for one
+(``/proc/<pid>/schedstat``, else psutil). :class:`Tuner` turns that into a worker count;
+the coordinator starts or retires workers to follow it. The policy, in full:
 
 1. Start with ``start`` workers (default 2), never more than the limit below.
 2. Every interval (at least ``interval`` seconds and ``min_batches`` batches taken by the
@@ -143,6 +143,23 @@ def memory_room(worker_rss: int) -> int:
     return math.floor((vm.available - reserve) / max(worker_rss, 1 << 20))
 
 
+def ring_workers(directory: str, slot_bytes: int, per_worker: int, besides: int, least: int, most: int) -> int:
+    """Workers an autotuned ring is sized for: ``most``, within a quarter of the free space
+    of ``directory`` (``shm_dir``) and of available memory, and never fewer than ``least``.
+
+    The ring is sized once (rings never grow), so for the most workers the tuner may use;
+    the tuner then never goes beyond what the ring serves (its ``capacity``).
+    ``per_worker``: slots each worker needs; ``besides``: the other slots (prefetch, the
+    consumer's batch).
+    """
+    try:
+        budget = 0.25 * min(psutil.disk_usage(directory).free, psutil.virtual_memory().available)
+    except OSError:
+        budget = 0.0
+    fit = int((budget - besides * slot_bytes) // (slot_bytes * per_worker))
+    return max(least, min(most, fit))
+
+
 @dataclass
 class Sample:
     """One control interval, as the coordinator measured it."""
@@ -153,6 +170,83 @@ class Sample:
     busy: float  # worker-seconds spent loading, per second (0..workers)
     cpu: float  # worker CPU-seconds, per second
     runq: float = 0.0  # worker-seconds runnable but waiting for a CPU, per second
+
+
+class Meter:
+    """Measures the control intervals the ``Tuner`` judges (coordinator thread).
+
+    An interval lasts at least ``interval`` seconds and until the consumer has taken
+    ``min_batches`` batches, at most ``8 * interval`` seconds. A new iteration of the
+    loader starts a new one; nothing is measured between iterations.
+    """
+
+    def __init__(self, auto: AutoWorkers) -> None:
+        self.auto = auto
+        self.next_at = 0.0  # time.monotonic() at which to call measure() again
+        self._base: tuple | None = None  # the interval's start: (time, stream, consumed, wait_s, busy_s)
+        self._cpu_seen: dict[int, tuple[float, float]] = {}  # pid -> (CPU s, run-queue s) when last read
+
+    def measure(self, now: float, stream: Any, workers: list, counters: list) -> Sample | None:
+        """Close the interval if it is long enough and return it; else None.
+
+        ``stream``: the iteration under way (its ``consumed`` and ``wait_s``), None when there
+        is nothing to measure; ``workers``: the running workers (their CPU time); ``counters``:
+        every worker's ``WorkerCounters`` (their busy time).
+        """
+        auto = self.auto
+        self.next_at = now + auto.interval
+        if stream is None:
+            self._base = None
+            return None
+        base = self._base
+        if base is None or base[1] is not stream:
+            self._workers_cpu(workers)
+            self._base = (now, stream, stream.consumed, stream.wait_s, sum(c.busy_s for c in counters))
+            return None
+        dt = now - base[0]
+        consumed = stream.consumed - base[2]
+        if consumed < auto.min_batches and dt < 8 * auto.interval:
+            return None  # too few batches to judge yet: extend the interval
+        busy = sum(c.busy_s for c in counters)
+        cpu, runq = self._workers_cpu(workers)
+        wait = stream.wait_s
+        self._base = (now, stream, stream.consumed, wait, busy)
+        return Sample(dt, consumed / dt, min(1.0, max(0.0, (wait - base[3]) / dt)),
+                      max(0.0, busy - base[4]) / dt, cpu / dt, runq / dt)
+
+    def forget(self, pid: int) -> None:
+        """A worker left for good: a new process given its pid starts from zero."""
+        self._cpu_seen.pop(pid, None)
+
+    def _workers_cpu(self, workers: list) -> tuple[float, float]:
+        """Seconds the live workers' main threads spent on a CPU, and runnable waiting for one,
+        since last asked (a new worker: since it started).
+
+        From ``/proc/<pid>/schedstat`` (nanoseconds) where the kernel has it, else psutil's
+        CPU times (10 ms ticks; no run-queue figure).
+        """
+        cpu = runq = 0.0
+        seen: dict[int, tuple[float, float]] = {}
+        for w in workers:
+            pid = w.process.pid
+            try:
+                with open(f"/proc/{pid}/schedstat", "rb") as f:
+                    fields = f.read().split()
+                now = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
+            except (OSError, ValueError, IndexError):
+                try:
+                    if w.ps is None:
+                        w.ps = psutil.Process(pid)
+                    t = w.ps.cpu_times()
+                except (psutil.Error, TypeError, ValueError):
+                    continue
+                now = (t.user + t.system, 0.0)
+            seen[pid] = now
+            before = self._cpu_seen.get(pid, (0.0, 0.0))
+            cpu += max(0.0, now[0] - before[0])
+            runq += max(0.0, now[1] - before[1])
+        self._cpu_seen = seen
+        return cpu, runq
 
 
 class Tuner:

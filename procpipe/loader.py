@@ -22,8 +22,9 @@ from . import collate
 from .cache import open_cache
 from .cache import validate as validate_cache
 from .autotune import resolve as resolve_autotune
-from .coordinator import (Coordinator, EndOfEpoch, EngineConfig, Epoch, EpochEnd, Failure, SkipBudget, Stream,
-                          iteration_over)
+from .coordinator import Coordinator, EngineConfig
+from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
+from .faults import SkipBudget
 from .reassembly import Progress
 from .produce import produce
 from .rng import SampleScope

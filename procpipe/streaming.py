@@ -51,7 +51,7 @@ import numpy as np
 
 from . import collate
 from .collate import ARRAY, DICT, INLINE, SEQ
-from .coordinator import EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, _Empty, iteration_over
+from .epochs import EmptyBatch as _Empty, EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, iteration_over
 from .errors import CollateError
 from .produce import Produced, produce
 from .reassembly import Progress

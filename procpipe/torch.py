@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
-from .coordinator import iteration_over
+from .epochs import iteration_over
 from .loader import START_METHODS, Loader
 from .rng import _current as _rng_current
 

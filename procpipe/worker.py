@@ -232,7 +232,7 @@ def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: floa
 
 
 def _error_info(index: int | None, exc: BaseException) -> tuple:
-    """``(index, exc_bytes, type_name, message, traceback)``: an exception, as the coordinator rebuilds it."""
+    """``(index, exc_bytes, type_name, message, traceback)``: an exception, as faults.rebuild_error rebuilds it."""
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:
