@@ -12,7 +12,7 @@ since when), worker health and the stream in progress. Its loop is::
 
     apply commands from the consumer (start a stream, cancel, close)
     watch for stragglers (speculate=...) and stuck workers (task_timeout=...)
-    dispatch tasks: one per free slot, at most two per worker (one running, one queued)
+    dispatch tasks: one per free slot, a few per worker (one running, the rest queued)
     wait (epoll) for: a reply on a worker's pipe, a worker's death, a wake-up byte
     turn replies into batches (views of their slot) and deliver them to their epoch
 
