@@ -769,7 +769,7 @@ def _ship_spec(spec: WorkerSpec, files: SharedFiles) -> str:
 
 
 def _device_stage(device: Any, prefetch: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    from . import torch as adapter  # lazy: plain ``import procpipe`` never imports torch
+    from . import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
 
     return adapter.device_stage(device, prefetch)
 

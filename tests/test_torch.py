@@ -24,7 +24,7 @@ import torch.utils.data as tud
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.torch as ppt
+import procpipe.torch_device as ppd
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")
@@ -533,7 +533,7 @@ def test_stage_thread_delivers_propagates_and_stops():
     # ring slots go back (4 epochs through a small ring would stall otherwise).
     with procpipe.Loader(range(24), sample, batch_size=4, workers=2, prefetch=1) as loader:
         for _ in range(4):
-            stage = ppt._Stage(iter(loader), lambda b: ({k: (v.copy() if isinstance(v, np.ndarray) else v)
+            stage = ppd.Stage(iter(loader), lambda b: ({k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                          for k, v in b.items()}, None), depth=2)
             assert [int(b["y"][0]) for b in stage] == [0, 4, 8, 12, 16, 20]
         stats = loader.stats()
@@ -543,13 +543,13 @@ def test_stage_thread_delivers_propagates_and_stops():
             raise KeyError("transfer failed")
 
         with pytest.raises(KeyError, match="transfer failed"):
-            next(ppt._Stage(iter(loader), boom, depth=2))
+            next(ppd.Stage(iter(loader), boom, depth=2))
 
         # an abandoned stage: a new epoch cancels it, its thread (blocked on a full queue) exits
-        stage = ppt._Stage(iter(loader), lambda b: (b, None), depth=1)
+        stage = ppd.Stage(iter(loader), lambda b: (b, None), depth=1)
         next(stage)
         wait_until(lambda: stage._queue.full(), 10, "the stage to fill its queue")
-        assert [int(b["y"][0]) for b in ppt._Stage(iter(loader), lambda b: (b, None), depth=1)] == [0, 4, 8, 12, 16, 20]
+        assert [int(b["y"][0]) for b in ppd.Stage(iter(loader), lambda b: (b, None), depth=1)] == [0, 4, 8, 12, 16, 20]
         stage._thread.join(10)
         assert not stage._thread.is_alive()
         with pytest.raises(RuntimeError, match="ended early"):
@@ -563,7 +563,7 @@ def test_stage_timeout_and_on_demand_fetch():
         release.wait(30)
         yield 1
 
-    stage = ppt._Stage(slow(), lambda b: (b, None), depth=0, timeout=0.2)
+    stage = ppd.Stage(slow(), lambda b: (b, None), depth=0, timeout=0.2)
     with pytest.raises(RuntimeError, match="timed out after 0.2 seconds"):
         next(stage)
     release.set()
@@ -586,7 +586,7 @@ class FakeEvent:
 
 
 def test_staging_pool_reuses_a_buffer_only_after_its_copy_completed():
-    pool = ppt._StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), capacity=2)
+    pool = ppd._StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), capacity=2)
     a = pool.take(100)
     ea = FakeEvent()
     pool.give(a, ea)
@@ -606,7 +606,7 @@ def test_map_tensors_keeps_containers():
     P = namedtuple("P", "a b")
     batch = {"t": torch.ones(2), "od": OrderedDict(x=torch.zeros(1)), "p": P(torch.ones(1), "s"),
              "tup": (torch.ones(1), 3), "l": [torch.ones(1)], "np": np.ones(2), "obj": object}
-    out = ppt._map_tensors(batch, lambda t: t + 1)
+    out = ppd._map_tensors(batch, lambda t: t + 1)
     assert type(out["od"]) is OrderedDict and type(out["p"]) is P and type(out["tup"]) is tuple
     assert out["t"].tolist() == [2, 2] and out["p"].a.tolist() == [2] and out["p"].b == "s"
     assert out["np"] is batch["np"] and out["obj"] is object and out["tup"][1] == 3
