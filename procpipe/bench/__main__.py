@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep procpipe's worker count on the reference workloads or on your own pipeline, "
                     "and recommend one.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="JSON fields and every column are documented in docs_bench.md.",
+        epilog="JSON fields and every column are documented in README.md (section: python -m procpipe.bench).",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--pipeline", metavar="MODULE:FACTORY",

@@ -21,7 +21,7 @@ MiB = 2**20
 
 @dataclass
 class Setting:
-    """What one worker count achieved (the JSON ``settings`` entries; see docs_bench.md)."""
+    """What one worker count achieved (the JSON ``settings`` entries; see README.md)."""
 
     workers: int
     batches: int  # batches consumed in the measured window (after the first batch)
