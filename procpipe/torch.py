@@ -357,7 +357,8 @@ class DataLoader(_tud.DataLoader):
     Accepts torch's arguments with torch's meaning and yields the same batches, in the
     same order (with ``in_order=False``, as they finish). torch validates the arguments
     and builds the samplers; each epoch the index sampler runs in this process and its
-    batches go to procpipe's workers. Differences, all documented in README.md ("PyTorch: procpipe.torch.DataLoader"):
+    batches go to procpipe's workers. Differences, all documented in the README section
+    "PyTorch: procpipe.torch.DataLoader":
 
     - map-style datasets only (an ``IterableDataset`` raises ``TypeError``); the sampler
       must have a length and yield integer indices; ``__getitems__`` is not used (each
