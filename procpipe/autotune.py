@@ -14,7 +14,9 @@ the coordinator starts or retires workers to follow it. The policy, in full:
 3. **Probe**: if the consumer waited more than 5 % of the interval, the input pipeline is
    the bottleneck. If the workers were busy at least half the time on average, try one
    more worker (if the limit allows); if they were mostly idle, the limit is the engine's
-   per-batch work, not the workers: try one fewer. Remember the throughput before.
+   per-batch work, not the workers: try one fewer, or, if that count is blocked (below)
+   or below ``min``, one more (on a loaded machine an extra worker can still win CPU
+   time). Remember the throughput before.
 4. **Judge**: keep an added worker if throughput (the mean over the trial's intervals,
    compared with the mean of up to 3 intervals before it) rose by more than 5 %, a
    removed one if it fell by less than 5 %; otherwise go back. One interval decides
@@ -327,11 +329,12 @@ class Tuner:
             return self._change(n - 1)
         if sample.wait > GROW_WAIT:
             self._spare = 0
-            if sample.busy >= PROBE_BUSY * n:  # the workers are busy: try one more
-                if n < limit and now >= self._blocked.get(n + 1, 0.0):
-                    return self._probe(n, +1)
-            elif n > self.auto.min and now >= self._blocked.get(n - 1, 0.0):
-                return self._probe(n, -1)  # the consumer waits but workers idle: the engine is the limit
+            # Busy workers: try one more. Idle ones: the engine is the limit, so try one fewer;
+            # and where that is not allowed, one more after all (when its backoff allows):
+            # the machine's load changes, and a worker fewer may have stopped paying off.
+            for step in (+1,) if sample.busy >= PROBE_BUSY * n else (-1, +1):
+                if self.auto.min <= n + step <= limit and now >= self._blocked.get(n + step, 0.0):
+                    return self._probe(n, step)
             return n
         if sample.wait < SHRINK_WAIT and n > self.auto.min and sample.busy <= SHRINK_LOAD * (n - 1):
             self._spare += 1

@@ -114,6 +114,20 @@ def test_when_workers_idle_while_the_consumer_waits_it_tries_fewer(monkeypatch):
     assert counts[-1] == 1 and max(counts) == 2
 
 
+def test_with_idle_workers_it_still_comes_back_up_when_fewer_stop_paying_off(monkeypatch):
+    """Tiny samples: one worker was best, then other processes load the CPUs and two win."""
+    tuner = make_tuner(monkeypatch, cpus=2, start=2)
+    best = {"n": 1}
+    engine_bound = lambda n: Sample(INTERVAL, 1000.0 if n == best["n"] else 800.0, wait=0.3,  # noqa: E731
+                                    busy=0.2 * n, cpu=0.2 * n)
+    counts = simulate(tuner, engine_bound, seconds=20)
+    assert counts[-1] == 1
+    best["n"] = 2
+    counts = simulate(tuner, engine_bound, seconds=80, start=20)
+    assert counts[-1] == 2, counts
+    assert counts.index(2) * INTERVAL <= autotune.BACKOFF_MAX_S
+
+
 def test_it_retires_workers_the_consumer_does_not_need(monkeypatch):
     tuner = make_tuner(monkeypatch, cpus=4, start=4)
     slow_consumer = lambda n: Sample(INTERVAL, 100.0, wait=0.0, busy=0.3, cpu=0.3)  # noqa: E731
