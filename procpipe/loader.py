@@ -105,7 +105,9 @@ class Loader:
         batch_fn: optional ``batch_fn(batch) -> batch``, a vectorized function run in the
             worker on each collated batch (after the default stacking or ``collate_fn``),
             before the batch goes into the ring. ``procpipe.batch_rng()`` works inside it;
-            ``sample_rng()`` does not. Needs a ``batch_size``.
+            ``sample_rng()`` does not. Needs a ``batch_size``. With a streaming source it
+            runs on batches of one block's records (they never span blocks); not with
+            ``shuffle_buffer``.
         cache: ``None``/``False`` (default): no cache. ``True`` or ``"memory"``: the output
             of the deterministic first stage (``source[i]``, then ``fn``) is kept per index
             in shared memory (``shm_dir``), computed once, and read back in later epochs;

@@ -31,9 +31,10 @@ collation, leases, the coordinator's loop, worker-death recovery):
   ``ordered=False``: blocks are used as they arrive.
 - **Batching** (``_Output``): by default, blocks are cut and joined into batches of exactly
   ``batch_size`` records, in stream order; a batch inside one block is a zero-copy view of
-  its slot, one that spans blocks is copied. With ``collate_fn`` (which runs in the
-  worker, on one block's records) batches never span blocks. ``shuffle_buffer=N`` mixes
-  records through a buffer of N records in the loader's process (tf.data's ``shuffle``).
+  its slot, one that spans blocks is copied. With ``collate_fn`` or ``batch_fn`` (which
+  run in the worker, on one block's records) batches never span blocks.
+  ``shuffle_buffer=N`` mixes records through a buffer of N records in the loader's
+  process (tf.data's ``shuffle``).
 """
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ from . import collate
 from .collate import ARRAY, DICT, INLINE, SEQ
 from .coordinator import EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, _Empty, iteration_over
 from .errors import CollateError
-from .produce import Produced, produce
+from .produce import Produced, collate_privately, produce, run_batch_fn
 from .reassembly import Progress
 from .rng import SampleScope, buffer_rng, shuffle_rng
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by _Output)
-CHUNKS = "chunks"  # collate_fn: the block's records in chunks of batch_size, each chunk a batch
+CHUNKS = "chunks"  # collate_fn or batch_fn: the block's records in chunks of batch_size, each chunk a batch
 RECORDS = "records"  # batch_size=None or shuffle_buffer: every record laid out on its own
 _EXTRA_READERS = 8  # open iterators a worker keeps beyond 2 * cycle_length (LRU)
 _END = object()  # a reader's end of shard
@@ -214,19 +215,38 @@ class Shards:
             status[1] = -1
         if not samples:
             return Produced(None, 0, False, [], [])
-        try:
-            if mode == STACK:
-                layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
-            elif mode == CHUNKS:
-                batches = [spec.collate_fn(samples[i:i + batch_size]) for i in range(0, len(samples), batch_size)]
-                layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
-            else:
-                layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
-        except Exception as exc:
-            exc.add_note(f"procpipe: raised while collating records {keys[0][1]}-{keys[-1][1]} of shard "
-                         f"{block.shard} ({self.name(block.shard)}).")
-            raise
+        if mode == CHUNKS:
+            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
+                       for i in range(0, len(samples), batch_size)]
+            layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
+        else:
+            try:
+                if mode == STACK:
+                    layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
+                else:
+                    layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                raise
         return Produced([SEQ, tuple, [[INLINE, len(samples)], layout]], nbytes, in_slot, keys, [])
+
+    def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
+        """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
+        ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` seeded from the
+        chunk's first record."""
+        try:
+            batch = collate_privately(spec.collate_fn, samples, keys)
+        except Exception as exc:
+            exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+            raise
+        if spec.batch_fn is None:
+            return batch
+        return run_batch_fn(spec, epoch, keys[0], batch, self._records(keys))
+
+    def _records(self, keys: list[RecordKey]) -> str:
+        """``keys`` (records of one shard, in order) for a message: "records 4-7 of shard 2 (name)"."""
+        shard = keys[0][0]
+        return f"records {keys[0][1]}-{keys[-1][1]} of shard {shard} ({self.name(shard)})"
 
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])
@@ -717,8 +737,10 @@ class StreamPlan:
             (speculate is not None, ("speculate (a shard is read in order by the worker that opened it, so a "
                                      "block cannot be raced on another worker without reading the shard again; "
                                      "with ordered=False a slow shard does not hold back the others)")),
-            (batch_fn is not None, ("batch_fn (a batch of a stream is put together from blocks in the loader's "
-                                    "process; transform records in fn instead)")),
+            (batch_fn is not None and shuffle_buffer is not None,
+             ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
+              "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
+              "function to each batch in your loop, or transform records in fn)")),
             (cache not in (None, False), "cache (it keeps fn's output per index)"),
         ]
         for bad, what in unsupported:
@@ -739,7 +761,7 @@ class StreamPlan:
         self.shuffle_buffer = shuffle_buffer
         if shuffle_buffer is not None or batch_size is None:
             self.mode = RECORDS
-        elif collate_fn is not None:
+        elif collate_fn is not None or batch_fn is not None:
             self.mode = CHUNKS
         else:
             self.mode = STACK
@@ -769,8 +791,8 @@ class _Output:
     - ``STACK``: batches of exactly ``batch_size`` records of the stream (the last one
       smaller, or dropped with ``drop_last``). A batch inside one block is a zero-copy
       slice of its slot; one that spans blocks is joined (copied) here.
-    - ``CHUNKS``: the worker's collate_fn batches, each block's last one possibly smaller
-      (dropped with ``drop_last``).
+    - ``CHUNKS``: the worker's batches (collate_fn's and/or batch_fn's), each block's last
+      one possibly smaller (dropped with ``drop_last``).
     - ``RECORDS`` without shuffle: one item per record (``batch_size=None``), views of the slot.
     - ``shuffle_buffer``: records are copied out of their slot into a buffer of N records;
       each new record, once the buffer is full, pushes out a random one (tf.data's
@@ -889,11 +911,7 @@ class _Output:
             self.batch = []
 
     def _collate(self, records: list[tuple[RecordKey, Any]]) -> Any:
-        samples = [s for _, s in records]
-        if self.collate_fn is not None:
-            return self.collate_fn(samples)
-        layout, _, _ = collate.layout_batch(samples, [k for k, _ in records], None, 0)
-        return collate.build(layout, None)
+        return collate_privately(self.collate_fn, [s for _, s in records], [k for k, _ in records])
 
 
 def _rows(node: list, start: int, stop: int) -> list:
