@@ -389,8 +389,6 @@ def test_unsupported_options_are_refused_clearly():
     with Loader(source, workers=0) as loader:
         with pytest.raises(TypeError, match="no len"):
             len(loader)
-        with pytest.raises(NotImplementedError, match="streaming"):
-            loader.state_dict()
     for kwargs in ({"speculate": 2.0}, {"on_error": "skip"}, {"batches": lambda e: [[0]]}):
         with pytest.raises(ValueError, match="streaming source"):
             Loader(source, workers=0, **kwargs)
