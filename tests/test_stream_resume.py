@@ -5,15 +5,13 @@ and after (0 included), every batching mode, epochs=N/None, the shuffle buffer, 
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import numpy as np
 import pytest
 from conftest import wait_until
-from test_streaming import ALL, SHARDS, gated_open, ids, open_shard, pad_collate, summarize
+from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, summarize
 
-import procpipe
 from procpipe import Loader, Shards
 
 
@@ -149,12 +147,8 @@ def test_resume_in_every_batching_mode(ordered):
 
 
 def test_resume_with_batch_fn_gives_the_same_batches():
-    def run(**kwargs):
-        return interrupted(2, 2, 0, batch_fn=summarize, block_length=4, batch_size=3, **kwargs)
-
-    with make(2, batch_fn=summarize, block_length=4, batch_size=3) as loader:
-        full = [records_of(b) for b in loader]
-    taken, _, rest = run()
+    full = uninterrupted(batch_fn=summarize, batch_size=3)
+    taken, _, rest = interrupted(2, 2, 0, batch_fn=summarize, batch_size=3)
     assert taken + rest == full
 
 
