@@ -146,8 +146,7 @@ class Coordinator:
             pass  # already awake (pipe full) or closing
 
     def consumed_one(self, stream: Stream, epoch: Epoch, seq: int) -> None:
-        epoch.consumed += 1
-        epoch.progress.add(seq)
+        epoch.mark_consumed(seq)
         stream.consumed += 1
         if self.starved:
             self.starved = False
@@ -457,7 +456,9 @@ class Coordinator:
                 epoch.deliver(job.seq, EmptyBatch)
                 return
             if self.ring is None:
-                self._make_ring_or_fail(epoch.ring_slot_bytes(layout, nbytes))
+                slot_bytes = epoch.ring_slot_bytes(layout, nbytes)
+                if slot_bytes is not None:
+                    self._make_ring_or_fail(slot_bytes)
             counters = epoch.counters
             if in_slot:
                 lease = self.ring.lease(attempt.slot, self._release)

@@ -151,8 +151,8 @@ class Epoch:
 
     pins_workers = False  # True: ``dispatch(coordinator)`` sends its own jobs (procpipe.streaming)
 
-    def ring_slot_bytes(self, layout: list, nbytes: int) -> int:
-        """Slot size for the ring, from the first batch's layout and size."""
+    def ring_slot_bytes(self, layout: list, nbytes: int) -> int | None:
+        """Slot size for the ring, from the first batch's layout and size (None: this one cannot tell)."""
         return nbytes
 
     def accept(self, job: Job, layout: list, lease: Any, skipped: int) -> None:
@@ -187,6 +187,25 @@ class Epoch:
         for seq in list(self.skipped_seqs):
             done.add(seq)
         return done
+
+    # ---- the consumer's side (consumer thread): what it has had, for Loader.state_dict()
+    def mark_consumed(self, seq: int) -> None:
+        """The consumer took the batch at position ``seq``."""
+        self.consumed += 1
+        self.progress.add(seq)
+
+    def consumer_progress(self) -> Progress:
+        """What the consumer has had of this epoch, in the form a resume takes back (``done``)."""
+        return self.done_seqs()
+
+    def all_consumed(self) -> bool:
+        """The consumer has had every batch of this epoch."""
+        return len(self.done_seqs()) >= len(self.batches)
+
+    @classmethod
+    def unopened_progress(cls, resumed: Any) -> Progress:
+        """``consumer_progress()`` of an epoch not opened yet: what a resume said of it (``ahead``), if anything."""
+        return Progress(resumed or ())
 
     def finish(self) -> None:
         self.finished = True
@@ -228,6 +247,7 @@ class Stream:
         self.until = until
         self.ordered = ordered
         self.ahead = dict(ahead or {})  # epoch -> positions already delivered (resume); popped when opened
+        self.resumed_ahead = dict(self.ahead)  # the same, kept (resume_point)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.epochs: deque[Epoch] = deque()  # open: not yet finished, or (ordered) not yet all out
         self.opened: dict[int, Epoch] = {}
@@ -295,6 +315,34 @@ class Stream:
             if epoch.fresh:
                 return epoch
         return None
+
+    def resume_point(self, low: int) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """Where the consumer stands (consumer thread), to resume exactly there: ``(epoch, what it
+        has had of it, {later epoch: what it has had of it}, until)``, each in the form of
+        ``Epoch.consumer_progress()``; None once it has had everything. ``low``: the oldest
+        epoch it is not past."""
+        opened = dict(self.opened)  # a copy: the coordinator thread adds epochs
+
+        def progress(n: int) -> tuple[Any, bool]:
+            epoch = opened.get(n)
+            if epoch is not None:
+                return epoch.consumer_progress(), epoch.all_consumed()
+            return self.epoch_class.unopened_progress(self.resumed_ahead.get(n)), False
+
+        until = self.until
+        done, complete = progress(low)
+        if complete:  # all returned; its end marker not read yet
+            low += 1
+            if until is not None and low >= until:
+                return None
+            done, _ = progress(low)
+        ahead = {}
+        for n in sorted(set(opened) | set(self.resumed_ahead)):
+            if n > low:
+                p, _ = progress(n)
+                if p:
+                    ahead[n] = p
+        return low, done, ahead, until
 
     def current_counters(self) -> EpochCounters | None:
         """Counters of the oldest open epoch, else the last opened (where a worker death is counted)."""

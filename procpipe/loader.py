@@ -106,7 +106,9 @@ class Loader:
         batch_fn: optional ``batch_fn(batch) -> batch``, a vectorized function run in the
             worker on each collated batch (after the default stacking or ``collate_fn``),
             before the batch goes into the ring. ``procpipe.batch_rng()`` works inside it;
-            ``sample_rng()`` does not. Needs a ``batch_size``.
+            ``sample_rng()`` does not. Needs a ``batch_size``. With a streaming source it
+            runs on batches of one block's records (they never span blocks); not with
+            ``shuffle_buffer``.
         cache: ``None``/``False`` (default): no cache. ``True`` or ``"memory"``: the output
             of the deterministic first stage (``source[i]``, then ``fn``) is kept per index
             in shared memory (``shm_dir``), computed once, and read back in later epochs;
@@ -275,51 +277,85 @@ class Loader:
         ``ahead`` (``[epoch, done_below, done]`` for later epochs of which batches were
         already returned: ``ordered=False`` across an epoch boundary), plus the sampler's
         settings, checked on load.
+
+        For a streaming source (``procpipe.Shards``) what was returned is counted in
+        records: ``stream`` replaces ``done_below``/``done`` (None, or the
+        ``procpipe.streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
+        ordered interleave's ``cursor``, ``received`` record ranges), ``ahead`` entries are
+        ``[epoch, stream]``, and the settings checked are ``shards`` (their number),
+        ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``, ``reshuffle``,
+        ``cycle_length``, ``block_length``, ``mode`` and ``shuffle_buffer``. Records
+        returned are not returned again, the others are, once; with ``ordered=True`` (and
+        no ``shuffle_buffer``) in the very order of the uninterrupted run.
         """
-        _no_stream_state(self._sampler)
-        epoch, done, ahead = self._epoch, Progress(), {}
+        epoch, done, ahead, until = self._position()
+        if isinstance(self._sampler, StreamPlan):
+            progress = {"stream": done, "ahead": [[n, p] for n, p in sorted(ahead.items())]}
+        else:
+            progress = {"done_below": done.below, "done": sorted(done.beyond),
+                        "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())]}
+        return {"version": 1, "epoch": epoch, **progress, "until": until, **_sampler_state(self._sampler)}
+
+    def _position(self) -> tuple[int, Any, dict[int, Any], int | None]:
+        """``(epoch, what was returned of it, of later epochs, until)``: what ``state_dict`` saves,
+        what was returned in the form ``Epoch.consumer_progress()`` gives."""
+        epoch_class = getattr(self._sampler, "epoch_class", Epoch)
+        epoch, done, ahead = self._epoch, epoch_class.unopened_progress(None), {}
         until = self._default_until(epoch)
         active, resume = self._active, self._resume
         if resume is not None and resume.epoch == epoch:
-            done = Progress(resume.done)
-            ahead = {n: Progress(v) for n, v in resume.ahead.items()}
+            done = epoch_class.unopened_progress(resume.done)
+            ahead = {n: epoch_class.unopened_progress(v) for n, v in resume.ahead.items()}
             if resume.until is not _LOADER_EPOCHS:
                 until = resume.until
         elif active is not None and active.owns_epoch():
             point = active.resume_point()
             if point is not None:
                 epoch, done, ahead, until = point
-        return {"version": 1, "epoch": epoch, "done_below": done.below, "done": sorted(done.beyond),
-                "until": until, "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())],
-                **_sampler_state(self._sampler)}
+        return epoch, done, ahead, until
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next ``iter()`` continues that epoch where it stood.
 
         An epoch in progress on this loader is ended. Raises ``ValueError`` if the state
-        comes from a loader over different data (length, batch_size, shuffle, seed,
-        drop_last, shard).
+        comes from a loader over different data or with other settings (for an indexable
+        source: length, batch_size, shuffle, seed, drop_last, shard, reshuffle; for a
+        streaming source, see ``state_dict``), naming the setting.
         """
-        _no_stream_state(self._sampler)
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
-        for key, mine in _sampler_state(self._sampler).items():
+        streaming = isinstance(self._sampler, StreamPlan)
+        if ("stream" in state) != streaming:
+            kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
+            raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
+                             f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
+        settings = _sampler_state(self._sampler)
+        for key, mine in settings.items():
             if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
                 raise ValueError(
                     f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
-                    f"{key}={mine!r}; resuming needs the same data and sampler settings "
-                    "(length, batch_size, shuffle, seed, drop_last, shard)."
+                    f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
                 )
-        epoch, below, beyond = state.get("epoch"), state.get("done_below"), state.get("done")
-        if (not isinstance(epoch, int) or epoch < 0 or not isinstance(below, int) or below < 0
-                or not isinstance(beyond, list) or not all(isinstance(s, int) and s > below for s in beyond)):
-            raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}, done_below={below!r}, done={beyond!r:.200}")
-        until, ahead = _parse_stream_state(state, epoch)
+        epoch = state.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
+        if streaming:
+            done = self._sampler.check_progress(state.get("stream"), epoch)
+            until, ahead = _parse_stream_state(state, epoch, self._stream_ahead_entry)
+        else:
+            done = _index_progress(epoch, [state.get("done_below"), state.get("done")])
+            until, ahead = _parse_stream_state(state, epoch, _index_progress)
         if self._active is not None:
             self._active.cancel("load_state_dict() was called")
             self._active = None
         self._epoch = epoch
-        self._resume = _Resume(epoch, frozenset(itertools.chain(range(below), beyond)), until, ahead)
+        self._resume = _Resume(epoch, done, until, ahead)
+
+    def _stream_ahead_entry(self, epoch: int, rest: list) -> dict:
+        """``[stream]`` of an ``ahead`` entry of a streaming source's state, checked."""
+        if len(rest) != 1 or rest[0] is None:
+            raise ValueError(f"corrupt procpipe Loader state: ahead entry for epoch {epoch}: {rest!r:.200}")
+        return self._sampler.check_progress(rest[0], epoch)
 
     def close(self) -> None:
         """End every worker and remove every shared-memory file. Safe to call twice.
@@ -462,7 +498,6 @@ class _EpochIterator:
         self._coordinator = loader._coordinator
         self.number = number
         self._with_epoch = loader._with_epoch
-        self._ahead0 = dict(ahead or {})
         self._stream = Stream(next(_generations), loader._sampler, number, until, loader._ordered,
                               loader._sampler.batches(number), done, ahead)
         self._epoch = self._stream.first  # the epoch the consumer is in
@@ -553,34 +588,12 @@ class _EpochIterator:
         """Batch positions of the current epoch the consumer has had."""
         return self._epoch.done_seqs()
 
-    def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
-        """``(epoch, its positions returned, later epochs' positions returned, until)`` to resume
-        this iteration exactly; None once every batch of it was returned."""
+    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
+        exactly (see ``Stream.resume_point``); None once every batch of it was returned."""
         if self._complete:
             return None
-        stream = self._stream
-        opened = dict(stream.opened)  # a copy: the coordinator thread adds epochs
-
-        def progress(n: int) -> tuple[Progress, int | None]:
-            epoch = opened.get(n)
-            if epoch is not None:
-                return epoch.done_seqs(), len(epoch.batches)
-            return Progress(self._ahead0.get(n, ())), None
-
-        low, until = self._low, stream.until
-        done, count = progress(low)
-        if count is not None and len(done) >= count:  # all returned; its end marker not read yet
-            low += 1
-            if until is not None and low >= until:
-                return None
-            done, _ = progress(low)
-        ahead = {}
-        for n in sorted(set(opened) | set(self._ahead0)):
-            if n > low:
-                p, _ = progress(n)
-                if len(p):
-                    ahead[n] = p
-        return low, done, ahead, until
+        return self._stream.resume_point(self._low)
 
     def cancel(self, why: str) -> None:
         if not self._done:
@@ -603,7 +616,6 @@ class _InlineIterator(_EpochIterator):
         self._coordinator = None
         self._with_epoch = loader._with_epoch
         self._until = until
-        self._ahead0 = dict(ahead or {})
         self._ahead = dict(ahead or {})
         self._scope = SampleScope(loader._spec.seed)
         self._done = False
@@ -778,15 +790,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
 
 
-def _no_stream_state(sampler: Any) -> None:
-    if isinstance(sampler, StreamPlan):
-        raise NotImplementedError(
-            "state_dict()/load_state_dict() do not support streaming sources (procpipe.Shards) yet: resuming "
-            "mid-epoch would need every open shard's position; restart the epoch instead")
-
-
 def _sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler settings a saved state must match to be resumed."""
+    if isinstance(sampler, StreamPlan):
+        return sampler.settings()
     shard = getattr(sampler, "shard", None)
     return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
             "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
@@ -799,9 +806,10 @@ _LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans t
 
 
 class _Resume(tuple):
-    """What ``load_state_dict`` left for the next ``iter()``."""
+    """What ``load_state_dict`` left for the next ``iter()``: ``done`` and ``ahead``'s values are
+    frozensets of batch positions, or for a streaming source ``StreamProgress`` states (or None)."""
 
-    def __new__(cls, epoch: int, done: frozenset, until: Any, ahead: dict[int, frozenset]) -> _Resume:
+    def __new__(cls, epoch: int, done: Any, until: Any, ahead: dict[int, Any]) -> _Resume:
         return super().__new__(cls, (epoch, done, until, ahead))
 
     epoch = property(lambda self: self[0])
@@ -810,27 +818,39 @@ class _Resume(tuple):
     ahead = property(lambda self: self[3])
 
 
-def _parse_stream_state(state: dict[str, Any], epoch: int) -> tuple[Any, dict[int, frozenset]]:
-    """``until`` and ``ahead`` of a saved state, checked (both optional: older states lack them)."""
+def _parse_stream_state(state: dict[str, Any], epoch: int,
+                        progress: Callable[[int, list], Any]) -> tuple[Any, dict[int, Any]]:
+    """``until`` and ``ahead`` of a saved state, checked (both optional: older states lack them).
+
+    ``ahead`` entries are ``[epoch, ...]``; ``progress(epoch, rest)`` checks and converts the rest.
+    """
     until = state.get("until", _LOADER_EPOCHS)
     if until is not _LOADER_EPOCHS and until is not None and (
             isinstance(until, bool) or not isinstance(until, int) or until <= epoch):
         raise ValueError(f"corrupt procpipe Loader state: until={until!r} with epoch={epoch!r}")
-    ahead: dict[int, frozenset] = {}
+    ahead: dict[int, Any] = {}
     raw = state.get("ahead", [])
     if not isinstance(raw, list):
         raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")
     for entry in raw:
-        ok = isinstance(entry, list) and len(entry) == 3
-        if ok:
-            n, below, beyond = entry
-            ok = (isinstance(n, int) and n > epoch and (not isinstance(until, int) or n < until)
-                  and isinstance(below, int) and below >= 0 and isinstance(beyond, list)
-                  and all(isinstance(x, int) and x > below for x in beyond))
-        if not ok:
+        n = entry[0] if isinstance(entry, list) and entry else None
+        if (not isinstance(n, int) or isinstance(n, bool) or n <= epoch or n in ahead
+                or (isinstance(until, int) and n >= until)):
             raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
-        ahead[n] = frozenset(itertools.chain(range(below), beyond))
+        ahead[n] = progress(n, entry[1:])
     return until, ahead
+
+
+def _index_progress(epoch: int, rest: list) -> frozenset:
+    """``[done_below, done]`` of an indexable source's epoch, checked: the positions returned."""
+    ok = len(rest) == 2
+    if ok:
+        below, beyond = rest
+        ok = (isinstance(below, int) and below >= 0 and isinstance(beyond, list)
+              and all(isinstance(x, int) and x > below for x in beyond))
+    if not ok:
+        raise ValueError(f"corrupt procpipe Loader state: done_below, done = {rest!r:.200} for epoch {epoch}")
+    return frozenset(itertools.chain(range(below), beyond))
 
 
 def _validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) -> None:

@@ -21,6 +21,7 @@ it, the batch is collated privately (new arrays), transformed, then packed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from .rng import BatchScope, SampleScope, no_sample_rng
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
-    "use procpipe.batch_rng() there (seeded from (seed, epoch, first index of the batch)), or draw "
+    "use procpipe.batch_rng() there (seeded from (seed, epoch, the batch's first index or record)), or draw "
     "per-sample randomness in fn or augment."
 )
 
@@ -88,11 +89,8 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
     if not spec.batched:
         layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
     elif spec.batch_fn is not None:
-        if spec.collate_fn is not None:
-            batch = spec.collate_fn(samples)
-        else:  # collated privately (buffer None: new arrays), so batch_fn may transform it freely
-            batch = collate.build(collate.layout_batch(samples, kept, None, 0)[0], None)
-        batch = _run_batch_fn(spec, epoch, indices, batch)
+        batch = run_batch_fn(spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept),
+                             f"indices {list(indices)}")
         layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     elif spec.collate_fn is not None:
         layout, nbytes, in_slot = collate.layout_value(spec.collate_fn(samples), buffer, capacity)
@@ -101,11 +99,22 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
     return Produced(layout, nbytes, in_slot, kept, skipped)
 
 
-def _run_batch_fn(spec: Any, epoch: int, indices: list[int], batch: Any) -> Any:
-    """``batch_fn(batch)`` with ``batch_rng()`` available; its exceptions get a note naming it."""
+def collate_privately(collate_fn: Callable[[list], Any] | None, samples: list, keys: Sequence[Any]) -> Any:
+    """``samples`` as one batch outside any ring slot: ``collate_fn``'s, else the default
+    stacking into new arrays (so ``batch_fn`` may change them in place). ``keys`` name the
+    samples in collation errors."""
+    if collate_fn is not None:
+        return collate_fn(samples)
+    return collate.build(collate.layout_batch(samples, keys, None, 0)[0], None)
+
+
+def run_batch_fn(spec: Any, epoch: int, first: Any, batch: Any, what: str) -> Any:
+    """``batch_fn(batch)`` with ``batch_rng()`` seeded from ``(seed, epoch, first)`` and
+    ``sample_rng()`` refused; an exception gets a note naming the batch (``what``: its
+    indices, or a streaming source's records)."""
     try:
-        with no_sample_rng(_NO_SAMPLE_RNG_IN_BATCH_FN, BatchScope(spec.seed, epoch, indices[0])):
+        with no_sample_rng(_NO_SAMPLE_RNG_IN_BATCH_FN, BatchScope(spec.seed, epoch, first)):
             return spec.batch_fn(batch)
     except Exception as exc:
-        exc.add_note(f"procpipe: raised by batch_fn on the batch of indices {list(indices)} (epoch {epoch}).")
+        exc.add_note(f"procpipe: raised by batch_fn on the batch of {what} (epoch {epoch}).")
         raise

@@ -19,14 +19,26 @@ _BATCH_KEY = 4  # batch_rng(), inside batch_fn
 _current = threading.local()
 
 
+def _generator(seed: int, kind: int, epoch: int, index: int | tuple[int, ...] | None = None) -> np.random.Generator:
+    """The generator of ``(seed, kind, epoch[, index])``; ``index`` is an int, or a streaming
+    source's ``(shard, record)`` key (``procpipe.streaming.RecordKey``)."""
+    if index is None:
+        key: tuple[int, ...] = (kind, epoch)
+    elif isinstance(index, tuple):
+        key = (kind, epoch, *index)
+    else:
+        key = (kind, epoch, index)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
 def shuffle_rng(seed: int, epoch: int) -> np.random.Generator:
     """Generator for the sampler's order of one epoch."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(_SHUFFLE_KEY, epoch))))
+    return _generator(seed, _SHUFFLE_KEY, epoch)
 
 
 def buffer_rng(seed: int, epoch: int) -> np.random.Generator:
     """Generator for a streaming source's shuffle buffer in one epoch (``shuffle_buffer=``)."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=(_BUFFER_KEY, epoch))))
+    return _generator(seed, _BUFFER_KEY, epoch)
 
 
 class SampleScope:
@@ -69,22 +81,23 @@ def sample_rng() -> np.random.Generator:
             "loader produces a sample (inside fn, augment or the source's __getitem__)."
         ))
     if scope.rng is None:
-        index = scope.index  # an int, or (shard, record) for a streaming source's record
-        key = (_SAMPLE_KEY, scope.epoch, *index) if isinstance(index, tuple) else (_SAMPLE_KEY, scope.epoch, index)
-        seq = np.random.SeedSequence(scope.seed, spawn_key=key)
-        scope.rng = np.random.Generator(np.random.PCG64(seq))
+        scope.rng = _generator(scope.seed, _SAMPLE_KEY, scope.epoch, scope.index)
     return scope.rng
 
 
 class BatchScope:
-    """Marks the batch ``batch_fn`` is transforming, so ``batch_rng()`` can seed from it."""
+    """Marks the batch ``batch_fn`` is transforming, so ``batch_rng()`` can seed from it.
+
+    ``first`` identifies the batch: its first index as the sampler made it, or for a
+    streaming source the ``(shard, record)`` key of its first record.
+    """
 
     __slots__ = ("seed", "epoch", "first", "rng")
 
-    def __init__(self, seed: int, epoch: int, first: int) -> None:
+    def __init__(self, seed: int, epoch: int, first: int | tuple[int, int]) -> None:
         self.seed = seed
         self.epoch = epoch
-        self.first = first  # the batch's first index (as the sampler made it)
+        self.first = first
         self.rng: np.random.Generator | None = None
 
 
@@ -113,8 +126,9 @@ class no_sample_rng:
 def batch_rng() -> np.random.Generator:
     """The random generator of the batch ``batch_fn`` is transforming.
 
-    Seeded from ``(seed, epoch, first index of the batch)``, so, like ``sample_rng()``, it
-    does not depend on the number of workers or on re-runs. Repeated calls within one
+    Seeded from ``(seed, epoch, first index of the batch)`` (for a streaming source: the
+    ``(shard, record)`` of the batch's first record), so, like ``sample_rng()``, it does
+    not depend on the number of workers or on re-runs. Repeated calls within one
     batch return the same generator. Outside ``batch_fn`` it raises ``RuntimeError``.
     """
     batch = getattr(_current, "batch", None)
@@ -124,6 +138,5 @@ def batch_rng() -> np.random.Generator:
             "in fn, augment or __getitem__ use procpipe.sample_rng()."
         )
     if batch.rng is None:
-        seq = np.random.SeedSequence(batch.seed, spawn_key=(_BATCH_KEY, batch.epoch, batch.first))
-        batch.rng = np.random.Generator(np.random.PCG64(seq))
+        batch.rng = _generator(batch.seed, _BATCH_KEY, batch.epoch, batch.first)
     return batch.rng

@@ -31,12 +31,20 @@ collation, leases, the coordinator's loop, worker-death recovery):
   ``ordered=False``: blocks are used as they arrive.
 - **Batching** (``_Output``): by default, blocks are cut and joined into batches of exactly
   ``batch_size`` records, in stream order; a batch inside one block is a zero-copy view of
-  its slot, one that spans blocks is copied. With ``collate_fn`` (which runs in the
-  worker, on one block's records) batches never span blocks. ``shuffle_buffer=N`` mixes
-  records through a buffer of N records in the loader's process (tf.data's ``shuffle``).
+  its slot, one that spans blocks is copied. With ``collate_fn`` or ``batch_fn`` (which
+  run in the worker, on one block's records) batches never span blocks.
+  ``shuffle_buffer=N`` mixes records through a buffer of N records in the loader's
+  process (tf.data's ``shuffle``).
+- **Resume** (``Loader.state_dict``): each batch carries the record ranges it holds; when
+  the consumer takes it, they go into the epoch's ``StreamProgress`` (complete shards,
+  the ordered interleave's cursor, record ranges received). A resumed epoch leaves the
+  complete shards out, restarts the interleave at the cursor (or each shard at its
+  first block not entirely received), and its blocks skip the records received: the
+  worker advances the shard's iterator past them without running ``fn``.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import queue
@@ -53,15 +61,17 @@ from . import collate
 from .collate import ARRAY, DICT, INLINE, SEQ
 from .epochs import EmptyBatch as _Empty, EndOfEpoch, Epoch, EpochEnd, Failure, Job, Stream, iteration_over
 from .errors import CollateError
-from .produce import Produced, produce
+from .produce import Produced, collate_privately, produce, run_batch_fn
 from .reassembly import Progress
 from .rng import SampleScope, buffer_rng, shuffle_rng
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by _Output)
-CHUNKS = "chunks"  # collate_fn: the block's records in chunks of batch_size, each chunk a batch
+CHUNKS = "chunks"  # collate_fn or batch_fn: the block's records in chunks of batch_size, each chunk a batch
 RECORDS = "records"  # batch_size=None or shuffle_buffer: every record laid out on its own
 _EXTRA_READERS = 8  # open iterators a worker keeps beyond 2 * cycle_length (LRU)
+_PENDING_SPANS = 4096  # record ranges the consumer's StreamProgress gathers before it merges them
+_SHARD_SHIFT = 40  # merging ranges, record r of shard s is at (s << 40) + r (shards of up to 2**40 records)
 _END = object()  # a reader's end of shard
 
 
@@ -90,21 +100,35 @@ class Block:
 
     Sent to a worker in place of a list of indices. Iterating it gives the keys of the
     records it may hold (for the coordinator's messages about lost or stuck tasks).
+    ``skip``: ``(start, stop)`` ranges of its records the consumer received before a
+    resume; the worker reads past them (the shard's iterator only, not ``fn``) and leaves
+    them out of the block's layout.
     """
 
-    __slots__ = ("first", "length", "number", "shard")
+    __slots__ = ("first", "length", "number", "shard", "skip")
 
-    def __init__(self, shard: int, number: int, first: int, length: int) -> None:
+    def __init__(self, shard: int, number: int, first: int, length: int,
+                 skip: tuple[tuple[int, int], ...] = ()) -> None:
         self.shard = shard
         self.number = number
         self.first = first
         self.length = length
+        self.skip = skip
 
     def __reduce__(self) -> tuple:
-        return Block, (self.shard, self.number, self.first, self.length)
+        return Block, (self.shard, self.number, self.first, self.length, self.skip)
 
     def __iter__(self):
         return (RecordKey(self.shard, r) for r in range(self.first, self.first + self.length))
+
+    def skipped(self, record: int) -> bool:
+        return any(start <= record < stop for start, stop in self.skip)
+
+    def kept(self, read: int) -> range | list[int]:
+        """The records a block's layout holds when ``read`` of its records could be read: all
+        but the skipped ones, in order."""
+        records = range(self.first, self.first + read)
+        return [r for r in records if not self.skipped(r)] if self.skip else records
 
     def __repr__(self) -> str:
         return (f"block {self.number} of shard {self.shard} "
@@ -177,10 +201,11 @@ class Shards:
                       capacity: int, status: Any | None = None) -> Produced:
         """Read ``block``, run ``fn`` on each record, collate into ``buffer`` (see ``produce.produce``).
 
-        The layout is ``[SEQ, tuple, [[INLINE, count], inner]]``: the number of records
-        read (fewer than ``block_length`` means the shard has ended) and the block's own
-        layout (by mode: a stacked batch, a list of collate_fn batches, or a list of
-        records). A block with no record has no layout (``None``).
+        The layout is ``[SEQ, tuple, [[INLINE, (read, kept)], inner]]``: the number of
+        records read (fewer than ``block_length`` means the shard has ended), how many of
+        them the block holds (all but ``block.skip``), and the block's own layout of those
+        (by mode: a stacked batch, a list of batches, or a list of records; ``[INLINE,
+        None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
         _, mode, batch_size = self._config
         fn, augment = spec.fn, getattr(spec, "augment", None)
@@ -197,6 +222,8 @@ class Shards:
                 record = reader.next(self, key)
                 if record is _END:
                     break
+                if block.skip and block.skipped(key[1]):
+                    continue
                 for stage, name in ((fn, "fn"), (augment, "augment")):
                     if stage is not None:
                         try:
@@ -212,21 +239,43 @@ class Shards:
         scope.leave()
         if status is not None:
             status[1] = -1
-        if not samples:
+        read = max(0, reader.position - block.first)
+        if not read:
             return Produced(None, 0, False, [], [])
+        if not samples:  # every record read was received before a resume
+            return Produced([SEQ, tuple, [[INLINE, (read, 0)], [INLINE, None]]], 0, buffer is not None, [], [])
+        if mode == CHUNKS:
+            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
+                       for i in range(0, len(samples), batch_size)]
+            layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
+        else:
+            try:
+                if mode == STACK:
+                    layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
+                else:
+                    layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                raise
+        return Produced([SEQ, tuple, [[INLINE, (read, len(samples))], layout]], nbytes, in_slot, keys, [])
+
+    def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
+        """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
+        ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` seeded from the
+        chunk's first record."""
         try:
-            if mode == STACK:
-                layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
-            elif mode == CHUNKS:
-                batches = [spec.collate_fn(samples[i:i + batch_size]) for i in range(0, len(samples), batch_size)]
-                layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
-            else:
-                layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+            batch = collate_privately(spec.collate_fn, samples, keys)
         except Exception as exc:
-            exc.add_note(f"procpipe: raised while collating records {keys[0][1]}-{keys[-1][1]} of shard "
-                         f"{block.shard} ({self.name(block.shard)}).")
+            exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
             raise
-        return Produced([SEQ, tuple, [[INLINE, len(samples)], layout]], nbytes, in_slot, keys, [])
+        if spec.batch_fn is None:
+            return batch
+        return run_batch_fn(spec, epoch, keys[0], batch, self._records(keys))
+
+    def _records(self, keys: list[RecordKey]) -> str:
+        """``keys`` (records of one shard, in order) for a message: "records 4-7 of shard 2 (name)"."""
+        shard = keys[0][0]
+        return f"records {keys[0][1]}-{keys[-1][1]} of shard {shard} ({self.name(shard)})"
 
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])
@@ -353,6 +402,193 @@ class Interleave:
             self.slots[self.turn] = None
         self.turn = (self.turn + 1) % len(self.slots)
 
+    def state(self) -> list:
+        """``[turn, opened, slots]``, plain lists: where it stands (a resume state's ``cursor``)."""
+        return [self.turn, self.opened, [None if slot is None else list(slot) for slot in self.slots]]
+
+    @classmethod
+    def restored(cls, shards: int, cycle_length: int, block_length: int, state: list | None) -> Interleave:
+        """An interleave standing where ``state`` (from ``state()``) says; at the start if None."""
+        interleave = cls(shards, cycle_length, block_length)
+        if state is not None:
+            interleave.turn, interleave.opened = state[0], state[1]
+            interleave.slots = [None if slot is None else list(slot) for slot in state[2]]
+        return interleave
+
+
+# ---------------------------------------------------------------------- what the consumer has received
+class StreamProgress:
+    """The records of one epoch of a stream the consumer has received: what a resume skips.
+
+    Kept in the consumer's thread, from the coverage of each batch it takes (the records
+    in it, plus those ``drop_last`` left out just before it), so it never counts what the
+    workers ran ahead with. Its ``state()`` is the epoch's part of ``Loader.state_dict()``,
+    a plain dict:
+
+    - ``complete``: shards (indices into ``Shards.shards``) entirely received; a resumed
+      epoch leaves them out of its order.
+    - ``cursor`` (an ordered epoch; ``None`` otherwise): ``[turn, opened, slots]`` of the
+      ``Interleave`` over the epoch's other shards, standing at the first block not
+      entirely received. Every block before it was received; the slots say which shards
+      are open, at which block. A resumed ordered epoch restarts the interleave there, so
+      what follows is what the uninterrupted epoch would have given.
+    - ``received``: ``[shard, start, stop]`` record ranges received beyond that (every one,
+      without a cursor), sorted and merged. A resumed epoch's blocks skip them.
+
+    An ordered epoch resumed from a state without cursor (saved with ``ordered=False``)
+    starts a new interleave over the shards not complete; an unordered one resumed from a
+    state with a cursor turns the blocks behind the cursor into ``complete``/``received``.
+    Shard ends (``ends``: shard -> an upper bound of its record count, exact once every
+    record below it is received) come from the epoch, which learns them as blocks arrive.
+    """
+
+    def __init__(self, order: list[int], cycle_length: int, block_length: int, ordered: bool,
+                 state: dict | None = None) -> None:
+        self.block_length = block_length
+        state = state or {"cursor": None, "complete": [], "received": []}
+        self.complete = set(state["complete"])
+        self.order = [shard for shard in order if shard not in self.complete]  # what the epoch reads
+        self.received: dict[int, _Ranges] = {}
+        self.pending: list[tuple[int, int, int]] = [tuple(entry) for entry in state["received"]]
+        self._merge_pending()
+        cursor = state["cursor"]
+        if ordered:
+            self.cursor: Interleave | None = Interleave.restored(len(self.order), cycle_length, block_length, cursor)
+            self.settle({})  # (from a state without cursor: past the blocks entirely received)
+        else:
+            self.cursor = None
+            if cursor is not None:
+                self._unfold(Interleave.restored(len(self.order), cycle_length, block_length, cursor))
+                self.order = [shard for shard in self.order if shard not in self.complete]
+
+    def add(self, coverage: list[tuple[int, int, int]], ends: dict[int, int]) -> None:
+        """The consumer took a batch covering these ``(shard, start, stop)`` record ranges.
+
+        They are gathered and merged in bulk: a shuffle buffer's batches hold scattered
+        records, which come together over a few batches.
+        """
+        self.pending += coverage
+        if len(self.pending) >= _PENDING_SPANS:
+            self.settle(ends)
+
+    def settle(self, ends: dict[int, int]) -> None:
+        """Take in the ranges gathered, then move the cursor past the blocks entirely received
+        (ordered), or mark shards complete."""
+        self._merge_pending()
+        if self.cursor is not None:
+            self._advance(ends)
+            return
+        for shard in [s for s, ranges in self.received.items() if ranges.starts[0] == 0]:
+            end = ends.get(shard)
+            if end is not None and self.received[shard].stops[0] >= end:
+                self.complete.add(shard)
+                del self.received[shard]
+
+    def state(self) -> dict:
+        """The plain-dict form (see the class docstring), canonical: the same progress gives an
+        equal dict. Call ``settle`` first."""
+        return {"cursor": None if self.cursor is None else self.cursor.state(),
+                "complete": sorted(self.complete),
+                "received": [[shard, start, stop] for shard in sorted(self.received)
+                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops)]}
+
+    def skips(self, shard: int, block: int) -> tuple[tuple[int, int], ...]:
+        """The ranges of records of ``block`` of ``shard`` already received (a ``Block``'s ``skip``)."""
+        ranges = self.received.get(shard)
+        return () if ranges is None else ranges.within(block * self.block_length, (block + 1) * self.block_length)
+
+    def first_unreceived_block(self, shard: int) -> int:
+        """The first block of ``shard`` not entirely received (where an unordered resume starts it)."""
+        ranges = self.received.get(shard)
+        return ranges.stops[0] // self.block_length if ranges is not None and ranges.starts[0] == 0 else 0
+
+    def _merge_pending(self) -> None:
+        """Merge the gathered ranges (vectorized: shards laid end to end on one line) into ``received``."""
+        if not self.pending:
+            return
+        spans, self.pending = np.array(self.pending, dtype=np.int64), []
+        offsets = spans[:, 0] << _SHARD_SHIFT
+        order = np.argsort(spans[:, 1] + offsets, kind="stable")
+        starts, stops = (spans[:, 1] + offsets)[order], (spans[:, 2] + offsets)[order]
+        reach = np.maximum.accumulate(stops)
+        first = np.flatnonzero(np.concatenate(([True], starts[1:] > reach[:-1])))
+        last = np.append(first[1:], len(starts)) - 1
+        for start, stop in zip(starts[first].tolist(), reach[last].tolist()):
+            shard = start >> _SHARD_SHIFT
+            offset = shard << _SHARD_SHIFT
+            self.received.setdefault(shard, _Ranges()).add(start - offset, stop - offset)
+
+    def _advance(self, ends: dict[int, int]) -> None:
+        cursor, length = self.cursor, self.block_length
+        while (key := cursor.awaited()) is not None:
+            position, block = key
+            shard = self.order[position]
+            count = self._received_block(shard, block, ends.get(shard))
+            if count is None:
+                return
+            cursor.advance(count)
+            ranges = self.received.get(shard)
+            if ranges is not None and (count < length or not ranges.drop_below((block + 1) * length)):
+                del self.received[shard]  # (count < length: the shard's last block, nothing more to know)
+
+    def _received_block(self, shard: int, block: int, end: int | None) -> int | None:
+        """The record count of ``block`` of ``shard`` if all its records were received, else None."""
+        start = block * self.block_length
+        stop = start + self.block_length if end is None else min(start + self.block_length, end)
+        if stop <= start:
+            return 0
+        ranges = self.received.get(shard)
+        return stop - start if ranges is not None and ranges.covers(start, stop) else None
+
+    def _unfold(self, cursor: Interleave) -> None:
+        """A cursor's meaning without it: shards it is past are complete; open ones received up to their block."""
+        open_positions = {slot[0]: slot[1] for slot in cursor.slots if slot is not None}
+        for position in range(cursor.opened):
+            shard = self.order[position]
+            if position not in open_positions:
+                self.complete.add(shard)
+                self.received.pop(shard, None)
+            elif open_positions[position]:
+                self.received.setdefault(shard, _Ranges()).add(0, open_positions[position] * self.block_length)
+
+
+class _Ranges:
+    """Sorted, disjoint ``[start, stop)`` ranges of record numbers (never empty once added to),
+    as two parallel lists so that lookups bisect in C."""
+
+    __slots__ = ("starts", "stops")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+
+    def add(self, start: int, stop: int) -> None:
+        """Add ``[start, stop)``, merging the ranges it overlaps or touches."""
+        starts, stops = self.starts, self.stops
+        first = bisect.bisect_left(stops, start)
+        last = bisect.bisect_right(starts, stop)
+        if first < last:
+            start, stop = min(start, starts[first]), max(stop, stops[last - 1])
+        starts[first:last] = [start]
+        stops[first:last] = [stop]
+
+    def covers(self, start: int, stop: int) -> bool:
+        i = bisect.bisect_right(self.starts, start) - 1
+        return i >= 0 and self.stops[i] >= stop
+
+    def within(self, low: int, high: int) -> tuple[tuple[int, int], ...]:
+        """The parts of the ranges inside ``[low, high)``."""
+        first, last = bisect.bisect_right(self.stops, low), bisect.bisect_left(self.starts, high)
+        return tuple((max(self.starts[i], low), min(self.stops[i], high)) for i in range(first, last))
+
+    def drop_below(self, record: int) -> bool:
+        """Forget the records below ``record``; whether any range is left."""
+        i = bisect.bisect_right(self.stops, record)
+        del self.starts[:i], self.stops[:i]
+        if self.starts and self.starts[0] < record:
+            self.starts[0] = record
+        return bool(self.starts)
+
 
 # ---------------------------------------------------------------------- the epoch
 @dataclass(eq=False)
@@ -392,17 +628,29 @@ class StreamEpoch(Epoch):
     taken by the consumer stay under the coordinator's ``max_outstanding``, except the
     block the ordered interleave waits for, which always goes (through the pipe if no
     ring slot is free), so the order never deadlocks.
+
+    Resume: ``done`` is the ``StreamProgress.state()`` of the epoch as it was saved (or
+    empty). The epoch then leaves out the complete shards, restarts the interleave at the
+    saved cursor (ordered) or each shard at its first block not entirely received, and its
+    blocks skip the records received (``Block.skip``). Each batch it delivers carries its
+    coverage (``coverage``, by position), which the consumer adds to ``taken`` when it
+    takes the batch (``mark_consumed``): what ``Loader.state_dict()`` saves.
     """
 
     pins_workers = True  # the coordinator lets ``dispatch`` choose each block's worker
 
     def __post_init__(self, *args: Any) -> None:
+        resume, self.done = self.done or None, frozenset()  # a StreamProgress state, not batch positions
         super().__post_init__(*args)  # counters, progress (its per-batch reassembly goes unused here)
         plan = self.stream.sampler
         self.plan = plan
-        self.order = list(self.batches)
         self.block_length = plan.block_length
-        self.interleave = Interleave(len(self.order), plan.cycle_length, plan.block_length) if self.ordered else None
+        self.resumed = resume is not None
+        self.taken = StreamProgress(list(self.batches), plan.cycle_length, plan.block_length, self.ordered, resume)
+        self.resume = StreamProgress(list(self.batches), plan.cycle_length, plan.block_length, self.ordered, resume)
+        self.order = self.taken.order  # the shards read, in the epoch's order (less those complete)
+        self.coverage: dict[int, list] = {}  # by position: the records of each batch not yet taken
+        self.ends: dict[int, int] = {}  # shard -> upper bound of its record count (StreamProgress)
         self.states: dict[int, _Shard] = {}  # by position: opened, not retired
         self.jobs: dict[int, BlockJob] = {}  # by seq: dispatched, no reply used yet
         self.waiting: dict[tuple[int, int], tuple] = {}  # ordered: (position, block) -> (job, count, payload)
@@ -411,7 +659,19 @@ class StreamEpoch(Epoch):
         self.completed = 0  # shards whose every block has been used
         self.in_flight = 0
         self.output = _Output(plan, self.number)
-        self.remaining = math.inf if self.order else 0  # batches: unknown until every shard has ended
+        self.interleave = self.resume.cursor  # ordered: the coordinator's own copy
+        if self.interleave is not None:
+            self._resume_at_cursor()
+        self.remaining = math.inf if self.completed < len(self.order) else 0  # batches: unknown until the end
+
+    def _resume_at_cursor(self) -> None:
+        """Open the shards the interleave holds, each at its block; those it is past are complete."""
+        self.opened = self.interleave.opened
+        for slot in self.interleave.slots:
+            if slot is not None:
+                position, block = slot
+                self.states[position] = _Shard(position, self.order[position], next_block=block, used=block)
+        self.ended = self.completed = self.opened - len(self.states)
 
     @property
     def fresh(self) -> bool:
@@ -500,9 +760,15 @@ class StreamEpoch(Epoch):
         state.redo.sort(key=lambda j: j.block)
 
     def _open_shards(self) -> None:
-        """Open shards as others end: at most ``cycle_length`` at once (tf.data's cycle)."""
+        """Open shards as others end: at most ``cycle_length`` at once (tf.data's cycle).
+
+        Ordered, a shard starts at its first block, as the interleave opens it; unordered,
+        at its first block not entirely received before a resume.
+        """
         while self.opened < len(self.order) and self.opened - self.ended < self.plan.cycle_length:
-            self.states[self.opened] = _Shard(self.opened, self.order[self.opened])
+            state = self.states[self.opened] = _Shard(self.opened, self.order[self.opened])
+            if self.interleave is None:
+                state.next_block = state.got.below = self.resume.first_unreceived_block(state.index)
             self.opened += 1
 
     def _new_job(self, state: _Shard) -> BlockJob:
@@ -512,7 +778,8 @@ class StreamEpoch(Epoch):
         self.next_seq += 1
         self.issued += 1
         self.stream.issued += 1
-        job = BlockJob(self, seq, Block(state.index, b, b * length, length), shard=state, block=b)
+        block = Block(state.index, b, b * length, length, self.resume.skips(state.index, b))
+        job = BlockJob(self, seq, block, shard=state, block=b)
         self.jobs[seq] = job
         return job
 
@@ -539,19 +806,20 @@ class StreamEpoch(Epoch):
         return chosen
 
     # ------------------------------------------------------------------ replies
-    def ring_slot_bytes(self, layout: list, nbytes: int) -> int:
-        """Size the ring from the first block: scaled up to a full block if it was a shard's short last one."""
-        count = layout[2][0][1]
-        if 0 < count < self.block_length:
-            return math.ceil(nbytes * self.block_length / count)
-        return nbytes
+    def ring_slot_bytes(self, layout: list, nbytes: int) -> int | None:
+        """Size the ring from the first block holding records: scaled up to a full block if it
+        held fewer (a shard's short last block, or records skipped after a resume)."""
+        kept = layout[2][0][1][1]
+        if not kept:
+            return None
+        return math.ceil(nbytes * self.block_length / kept) if kept < self.block_length else nbytes
 
     def accept(self, job: BlockJob, layout: list, lease: Any, skipped: int) -> None:
         """A block's records arrived (``lease``: its ring slot, or None when inline)."""
         if self.jobs.pop(job.seq, None) is None or self.finished:
             return
-        count, inner = layout[2][0][1], layout[2][1]
-        self._result(job, count, (inner, lease))
+        (read, _), inner = layout[2][0][1], layout[2][1]
+        self._result(job, read, (job.indices.kept(read), inner, lease))
 
     def deliver(self, seq: int, item: Any) -> None:
         """A block with no record (``_Empty``), or a failed one (``Failure``)."""
@@ -564,11 +832,13 @@ class StreamEpoch(Epoch):
             self._result(job, None, item)
 
     def _result(self, job: BlockJob, count: int | None, payload: Any) -> None:
-        """``count`` records (None: ``payload`` is the block's Failure)."""
+        """``count`` records read; ``payload``: ``(records kept, layout, lease)``, None if
+        nothing was read, the block's Failure if ``count`` is None."""
         state, b = job.shard, job.block
         state.in_flight -= 1
         self.in_flight -= 1
         if count is not None and count < self.block_length:
+            self.ends[state.index] = min(self.ends.get(state.index, math.inf), b * self.block_length + count)
             self._learn_end(state, b)
         if state.end is not None and b > state.end:  # read past the shard's end: nothing there
             self._retire(state)
@@ -581,8 +851,8 @@ class StreamEpoch(Epoch):
                 self._fail(payload)
                 return
             state.got.add(b)
-            if count:
-                self._emit(job, count, payload)
+            if payload is not None:
+                self._emit(job, payload)
             if state.end is not None and state.got.below > state.end:
                 self._complete(state)
             self._retire(state)
@@ -616,8 +886,8 @@ class StreamEpoch(Epoch):
             interleave.advance(count)
             state = job.shard
             state.used = key[1] + 1
-            if count:
-                self._emit(job, count, payload)
+            if payload is not None:
+                self._emit(job, payload)
             if count < self.block_length:
                 self._complete(state)
             self._retire(state)
@@ -632,22 +902,25 @@ class StreamEpoch(Epoch):
             self.states.pop(state.position, None)
 
     # ------------------------------------------------------------------ output
-    def _emit(self, job: BlockJob, count: int, payload: tuple) -> None:
-        inner, lease = payload
+    def _emit(self, job: BlockJob, payload: tuple) -> None:
+        records, inner, lease = payload
+        if not records:
+            return
         try:
-            items = self.output.add(job.indices, count, inner, lease)
+            items = self.output.add(job.indices, records, inner, lease)
         except Exception as exc:
             self._fail(Failure(exc))
             return
         self._put(items)
 
-    def _put(self, items: list[tuple[Any, int]]) -> None:
+    def _put(self, items: list[tuple[Any, int, list]]) -> None:
         counters = self.counters
-        for item, records in items:
+        for item, records, coverage in items:
             seq = self.delivered
             self.delivered += 1
             counters.batches += 1
             counters.samples += records
+            self.coverage[seq] = coverage
             self.stream.emit(self, (self, seq, item))
             if self.finished:
                 return
@@ -683,6 +956,25 @@ class StreamEpoch(Epoch):
     def done_seqs(self) -> Progress:
         return Progress(self.progress)
 
+    # ------------------------------------------------------------------ the consumer's side (resume)
+    def mark_consumed(self, seq: int) -> None:
+        super().mark_consumed(seq)
+        self.taken.add(self.coverage.pop(seq, ()), self.ends)
+
+    def consumer_progress(self) -> dict | None:
+        """What the consumer has received of this epoch, as ``StreamProgress.state()``; None: nothing."""
+        if not self.resumed and not len(self.progress):
+            return None
+        self.taken.settle(self.ends)
+        return self.taken.state()
+
+    def all_consumed(self) -> bool:
+        return len(self.progress) >= self.remaining
+
+    @classmethod
+    def unopened_progress(cls, resumed: Any) -> dict | None:
+        return resumed or None
+
     # ------------------------------------------------------------------ workers=0
     def inline_job(self) -> BlockJob:
         """The block the interleave waits for, as a job to run in this process (``workers=0``)."""
@@ -717,8 +1009,10 @@ class StreamPlan:
             (speculate is not None, ("speculate (a shard is read in order by the worker that opened it, so a "
                                      "block cannot be raced on another worker without reading the shard again; "
                                      "with ordered=False a slow shard does not hold back the others)")),
-            (batch_fn is not None, ("batch_fn (a batch of a stream is put together from blocks in the loader's "
-                                    "process; transform records in fn instead)")),
+            (batch_fn is not None and shuffle_buffer is not None,
+             ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
+              "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
+              "function to each batch in your loop, or transform records in fn)")),
             (cache not in (None, False), "cache (it keeps fn's output per index)"),
         ]
         for bad, what in unsupported:
@@ -739,7 +1033,7 @@ class StreamPlan:
         self.shuffle_buffer = shuffle_buffer
         if shuffle_buffer is not None or batch_size is None:
             self.mode = RECORDS
-        elif collate_fn is not None:
+        elif collate_fn is not None or batch_fn is not None:
             self.mode = CHUNKS
         else:
             self.mode = STACK
@@ -761,16 +1055,72 @@ class StreamPlan:
             order = order[rank::world]
         return order.tolist()
 
+    def settings(self) -> dict[str, Any]:
+        """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
+        return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "seed": self.seed, "drop_last": self.drop_last, "shard": None if self.shard is None else list(self.shard),
+                "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
+                "mode": self.mode, "shuffle_buffer": self.shuffle_buffer}
+
+    def check_progress(self, state: Any, epoch: int) -> dict | None:
+        """A saved ``StreamProgress.state()`` of ``epoch`` (or None), checked against this plan's
+        shards; raises ``ValueError`` naming what is wrong."""
+        if state is None:
+            return None
+        order = self.batches(epoch)
+
+        def corrupt(what: str) -> ValueError:
+            return ValueError(f"corrupt procpipe Loader state: the stream progress of epoch {epoch} {what}: "
+                              f"{state!r:.300}")
+
+        if not isinstance(state, dict) or set(state) != {"cursor", "complete", "received"}:
+            raise corrupt("is not a dict with keys cursor, complete and received")
+        in_order = set(order)
+        complete = state["complete"]
+        if not (isinstance(complete, list) and all(_is_count(s, 0) and s in in_order for s in complete)
+                and complete == sorted(set(complete))):
+            raise corrupt("has complete shards that are not sorted shards of the epoch")
+        received, previous = state["received"], None
+        for entry in received if isinstance(received, list) else [None]:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(_is_count(x, 0) for x in entry)
+                    and entry[0] in in_order and entry[0] not in complete and entry[1] < entry[2]
+                    and (previous is None or (previous[0], previous[2]) < (entry[0], entry[1]))):
+                raise corrupt(f"has received entry {entry!r} (not [shard, start, stop] ranges, sorted and merged)")
+            previous = entry
+        if state["cursor"] is not None:
+            self._check_cursor(state["cursor"], len(order) - len(complete), corrupt)
+        return state
+
+    def _check_cursor(self, cursor: Any, shards: int, corrupt: Callable[[str], ValueError]) -> None:
+        slots_expected = max(1, min(self.cycle_length, shards))
+        ok = isinstance(cursor, list) and len(cursor) == 3 and _is_count(cursor[0], 0) and _is_count(cursor[1], 0)
+        if ok:
+            turn, opened, slots = cursor
+            ok = (turn < slots_expected and opened <= shards and isinstance(slots, list)
+                  and len(slots) == slots_expected)
+        if ok:
+            held = [slot for slot in slots if slot is not None]
+            ok = (all(isinstance(slot, list) and len(slot) == 2 and _is_count(slot[0], 0) and _is_count(slot[1], 0)
+                      and slot[0] < opened for slot in held)
+                  and len({slot[0] for slot in held}) == len(held))
+        if not ok:
+            raise corrupt(f"has cursor {cursor!r} (not an interleave over {shards} shards, cycle_length "
+                          f"{self.cycle_length})")
+
 
 # ---------------------------------------------------------------------- batching
 class _Output:
-    """Turns blocks, in the order they are used, into what the consumer gets, with its record count.
+    """Turns blocks, in the order they are used, into what the consumer gets.
+
+    Each item comes out as ``(batch, record count, coverage)``: coverage is the list of
+    ``(shard, start, stop)`` record ranges in the batch, plus those ``drop_last`` left out
+    since the previous item (so that a resume skips them too; see ``StreamProgress``).
 
     - ``STACK``: batches of exactly ``batch_size`` records of the stream (the last one
       smaller, or dropped with ``drop_last``). A batch inside one block is a zero-copy
       slice of its slot; one that spans blocks is joined (copied) here.
-    - ``CHUNKS``: the worker's collate_fn batches, each block's last one possibly smaller
-      (dropped with ``drop_last``).
+    - ``CHUNKS``: the worker's batches (collate_fn's and/or batch_fn's), each block's last
+      one possibly smaller (dropped with ``drop_last``).
     - ``RECORDS`` without shuffle: one item per record (``batch_size=None``), views of the slot.
     - ``shuffle_buffer``: records are copied out of their slot into a buffer of N records;
       each new record, once the buffer is full, pushes out a random one (tf.data's
@@ -784,40 +1134,42 @@ class _Output:
         self.drop_last = plan.drop_last
         self.collate_fn = plan.collate_fn
         self.capacity = plan.shuffle_buffer
-        self.parts: deque[list] = deque()  # STACK: [layout, lease, start, stop] not yet batched
+        self.parts: deque[list] = deque()  # STACK: [layout, lease, start row, stop row, shard, records] not yet batched
         self.pending = 0
+        self.dropped: list[tuple[int, int, int]] = []  # records drop_last left out since the last item
         self.buffer: list[tuple[RecordKey, Any]] = []  # shuffle buffer
         self.batch: list[tuple[RecordKey, Any]] = []  # records out of the buffer, not yet a batch
         self.rng = buffer_rng(plan.seed, epoch) if plan.shuffle_buffer is not None else None
         self.draws = np.empty(0)
         self.drawn = 0
 
-    def add(self, block: Block, count: int, inner: list, lease: Any) -> list[tuple[Any, int]]:
+    def add(self, block: Block, records: range | list[int], inner: list, lease: Any) -> list[tuple[Any, int, list]]:
+        """A block's layout ``inner`` holding ``records`` (record numbers in its shard): the items it completes."""
+        shard = block.shard
+        out: list[tuple[Any, int, list]] = []
         if self.capacity is not None:
-            out: list[tuple[Any, int]] = []
-            for i, node in enumerate(inner[2]):
-                record = (RecordKey(block.shard, block.first + i), _own(collate.build(node, lease)))
-                self._shuffled(record, out)
-            return out
-        if self.mode == STACK:
-            self.parts.append([inner, lease, 0, count])
-            self.pending += count
-            out = []
+            for record, node in zip(records, inner[2]):
+                self._shuffled((RecordKey(shard, record), _own(collate.build(node, lease))), out)
+        elif self.mode == STACK:
+            self.parts.append([inner, lease, 0, len(records), shard, records])
+            self.pending += len(records)
             while self.pending >= self.batch_size:
-                out.append((self._take(self.batch_size), self.batch_size))
-            return out
-        if self.mode == CHUNKS:
+                self._item(*self._take(self.batch_size), self.batch_size, out)
+        elif self.mode == CHUNKS:
             size = self.batch_size
-            out = []
             for i, node in enumerate(inner[2]):
-                records = min(size, count - i * size)
-                if records == size or not self.drop_last:
-                    out.append((collate.build(node, lease), records))
-            return out
-        return [(collate.build(node, lease), 1) for node in inner[2]]
+                chunk = _spans(shard, records[i * size:(i + 1) * size])
+                if len(records) - i * size >= size or not self.drop_last:
+                    self._item(collate.build(node, lease), chunk, min(size, len(records) - i * size), out)
+                else:
+                    self.dropped += chunk
+        else:
+            for record, node in zip(records, inner[2]):
+                self._item(collate.build(node, lease), [(shard, record, record + 1)], 1, out)
+        return out
 
-    def flush(self) -> list[tuple[Any, int]]:
-        out: list[tuple[Any, int]] = []
+    def flush(self) -> list[tuple[Any, int, list]]:
+        out: list[tuple[Any, int, list]] = []
         if self.capacity is not None:
             buffer = self.buffer
             while buffer:
@@ -825,41 +1177,48 @@ class _Output:
                 buffer[i], buffer[-1] = buffer[-1], buffer[i]
                 self._batched(buffer.pop(), out)
             if self.batch and not self.drop_last:
-                out.append((self._collate(self.batch), len(self.batch)))
+                self._item(self._collate(self.batch), _key_spans(self.batch), len(self.batch), out)
             self.batch = []
         elif self.mode == STACK and self.pending and not self.drop_last:
             n = self.pending
-            out.append((self._take(n), n))
+            self._item(*self._take(n), n, out)
         return out
 
     def clear(self) -> None:
         self.parts.clear()
         self.pending = 0
+        self.dropped = []
         self.buffer = []
         self.batch = []
 
+    def _item(self, batch: Any, coverage: list, records: int, out: list) -> None:
+        if self.dropped:
+            coverage, self.dropped = self.dropped + coverage, []
+        out.append((batch, records, coverage))
+
     # -- STACK ---------------------------------------------------------------------
-    def _take(self, n: int) -> Any:
-        """The next ``n`` records: a view of one block's slot, or a copy joining several blocks."""
+    def _take(self, n: int) -> tuple[Any, list]:
+        """The next ``n`` records, and their ranges: a view of one block's slot, or a copy joining several blocks."""
         parts = self.parts
         self.pending -= n
         first = parts[0]
         if first[3] - first[2] >= n:
-            layout, lease, start, _ = first
+            layout, lease, start, _, shard, records = first
             first[2] += n
             if first[2] == first[3]:
                 parts.popleft()
-            return collate.build(_rows(layout, start, start + n), lease)
-        pieces = []
+            return collate.build(_rows(layout, start, start + n), lease), _spans(shard, records[start:start + n])
+        pieces, coverage = [], []
         while n:
             part = parts[0]
             k = min(n, part[3] - part[2])
             pieces.append((part[0], part[1], part[2], part[2] + k))
+            coverage += _spans(part[4], part[5][part[2]:part[2] + k])
             part[2] += k
             n -= k
             if part[2] == part[3]:
                 parts.popleft()
-        return collate.build(_join(pieces, ()), None)
+        return collate.build(_join(pieces, ()), None), coverage
 
     # -- shuffle buffer --------------------------------------------------------------
     def _draw(self, n: int) -> int:
@@ -881,19 +1240,34 @@ class _Output:
 
     def _batched(self, record: tuple, out: list) -> None:
         if self.batch_size is None:
-            out.append((record[1], 1))
+            self._item(record[1], _key_spans([record]), 1, out)
             return
         self.batch.append(record)
         if len(self.batch) == self.batch_size:
-            out.append((self._collate(self.batch), self.batch_size))
+            self._item(self._collate(self.batch), _key_spans(self.batch), self.batch_size, out)
             self.batch = []
 
     def _collate(self, records: list[tuple[RecordKey, Any]]) -> Any:
-        samples = [s for _, s in records]
-        if self.collate_fn is not None:
-            return self.collate_fn(samples)
-        layout, _, _ = collate.layout_batch(samples, [k for k, _ in records], None, 0)
-        return collate.build(layout, None)
+        return collate_privately(self.collate_fn, [s for _, s in records], [k for k, _ in records])
+
+
+def _spans(shard: int, records: range | list[int]) -> list[tuple[int, int, int]]:
+    """``records`` (ascending record numbers of ``shard``) as ``(shard, start, stop)`` ranges."""
+    if isinstance(records, range):
+        return [(shard, records.start, records.stop)] if records else []
+    spans: list[tuple[int, int, int]] = []
+    for record in records:
+        if spans and spans[-1][2] == record:
+            spans[-1] = (shard, spans[-1][1], record + 1)
+        else:
+            spans.append((shard, record, record + 1))
+    return spans
+
+
+def _key_spans(records: list[tuple[RecordKey, Any]]) -> list[tuple[int, int, int]]:
+    """The records (``(key, value)`` pairs) of a shuffle-buffer batch, one range each
+    (``StreamProgress`` merges them)."""
+    return [(key[0], key[1], key[1] + 1) for key, _ in records]
 
 
 def _rows(node: list, start: int, stop: int) -> list:
@@ -974,20 +1348,21 @@ class InlineStream:
     ``ordered``). The Loader uses it like its own epoch iterators.
     """
 
-    def __init__(self, loader: Any, number: int, done: frozenset = frozenset(), until: int | None = None,
-                 ahead: dict | None = None) -> None:
+    def __init__(self, loader: Any, number: int, done: dict | None = None, until: int | None = None,
+                 ahead: dict[int, dict] | None = None) -> None:
         plan: StreamPlan = loader._sampler
         self._loader = loader
         self._coordinator = None
         self._spec = loader._spec
         self._scope = SampleScope(self._spec.seed)
         self._with_epoch = loader._with_epoch
-        self._stream = Stream(-1, plan, number, until, True, plan.batches(number))
+        self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         self._stream.open(self._stream.first)
         self._epoch = self._stream.first
         self.number = number
         self.batch_count = 0
         self._done = False
+        self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
         loader._last_counters = self._epoch.counters
         self._epoch_set = loader._epoch = number + 1
@@ -1013,8 +1388,7 @@ class InlineStream:
             if type(item) is tuple:
                 epoch, seq, batch = item
                 epoch.counters.wait_s += time.perf_counter() - started
-                epoch.consumed += 1
-                epoch.progress.add(seq)
+                epoch.mark_consumed(seq)
                 stream.consumed += 1
                 if epoch is not self._epoch:  # the first batch of the next epoch
                     self._epoch, self.number = epoch, epoch.number
@@ -1026,6 +1400,7 @@ class InlineStream:
                 continue
             self._stop()
             if item is EndOfEpoch:
+                self._complete = True
                 self._move_epoch(stream.until if stream.until is not None else stream.next_number)
                 raise StopIteration
             raise item.exc  # a Failure
@@ -1061,10 +1436,15 @@ class InlineStream:
         self._spec.source.close_readers()
 
     def owns_epoch(self) -> bool:
-        return False
+        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
+        return self._loader._epoch == self._epoch_set
 
-    def resume_point(self) -> None:
-        return None
+    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """As ``_EpochIterator.resume_point``: the epochs come in order, so the oldest one the
+        consumer is not past is the one it is in."""
+        if self._complete:
+            return None
+        return self._stream.resume_point(self._epoch.number)
 
     def done_seqs(self) -> Progress:
         return self._epoch.done_seqs()
@@ -1080,5 +1460,9 @@ class InlineStream:
 
 
 def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_count(value, 1):
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _is_count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

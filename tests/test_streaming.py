@@ -175,6 +175,98 @@ def test_unbatched_records():
     assert isinstance(got[0]["w"], float) and isinstance(got[0]["name"], str)
 
 
+# --------------------------------------------------------------------------- batch_fn
+def summarize(batch):
+    """A batch_fn that builds a new batch (ids, doubled weights, one string, its size)."""
+    return {"id": batch["id"], "w2": batch["w"] * 2, "names": "|".join(batch["name"]), "n": len(batch["name"])}
+
+
+def as_plain(batch):
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_batch_fn_gives_what_applying_it_to_the_batches_would_give(workers, ordered):
+    aligned = [(0, 8), (1, 12), (2, 0), (3, 4), (4, 16)]  # every shard a whole number of blocks of 4
+    kwargs = dict(shards=aligned, cycle_length=2, block_length=4, batch_size=4, workers=workers, ordered=ordered)
+    plain = [as_plain(summarize(b)) for b in load(**kwargs)]
+    got = [as_plain(b) for b in load(batch_fn=summarize, **kwargs)]
+    if ordered:
+        assert got == plain
+    else:
+        assert sorted(got, key=lambda b: b["id"]) == sorted(plain, key=lambda b: b["id"])
+    assert all(b["n"] == 4 for b in got)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_with_batch_fn_batches_never_span_blocks(workers):
+    got = load(batch_fn=summarize, block_length=4, batch_size=3, workers=workers)
+    assert [i for b in got for i in ids([b])] == reference_interleave(SHARDS, 3, 4)
+    for b in got:  # each batch lies in one block: one shard, one block of 4 records
+        rids = b["id"][:, 0]
+        assert len({(r // 1000, r % 1000 // 4) for r in rids}) == 1 and 1 <= b["n"] <= 3
+    assert sorted({b["n"] for b in got}) == [1, 3]  # a block of 4 = batches of 3 + 1; short last blocks of 1 or 3
+    dropped = load(batch_fn=summarize, block_length=4, batch_size=3, workers=workers, drop_last=True)
+    assert [b["n"] for b in dropped] == [3] * len(dropped) and len(dropped) == sum(b["n"] == 3 for b in got)
+
+
+def draw_per_batch(batch):
+    """batch_fn with batch-level randomness: one draw from batch_rng() per batch."""
+    return {"id": batch["id"], "draw": procpipe.batch_rng().integers(0, 1 << 40, 1)}
+
+
+def first_and_draw(batches):
+    return [(int(b["id"][0, 0]), int(b["draw"][0])) for b in batches]
+
+
+def test_batch_rng_is_seeded_by_the_first_record_of_the_batch_whatever_the_workers():
+    def run(workers, batch_size=4, seed=5, epochs=1):
+        with Loader(Shards(SHARDS, open_shard, cycle_length=3, block_length=4), batch_size=batch_size,
+                    workers=workers, seed=seed, shuffle=True, batch_fn=draw_per_batch, epochs=epochs,
+                    with_epoch=True) as loader:
+            got = list(loader)
+        return [first_and_draw([b for n, b in got if n == e]) for e in range(epochs)]
+
+    reference = run(0, epochs=2)
+    assert run(1, epochs=2) == reference and run(2, epochs=2) == reference  # ordered: the same for any workers
+    first, second = reference
+    assert len({d for _, d in first}) == len(first)  # one draw per batch, all different
+    assert dict(first).keys() == dict(second).keys()  # the same batches (blocks), in another shard order...
+    assert all(dict(second)[r] != d for r, d in first)  # ...with other draws: the epoch matters
+    assert dict(first) != dict(run(0, seed=6)[0])  # the seed matters
+    # Halving the batch size cuts each block in two: the halves that start where the whole
+    # block starts begin with the same record, and get the same draws.
+    halves = dict(run(2, batch_size=2)[0])
+    assert all(halves[r] == d for r, d in first)
+
+
+def sample_rng_in_batch_fn(batch):
+    procpipe.sample_rng()
+    return batch
+
+
+def fail_on_record(batch):
+    if 2006 in batch["id"][:, 0]:
+        raise ZeroDivisionError("bad batch")
+    return batch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_fn_errors_name_the_shard_and_records(workers):
+    with pytest.raises(ZeroDivisionError, match="bad batch") as info:
+        load(batch_fn=fail_on_record, block_length=4, batch_size=4, workers=workers)
+    assert any("raised by batch_fn on the batch of records 4-7 of shard 2 ((2, 13)) (epoch 0)" in note
+               for note in info.value.__notes__), info.value.__notes__
+    with pytest.raises(RuntimeError, match="use procpipe.batch_rng"):
+        load(batch_fn=sample_rng_in_batch_fn, workers=workers)
+
+
+def test_batch_fn_with_a_shuffle_buffer_is_refused():
+    with pytest.raises(ValueError, match="batch_fn together with shuffle_buffer"):
+        Loader(Shards(SHARDS, open_shard), batch_size=4, workers=0, shuffle_buffer=10, batch_fn=summarize)
+
+
 # --------------------------------------------------------------------------- shuffle buffer
 @pytest.mark.parametrize("buffer", [1, 7, 100])
 def test_shuffle_buffer_keeps_exactly_once_and_is_deterministic(buffer):
@@ -297,8 +389,6 @@ def test_unsupported_options_are_refused_clearly():
     with Loader(source, workers=0) as loader:
         with pytest.raises(TypeError, match="no len"):
             len(loader)
-        with pytest.raises(NotImplementedError, match="streaming"):
-            loader.state_dict()
     for kwargs in ({"speculate": 2.0}, {"on_error": "skip"}, {"batches": lambda e: [[0]]}):
         with pytest.raises(ValueError, match="streaming source"):
             Loader(source, workers=0, **kwargs)
