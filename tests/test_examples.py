@@ -76,3 +76,13 @@ def test_epochs_autotune():
         assert f"epoch {epoch}: 1200 samples, every index once: True" in out
     assert "epoch 3" not in out and "orders differ between epochs: True" in out
     assert "t=" in out and "workers=" in out  # the autotune trace was recorded
+
+
+def test_resume_after_preemption():
+    out = run_example("resume_after_preemption.py")
+    assert "job 1: killed by SIGKILL after 1500 records" in out
+    assert "last checkpoint: 1280 records" in out
+    assert "left behind by the killed job (workers, /dev/shm files): []" in out
+    assert "job 2: resumed from a checkpoint after 1280 records" in out
+    assert "records trained on: 3000 of 3000, every record exactly once: True" in out
+    assert "same batches, in the same order, as an uninterrupted run: True" in out
