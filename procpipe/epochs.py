@@ -6,7 +6,7 @@ each time a job is sent to a worker is an ``Attempt`` (normally one; more when a
 dies, straggles or times out, see coordinator.py). The coordinator thread takes jobs from
 the stream, turns the replies into batches, and hands them to ``Epoch.deliver``, which
 passes them through the epoch's reassembly (reassembly.py) into the stream's queue,
-``out``, that the consumer's iterator reads (loader.py). A streaming source with
+``out``, that the consumer's iterator reads (iterators.py). A streaming source with
 ``workers=0`` drives the same kind of stream in the consumer's thread
 (streaming.InlineStream).
 

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
-from .loader import START_METHODS, Loader
+from .loader import Loader
 from .rng import _current as _rng_current
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .validate import START_METHODS
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 

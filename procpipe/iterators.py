@@ -1,0 +1,263 @@
+"""The consumer's side of one ``iter(loader)``: the iterator ``next()`` is called on.
+
+Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly ->
+**epoch iterator** -> prefetch/device stage (``Loader(device=...)``, torch_device.py) ->
+consumer. With workers, ``EpochIterator`` reads the batches of a ``Stream`` (epochs.py)
+from the one queue the coordinator thread fills through each epoch's reassembly (in
+order or as they finish) and tells the coordinator of each batch the consumer took.
+With ``workers=0``, ``InlineIterator`` produces each batch in ``next()`` with the same
+sampler, sample scope and collation, so the results are identical. (A streaming source
+with ``workers=0`` uses ``streaming.InlineStream`` instead.)
+
+Both keep ``loader.epoch`` and ``loader.stats()`` current and say where to resume
+(``resume_point``, for ``Loader.state_dict``).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import collate
+from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
+from .faults import SkipBudget
+from .produce import produce
+from .reassembly import Progress
+from .rng import SampleScope
+from .stats import EpochCounters, array_bytes
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+_generations = itertools.count()
+_CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
+
+
+class EpochIterator:
+    """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
+
+    Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
+    last batch, ``EndOfEpoch`` the stream's. ``number`` is the latest epoch the consumer
+    has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
+    """
+
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
+                 ahead: dict[int, frozenset] | None = None) -> None:
+        self._loader = loader
+        self._coordinator = loader._coordinator
+        self.number = number
+        self._with_epoch = loader._with_epoch
+        self._stream = Stream(next(_generations), loader._sampler, number, until, loader._ordered,
+                              loader._sampler.batches(number), done, ahead)
+        self._epoch = self._stream.first  # the epoch the consumer is in
+        self.batch_count = len(self._epoch.batches)
+        self._low = number
+        self._ended: set[int] = set()  # epochs at or above _low whose EpochEnd the consumer has seen
+        self._done = False
+        self._complete = False  # every batch of the stream was returned
+        self._cancelled: str | None = None
+        loader._last_counters = self._epoch.counters
+        self._set_epoch(number + 1)
+        self._coordinator.submit("start", self._stream)
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
+        loader = self._loader
+        if getattr(self, "_epoch_set", None) in (None, loader._epoch):
+            loader._epoch = self._epoch_set = epoch
+
+    def owns_epoch(self) -> bool:
+        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
+        return self._loader._epoch == getattr(self, "_epoch_set", None)
+
+    def __next__(self) -> Any:
+        if self._done:
+            iteration_over(self._cancelled)
+        stream = self._stream
+        started = time.perf_counter()
+        while True:
+            item = self._get()
+            if type(item) is tuple:
+                epoch, seq, batch = item
+                waited = time.perf_counter() - started
+                epoch.counters.wait_s += waited
+                stream.wait_s += waited
+                self._coordinator.consumed_one(stream, epoch, seq)
+                if epoch.number > self.number:
+                    self._enter(epoch)
+                return (epoch.number, batch) if self._with_epoch else batch
+            if isinstance(item, EpochEnd):
+                self._epoch_end(item.epoch)
+                continue
+            now = time.perf_counter()
+            self._epoch.counters.wait_s += now - started
+            stream.wait_s += now - started
+            self._done = True
+            if item is EndOfEpoch:
+                self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
+                if not self._cancelled:
+                    self._complete = True
+                    self._set_epoch(stream.until if stream.until is not None else stream.next_number)
+                raise StopIteration
+            raise item.exc  # a Failure
+
+    def _enter(self, epoch: Epoch) -> None:
+        """The consumer received the first batch of a later epoch."""
+        self.number = epoch.number
+        self._epoch = epoch
+        self.batch_count = len(epoch.batches)
+        self._loader._last_counters = epoch.counters
+        self._set_epoch(epoch.number + 1)
+
+    def _epoch_end(self, epoch: Epoch) -> None:
+        now = time.perf_counter()
+        epoch.counters.ended = now  # the consumer's end of that epoch
+        following = self._stream.opened.get(epoch.number + 1)
+        if following is not None and following.consumed == 0:
+            following.counters.started = now  # its time, for stats, starts where this one's ends
+        self._ended.add(epoch.number)
+        while self._low in self._ended:
+            self._ended.discard(self._low)
+            self._stream.opened.pop(self._low, None)
+            self._low += 1
+
+    def _get(self) -> Any:
+        out = self._stream.out
+        while True:
+            try:
+                return out.get(timeout=_CONSUMER_POLL_S)
+            except queue.Empty:
+                if not self._coordinator.is_alive():
+                    return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
+
+    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
+        exactly (see ``Stream.resume_point``); None once every batch of it was returned."""
+        if self._complete:
+            return None
+        return self._stream.resume_point(self._low)
+
+    def cancel(self, why: str) -> None:
+        if not self._done:
+            self._done = True
+            self._cancelled = why
+            self._coordinator.submit("cancel", self._stream.gen)
+            self._stream.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
+
+    def __del__(self) -> None:
+        if not self._done and self._coordinator is not None:
+            self._coordinator.submit("cancel", self._stream.gen)
+
+
+class InlineIterator(EpochIterator):
+    """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
+
+    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
+                 ahead: dict[int, frozenset] | None = None) -> None:
+        self._loader = loader
+        self._coordinator = None
+        self._with_epoch = loader._with_epoch
+        self._until = until
+        self._ahead = dict(ahead or {})
+        self._scope = SampleScope(loader._spec.seed)
+        self._done = False
+        self._complete = False
+        self._cancelled = None
+        self._open(number, loader._sampler.batches(number), done, time.perf_counter())
+
+    def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
+        loader = self._loader
+        self._number = self.number = number
+        self.batch_count = len(batches)
+        self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
+        self._progress = Progress(done)
+        self._counters = loader._last_counters = EpochCounters(epoch=number, started=started)
+        self._skips = SkipBudget(loader._max_skipped, batches, self._counters) if loader._spec.skip else None
+        self._set_epoch(number + 1)
+
+    def __next__(self) -> Any:
+        if self._done:
+            iteration_over(self._cancelled)
+        started = time.perf_counter()
+        while True:
+            item = next(self._batches, None)
+            if item is None:
+                now = time.perf_counter()
+                self._counters.ended = now
+                following = self._number + 1
+                if (self._until is not None and following >= self._until) or (self._until is None and not self.batch_count):
+                    self._done = self._complete = True
+                    raise StopIteration
+                try:
+                    batches = self._loader._sampler.batches(following)
+                except Exception:
+                    self._done = True
+                    raise
+                self._open(following, batches, self._ahead.pop(following, frozenset()), now)
+                started = now
+                continue
+            seq, indices = item
+            try:
+                layout, kept = self._load(seq, indices)
+            except Exception:
+                self._done = True
+                raise
+            self._progress.add(seq)
+            if layout is not None:  # None: on_error="skip" left out every sample of the batch
+                break
+        counters = self._counters
+        counters.batches += 1
+        counters.samples += len(kept)
+        counters.array_bytes += array_bytes(layout)
+        batch = collate.build(layout, None)
+        counters.wait_s += time.perf_counter() - started
+        return (self._number, batch) if self._with_epoch else batch
+
+    def _load(self, seq: int, indices: list[int]) -> tuple[Any, list[int]]:
+        """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
+        skips, scope = self._skips, self._scope
+        try:
+            batch = produce(self._loader._spec, scope, self._number, indices, None, 0)
+        except Exception as exc:
+            index = scope.index
+            scope.leave()
+            if skips is not None:  # a sample failure would have been skipped: collation failed
+                if skips.add(indices, f"batch {seq} (indices {indices})", f"collating it failed: {_describe(exc)}"):
+                    return None, indices
+                exc.add_note(skips.note())
+            where = f"while loading index {index}" if index is not None else f"while collating indices {indices}"
+            exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
+            raise
+        for index, exc in batch.skipped:
+            if not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
+                exc.add_note(skips.note())
+                raise exc
+        return batch.layout, batch.kept
+
+    def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
+        if self._complete:
+            return None
+        low, done, until = self._number, Progress(self._progress), self._until
+        if len(done) >= self.batch_count:  # all returned; the next epoch not begun
+            low += 1
+            if until is not None and low >= until:
+                return None
+            done = Progress(self._ahead.get(low, ()))
+        ahead = {n: Progress(v) for n, v in sorted(self._ahead.items()) if n > low and v}
+        return low, done, ahead, until
+
+    def cancel(self, why: str) -> None:
+        if not self._done:  # like the workers' iterator: a superseded epoch says so
+            self._done = True
+            self._cancelled = why
+
+    def __del__(self) -> None:
+        pass
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
