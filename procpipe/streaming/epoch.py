@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..epochs import EmptyBatch as _Empty, Epoch, Failure, Job
+from ..epochs import EmptyBatch, Epoch, Failure, Job
 from ..reassembly import Progress
 from .batching import Output
 from .order import StreamProgress
@@ -255,11 +255,11 @@ class StreamEpoch(Epoch):
         self._result(job, read, (job.indices.kept(read), inner, lease))
 
     def deliver(self, seq: int, item: Any) -> None:
-        """A block with no record (``_Empty``), or a failed one (``Failure``)."""
+        """A block with no record (``EmptyBatch``), or a failed one (``Failure``)."""
         job = self.jobs.pop(seq, None)
         if job is None or self.finished:
             return
-        if item is _Empty:
+        if item is EmptyBatch:
             self._result(job, 0, None)
         else:
             self._result(job, None, item)

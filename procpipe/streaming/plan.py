@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..epochs import EmptyBatch as _Empty, EndOfEpoch, EpochEnd, Stream, iteration_over
+from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
 from ..produce import produce
 from ..reassembly import Progress
 from ..rng import SampleScope, shuffle_rng
@@ -227,7 +227,7 @@ class InlineStream:
                          f"(epoch {epoch.number}).")
             raise
         if produced.layout is None:
-            epoch.deliver(job.seq, _Empty)
+            epoch.deliver(job.seq, EmptyBatch)
         else:
             epoch.accept(job, produced.layout, None, 0)
 
