@@ -4,7 +4,7 @@
 of shards (file paths, URLs, anything picklable) and ``open_fn(shard) -> iterable of
 records``. An epoch reads every shard once, ``cycle_length`` shards at a time, taking
 ``block_length`` records from each in turn (tf.data's ``interleave``). User docs:
-``docs_streaming.md``.
+README.md, section "Streaming sources: shards and parallel interleave".
 
 How it fits the engine (everything else is reused as it is: workers, ring slots,
 collation, leases, the coordinator's loop, worker-death recovery):
@@ -21,7 +21,7 @@ collation, leases, the coordinator's loop, worker-death recovery):
   open (the replacement of a dead worker) opens it again and skips the records before
   the block. Re-running a block is therefore safe as long as ``open_fn`` yields the same
   records every time, which is what makes worker deaths and ``task_timeout`` work here.
-- ``StreamEpoch`` stands in for the coordinator's ``Epoch`` (a fixed list of batches):
+- ``StreamEpoch`` stands in for an ``Epoch`` (procpipe/epochs.py: a fixed list of batches):
   it opens shards as others end (at most ``cycle_length`` at once), picks each block's
   worker (``dispatch``, called by the coordinator's ``_dispatch``), and turns replies into
   what the consumer gets (``accept``/``deliver``). Its length is discovered as it goes:

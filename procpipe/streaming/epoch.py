@@ -42,7 +42,7 @@ class _Shard:
 
 @dataclass(eq=False)
 class BlockJob(Job):
-    """A block of one shard as the coordinator's Job (``indices`` is the ``Block``)."""
+    """A block of one shard as a ``Job`` (procpipe/epochs.py; ``indices`` is the ``Block``)."""
 
     shard: _Shard | None = None
     block: int = 0
