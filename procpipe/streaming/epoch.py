@@ -122,8 +122,8 @@ class StreamEpoch(Epoch):
     def dispatch(self, co: Any) -> bool:
         """Send every block that can go now; True if it stopped for want of a slot or of consumption.
 
-        ``co`` is the Coordinator: its ``workers``, ``tasks_per_worker``, ``max_outstanding``,
-        ``n_workers``, ``_take_slot`` and ``_send`` are the dispatch primitives used here.
+        ``co`` is the Coordinator: its ``workers``, ``ring``, ``tasks_per_worker`` and
+        ``max_outstanding`` are read here, and its ``take_slot`` and ``send`` do the dispatching.
         """
         if self.finished:
             return False
@@ -169,13 +169,13 @@ class StreamEpoch(Epoch):
             else:
                 # No free slot (before the first block sizes the ring, or the consumer holds them
                 # all): through the pipe, for the block the order waits for or an idle worker.
-                slot = co._take_slot(self)
+                slot = co.take_slot(self)
                 if slot is None:
                     slot = -1
                 job = self._new_job(state)
                 state.in_flight += 1
                 self.in_flight += 1
-            co._send(worker, job, slot)
+            co.send(worker, job, slot)
         return False
 
     def _requeue(self, job: BlockJob) -> None:
