@@ -386,9 +386,6 @@ class StreamEpoch(Epoch):
         self.jobs.clear()  # (job -> epoch -> job: no cycle left to wait for the garbage collector)
         self.states.clear()
 
-    def done_seqs(self) -> Progress:
-        return Progress(self.progress)
-
     # ------------------------------------------------------------------ the consumer's side (resume)
     def mark_consumed(self, seq: int) -> None:
         super().mark_consumed(seq)

@@ -19,7 +19,6 @@ import numpy as np
 
 from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
 from ..produce import produce
-from ..reassembly import Progress
 from ..rng import SampleScope, shuffle_rng
 from .epoch import StreamEpoch
 from .shards import CHUNKS, RECORDS, STACK, Shards, check_count, is_count
@@ -251,9 +250,6 @@ class InlineStream:
         if self._complete:
             return None
         return self._stream.resume_point(self._epoch.number)
-
-    def done_seqs(self) -> Progress:
-        return self._epoch.done_seqs()
 
     def cancel(self, why: str) -> None:
         if not self._done:
