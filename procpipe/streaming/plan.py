@@ -196,6 +196,8 @@ class InlineStream:
                 epoch.mark_consumed(seq)
                 stream.consumed += 1
                 if epoch is not self._epoch:  # the first batch of the next epoch
+                    for number in [n for n in stream.opened if n < epoch.number]:
+                        del stream.opened[number]  # past (resume_point starts at this epoch): let it go
                     self._epoch, self.number = epoch, epoch.number
                     self._loader._last_counters = epoch.counters
                     self._move_epoch(epoch.number + 1)
