@@ -322,7 +322,11 @@ class Coordinator:
                 best = w
         return best
 
-    def _take_slot(self, epoch: Epoch) -> int | None:
+    def take_slot(self, epoch: Epoch) -> int | None:
+        """A free ring slot for a task of ``epoch``, or None: no ring yet, or every slot is in
+        use (the caller may then send the task with slot -1: its arrays come back through the
+        pipe). Coordinator thread: here, and in an epoch that dispatches its own jobs
+        (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
         ring = self.ring
         if ring is None or not ring.free:
             return None
@@ -355,7 +359,7 @@ class Coordinator:
                 if outstanding >= self.max_outstanding:
                     return
                 epoch = stream.fresh()
-                slot = self._take_slot(epoch)
+                slot = self.take_slot(epoch)
                 if slot is None:
                     if outstanding >= self.n_workers:
                         return
@@ -364,10 +368,13 @@ class Coordinator:
                     # the pipeline moving instead of deadlocking.
                     slot = -1
                 job = epoch.new_job()
-            self._send(worker, job, slot)
+            self.send(worker, job, slot)
         self.starved = False
 
-    def _send(self, worker: WorkerHandle, job: Job, slot: int) -> None:
+    def send(self, worker: WorkerHandle, job: Job, slot: int) -> None:
+        """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
+        ``slot`` (from ``take_slot``; -1: none). Coordinator thread: here, and in an epoch
+        that dispatches its own jobs (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
         attempt = Attempt(self._next_attempt_id, job, worker, slot, None if worker.tasks else time.perf_counter())
         self._next_attempt_id += 1
         self._attempts[attempt.id] = attempt
@@ -396,11 +403,11 @@ class Coordinator:
                 target = self._idle_worker()
                 if target is None:
                     return
-                slot = self._take_slot(epoch) if self.ring is not None else -1
+                slot = self.take_slot(epoch) if self.ring is not None else -1
                 if slot is None:
                     return
                 epoch.counters.speculative_tasks += 1
-                self._send(target, job, slot)
+                self.send(target, job, slot)
 
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:

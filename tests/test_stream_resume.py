@@ -4,6 +4,7 @@ rest of the epoch is the very sequence of batches of the uninterrupted run. Any 
 and after (0 included), every batching mode, epochs=N/None, the shuffle buffer, and refused states."""
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
@@ -13,6 +14,7 @@ from conftest import wait_until
 from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, summarize
 
 from procpipe import Loader, Shards
+from procpipe.streaming import StreamEpoch
 
 
 def make(workers, cycle_length=3, block_length=4, shards=SHARDS, open_fn=open_shard, fn=None, **kwargs):
@@ -245,6 +247,32 @@ def test_an_ahead_entry_resumes_a_later_epoch_where_it_stood():
         rest = list(second)
     got = by_epoch(taken0 + [p for p in taken if p[0] == 1] + rest)
     assert sorted(flat(got[0])) == ALL and sorted(flat(got[1])) == ALL
+
+
+def test_an_endless_stream_without_workers_keeps_no_finished_epoch():
+    # workers=0, epochs=None: the epochs the consumer is past are let go, as with workers (each
+    # finished epoch used to stay in the stream: one more for every epoch, forever). The state
+    # taken far into the stream is still right.
+    shards, kwargs = [(0, 3), (1, 2)], dict(batch_size=2, epochs=None, with_epoch=True)  # 3 batches an epoch
+    source = Shards(shards, open_shard, cycle_length=2, block_length=2)
+    with Loader(source, workers=0, **kwargs) as loader:
+        it = iter(loader)
+        for epoch, batch in it:
+            if epoch == 60:
+                break
+        gc.collect()
+        alive = [o for o in gc.get_objects() if type(o) is StreamEpoch and o.plan.shards is source]
+        assert len(alive) <= 2, sorted(e.number for e in alive)
+        state = json.loads(json.dumps(loader.state_dict()))
+        assert (state["epoch"], state["until"], state["ahead"]) == (60, None, [])
+        rest_of_60 = [(e, records_of(b)) for e, b in (next(it) for _ in range(2))]
+        after_60 = loader.state_dict()
+        assert (after_60["epoch"], after_60["stream"]) == (61, None)
+    with make(0, shards=shards, cycle_length=2, block_length=2, **kwargs) as second:
+        second.load_state_dict(state)
+        assert [(e, records_of(b)) for _, (e, b) in zip(range(2), second)] == rest_of_60
+    assert [e for e, _ in rest_of_60] == [60, 60]
+    assert sorted(records_of(batch) + flat(r for _, r in rest_of_60)) == [0, 1, 2, 1000, 1001]
 
 
 # --------------------------------------------------------------------------- refused states

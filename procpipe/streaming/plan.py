@@ -1,0 +1,263 @@
+"""What the Loader uses for a streaming source: ``StreamPlan``, and ``InlineStream`` for ``workers=0``.
+
+Where it sits in the data path: when its source is a ``Shards`` (shards.py), the Loader
+(procpipe/loader.py) builds a ``StreamPlan`` where it would build a Sampler. The plan
+checks what streaming does not support, decides how workers lay out blocks, gives each
+epoch's shard order, and names ``StreamEpoch`` (epoch.py) as the class of the epochs
+the ``Stream`` (procpipe/epochs.py) opens; with workers the coordinator then drives
+those epochs. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
+drives the same stream and epochs in the calling thread, reading each block there.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
+from ..produce import produce
+from ..rng import SampleScope, shuffle_rng
+from .epoch import StreamEpoch
+from .shards import CHUNKS, RECORDS, STACK, Shards, check_count, is_count
+
+
+class StreamPlan:
+    """What a Loader needs for a ``Shards`` source; it stands where the Sampler would.
+
+    Checks what streaming does not support and decides how blocks are laid out.
+    ``batches(epoch)`` is the epoch's shard order (the ``Stream`` builds each epoch from it,
+    as ``epoch_class``); ``source`` is the configured copy of the Shards that the workers
+    (or ``workers=0``) read from.
+    """
+
+    epoch_class = StreamEpoch
+
+    def __init__(self, shards: Shards, *, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
+                 reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
+                 shuffle_buffer: int | None = None, on_error: str = "raise", speculate: float | None = None,
+                 batches: Any = None, batch_fn: Any = None, cache: Any = None) -> None:
+        unsupported = [
+            (batches is not None, "batches=... (its records have no indices to choose from)"),
+            (on_error != "raise", "on_error='skip' (skip bad records inside open_fn or fn instead)"),
+            (speculate is not None, ("speculate (a shard is read in order by the worker that opened it, so a "
+                                     "block cannot be raced on another worker without reading the shard again; "
+                                     "with ordered=False a slow shard does not hold back the others)")),
+            (batch_fn is not None and shuffle_buffer is not None,
+             ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
+              "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
+              "function to each batch in your loop, or transform records in fn)")),
+            (cache not in (None, False), "cache (it keeps fn's output per index)"),
+        ]
+        for bad, what in unsupported:
+            if bad:
+                raise ValueError(f"a streaming source (procpipe.Shards) does not support {what}")
+        if shuffle_buffer is not None:
+            check_count("shuffle_buffer", shuffle_buffer)
+        self.shards = shards
+        self.cycle_length = shards.cycle_length
+        self.block_length = shards.block_length or batch_size or 1
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.reshuffle = bool(reshuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.shard = None if shard is None else tuple(shard)
+        self.collate_fn = collate_fn
+        self.shuffle_buffer = shuffle_buffer
+        if shuffle_buffer is not None or batch_size is None:
+            self.mode = RECORDS
+        elif collate_fn is not None or batch_fn is not None:
+            self.mode = CHUNKS
+        else:
+            self.mode = STACK
+        self.source = shards.configured(self.block_length, self.mode, batch_size)
+
+    def __len__(self) -> int:
+        raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len(): the number of "
+                        "records is only known once every shard has been read")
+
+    def batches(self, epoch: int) -> list[int]:
+        """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
+        n = len(self.shards.shards)
+        if self.shuffle:
+            order = shuffle_rng(self.seed, epoch if self.reshuffle else 0).permutation(n)
+        else:
+            order = np.arange(n)
+        if self.shard is not None:
+            rank, world = self.shard
+            order = order[rank::world]
+        return order.tolist()
+
+    def settings(self) -> dict[str, Any]:
+        """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
+        return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "seed": self.seed, "drop_last": self.drop_last, "shard": None if self.shard is None else list(self.shard),
+                "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
+                "mode": self.mode, "shuffle_buffer": self.shuffle_buffer}
+
+    def check_progress(self, state: Any, epoch: int) -> dict | None:
+        """A saved ``StreamProgress.state()`` of ``epoch`` (or None), checked against this plan's
+        shards; raises ``ValueError`` naming what is wrong."""
+        if state is None:
+            return None
+        order = self.batches(epoch)
+
+        def corrupt(what: str) -> ValueError:
+            return ValueError(f"corrupt procpipe Loader state: the stream progress of epoch {epoch} {what}: "
+                              f"{state!r:.300}")
+
+        if not isinstance(state, dict) or set(state) != {"cursor", "complete", "received"}:
+            raise corrupt("is not a dict with keys cursor, complete and received")
+        in_order = set(order)
+        complete = state["complete"]
+        if not (isinstance(complete, list) and all(is_count(s, 0) and s in in_order for s in complete)
+                and complete == sorted(set(complete))):
+            raise corrupt("has complete shards that are not sorted shards of the epoch")
+        received, previous = state["received"], None
+        for entry in received if isinstance(received, list) else [None]:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(is_count(x, 0) for x in entry)
+                    and entry[0] in in_order and entry[0] not in complete and entry[1] < entry[2]
+                    and (previous is None or (previous[0], previous[2]) < (entry[0], entry[1]))):
+                raise corrupt(f"has received entry {entry!r} (not [shard, start, stop] ranges, sorted and merged)")
+            previous = entry
+        if state["cursor"] is not None:
+            self._check_cursor(state["cursor"], len(order) - len(complete), corrupt)
+        return state
+
+    def _check_cursor(self, cursor: Any, shards: int, corrupt: Callable[[str], ValueError]) -> None:
+        slots_expected = max(1, min(self.cycle_length, shards))
+        ok = isinstance(cursor, list) and len(cursor) == 3 and is_count(cursor[0], 0) and is_count(cursor[1], 0)
+        if ok:
+            turn, opened, slots = cursor
+            ok = (turn < slots_expected and opened <= shards and isinstance(slots, list)
+                  and len(slots) == slots_expected)
+        if ok:
+            held = [slot for slot in slots if slot is not None]
+            ok = (all(isinstance(slot, list) and len(slot) == 2 and is_count(slot[0], 0) and is_count(slot[1], 0)
+                      and slot[0] < opened for slot in held)
+                  and len({slot[0] for slot in held}) == len(held))
+        if not ok:
+            raise corrupt(f"has cursor {cursor!r} (not an interleave over {shards} shards, cycle_length "
+                          f"{self.cycle_length})")
+
+
+# ---------------------------------------------------------------------- workers=0
+class InlineStream:
+    """``workers=0`` for a streaming source: the same ``Stream`` and epochs as with workers,
+    driven in the calling thread: each time the stream's queue is empty, the block the
+    interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
+    output is identical to that of workers (in the deterministic order, whatever
+    ``ordered``). The Loader uses it like its own epoch iterators.
+    """
+
+    def __init__(self, loader: Any, number: int, done: dict | None = None, until: int | None = None,
+                 ahead: dict[int, dict] | None = None) -> None:
+        plan: StreamPlan = loader._sampler
+        self._loader = loader
+        self._coordinator = None
+        self._spec = loader._spec
+        self._scope = SampleScope(self._spec.seed)
+        self._with_epoch = loader._with_epoch
+        self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        self._stream.open(self._stream.first)
+        self._epoch = self._stream.first
+        self.number = number
+        self.batch_count = 0
+        self._done = False
+        self._complete = False  # every batch of the stream was returned
+        self._cancelled: str | None = None
+        loader._last_counters = self._epoch.counters
+        self._epoch_set = loader._epoch = number + 1
+
+    def __iter__(self) -> InlineStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            iteration_over(self._cancelled)
+        stream = self._stream
+        started = time.perf_counter()
+        while True:
+            try:
+                item = stream.out.get_nowait()
+            except queue.Empty:
+                try:
+                    self._load()
+                except BaseException:
+                    self._stop()
+                    raise
+                continue
+            if type(item) is tuple:
+                epoch, seq, batch = item
+                epoch.counters.wait_s += time.perf_counter() - started
+                epoch.mark_consumed(seq)
+                stream.consumed += 1
+                if epoch is not self._epoch:  # the first batch of the next epoch
+                    for number in [n for n in stream.opened if n < epoch.number]:
+                        del stream.opened[number]  # past (resume_point starts at this epoch): let it go
+                    self._epoch, self.number = epoch, epoch.number
+                    self._loader._last_counters = epoch.counters
+                    self._move_epoch(epoch.number + 1)
+                return (epoch.number, batch) if self._with_epoch else batch
+            if isinstance(item, EpochEnd):
+                item.epoch.counters.ended = time.perf_counter()
+                continue
+            self._stop()
+            if item is EndOfEpoch:
+                self._complete = True
+                self._move_epoch(stream.until if stream.until is not None else stream.next_number)
+                raise StopIteration
+            raise item.exc  # a Failure
+
+    def _load(self) -> None:
+        """Read the block the open epoch waits for (opening the next epoch when one is done)."""
+        epoch = self._stream.fresh()
+        if epoch is None:
+            raise RuntimeError("procpipe: internal error: a streaming epoch had nothing left to read "
+                               "but did not end")
+        job = epoch.inline_job()
+        scope = self._scope
+        try:
+            produced = produce(self._spec, scope, epoch.number, job.indices, None, 0)
+        except Exception as exc:
+            scope.leave()
+            exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.indices} "
+                         f"(epoch {epoch.number}).")
+            raise
+        if produced.layout is None:
+            epoch.deliver(job.seq, EmptyBatch)
+        else:
+            epoch.accept(job, produced.layout, None, 0)
+
+    def _move_epoch(self, epoch: int) -> None:
+        """Move ``loader.epoch`` along, unless the user chose one with ``set_epoch`` meanwhile."""
+        if self._loader._epoch == self._epoch_set:
+            self._loader._epoch = self._epoch_set = epoch
+
+    def _stop(self) -> None:
+        self._done = True
+        self._stream.finish()
+        self._spec.source.close_readers()
+
+    def owns_epoch(self) -> bool:
+        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
+        return self._loader._epoch == self._epoch_set
+
+    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """As ``_EpochIterator.resume_point``: the epochs come in order, so the oldest one the
+        consumer is not past is the one it is in."""
+        if self._complete:
+            return None
+        return self._stream.resume_point(self._epoch.number)
+
+    def cancel(self, why: str) -> None:
+        if not self._done:
+            self._cancelled = why
+            self._stop()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self._spec.source.close_readers()

@@ -1,0 +1,326 @@
+"""The streaming source and reading it, in any process: ``Shards``, ``RecordKey``, ``Block``.
+
+Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
+``StreamPlan`` (plan.py) keeps a configured copy (``Shards.configured``: the block length
+and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
+shipped to every worker. The coordinator sends each worker ``Block`` tasks (epoch.py);
+in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
+block to ``Shards.produce_block``, which reads its records from the shard's iterator
+(``_Reader``, kept open between blocks: shard affinity), runs ``fn`` and ``augment`` on
+each under its sample scope (seeded from its ``RecordKey``), and collates them into the
+task's ring slot. Turning blocks into batches is batching.py's, in the loader's process.
+"""
+from __future__ import annotations
+
+import copy
+import reprlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .. import collate
+from ..collate import INLINE, SEQ
+from ..produce import Produced, collate_privately, run_batch_fn
+from ..rng import SampleScope
+
+# How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
+STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
+CHUNKS = "chunks"  # collate_fn or batch_fn: the block's records in chunks of batch_size, each chunk a batch
+RECORDS = "records"  # batch_size=None or shuffle_buffer: every record laid out on its own
+_EXTRA_READERS = 8  # open iterators a worker keeps beyond 2 * cycle_length (LRU)
+_END = object()  # a reader's end of shard
+
+
+class RecordKey(tuple):
+    """``(shard, record)``: a record's identity, the streaming counterpart of an index.
+
+    ``shard`` is the shard's position in ``Shards.shards`` (not in the epoch's shuffled
+    order), ``record`` its number within the shard. ``sample_rng()`` is seeded from
+    ``(seed, epoch, shard, record)``; error messages name records by it.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, shard: int, record: int) -> RecordKey:
+        return tuple.__new__(cls, (shard, record))
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return f"(shard {self[0]}, record {self[1]})"
+
+
+class Block:
+    """A task: records ``first .. first + length - 1`` of shard ``shard`` (its block ``number``).
+
+    Sent to a worker in place of a list of indices. Iterating it gives the keys of the
+    records it may hold (for the coordinator's messages about lost or stuck tasks).
+    ``skip``: ``(start, stop)`` ranges of its records the consumer received before a
+    resume; the worker reads past them (the shard's iterator only, not ``fn``) and leaves
+    them out of the block's layout.
+    """
+
+    __slots__ = ("first", "length", "number", "shard", "skip")
+
+    def __init__(self, shard: int, number: int, first: int, length: int,
+                 skip: tuple[tuple[int, int], ...] = ()) -> None:
+        self.shard = shard
+        self.number = number
+        self.first = first
+        self.length = length
+        self.skip = skip
+
+    def __reduce__(self) -> tuple:
+        return Block, (self.shard, self.number, self.first, self.length, self.skip)
+
+    def __iter__(self):
+        return (RecordKey(self.shard, r) for r in range(self.first, self.first + self.length))
+
+    def skipped(self, record: int) -> bool:
+        return any(start <= record < stop for start, stop in self.skip)
+
+    def kept(self, read: int) -> range | list[int]:
+        """The records a block's layout holds when ``read`` of its records could be read: all
+        but the skipped ones, in order."""
+        records = range(self.first, self.first + read)
+        return [r for r in records if not self.skipped(r)] if self.skip else records
+
+    def __repr__(self) -> str:
+        return (f"block {self.number} of shard {self.shard} "
+                f"(records {self.first}-{self.first + self.length - 1})")
+
+
+class Shards:
+    """A streaming source: ``open_fn(shard)`` yields the records of each shard, in order.
+
+    Pass it as the ``source`` of ``procpipe.Loader``. An epoch reads every shard once
+    (in a shuffled order with ``shuffle=True``), ``cycle_length`` shards at a time,
+    interleaving ``block_length`` records from each (tf.data's ``interleave``); records
+    then go through ``fn`` and batching as usual.
+
+    Args:
+        shards: a list of shards: paths, URLs, tuples of paths, anything picklable.
+        open_fn: ``open_fn(shard) -> iterable of records`` (a generator, an open text
+            file, ...); runs in the workers. It must yield the same records each time it
+            is called for a shard (a shard is reopened after a worker crash).
+        cycle_length: shards open at once (read concurrently, by different workers when
+            there are enough). Fixed, so the order does not depend on the machine.
+        block_length: records taken from a shard per turn, and the unit of work sent to
+            a worker; ``None`` (default): the loader's ``batch_size`` (1 if that is None).
+    """
+
+    def __init__(self, shards: Iterable[Any], open_fn: Callable[[Any], Iterable[Any]], *,
+                 cycle_length: int = 4, block_length: int | None = None) -> None:
+        if isinstance(shards, (str, bytes)):
+            raise TypeError(f"shards must be a list of shards, got the single {type(shards).__name__} "
+                            f"{shards!r:.100}; write [path] for one shard")
+        try:
+            shards = list(shards)
+        except TypeError:
+            raise TypeError(f"shards must be a list (or iterable) of shards, got {type(shards).__name__}") from None
+        if not callable(open_fn):
+            raise TypeError(f"open_fn must be callable (open_fn(shard) -> iterable of records), "
+                            f"got {type(open_fn).__name__}")
+        check_count("cycle_length", cycle_length)
+        if block_length is not None:
+            check_count("block_length", block_length)
+        self.shards = shards
+        self.open_fn = open_fn
+        self.cycle_length = cycle_length
+        self.block_length = block_length
+        self._config: tuple[int, str, int | None] | None = None  # set on the loader's copy (configured)
+        self._readers: OrderedDict[tuple[int, int], _Reader] = OrderedDict()  # this process's open shards
+
+    def __len__(self) -> int:
+        """The number of shards (not of records, which is unknown until they are read)."""
+        return len(self.shards)
+
+    def __repr__(self) -> str:
+        return (f"Shards({reprlib.repr(self.shards)}, {getattr(self.open_fn, '__name__', self.open_fn)!s}, "
+                f"cycle_length={self.cycle_length}, block_length={self.block_length})")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_readers"] = OrderedDict()  # open iterators stay in the process that opened them
+        return state
+
+    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Shards:
+        """The copy a loader uses (and ships to its workers), with how blocks are laid out."""
+        clone = copy.copy(self)
+        clone._readers = OrderedDict()
+        clone._config = (block_length, mode, batch_size)
+        return clone
+
+    # ------------------------------------------------------------------ reading (any process)
+    def produce_block(self, spec: Any, scope: SampleScope, epoch: int, block: Block, buffer: Any | None,
+                      capacity: int, status: Any | None = None) -> Produced:
+        """Read ``block``, run ``fn`` on each record, collate into ``buffer`` (see ``produce.produce``).
+
+        The layout is ``[SEQ, tuple, [[INLINE, (read, kept)], inner]]``: the number of
+        records read (fewer than ``block_length`` means the shard has ended), how many of
+        them the block holds (all but ``block.skip``), and the block's own layout of those
+        (by mode: a stacked batch, a list of batches, or a list of records; ``[INLINE,
+        None]`` if none is kept). A block with no record at all has no layout (``None``).
+        """
+        _, mode, batch_size = self._config
+        fn, augment = spec.fn, getattr(spec, "augment", None)
+        keys: list[RecordKey] = []
+        samples: list[Any] = []
+        reader = self._reader(epoch, block, scope, status)
+        stop = block.first + block.length
+        try:
+            while reader.position < stop:
+                key = RecordKey(block.shard, reader.position)
+                scope.enter(epoch, key)  # the iterator's own draws and fn's share this record's generator
+                if status is not None:
+                    status[1] = reader.position
+                record = reader.next(self, key)
+                if record is _END:
+                    break
+                if block.skip and block.skipped(key[1]):
+                    continue
+                for stage, name in ((fn, "fn"), (augment, "augment")):
+                    if stage is not None:
+                        try:
+                            record = stage(record)
+                        except Exception as exc:
+                            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} "
+                                         f"({self.name(key[0])}).")
+                            raise
+                keys.append(key)
+                samples.append(record)
+        finally:
+            self._keep(epoch, block.shard, reader)
+        scope.leave()
+        if status is not None:
+            status[1] = -1
+        read = max(0, reader.position - block.first)
+        if not read:
+            return Produced(None, 0, False, [], [])
+        if not samples:  # every record read was received before a resume
+            return Produced([SEQ, tuple, [[INLINE, (read, 0)], [INLINE, None]]], 0, buffer is not None, [], [])
+        if mode == CHUNKS:
+            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
+                       for i in range(0, len(samples), batch_size)]
+            layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
+        else:
+            try:
+                if mode == STACK:
+                    layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
+                else:
+                    layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                raise
+        return Produced([SEQ, tuple, [[INLINE, (read, len(samples))], layout]], nbytes, in_slot, keys, [])
+
+    def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
+        """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
+        ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` seeded from the
+        chunk's first record."""
+        try:
+            batch = collate_privately(spec.collate_fn, samples, keys)
+        except Exception as exc:
+            exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+            raise
+        if spec.batch_fn is None:
+            return batch
+        return run_batch_fn(spec, epoch, keys[0], batch, self._records(keys))
+
+    def _records(self, keys: list[RecordKey]) -> str:
+        """``keys`` (records of one shard, in order) for a message: "records 4-7 of shard 2 (name)"."""
+        shard = keys[0][0]
+        return f"records {keys[0][1]}-{keys[-1][1]} of shard {shard} ({self.name(shard)})"
+
+    def name(self, shard: int) -> str:
+        return reprlib.repr(self.shards[shard])
+
+    def _reader(self, epoch: int, block: Block, scope: SampleScope, status: Any | None) -> _Reader:
+        """The shard's reader, positioned at the block's first record (opened again if need be)."""
+        reader = self._readers.pop((epoch, block.shard), None)
+        if reader is None or reader.position > block.first:
+            if reader is not None:
+                reader.close()
+            scope.enter(epoch, RecordKey(block.shard, 0))
+            try:
+                reader = _Reader(iter(self.open_fn(self.shards[block.shard])))
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised by open_fn opening shard {block.shard} ({self.name(block.shard)}).")
+                raise
+        try:
+            while reader.position < block.first:  # a reopened shard: skip what earlier blocks had
+                key = RecordKey(block.shard, reader.position)
+                scope.enter(epoch, key)
+                if status is not None:
+                    status[1] = reader.position
+                if reader.next(self, key) is _END:
+                    break
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _keep(self, epoch: int, shard: int, reader: _Reader) -> None:
+        if reader.broken:
+            return
+        readers = self._readers
+        readers[(epoch, shard)] = reader
+        limit = 2 * self.cycle_length + _EXTRA_READERS
+        while len(readers) > limit:
+            _, old = readers.popitem(last=False)
+            old.close()
+
+    def close_readers(self) -> None:
+        """Close every shard this process has open (``workers=0``: when an epoch is abandoned)."""
+        readers, self._readers = self._readers, OrderedDict()
+        for reader in readers.values():
+            reader.close()
+
+
+class _Reader:
+    """One shard's iterator in one process, and how many records it has yielded."""
+
+    __slots__ = ("broken", "done", "iterator", "position")
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+        self.position = 0
+        self.done = False  # the shard has ended: position is its record count
+        self.broken = False  # the iterator raised: never used again
+
+    def next(self, shards: Shards, key: RecordKey) -> Any:
+        if self.done:
+            return _END
+        try:
+            record = next(self.iterator)
+        except StopIteration:
+            self.done = True
+            self.close()
+            return _END
+        except Exception as exc:
+            self.broken = True
+            self.close()
+            exc.add_note(f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
+                         "in the iterator open_fn returned.")
+            raise
+        self.position += 1
+        return record
+
+    def close(self) -> None:
+        iterator, self.iterator = self.iterator, None
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                pass
+
+
+def check_count(name: str, value: Any) -> None:
+    if not is_count(value, 1):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def is_count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
