@@ -54,6 +54,8 @@ from typing import Any
 
 import psutil
 
+from .checks import check_int
+
 GROW_WAIT = 0.05  # consumer wait fraction above which more workers are tried
 GAIN = 0.05  # a new worker must raise throughput by this fraction to stay
 PROBE_BUSY = 0.5  # workers busier than this (mean fraction) may get one more; idler ones, one fewer
@@ -95,12 +97,8 @@ class AutoWorkers:
 
     def __post_init__(self) -> None:
         for name in ("start", "min", "min_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AutoWorkers: {name} must be an int >= 1, got {value!r}")
-        if self.max is not None and (isinstance(self.max, bool) or not isinstance(self.max, int)
-                                     or self.max < self.min):
-            raise ValueError(f"AutoWorkers: max must be None or an int >= min ({self.min}), got {self.max!r}")
+            check_int(name, getattr(self, name), 1, owner="AutoWorkers: ")
+        check_int("max", self.max, self.min, allow_none=True, owner="AutoWorkers: ")
         if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
             raise ValueError(f"AutoWorkers: interval must be a number of seconds > 0, got {self.interval!r}")
 

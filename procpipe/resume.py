@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+from .checks import is_count
 from .streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
@@ -67,7 +68,7 @@ def load_state(state: Any, sampler: Any) -> Resume:
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
     epoch = state.get("epoch")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+    if not is_count(epoch, 0):
         raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
     if streaming:
         done = sampler.check_progress(state.get("stream"), epoch)
@@ -96,8 +97,7 @@ def _until_and_ahead(state: dict[str, Any], epoch: int,
     ``ahead`` entries are ``[epoch, ...]``; ``progress(epoch, rest)`` checks and converts the rest.
     """
     until = state.get("until", _LOADER_EPOCHS)
-    if until is not _LOADER_EPOCHS and until is not None and (
-            isinstance(until, bool) or not isinstance(until, int) or until <= epoch):
+    if until is not _LOADER_EPOCHS and until is not None and not is_count(until, epoch + 1):
         raise ValueError(f"corrupt procpipe Loader state: until={until!r} with epoch={epoch!r}")
     ahead: dict[int, Any] = {}
     raw = state.get("ahead", [])
@@ -105,7 +105,7 @@ def _until_and_ahead(state: dict[str, Any], epoch: int,
         raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")
     for entry in raw:
         n = entry[0] if isinstance(entry, list) and entry else None
-        if (not isinstance(n, int) or isinstance(n, bool) or n <= epoch or n in ahead
+        if (not is_count(n, epoch + 1) or n in ahead
                 or (isinstance(until, int) and n >= until)):
             raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
         ahead[n] = progress(n, entry[1:])

@@ -13,6 +13,7 @@ from typing import Any
 
 from .autotune import resolve as resolve_autotune
 from .cache import validate as validate_cache
+from .checks import check_int, is_count
 from .streaming import Shards
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -54,15 +55,15 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
     for name, value in (("fn", fn), ("collate_fn", collate_fn)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
-    _check_int("batch_size", batch_size, 1, allow_none=True)
+    check_int("batch_size", batch_size, 1, allow_none=True)
     if resolve_autotune(workers) is None:
         if isinstance(workers, str):
             raise ValueError(f"workers must be an int >= 0 or 'auto', got {workers!r}")
-        _check_int("workers", workers, 0)
-    _check_int("prefetch", prefetch, 1)
-    _check_int("seed", seed, 0)
-    _check_int("slot_bytes", slot_bytes, 1, allow_none=True)
-    _check_int("max_worker_restarts", max_worker_restarts, 0)
+        check_int("workers", workers, 0)
+    check_int("prefetch", prefetch, 1)
+    check_int("seed", seed, 0)
+    check_int("slot_bytes", slot_bytes, 1, allow_none=True)
+    check_int("max_worker_restarts", max_worker_restarts, 0)
     if collate_fn is not None and batch_size is None:
         raise ValueError("collate_fn needs a batch_size: with batch_size=None samples are yielded unbatched")
     if start_method not in START_METHODS:
@@ -86,7 +87,7 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
 
 def validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) -> None:
     """Check ``epochs``, ``reshuffle`` and ``with_epoch`` (and ``reshuffle`` against ``batches``)."""
-    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+    if epochs is not None and not is_count(epochs, 1):
         raise ValueError(f"epochs must be an int >= 1 or None (endless), got {epochs!r}")
     for name, value in (("reshuffle", reshuffle), ("with_epoch", with_epoch)):
         if not isinstance(value, bool):
@@ -94,11 +95,3 @@ def validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) 
     if batches is not None and not reshuffle:
         raise ValueError("batches=... decides every epoch's batches itself: reshuffle does not apply "
                          "(return the same batches for every epoch from the callable instead)")
-
-
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        extra = " or None" if allow_none else ""
-        raise ValueError(f"{name} must be an int >= {minimum}{extra}, got {value!r}")

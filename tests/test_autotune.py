@@ -9,6 +9,7 @@ by ``bench/autotune.py``.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -193,3 +194,15 @@ def test_memory_room_counts_workers_that_fit_or_must_go(monkeypatch, available_g
     memory = type("VM", (), {"total": 16 * gib, "available": int(available_gib * gib)})
     monkeypatch.setattr(autotune.psutil, "virtual_memory", lambda: memory)
     assert autotune.memory_room(int(1.4 * gib)) == expected
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"start": 0}, "AutoWorkers: start must be an int >= 1, got 0"),
+    ({"min": True}, "AutoWorkers: min must be an int >= 1, got True"),
+    ({"min_batches": 2.0}, "AutoWorkers: min_batches must be an int >= 1, got 2.0"),
+    ({"min": 3, "max": 2}, "AutoWorkers: max must be an int >= 3 or None, got 2"),
+    ({"interval": 0}, "AutoWorkers: interval must be a number of seconds > 0, got 0"),
+])
+def test_bad_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AutoWorkers(**settings)

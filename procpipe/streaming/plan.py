@@ -21,7 +21,8 @@ from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
 from ..produce import produce
 from ..rng import SampleScope, shuffle_rng
 from .epoch import StreamEpoch
-from .shards import CHUNKS, RECORDS, STACK, Shards, check_count, is_count
+from ..checks import check_int, is_count
+from .shards import CHUNKS, RECORDS, STACK, Shards
 
 
 class StreamPlan:
@@ -55,7 +56,7 @@ class StreamPlan:
             if bad:
                 raise ValueError(f"a streaming source (procpipe.Shards) does not support {what}")
         if shuffle_buffer is not None:
-            check_count("shuffle_buffer", shuffle_buffer)
+            check_int("shuffle_buffer", shuffle_buffer, 1)
         self.shards = shards
         self.cycle_length = shards.cycle_length
         self.block_length = shards.block_length or batch_size or 1

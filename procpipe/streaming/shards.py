@@ -21,6 +21,7 @@ from typing import Any
 from .. import collate
 from ..collate import INLINE, SEQ
 from ..produce import Produced, collate_privately, run_batch_fn
+from ..checks import check_int
 from ..rng import SampleScope
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
@@ -122,9 +123,9 @@ class Shards:
         if not callable(open_fn):
             raise TypeError(f"open_fn must be callable (open_fn(shard) -> iterable of records), "
                             f"got {type(open_fn).__name__}")
-        check_count("cycle_length", cycle_length)
+        check_int("cycle_length", cycle_length, 1)
         if block_length is not None:
-            check_count("block_length", block_length)
+            check_int("block_length", block_length, 1)
         self.shards = shards
         self.open_fn = open_fn
         self.cycle_length = cycle_length
@@ -315,12 +316,3 @@ class _Reader:
                 close()
             except Exception:
                 pass
-
-
-def check_count(name: str, value: Any) -> None:
-    if not is_count(value, 1):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def is_count(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
