@@ -16,7 +16,8 @@ the coordinator starts or retires workers to follow it. The policy, in full:
    more worker (if the limit allows); if they were mostly idle, the limit is the engine's
    per-batch work, not the workers: try one fewer, or, if that count is blocked (below)
    or below ``min``, one more (on a loaded machine an extra worker can still win CPU
-   time). Remember the throughput before.
+   time), which then stays only for a gain above 20 %: idle workers rarely gain, and
+   noise alone must not add one. Remember the throughput before.
 4. **Judge**: keep an added worker if throughput (the mean over the trial's intervals,
    compared with the mean of up to 3 intervals before it) rose by more than 5 %, a
    removed one if it fell by less than 5 %; otherwise go back. One interval decides
@@ -58,6 +59,7 @@ from .checks import check_int
 
 GROW_WAIT = 0.05  # consumer wait fraction above which more workers are tried
 GAIN = 0.05  # a new worker must raise throughput by this fraction to stay
+IDLE_GAIN = 0.20  # ...or by this much, when it was tried while the workers were mostly idle
 PROBE_BUSY = 0.5  # workers busier than this (mean fraction) may get one more; idler ones, one fewer
 JUDGE_INTERVALS = 2  # a trial is judged on the mean of up to this many intervals
 SHRINK_WAIT = 0.01  # consumer wait fraction below which the pipeline has spare capacity
@@ -267,6 +269,7 @@ class Tuner:
         self._settle = 1  # intervals left that are not judged (the first one: start-up)
         self._probe_base: float | None = None  # throughput before the count now on trial
         self._probe_step = 0  # +1: a worker was added for trial; -1: one was retired
+        self._probe_gain = GAIN  # the gain an added worker must bring to stay
         self._judged: list[float] = []  # throughputs measured since the trial began
         self._rates: deque[float] = deque(maxlen=3)  # recent throughputs at this count (the baseline)
         self._blocked: dict[int, float] = {}  # count -> time before which it is not tried again
@@ -302,7 +305,7 @@ class Tuner:
             self._judged.append(sample.batches_per_s)
             rate = sum(self._judged) / len(self._judged)
             up = self._probe_step > 0
-            kept = rate > (1.0 + GAIN) * base if up else rate >= (1.0 - GAIN) * base
+            kept = rate > (1.0 + self._probe_gain) * base if up else rate >= (1.0 - GAIN) * base
             # One interval decides when the result is clear; else a second one is averaged in.
             if up:
                 clear = rate > (1.0 + 4 * GAIN) * base or rate < (1.0 - 2 * GAIN) * base
@@ -330,9 +333,11 @@ class Tuner:
             # Busy workers: try one more. Idle ones: the engine is the limit, so try one fewer;
             # and where that is not allowed, one more after all (when its backoff allows):
             # the machine's load changes, and a worker fewer may have stopped paying off.
-            for step in (+1,) if sample.busy >= PROBE_BUSY * n else (-1, +1):
+            # Such a worker must then bring a clear gain (IDLE_GAIN), not one within the noise.
+            idle = sample.busy < PROBE_BUSY * n
+            for step in (-1, +1) if idle else (+1,):
                 if self.auto.min <= n + step <= limit and now >= self._blocked.get(n + step, 0.0):
-                    return self._probe(n, step)
+                    return self._probe(n, step, IDLE_GAIN if idle else GAIN)
             return n
         if sample.wait < SHRINK_WAIT and n > self.auto.min and sample.busy <= SHRINK_LOAD * (n - 1):
             self._spare += 1
@@ -342,9 +347,10 @@ class Tuner:
             self._spare = 0
         return n
 
-    def _probe(self, n: int, step: int) -> int:
+    def _probe(self, n: int, step: int, gain: float) -> int:
         self._probe_base = sum(self._rates) / len(self._rates)
         self._probe_step = step
+        self._probe_gain = gain
         self._judged = []
         return self._change(n + step)
 

@@ -129,6 +129,23 @@ def test_with_idle_workers_it_still_comes_back_up_when_fewer_stop_paying_off(mon
     assert counts.index(2) * INTERVAL <= autotune.BACKOFF_MAX_S
 
 
+def test_with_idle_workers_noise_does_not_bring_back_a_worker_that_costs(monkeypatch):
+    """Tiny samples on a noisy machine: one worker is 10 % faster than two, and the machine's
+    speed drifts by up to +-20 % from one second to the next (noise that lasts, as real load
+    does). The tuner may re-try two workers now and then, but must not keep them on noise."""
+    at_two = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        drift = np.repeat(rng.uniform(0.8, 1.2, 120), 4)  # one factor per second of 4 intervals
+        steps = iter(drift)
+        tuner = make_tuner(monkeypatch, cpus=2, start=2)
+        model = lambda n: Sample(INTERVAL, (1000.0 if n == 1 else 900.0) * next(steps),  # noqa: E731
+                                 wait=0.3, busy=0.2 * n, cpu=0.2 * n)
+        counts = simulate(tuner, model, seconds=119)
+        at_two.append(counts.count(2) / len(counts))
+    assert np.mean(at_two) < 0.045, f"share of intervals at 2 workers, per seed: {np.round(at_two, 3)}"
+
+
 def test_it_retires_workers_the_consumer_does_not_need(monkeypatch):
     tuner = make_tuner(monkeypatch, cpus=4, start=4)
     slow_consumer = lambda n: Sample(INTERVAL, 100.0, wait=0.0, busy=0.3, cpu=0.3)  # noqa: E731
