@@ -49,10 +49,11 @@ from . import wire
 from .autotune import Meter, Tuner, memory_room, ring_workers
 from .epochs import Attempt, EmptyBatch, Epoch, Failure, Job, Stream
 from .errors import TaskTimeoutError, WorkerError
-from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, timeout_message
+from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
 from .stats import WorkerCounters, array_bytes, worker_baseline
+from .worker import STARTING
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
@@ -176,6 +177,7 @@ class Coordinator:
     # ---------------------------------------------------------------- workers
     def _start_worker(self, index: int) -> WorkerHandle:
         """Start worker ``index``; the selector then reports its replies and its death."""
+        self._status[2 * index] = STARTING  # the worker clears it once started (worker.py)
         handle = self._launcher.start(index, self.worker_counters[index])
         self._selector.register(handle.conn.fileno(), selectors.EVENT_READ, (self._on_readable, handle))
         self._selector.register(handle.process.sentinel, selectors.EVENT_READ, (self._on_exit, handle))
@@ -604,6 +606,11 @@ class Coordinator:
             )
             self._broken = exc
             self._fail(exc)
+            return
+        if self._status[2 * worker.index] == STARTING and (worker.process.exitcode or 0) > 0:
+            # It failed before reaching any user code: restarting would fail the same way.
+            self._broken = WorkerError(startup_message(worker, self.config.start_method))
+            self._fail(self._broken)
             return
         if worker.killed_for is None:  # it died by itself: that counts against the budget
             if self._restarts_this_epoch >= self.config.max_worker_restarts:

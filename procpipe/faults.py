@@ -9,7 +9,7 @@ out of its batch instead, until the epoch has skipped more than ``max_skipped``.
 
 The coordinator's own verdicts, a batch stuck past ``task_timeout`` on every attempt
 and workers dying past ``max_worker_restarts``, get messages that say what happened and
-what to do about it (``timeout_message``, ``death_message``).
+what to do about it (``timeout_message``, ``death_message``, ``startup_message``).
 """
 from __future__ import annotations
 
@@ -147,3 +147,16 @@ def death_message(worker: WorkerHandle, lost: list[Attempt], index: int | None, 
     return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how}{_where(index)}, holding indices "
             f"{indices}; workers have already been restarted {budget} times this epoch "
             f"(max_worker_restarts={budget}). Likely cause: {cause}.")
+
+
+def startup_message(worker: WorkerHandle, start_method: str) -> str:
+    """A worker whose process exited with an error while starting, before it loaded the dataset."""
+    message = (f"procpipe worker {worker.index} (pid {worker.process.pid}) exited with code "
+               f"{worker.process.exitcode} while its process was starting, before it loaded the dataset or "
+               f"ran any of your code; its traceback was printed on stderr.")
+    if start_method != "fork":
+        message += (f" The usual cause: with start_method={start_method!r} every worker imports your main "
+                    f"script, and a script that builds a Loader (or runs its training) at import time must put "
+                    f"that code under `if __name__ == \"__main__\":`. Also check that the script imports "
+                    f"without errors in a fresh process.")
+    return message

@@ -15,7 +15,10 @@ traceback), ...])`` before the ``ok`` of a batch some samples of which were left
 
 Each worker also keeps two int64s in the loader's ``status`` file up to date: the task id
 and the index it is loading (-1 between samples), so that when a worker dies or is killed
-for ``task_timeout``, the coordinator can name the sample it was stuck on.
+for ``task_timeout``, the coordinator can name the sample it was stuck on. The coordinator
+sets the task id to ``STARTING`` before it starts a worker process, and the worker sets it
+to -1 once it has loaded the dataset: a worker that dies still ``STARTING`` never got as
+far as the user's code (its process failed while starting, e.g. importing the main script).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ from .shm import WorkerRings, map_file
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
+
+STARTING = -2  # the task id in a worker's status words until its process has started (module doc)
 
 
 @dataclass
@@ -182,7 +187,9 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
         except BaseException:
             wire.send(conn, ("fatal", traceback.format_exc()))
             return
-        _serve(conn, loaded, WorkerRings(files_prefix), parent, _status_view(files_prefix, worker_id))
+        status = _status_view(files_prefix, worker_id)
+        status[0] = -1  # started: no longer STARTING
+        _serve(conn, loaded, WorkerRings(files_prefix), parent, status)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
     finally:

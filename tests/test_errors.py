@@ -7,7 +7,7 @@ import re
 import numpy as np
 import psutil
 import pytest
-from conftest import descendants, our_shm_files
+from conftest import descendants, our_shm_files, run_python, wait_until
 
 import procpipe
 from procpipe import CollateError, Loader, RemoteTraceback, SharedMemoryError, WorkerError
@@ -253,3 +253,32 @@ def test_ring_larger_than_shm_raises_shared_memory_error():
         assert fix in message
     assert isinstance(info.value, MemoryError) and isinstance(info.value, procpipe.ProcpipeError)
     assert our_shm_files() == before
+
+
+UNGUARDED = """
+import procpipe
+
+# No `if __name__ == "__main__":` guard: every worker re-imports this script while starting.
+loader = procpipe.Loader(list(range(8)), batch_size=2, workers=2)
+try:
+    print(sum(len(b) for b in loader))
+except procpipe.WorkerError as exc:
+    print("WorkerError:", exc)
+finally:
+    loader.close()
+"""
+
+
+def test_a_script_without_a_main_guard_gets_told_so(tmp_path):
+    """The classic forkserver/spawn mistake: workers die while starting, before any user code."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    before = set(os.listdir("/dev/shm"))
+    result = run_python([str(script)], timeout=60, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "WorkerError:" in out and "while its process was starting" in out, out
+    assert 'if __name__ == "__main__":' in out and "start_method='forkserver'" in out
+    assert "restarted" not in out  # failed at once: restarting would fail the same way
+    wait_until(lambda: not {f for f in os.listdir("/dev/shm") if f.startswith("procpipe-")} - before, 10,
+               "the script's and its workers' shared-memory files to be removed")
