@@ -19,8 +19,11 @@ the coordinator starts or retires workers to follow it. The policy, in full:
    time), which then stays only for a gain above 20 %: idle workers rarely gain, and
    noise alone must not add one. Remember the throughput before.
 4. **Judge**: keep an added worker if throughput (the mean over the trial's intervals,
-   compared with the mean of up to 3 intervals before it) rose by more than 5 %, a
-   removed one if it fell by less than 5 %; otherwise go back. One interval decides
+   compared with the mean of up to 3 intervals before it) rose by more than 5 %, and
+   by more than twice the noise of the count before it (the relative standard deviation
+   of its last 8 intervals: a pipeline whose throughput swings by 25 % from one interval
+   to the next needs a 50 % gain), a removed one if it fell by less than 5 %; otherwise
+   go back. One interval decides
    when the result is clear (for an added worker: a gain above 20 % or a loss above
    10 %; for a removed one: a gain above 5 % or a loss above 20 %), else a second
    interval is averaged in. The count that was
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +64,8 @@ from .checks import check_int
 GROW_WAIT = 0.05  # consumer wait fraction above which more workers are tried
 GAIN = 0.05  # a new worker must raise throughput by this fraction to stay
 IDLE_GAIN = 0.20  # ...or by this much, when it was tried while the workers were mostly idle
+NOISE_K = 2.0  # ...and in any case by this many times the baseline's interval-to-interval noise
+NOISE_WINDOW = 8  # intervals per worker count kept to estimate that noise
 PROBE_BUSY = 0.5  # workers busier than this (mean fraction) may get one more; idler ones, one fewer
 JUDGE_INTERVALS = 2  # a trial is judged on the mean of up to this many intervals
 SHRINK_WAIT = 0.01  # consumer wait fraction below which the pipeline has spare capacity
@@ -272,6 +278,7 @@ class Tuner:
         self._probe_gain = GAIN  # the gain an added worker must bring to stay
         self._judged: list[float] = []  # throughputs measured since the trial began
         self._rates: deque[float] = deque(maxlen=3)  # recent throughputs at this count (the baseline)
+        self._history: dict[int, deque[float]] = {}  # count -> its recent interval throughputs (noise)
         self._blocked: dict[int, float] = {}  # count -> time before which it is not tried again
         self._backoff: dict[int, float] = {}
         self._spare = 0  # intervals in a row with spare capacity
@@ -300,21 +307,23 @@ class Tuner:
         if self._settle:
             self._settle -= 1
             return n
+        self._history.setdefault(n, deque(maxlen=NOISE_WINDOW)).append(sample.batches_per_s)
         if self._probe_base is not None:  # judging the count tried since the last change
             base = self._probe_base
             self._judged.append(sample.batches_per_s)
             rate = sum(self._judged) / len(self._judged)
             up = self._probe_step > 0
-            kept = rate > (1.0 + self._probe_gain) * base if up else rate >= (1.0 - GAIN) * base
+            came_from = n - self._probe_step
+            gain = max(self._probe_gain, NOISE_K * self._noise(came_from))
+            kept = rate > (1.0 + gain) * base if up else rate >= (1.0 - GAIN) * base
             # One interval decides when the result is clear; else a second one is averaged in.
             if up:
-                clear = rate > (1.0 + 4 * GAIN) * base or rate < (1.0 - 2 * GAIN) * base
+                clear = rate > (1.0 + max(4 * GAIN, gain)) * base or rate < (1.0 - 2 * GAIN) * base
             else:
                 clear = rate > (1.0 + GAIN) * base or rate < (1.0 - 4 * GAIN) * base
             if not clear and len(self._judged) < JUDGE_INTERVALS:
                 return n
             self._probe_base = None
-            came_from = n - self._probe_step
             if kept:  # more workers helped, or fewer did as well
                 self._backoff.pop(n, None)
                 self._block(came_from, now)  # known to be no better: not tried again for a while
@@ -353,6 +362,14 @@ class Tuner:
         self._probe_gain = gain
         self._judged = []
         return self._change(n + step)
+
+    def _noise(self, count: int) -> float:
+        """Relative standard deviation of the recent interval throughputs at ``count`` workers."""
+        rates = self._history.get(count, ())
+        if len(rates) < 3:
+            return 0.0
+        mean = statistics.fmean(rates)
+        return statistics.stdev(rates) / mean if mean > 0 else 0.0
 
     def _block(self, count: int, now: float) -> None:
         """Do not try ``count`` workers again for a while (2 s, doubling each time, 60 s at most)."""

@@ -146,6 +146,22 @@ def test_with_idle_workers_noise_does_not_bring_back_a_worker_that_costs(monkeyp
     assert np.mean(at_two) < 0.045, f"share of intervals at 2 workers, per seed: {np.round(at_two, 3)}"
 
 
+def test_a_worker_is_not_kept_for_a_gain_smaller_than_the_noise(monkeypatch):
+    """Tiny samples: one worker is faster on average, but swings between 0.5x and 1.4x from one
+    second to the next (whether the consumer shares its CPU); two are steady and slower. A
+    trial of two during a slow second must not keep them: the gain must beat the noise."""
+    at_one = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        regime = iter(np.repeat(rng.uniform(0.5, 1.4, 61), 4))  # one speed per second of 4 intervals
+        tuner = make_tuner(monkeypatch, cpus=2, start=2)
+        model = lambda n: Sample(INTERVAL, 1000.0 * next(regime) if n == 1 else 780.0 * rng.uniform(0.95, 1.05),  # noqa: E731
+                                 wait=0.3, busy=0.2 * n, cpu=0.2 * n)
+        counts = simulate(tuner, model, seconds=60)
+        at_one.append(counts.count(1) / len(counts))
+    assert np.mean(at_one) >= 0.92, f"share of intervals at 1 worker, per seed: {np.round(at_one, 2)}"
+
+
 def test_it_retires_workers_the_consumer_does_not_need(monkeypatch):
     tuner = make_tuner(monkeypatch, cpus=4, start=4)
     slow_consumer = lambda n: Sample(INTERVAL, 100.0, wait=0.0, busy=0.3, cpu=0.3)  # noqa: E731
