@@ -11,10 +11,11 @@ with no process, ring slot or queue in them.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 
-_PENDING_SPANS = 4096  # record ranges the consumer's StreamProgress gathers before it merges them
+_PENDING_SPANS = 16384  # record ranges the consumer's StreamProgress gathers before it merges them
 _SHARD_SHIFT = 40  # merging ranges, record r of shard s is at (s << 40) + r (shards of up to 2**40 records)
 
 
@@ -159,20 +160,35 @@ class StreamProgress:
         return ranges.stops[0] // self.block_length if ranges is not None and ranges.starts[0] == 0 else 0
 
     def _merge_pending(self) -> None:
-        """Merge the gathered ranges (vectorized: shards laid end to end on one line) into ``received``."""
+        """Merge the gathered ranges into ``received`` in one vectorized pass: every shard's
+        ranges, old and new, laid end to end on one line (record ``r`` of shard ``s`` at
+        ``(s << _SHARD_SHIFT) + r``), sorted, and joined where they overlap or touch. (A
+        shuffle buffer's batches add thousands of scattered one-record ranges: merging them
+        one by one in Python cost the consumer more than the rest of ``next()``.)"""
         if not self.pending:
             return
-        spans, self.pending = np.array(self.pending, dtype=np.int64), []
+        spans = np.fromiter(itertools.chain.from_iterable(self.pending), np.int64,
+                            3 * len(self.pending)).reshape(-1, 3)
+        self.pending = []
         offsets = spans[:, 0] << _SHARD_SHIFT
-        order = np.argsort(spans[:, 1] + offsets, kind="stable")
-        starts, stops = (spans[:, 1] + offsets)[order], (spans[:, 2] + offsets)[order]
+        starts, stops = [spans[:, 1] + offsets], [spans[:, 2] + offsets]
+        for shard, ranges in self.received.items():
+            starts.append(np.array(ranges.starts, np.int64) + (shard << _SHARD_SHIFT))
+            stops.append(np.array(ranges.stops, np.int64) + (shard << _SHARD_SHIFT))
+        starts, stops = np.concatenate(starts), np.concatenate(stops)
+        order = np.argsort(starts, kind="stable")
+        starts, stops = starts[order], stops[order]
         reach = np.maximum.accumulate(stops)
         first = np.flatnonzero(np.concatenate(([True], starts[1:] > reach[:-1])))
         last = np.append(first[1:], len(starts)) - 1
-        for start, stop in zip(starts[first].tolist(), reach[last].tolist()):
-            shard = start >> _SHARD_SHIFT
-            offset = shard << _SHARD_SHIFT
-            self.received.setdefault(shard, _Ranges()).add(start - offset, stop - offset)
+        starts, stops = starts[first], reach[last]
+        shards = starts >> _SHARD_SHIFT
+        cuts = np.flatnonzero(np.diff(shards)) + 1
+        self.received = {}
+        for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts)):
+            offset = int(shard_starts[0] >> _SHARD_SHIFT) << _SHARD_SHIFT
+            self.received[offset >> _SHARD_SHIFT] = _Ranges((shard_starts - offset).tolist(),
+                                                            (shard_stops - offset).tolist())
 
     def _advance(self, ends: dict[int, int]) -> None:
         cursor, length = self.cursor, self.block_length
@@ -214,9 +230,9 @@ class _Ranges:
 
     __slots__ = ("starts", "stops")
 
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.stops: list[int] = []
+    def __init__(self, starts: list[int] | None = None, stops: list[int] | None = None) -> None:
+        self.starts: list[int] = starts if starts is not None else []
+        self.stops: list[int] = stops if stops is not None else []
 
     def add(self, start: int, stop: int) -> None:
         """Add ``[start, stop)``, merging the ranges it overlaps or touches."""
