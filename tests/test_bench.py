@@ -104,6 +104,14 @@ def test_recommendation_picks_fewest_workers_near_the_best():
     rec = sweep.recommend(io_bound, cpus=2)
     assert rec["workers"] == 4 and "try more workers" in rec["text"] and "overlap the waits" in rec["why"]
 
+    # CPU-bound on a shared machine: 4 workers on 2 CPUs came out best (they won CPU time from
+    # other processes); that is no reason to try even more
+    contended = [_setting(0, 434), _setting(1, 420, 99, 100), _setting(2, 813, 99, 98), _setting(3, 850, 96, 64),
+                 _setting(4, 968, 99, 49)]
+    rec = sweep.recommend(contended, cpus=2)
+    assert rec["workers"] == 4 and "try more workers" not in rec["text"]
+    assert "already keep the 2 CPUs busy" in rec["text"] and "CPU-bound" in rec["why"]
+
     step_bound = [_setting(0, 50), _setting(1, 99, 40, 40, wait=2.0), _setting(2, 100, 20, 20, wait=1.0)]
     rec = sweep.recommend(step_bound, step_s=0.01, cpus=2)
     assert rec["workers"] == 1 and "keeps up" in rec["why"]

@@ -194,7 +194,10 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
     text = f"use {rec.workers} {noun}: {frac * 100:.0f} % of the best throughput"
     if best is not rec:
         text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
-    if gain is None:
+    if gain is None and _cpus_used(rec) >= 0.9 * cpus:
+        text += (f"; it is the largest count measured, but its workers already keep the {cpus} CPUs busy: "
+                 "more would share them (it beat fewer workers by winning CPU time from other processes)")
+    elif gain is None:
         text += "; it is the largest count measured: try more workers, throughput may still grow"
     elif gain <= 0.0:
         text += "; beyond that, no gain: more workers were slower"
@@ -207,11 +210,16 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
             "why": _why(rec, best, settings, step_s, cpus)}
 
 
+def _cpus_used(setting: Setting) -> float:
+    """How many CPUs the setting's workers kept busy (mean CPU % per worker x workers)."""
+    return (setting.worker_cpu_pct or 0.0) * setting.workers / 100.0
+
+
 def _why(rec: Setting, best: Setting, settings: list[Setting], step_s: float, cpus: int) -> str:
     busy = rec.worker_busy_pct
     cpu = rec.worker_cpu_pct
     wait = rec.wait_pct
-    used = (cpu or 0.0) * rec.workers / 100.0  # CPUs the workers kept busy
+    used = _cpus_used(rec)
     waits_on_io = busy is not None and cpu is not None and busy >= 50.0 and cpu < 0.5 * busy and used < 0.5 * cpus
     if rec.workers == 0:
         return ("loading in the training process is at least as fast as with workers: the per-batch work is "
