@@ -1,7 +1,7 @@
 """``procpipe.Loader``: the public entry point.
 
 The Loader checks its arguments (validate.py), plans its epochs (sampler.py, or
-streaming.py for a ``procpipe.Shards`` source), starts its engine once (start.py: ships
+the streaming/ package for a ``procpipe.Shards`` source), starts its engine once (start.py: ships
 the user's objects to the workers, and the coordinator thread, coordinator.py, starts
 them), and hands each iteration to an epoch iterator (iterators.py), the object the
 consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N`` epochs, or

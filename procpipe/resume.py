@@ -6,7 +6,7 @@ ends) as a small JSON-serializable dict, with the sampler's settings. ``load_sta
 checks such a dict against this loader's sampler (same data, same settings) and for
 corruption, and returns a ``Resume``: what the next ``iter(loader)`` starts from. What
 an indexable source's epoch has had is a set of batch positions (``Progress``,
-reassembly.py); a streaming source's is a ``StreamProgress`` state (streaming.py),
+reassembly.py); a streaming source's is a ``StreamProgress`` state (streaming/order.py),
 checked by its ``StreamPlan``.
 """
 from __future__ import annotations

@@ -402,8 +402,8 @@ def test_unsupported_options_are_refused_clearly():
 
 
 # --------------------------------------------------------------------------- faults, lifecycle
-class DieOnce:
-    """fn that kills its worker on one record, the first time only (a marker file remembers)."""
+class OnceAt:
+    """fn that misbehaves (``act``) on one record, the first time only (a marker file remembers)."""
 
     def __init__(self, marker, at):
         self.marker, self.at = marker, at
@@ -411,8 +411,15 @@ class DieOnce:
     def __call__(self, record):
         if record["name"] == self.at and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            os._exit(3)
+            self.act()
         return record
+
+
+class DieOnce(OnceAt):
+    """Kills its worker."""
+
+    def act(self):
+        os._exit(3)
 
 
 @pytest.mark.parametrize("ordered", [True, False])
@@ -426,17 +433,11 @@ def test_worker_death_reopens_the_shard_and_skips_what_was_read(tmp_path, ordere
     assert got == order if ordered else sorted(got) == ALL
 
 
-class HangOnce:
-    """fn stuck on one record, the first time only: task_timeout kills the worker."""
+class HangOnce(OnceAt):
+    """Hangs: task_timeout kills the worker."""
 
-    def __init__(self, marker, at):
-        self.marker, self.at = marker, at
-
-    def __call__(self, record):
-        if record["name"] == self.at and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            threading.Event().wait(120)  # a hung read; the worker is killed long before
-        return record
+    def act(self):
+        threading.Event().wait(120)  # a hung read; the worker is killed long before
 
 
 def test_task_timeout_kills_a_stuck_reader_and_the_shard_is_read_again(tmp_path):

@@ -248,7 +248,7 @@ class InlineStream:
         return self._loader._epoch == self._epoch_set
 
     def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
-        """As ``_EpochIterator.resume_point``: the epochs come in order, so the oldest one the
+        """As ``iterators.EpochIterator.resume_point``: the epochs come in order, so the oldest one the
         consumer is not past is the one it is in."""
         if self._complete:
             return None
