@@ -78,11 +78,11 @@ class _Field:
         self.offset = 0
 
     def __getstate__(self) -> tuple:
-        return (self.kind, self.dtype.str, self.shape, self.path, self.offset, self.itemsize)
+        # The dtype itself: its .str would lose a structured dtype's fields ('|V8').
+        return (self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize)
 
     def __setstate__(self, state: tuple) -> None:
-        self.kind, dtype, self.shape, self.path, self.offset, self.itemsize = state
-        self.dtype = np.dtype(dtype)
+        self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize = state
 
     def describe(self) -> str:
         if self.kind == "array":

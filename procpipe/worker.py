@@ -228,7 +228,9 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             if batch.skipped:
                 wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
             wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
-        except Exception as exc:
+        except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
+            if isinstance(exc, SystemExit):
+                raise  # sys.exit() in fn, or SIGTERM (_raise_exit): the worker ends
             index = scope.index
             scope.leave()
             wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
