@@ -39,7 +39,7 @@ import dill
 from . import wire
 from .produce import produce
 from .rng import SampleScope
-from .shm import WorkerRings, map_file
+from .shm import WorkerRings, map_file, open_owned
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -89,7 +89,8 @@ def dump_spec(spec: WorkerSpec) -> bytes:
 def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:
     if isinstance(spec, WorkerSpec):
         return spec
-    with open(spec, "rb") as f:
+    # Only a file the loader's user created, owner-only: unpickling runs arbitrary code.
+    with os.fdopen(open_owned(spec, os.O_RDONLY), "rb") as f:
         return dill.load(f)
 
 

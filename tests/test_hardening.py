@@ -2,12 +2,20 @@
 file procpipe creates is owner-only, never followed, and tamper-evident (cache checksums)."""
 from __future__ import annotations
 
+import glob
+import os
+import pickle
+import re
+import secrets
+import signal
+import stat
 import warnings
 
 import numpy as np
 import pytest
+from conftest import run_python
 
-from procpipe import Loader
+from procpipe import CacheError, Loader, WorkerError
 
 N, BS = 40, 4
 STRUCT = np.dtype([("a", "<f4"), ("b", "<i4")])
@@ -72,3 +80,155 @@ def test_base_exception_from_fn_keeps_its_type(workers):
         stats = loader.stats()
         assert stats["worker_deaths"] == 0  # reported like any exception, not by dying
         assert all(w["restarts"] == 0 for w in stats["per_worker"])
+
+
+# ------------------------------------------------------------------ 7. files: owner-only, never followed, tamper-evident
+def eight(i):
+    return np.full(8, i, np.int64)  # 64 bytes a sample: a cache field with no padding
+
+
+FIXED_TOKEN = "feedbeef"
+
+
+@pytest.mark.parametrize("name", ["preload", "spec", "status", "ring0", "cachefile", "cache"])
+def test_a_planted_symlink_is_never_followed(name, shm_dir, tmp_path, monkeypatch):
+    # Another local user can read a loader's prefix; here the prefix is made predictable instead.
+    monkeypatch.setattr(secrets, "token_hex", lambda nbytes=None: FIXED_TOKEN)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    target.chmod(0o640)
+    link = os.path.join(str(cache_dir) if name == "cache" else shm_dir, f"procpipe-{os.getpid()}-{FIXED_TOKEN}-{name}")
+    os.symlink(target, link)
+    try:
+        with pytest.raises(FileExistsError, match="will not reuse or follow an existing file"):
+            with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir,
+                        cache=str(cache_dir)) as loader:
+                list(loader)
+    finally:
+        if os.path.islink(link):
+            os.unlink(link)
+    assert target.read_text() == "keep me"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert os.listdir(cache_dir) == []
+
+
+def test_every_file_procpipe_creates_is_owner_only(shm_dir, tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    old_umask = os.umask(0o022)  # the usual umask: plain open(path, "w") gives 0644
+    try:
+        with Loader(list(range(N)), eight, batch_size=BS, workers=2, shm_dir=shm_dir, cache=str(cache_dir)) as loader:
+            list(loader)
+            paths = glob.glob(os.path.join(shm_dir, "*")) + glob.glob(os.path.join(cache_dir, "*"))
+            modes = {p.rsplit("-", 1)[1]: stat.S_IMODE(os.lstat(p).st_mode) for p in paths}
+    finally:
+        os.umask(old_umask)
+    assert set(modes) == {"preload", "spec", "status", "ring0", "cachefile", "cache"}
+    assert modes == dict.fromkeys(modes, 0o600)
+
+
+class RunsCode:
+    """What someone could put in place of the spec file: unpickling it runs code."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def test_workers_do_not_unpickle_a_spec_file_procpipe_did_not_write(shm_dir, tmp_path):
+    marker = tmp_path / "ran"
+    with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir) as loader:
+        spec = loader.shm_prefix + "spec"
+        os.unlink(spec)
+        with open(spec, "wb") as f:
+            pickle.dump(RunsCode(str(marker)), f)
+        os.chmod(spec, 0o644)
+        os.kill(loader.worker_pids[0], signal.SIGKILL)  # its replacement loads the spec file again
+        with pytest.raises(WorkerError, match="not one procpipe created"):
+            list(loader)
+    assert not marker.exists()
+
+
+def test_open_owned_refuses_symlinks_and_shared_files(tmp_path):
+    from procpipe.shm import open_owned
+
+    mine = tmp_path / "mine"
+    mine.write_bytes(b"x")
+    mine.chmod(0o600)
+    os.close(open_owned(str(mine)))
+    os.symlink(mine, tmp_path / "link")
+    with pytest.raises(PermissionError, match="symlink"):
+        open_owned(str(tmp_path / "link"))
+    mine.chmod(0o644)
+    with pytest.raises(PermissionError, match="mode 0600"):
+        open_owned(str(mine))
+
+
+@pytest.mark.parametrize("option", ["shm_dir", "cache"])
+def test_a_directory_others_can_write_without_sticky_bit_is_refused(option, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=r"no sticky bit.*chmod \+t"):
+        Loader(list(range(N)), eight, batch_size=BS, workers=0, **{option: str(shared)})
+    shared.chmod(0o1777)  # like /dev/shm and /tmp: others cannot replace our files
+    with Loader(list(range(N)), eight, batch_size=BS, workers=0, **{option: str(shared)}) as loader:
+        assert len(list(loader)) == N // BS
+
+
+TRUNCATE_SCRIPT = r"""
+import glob, os, sys
+import numpy as np
+import procpipe
+from procpipe import CacheError
+
+
+def eight(i):
+    return np.full(8, i, np.int64)
+
+
+if __name__ == "__main__":
+    where = sys.argv[1]
+    with procpipe.Loader(list(range(40)), eight, batch_size=4, workers=2,
+                         cache=True if where == "memory" else where) as loader:
+        list(loader)
+        path, = glob.glob(os.path.join(loader.cache_info()["directory"], f"procpipe-{os.getpid()}-*-cache"))
+        os.truncate(path, os.path.getsize(path) // 2)
+        for what, call in (("epoch", lambda: list(loader)), ("cache_info", loader.cache_info)):
+            try:
+                call()
+                print(what, "no error", flush=True)
+            except CacheError as exc:
+                print(what, "CacheError", path in str(exc), "truncated" in str(exc), flush=True)
+            except Exception as exc:
+                print(what, type(exc).__name__, str(exc)[:300], flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["memory", "directory"])
+def test_a_truncated_cache_file_is_a_cache_error_naming_it(where, tmp_path):
+    # In a subprocess: before the fix, cache_info() killed the interpreter with SIGBUS.
+    script = tmp_path / "truncate.py"
+    script.write_text(TRUNCATE_SCRIPT)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    result = run_python([str(script), "memory" if where == "memory" else str(cache_dir)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["epoch CacheError True True", "cache_info CacheError True True"], result.stdout
+
+
+def test_changed_bytes_in_a_directory_cache_are_a_cache_error(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    with Loader(list(range(N)), eight, batch_size=BS, workers=2, cache=str(cache_dir)) as loader:
+        assert [int(b[0, 0]) for b in loader] == list(range(0, N, BS))
+        path, = glob.glob(os.path.join(cache_dir, "*-cache"))
+        with open(path, "r+b") as f:  # the last 8 bytes: the last element of index N - 1
+            f.seek(-8, os.SEEK_END)
+            f.write(np.int64(-1).tobytes())
+        with pytest.raises(CacheError, match=re.escape(path) + ".*corrupt"):
+            list(loader)
