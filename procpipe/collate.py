@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CollateError
+from .errors import CollateError, summarize_indices
 
 ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
 ALIGN = 64  # every array starts on a cache line
@@ -94,7 +94,7 @@ class _Planner:
         for v, i in zip(values, indices):
             if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
                 raise CollateError(
-                    f"cannot stack {_path_str(path)} for indices {list(indices)}: index {indices[0]} is an "
+                    f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: index {indices[0]} is an "
                     f"{_describe(first)} but index {i} is {'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
                     "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
                     "(for example to pad variable-length samples), or resize/cast them in fn."

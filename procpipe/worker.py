@@ -173,10 +173,13 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
                 parent_pid: int, parent_started: float, env: dict[str, str]) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process; ``env`` is its whole environment (pool.Launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
     _die_with_parent()
+    # The whole environment, not an update: a forkserver keeps the environment it started
+    # with (the first loader's worker_env), which must not leak into another loader's workers.
+    os.environ.clear()
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
     pipe_closed = False

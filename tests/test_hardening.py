@@ -7,15 +7,19 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import signal
 import stat
+import subprocess
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from conftest import run_python
 
 from procpipe import CacheError, Loader, WorkerError
+from procpipe.faults import death_message, timeout_message
 
 N, BS = 40, 4
 STRUCT = np.dtype([("a", "<f4"), ("b", "<i4")])
@@ -232,3 +236,121 @@ def test_changed_bytes_in_a_directory_cache_are_a_cache_error(tmp_path):
             f.write(np.int64(-1).tobytes())
         with pytest.raises(CacheError, match=re.escape(path) + ".*corrupt"):
             list(loader)
+
+
+# ------------------------------------------------------------------ 6. outside inputs validated
+@pytest.mark.parametrize("change", [
+    {"done_below": 10**10},  # would build a set of 10**10 positions
+    {"done_below": 15},  # past the epoch's 10 batches: silently an empty epoch
+    {"done_below": 2, "done": [4, 10]},
+    {"ahead": [[1, 11, []]]},
+])
+def test_positions_outside_the_epoch_in_a_saved_state_are_refused(change):
+    with Loader(list(range(N)), eight, batch_size=BS, workers=0, epochs=None) as loader:
+        assert len(loader) == 10
+        state = dict(loader.state_dict(), **change)
+        with pytest.raises(ValueError, match="out of range.*10 batches"):
+            loader.load_state_dict(state)
+        loader.load_state_dict(dict(loader.state_dict(), done_below=10))  # the whole epoch done: fine
+
+
+class TwoBatches:
+    def __init__(self, first):
+        self.first = first
+
+    def __len__(self):
+        return 2
+
+    def __call__(self, epoch):
+        return [[self.first], [0]]
+
+
+@pytest.mark.parametrize("index", [True, np.True_])
+def test_a_boolean_is_not_an_index_in_batches(index):
+    with Loader(list(range(N)), batch_size=None, workers=0, batches=TwoBatches(index)) as loader:
+        with pytest.raises(TypeError, match="integer indices"):
+            list(loader)
+
+
+WORKER_ENV_SCRIPT = r"""
+import os
+import procpipe
+
+
+def read_env(i):
+    return os.environ.get("PROCPIPE_TEST_FIRST", "unset"), os.environ.get("PROCPIPE_TEST_SECOND", "unset")
+
+
+if __name__ == "__main__":
+    for env in ({"PROCPIPE_TEST_FIRST": "1"}, {"PROCPIPE_TEST_SECOND": "2"}):
+        with procpipe.Loader([0, 1], read_env, batch_size=None, workers=1, worker_env=env) as loader:
+            print(*sorted(set(loader)), flush=True)
+"""
+
+
+def test_worker_env_of_one_loader_does_not_leak_into_the_next(tmp_path):
+    # A fresh process: the forkserver must be started by the first loader for the leak to show.
+    script = tmp_path / "worker_env.py"
+    script.write_text(WORKER_ENV_SCRIPT)
+    result = run_python([str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["('1', 'unset')", "('unset', '2')"]
+
+
+def fake_worker(exitcode, rss):
+    return SimpleNamespace(index=0, process=SimpleNamespace(exitcode=exitcode, pid=123),
+                           counters=SimpleNamespace(rss_bytes=rss))
+
+
+def test_error_messages_summarize_a_large_batch_and_say_when_rss_is_unknown():
+    job = SimpleNamespace(seq=3, indices=list(range(20_000)), timeouts=2)
+    message = timeout_message(job, 150, 2.0, 0)
+    assert len(message) < 1000 and "20000 indices [0, 1, 2" in message and "19999]" in message
+    lost = [SimpleNamespace(job=job)]
+    message = death_message(fake_worker(-signal.SIGKILL, 0), lost, 150, 3)
+    assert len(message) < 1500 and "20000 indices [0, 1, 2" in message
+    assert "0 MiB" not in message and "RSS is unknown" in message
+    message = death_message(fake_worker(-signal.SIGKILL, 300 * 2**20), lost, 150, 3)
+    assert "last sampled RSS was 300 MiB" in message
+
+
+FULL_SHM_SCRIPT = r"""
+import errno, os, sys
+import procpipe
+
+if __name__ == "__main__":
+    directory = sys.argv[1]
+    try:
+        with open(os.path.join(directory, "filler"), "wb") as f:  # fill the filesystem
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    try:
+        procpipe.Loader(list(range(8)), batch_size=2, workers=1, shm_dir=directory)
+        print("no error")
+    except procpipe.SharedMemoryError as exc:
+        print("SharedMemoryError", "--shm-size" in str(exc), "shm_dir=" in str(exc))
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+    os.unlink(os.path.join(directory, "filler"))
+    print("left:", sorted(os.listdir(directory)))
+"""
+
+
+def test_a_full_shm_dir_is_a_shared_memory_error(tmp_path):
+    # A real full filesystem, without root: a 256 KiB tmpfs in a user + mount namespace.
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(FULL_SHM_SCRIPT)
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0"', str(mount_point)],
+                           capture_output=True, text=True, timeout=60) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"needs unprivileged user namespaces to mount a small tmpfs: {probe and probe.stderr.strip()}")
+    result = run_python(["-c", "import subprocess, sys; sys.exit(subprocess.call(['unshare', '-rm', 'sh', '-c', "
+                         "'mount -t tmpfs -o size=256k tmpfs \"$0\" && exec \"$1\" \"$2\" \"$0\"', "
+                         f"{str(mount_point)!r}, sys.executable, {str(script)!r}]))"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["SharedMemoryError True True", "left: []"], result.stdout + result.stderr[-3000:]
