@@ -88,6 +88,7 @@ class Launcher:
         )
         process.start()
         child_conn.close()
+        counters.rss_bytes = 0  # a new process: not sampled yet (not its predecessor's figure)
         return WorkerHandle(index, process, parent_conn, counters)
 
 

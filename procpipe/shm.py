@@ -3,6 +3,9 @@
 Every file a loader creates is named ``procpipe-<pid>-<token>-<what>`` in one directory
 (``/dev/shm`` by default), so the whole set can be removed by prefix: by ``close()``, by
 garbage collection of the loader, or by a worker that notices its parent was killed.
+Every file is created by ``open_new_file`` (owner-only, never an existing name, never
+through a symlink, its space reserved) and reopened by ``open_owned`` (only if it is
+still a regular 0600 file of this user).
 
 A slot is handed to the consumer as a *lease*: a small per-batch object that exports the
 slot's bytes. Every array of the batch is a view whose ``.base`` is that object, so the
