@@ -354,3 +354,24 @@ def test_a_full_shm_dir_is_a_shared_memory_error(tmp_path):
                          f"{str(mount_point)!r}, sys.executable, {str(script)!r}]))"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["SharedMemoryError True True", "left: []"], result.stdout + result.stderr[-3000:]
+
+
+def exact_dtype_shard(shard):
+    for i in range(shard[1]):
+        rid = shard[0] * 1000 + i
+        yield {"x": np.array([rid, -rid], ">i4"), "s": structured(rid)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streaming_batches_joined_across_blocks_keep_the_produced_dtypes(workers):
+    from procpipe import Shards
+
+    # batch_size 3 with blocks of 4: most batches span two blocks and are joined (copied).
+    shards = [(0, 8), (1, 8), (2, 5)]
+    with Loader(Shards(shards, exact_dtype_shard, cycle_length=2, block_length=4), batch_size=3,
+                workers=workers) as loader:
+        batches = list(loader)
+    assert sum(len(b["x"]) for b in batches) == 21
+    for b in batches:
+        assert (b["x"].dtype, b["s"].dtype) == (np.dtype(">i4"), STRUCT)
+        assert b["s"]["b"][:, 0].tolist() == b["x"][:, 0].tolist()
