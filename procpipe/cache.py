@@ -150,7 +150,6 @@ class Cache:
         self.directory = directory
         self.crc_offset = crc_offset  # where the per-sample CRC-32s are (None: not checksummed)
         self.sample_bytes = sum(f.itemsize for f in fields)
-        self._fd = -1
         self._map: Any = None
         self._flags: np.ndarray | None = None
         self._crcs: np.ndarray | None = None
@@ -172,16 +171,19 @@ class Cache:
 
         Only the loader's own file (``open_owned``: no symlink, owner-only), of its full size:
         a truncated file would kill the process with SIGBUS at the first read past its end.
-        The descriptor stays open, so that every later read checks the size again (``_check``).
+        Every later read checks the size again (``_check``).
         """
         import mmap
 
         try:
-            self._fd = open_owned(self.path)
+            fd = open_owned(self.path)
         except OSError as exc:
             raise CacheError(f"cannot open the cache file {self.path}: {exc}") from exc
-        self._check()
-        self._map = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED)
+        try:
+            self._check(os.fstat(fd).st_size)
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
         self._flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
         if self.crc_offset is not None:
             self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
@@ -189,9 +191,11 @@ class Cache:
         self._arrays = [np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset)
                         for f in self.fields]
 
-    def _check(self) -> None:
-        """``CacheError`` naming the file unless it still has its full size (cheap: one fstat)."""
-        size = os.fstat(self._fd).st_size
+    def _check(self, size: int | None = None) -> None:
+        """``CacheError`` naming the file unless it still has its full size (``size``; by default
+        the mapped file's, one fstat of the map's own descriptor)."""
+        if size is None:
+            size = self._map.size()
         if size != self.nbytes:
             raise CacheError(
                 f"the cache file {self.path} is {size} bytes, but this loader laid it out as {self.nbytes} bytes: "
@@ -217,9 +221,6 @@ class Cache:
     def close(self) -> None:
         """Unmap (here) and, in the process that created it, remove the file. Idempotent."""
         self._flags, self._crcs, self._bytes, self._arrays = None, None, None, []
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
         if self._map is not None:
             try:
                 self._map.close()
