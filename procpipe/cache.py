@@ -9,11 +9,17 @@ Storage is one file of typed arrays, not pickles: its structure comes from the f
 sample (computed in the calling process when the loader is created): every leaf of the
 sample tree (an array, or a number) is one *field*, stored as an array of shape
 ``(N,) + leaf_shape`` with the leaf's dtype, each field 64-byte aligned, after one
-"filled" byte per index::
+"filled" byte per index and, for a cache in a directory (a file on disk), one CRC-32
+per index over the sample's stored bytes::
 
-    [filled: N bytes][field 0: N x leaf0][field 1: N x leaf1]...
+    [filled: N bytes][crc: N x uint32, directory caches][field 0: N x leaf0][field 1: N x leaf1]...
 
-A process writes a sample's fields, then sets its filled byte; a reader copies a sample
+The file is the loader's own (created 0600 and opened only if still so, never through a
+symlink, see shm.py), and its size is checked on every read: a truncated file, a filled
+byte that is neither 0 nor 1, or a sample whose bytes no longer match their CRC raises
+``CacheError`` naming the file, instead of SIGBUS or silently wrong data.
+
+A process writes a sample's fields (and CRC), then sets its filled byte; a reader copies a sample
 only once its byte is set. A worker that dies mid-write leaves the byte clear (the index
 is computed again); two processes filling the same index write the same bytes (``fn`` is
 deterministic), so concurrent fills are harmless. The tree's skeleton (dict keys,
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import os
 import weakref
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +46,7 @@ import numpy as np
 
 from .errors import CacheError, SharedMemoryError
 from .rng import SampleScope, no_sample_rng
-from .shm import SharedFiles, check_capacity, create_file
+from .shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned
 
 MEMORY = "memory"
 ALIGN = 64
@@ -78,11 +85,11 @@ class _Field:
         self.offset = 0
 
     def __getstate__(self) -> tuple:
-        return (self.kind, self.dtype.str, self.shape, self.path, self.offset, self.itemsize)
+        # The dtype itself: its .str would lose a structured dtype's fields ('|V8').
+        return (self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize)
 
     def __setstate__(self, state: tuple) -> None:
-        self.kind, dtype, self.shape, self.path, self.offset, self.itemsize = state
-        self.dtype = np.dtype(dtype)
+        self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize = state
 
     def describe(self) -> str:
         if self.kind == "array":
@@ -134,44 +141,86 @@ class Cache:
     """The cache file, mapped in this process; pickled (for the workers) as its description only."""
 
     def __init__(self, path: str, length: int, skeleton: list, fields: list[_Field], nbytes: int,
-                 directory: str) -> None:
+                 directory: str, crc_offset: int | None = None) -> None:
         self.path = path
         self.length = length
         self.skeleton = skeleton
         self.fields = fields
         self.nbytes = nbytes
         self.directory = directory
+        self.crc_offset = crc_offset  # where the per-sample CRC-32s are (None: not checksummed)
         self.sample_bytes = sum(f.itemsize for f in fields)
         self._map: Any = None
         self._flags: np.ndarray | None = None
+        self._crcs: np.ndarray | None = None
+        self._bytes: np.ndarray | None = None
         self._arrays: list[np.ndarray] = []
         self._finalizer: weakref.finalize | None = None
 
     # -------------------------------------------------------------- pickling (to workers)
     def __getstate__(self) -> dict:
         return {"path": self.path, "length": self.length, "skeleton": self.skeleton, "fields": self.fields,
-                "nbytes": self.nbytes, "directory": self.directory}
+                "nbytes": self.nbytes, "directory": self.directory, "crc_offset": self.crc_offset}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     # -------------------------------------------------------------- mapping
     def _attach(self) -> None:
-        """Map the file (without populating it: a directory cache may be larger than memory)."""
+        """Map the file (without populating it: a directory cache may be larger than memory).
+
+        Only the loader's own file (``open_owned``: no symlink, owner-only), of its full size:
+        a truncated file would kill the process with SIGBUS at the first read past its end.
+        Every later read checks the size again (``_check``).
+        """
         import mmap
 
-        fd = os.open(self.path, os.O_RDWR)
         try:
+            fd = open_owned(self.path)
+        except OSError as exc:
+            raise CacheError(f"cannot open the cache file {self.path}: {exc}") from exc
+        try:
+            self._check(os.fstat(fd).st_size)
             self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
         self._flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
+        if self.crc_offset is not None:
+            self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
+            self._bytes = np.ndarray((self.nbytes,), np.uint8, buffer=self._map)
         self._arrays = [np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset)
                         for f in self.fields]
 
+    def _check(self, size: int | None = None) -> None:
+        """``CacheError`` naming the file unless it still has its full size (``size``; by default
+        the mapped file's, one fstat of the map's own descriptor)."""
+        if size is None:
+            size = self._map.size()
+        if size != self.nbytes:
+            raise CacheError(
+                f"the cache file {self.path} is {size} bytes, but this loader laid it out as {self.nbytes} bytes: "
+                "something other than procpipe truncated or changed it. Close the loader and create a new one "
+                "(the cache is rebuilt), and keep other programs away from that file."
+            )
+
+    def _corrupt(self, index: int, what: str) -> CacheError:
+        return CacheError(
+            f"the cache file {self.path} is corrupt: {what} of index {index}; something other than procpipe "
+            "changed its bytes. Close the loader and create a new one (the cache is rebuilt), and keep other "
+            "programs away from that file."
+        )
+
+    def _crc(self, index: int) -> int:
+        """CRC-32 of the stored bytes of sample ``index`` (every field's row, in field order)."""
+        crc, raw = 0, self._bytes
+        for f in self.fields:
+            start = f.offset + index * f.itemsize
+            crc = zlib.crc32(raw[start:start + f.itemsize], crc)
+        return crc
+
     def close(self) -> None:
         """Unmap (here) and, in the process that created it, remove the file. Idempotent."""
-        self._flags, self._arrays = None, []
+        self._flags, self._crcs, self._bytes, self._arrays = None, None, None, []
         if self._map is not None:
             try:
                 self._map.close()
@@ -186,8 +235,14 @@ class Cache:
         """A private copy of the cached sample ``index``, or None if it was never filled."""
         if self._flags is None:
             self._attach()
-        if not self._flags[index]:
+        self._check()
+        flag = self._flags[index]
+        if not flag:
             return None
+        if flag != 1:
+            raise self._corrupt(index, f"the filled byte is {flag}, not 0 or 1")
+        if self._crcs is not None and self._crc(index) != self._crcs[index]:
+            raise self._corrupt(index, "the stored bytes do not match their checksum")
         arrays = self._arrays
 
         def build(node: list) -> Any:
@@ -218,8 +273,11 @@ class Cache:
             self._attach()
         leaves: list[Any] = [None] * len(self.fields)
         self._match(self.skeleton, sample, (), leaves, index)
+        self._check()
         for array, value in zip(self._arrays, leaves):
             array[index] = value
+        if self._crcs is not None:
+            self._crcs[index] = self._crc(index)
         # The data is written before the flag; a reader checks the flag first. (Stores are
         # not reordered on x86; elsewhere, the interpreter does far more than a barrier's
         # worth of work between the two.)
@@ -265,6 +323,7 @@ class Cache:
         """How many indices are in the cache."""
         if self._flags is None:
             self._attach()
+        self._check()
         return int(np.count_nonzero(self._flags))
 
     def compute(self, index: int, source: Any, fn: Any) -> Any:
@@ -300,6 +359,7 @@ def validate(cache: Any) -> None:
     if not os.path.isdir(path) or not os.access(path, os.W_OK):
         raise ValueError(f"cache={path!r} is not a writable directory: pass an existing directory for the cache "
                          "file (memory-mapped), or cache=True to keep the cache in shared memory")
+    check_private_dir(path, "cache")
 
 
 def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Cache | None:
@@ -320,6 +380,9 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     index, first = _first_sample(spec, length)
     skeleton, fields = plan(first)
     offset = _align(length)  # the filled bytes
+    crc_offset = None
+    if not (cache is True or cache == MEMORY):  # a file on disk: per-sample checksums catch changed bytes
+        crc_offset, offset = offset, offset + _align(4 * length)
     for field in fields:
         field.offset = offset
         offset += _align(length * field.itemsize)
@@ -347,9 +410,12 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     if outside:
         # A directory outside the loader's files: name it in a pointer file under the loader's
         # prefix, so a worker whose parent was killed removes it too (remove_orphan).
-        with open(files.path("cachefile"), "w") as f:
-            f.write(path)
-    result = Cache(path, length, skeleton, fields, nbytes, directory)
+        try:
+            create_file(files.path("cachefile"), 0, "the cache file's name", path.encode())
+        except BaseException:
+            _unlink(path)
+            raise
+    result = Cache(path, length, skeleton, fields, nbytes, directory, crc_offset)
     try:
         result._attach()
         result.put(index, first)
@@ -403,7 +469,7 @@ def remove_orphan(files_prefix: str) -> None:
     """A worker whose loader died: remove the loader's cache file in a cache directory, if any."""
     pointer = files_prefix + "cachefile"
     try:
-        with open(pointer) as f:
+        with os.fdopen(open_owned(pointer, os.O_RDONLY)) as f:  # the loader's own file only
             path = f.read()
     except OSError:
         return

@@ -8,7 +8,9 @@ are zero-copy views of the slot.
 
 Layout nodes are short lists, cheap to pickle:
 
-- ``[ARRAY, dtype_str, shape, offset]``: an array in the slot;
+- ``[ARRAY, dtype, shape, offset]``: an array in the slot; ``dtype`` is the dtype's
+  string (``'<f4'``, ``'>i4'``: cheap to pickle) when that string says all of it, else
+  the ``np.dtype`` itself (structured and subarray dtypes, whose ``.str`` is only ``'|V8'``);
 - ``[INLINE, value]``: a value carried in the message (objects, or arrays that did not
   fit their slot);
 - ``[DICT, keys, children]``, ``[SEQ, type, children]``: containers.
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CollateError
+from .errors import CollateError, summarize_indices
 
 ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
 ALIGN = 64  # every array starts on a cache line
@@ -46,7 +48,7 @@ class _Planner:
         self.nbytes = 0
 
     def _array_node(self, dtype: np.dtype, shape: tuple, source: Any, stack_it: bool) -> list:
-        node = [ARRAY, dtype.str, shape, None]
+        node = [ARRAY, _dtype_token(dtype), shape, None]
         self.nbytes += -(-(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize) // ALIGN) * ALIGN
         self.writes.append((node, source, stack_it))
         return node
@@ -92,7 +94,7 @@ class _Planner:
         for v, i in zip(values, indices):
             if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
                 raise CollateError(
-                    f"cannot stack {_path_str(path)} for indices {list(indices)}: index {indices[0]} is an "
+                    f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: index {indices[0]} is an "
                     f"{_describe(first)} but index {i} is {'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
                     "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
                     "(for example to pad variable-length samples), or resize/cast them in fn."
@@ -142,11 +144,23 @@ class _Planner:
                     np.copyto(out, source, casting="no")
                 node[3] = offset
                 offset += -(-out.nbytes // ALIGN) * ALIGN
-            else:
+            else:  # the produced dtype exactly (np.stack would make a '>i4' column native '<i4')
+                out = np.empty(shape, dtype)
+                if stack_it:
+                    np.stack(source, out=out)
+                else:
+                    np.copyto(out, source, casting="no")
                 node[0] = INLINE
-                node[1] = np.stack(source) if stack_it else np.array(source, copy=True)
+                node[1] = out
                 del node[2:]
         return in_slot
+
+
+def _dtype_token(dtype: np.dtype) -> str | np.dtype:
+    """How a layout names ``dtype``: its string where ``np.dtype(string) == dtype`` (the usual
+    case, cheap to pickle and to look up), else the dtype object (fields, subarrays, metadata)."""
+    token = dtype.str
+    return token if dtype.names is None and dtype.subdtype is None and not dtype.metadata else dtype
 
 
 def _seq_type(value: Any) -> type:
@@ -167,7 +181,7 @@ def layout_value(value: Any, buffer: Any | None, capacity: int) -> tuple[list, i
     return layout, planner.nbytes, planner.write(buffer, capacity)
 
 
-_dtype_cache: dict[str, np.dtype] = {}
+_dtype_cache: dict[str | np.dtype, np.dtype] = {}
 
 
 def build(node: list, buffer: Any | None) -> Any:

@@ -414,15 +414,24 @@ class Coordinator:
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:
         """The selector saw a reply: read it, and any others already waiting."""
-        try:
-            self._on_message(worker, wire.recv(worker.conn))
-            self._read_waiting(worker)
-        except (EOFError, OSError):
+        if not self._read_waiting(worker, first=True):
             self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
 
-    def _read_waiting(self, worker: WorkerHandle) -> None:
-        while worker.conn.poll():
-            self._on_message(worker, wire.recv(worker.conn))
+    def _read_waiting(self, worker: WorkerHandle, first: bool = False) -> bool:
+        """Handle the replies waiting on the pipe (``first``: one is); False once the pipe is closed.
+
+        Only reading the pipe is guarded: an OSError while handling a reply (e.g. creating the
+        ring) is the coordinator's failure, not a closed pipe, and must reach the consumer.
+        """
+        while True:
+            try:
+                if not (first or worker.conn.poll()):
+                    return True
+                message = wire.recv(worker.conn)
+            except (EOFError, OSError):
+                return False
+            first = False
+            self._on_message(worker, message)
 
     def _on_message(self, worker: WorkerHandle, message: tuple) -> None:
         kind = message[0]
@@ -630,10 +639,7 @@ class Coordinator:
 
     def _on_readable_quietly(self, worker: WorkerHandle) -> None:
         """Read replies a worker sent before it died, so finished work is not redone."""
-        try:
-            self._read_waiting(worker)
-        except (EOFError, OSError):
-            pass
+        self._read_waiting(worker)
 
 
 def _drain(fd: int) -> None:

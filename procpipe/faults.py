@@ -22,7 +22,7 @@ import dill
 import psutil
 
 from .epochs import Failure
-from .errors import RemoteTraceback, WorkerError
+from .errors import RemoteTraceback, WorkerError, summarize_indices
 from .stats import EpochCounters
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tup
         left = {info[0] for info in samples}
         rest = [i for i in job.indices if i not in left]
         where = "collating it" if batch_error[0] is None else f"loading index {batch_error[0]}"
-        within = skips.add(rest, f"batch {job.seq} (indices {rest}, worker {worker.index})",
+        within = skips.add(rest, f"batch {job.seq} ({summarize_indices(rest)}, worker {worker.index})",
                            f"{where} failed: {batch_error[2]}: {batch_error[3]}")
         logger.debug("procpipe: the worker's traceback for batch %s:\n%s", job.seq, batch_error[4])
         error = batch_error
@@ -103,7 +103,7 @@ def rebuild_error(error: tuple, worker: WorkerHandle, job: Job, epoch: int) -> B
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{type_name}: {text}")
     where = (f"while loading index {index}" if index is not None
-             else f"while collating indices {job.indices}")
+             else f"while collating {summarize_indices(job.indices)}")
     exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
                  "the worker's traceback is shown above.")
     exc.__cause__ = RemoteTraceback(tb)
@@ -119,7 +119,7 @@ def _where(index: int | None) -> str:
 def timeout_message(job: Job, index: int | None, timeout: float | None, epoch: int) -> str:
     stuck = f"index {index}" if index is not None and index >= 0 else (
         "collating the batch" if index is not None else "an unknown sample")
-    return (f"procpipe: batch {job.seq} of epoch {epoch} (indices {job.indices}) was still running after "
+    return (f"procpipe: batch {job.seq} of epoch {epoch} ({summarize_indices(job.indices)}) was still running after "
             f"task_timeout={timeout} s on each of its {job.timeouts} attempts; the worker was stuck on {stuck}. "
             "Each stuck worker was killed and replaced. Fix what blocks that sample (a hung read, a lock, "
             "an endless loop in fn), or raise task_timeout if it legitimately takes that long.")
@@ -135,17 +135,18 @@ def death_message(worker: WorkerHandle, lost: list[Attempt], index: int | None, 
     else:
         how = f"exited with code {code}"
     indices = [i for a in lost for i in a.job.indices]
-    rss = worker.counters.rss_bytes
+    rss = worker.counters.rss_bytes  # sampled every 0.5 s; 0: not yet sampled in this process
     if code == -signal.SIGKILL:
-        cause = (f"SIGKILL usually means the out-of-memory killer (the worker's last RSS was "
-                 f"{rss / 2**20:.0f} MiB; system memory available: {psutil.virtual_memory().available / 2**20:.0f} MiB). "
-                 "Use fewer workers or less memory per sample")
+        last = (f"the worker's last sampled RSS was {rss / 2**20:.0f} MiB" if rss
+                else "the worker's RSS is unknown: it died before its memory was first sampled")
+        cause = (f"SIGKILL usually means the out-of-memory killer ({last}; system memory available: "
+                 f"{psutil.virtual_memory().available / 2**20:.0f} MiB). Use fewer workers or less memory per sample")
     elif code == -signal.SIGSEGV or code == -signal.SIGBUS:
         cause = "a crash in native code (a C extension used by the dataset or fn)"
     else:
         cause = "user code ended the process (os._exit, sys.exit, or a library calling exit)"
-    return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how}{_where(index)}, holding indices "
-            f"{indices}; workers have already been restarted {budget} times this epoch "
+    return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how}{_where(index)}, holding "
+            f"{summarize_indices(indices)}; workers have already been restarted {budget} times this epoch "
             f"(max_worker_restarts={budget}). Likely cause: {cause}.")
 
 

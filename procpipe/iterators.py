@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import collate
 from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
+from .errors import summarize_indices
 from .faults import SkipBudget
 from .produce import produce
 from .reassembly import Progress
@@ -226,10 +227,10 @@ class InlineIterator(EpochIterator):
             index = scope.index
             scope.leave()
             if skips is not None:  # a sample failure would have been skipped: collation failed
-                if skips.add(indices, f"batch {seq} (indices {indices})", f"collating it failed: {_describe(exc)}"):
+                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
                     return None, indices
                 exc.add_note(skips.note())
-            where = f"while loading index {index}" if index is not None else f"while collating indices {indices}"
+            where = f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
             exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
         for index, exc in batch.skipped:

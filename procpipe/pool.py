@@ -14,6 +14,7 @@ when the loader closes.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -73,7 +74,7 @@ class Launcher:
         self.ctx = ctx
         self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.prefix = prefix  # of the loader's shared files
-        self.env = env
+        self.env = env  # worker_env: set on top of this process's environment in each worker
         me = psutil.Process()
         self.parent = (me.pid, me.create_time())  # a worker that sees this process gone cleans up and exits
 
@@ -81,12 +82,13 @@ class Launcher:
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
-            args=(index, child_conn, self.spec, self.prefix, *self.parent, self.env),
+            args=(index, child_conn, self.spec, self.prefix, *self.parent, {**os.environ, **self.env}),
             name=f"procpipe-worker-{index}",
             daemon=True,
         )
         process.start()
         child_conn.close()
+        counters.rss_bytes = 0  # a new process: not sampled yet (not its predecessor's figure)
         return WorkerHandle(index, process, parent_conn, counters)
 
 

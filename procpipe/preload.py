@@ -9,11 +9,12 @@ import importlib
 import os
 
 import procpipe.worker  # noqa: F401  (the worker's own code and numpy)
+from procpipe.shm import open_owned
 
 
 def _preload(path: str) -> None:
     try:
-        with open(path) as f:
+        with os.fdopen(open_owned(path, os.O_RDONLY)) as f:  # the loader's own file only
             names = f.read().split()
     except OSError:
         return

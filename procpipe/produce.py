@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import collate
+from .errors import summarize_indices
 from .rng import BatchScope, SampleScope, no_sample_rng
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
@@ -90,7 +91,7 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
         layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
     elif spec.batch_fn is not None:
         batch = run_batch_fn(spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept),
-                             f"indices {list(indices)}")
+                             summarize_indices(indices))
         layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     elif spec.collate_fn is not None:
         layout, nbytes, in_slot = collate.layout_value(spec.collate_fn(samples), buffer, capacity)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import create_file
+from .shm import open_new_file
 
 MAGIC = b"PPRECS01"
 _ALIGN = 64
@@ -66,11 +66,8 @@ class Records(Sequence):
             raise ValueError(f"shm_dir={shm_dir!r} is not a directory")
         header, parts, size = _pack(items)
         path = os.path.join(shm_dir, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-records")
-        create_file(path, size, "procpipe.Records")  # reserves the pages: a full tmpfs fails here
-        try:
-            fd = os.open(path, os.O_RDWR)
-        finally:
-            os.unlink(path)  # from now on the file lives only while open or mapped
+        fd = open_new_file(path, size, "procpipe.Records")  # reserves the pages: a full tmpfs fails here
+        os.unlink(path)  # from now on the file lives only while open or mapped
         try:
             _write(fd, header, parts)
             st = os.fstat(fd)

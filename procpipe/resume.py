@@ -74,9 +74,18 @@ def load_state(state: Any, sampler: Any) -> Resume:
         done = sampler.check_progress(state.get("stream"), epoch)
         until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, sampler))
     else:
-        done = _index_progress(epoch, [state.get("done_below"), state.get("done")])
-        until, ahead = _until_and_ahead(state, epoch, _index_progress)
+        progress = functools.partial(_index_progress, _batch_count(sampler))
+        done = progress(epoch, [state.get("done_below"), state.get("done")])
+        until, ahead = _until_and_ahead(state, epoch, progress)
     return Resume(epoch, done, until, ahead)
+
+
+def _batch_count(sampler: Any) -> int | None:
+    """Batches per epoch, if the sampler knows (a ``batches=`` callable without ``__len__`` does not)."""
+    try:
+        return len(sampler)
+    except TypeError:
+        return None
 
 
 def _sampler_state(sampler: Any) -> dict[str, Any]:
@@ -112,15 +121,23 @@ def _until_and_ahead(state: dict[str, Any], epoch: int,
     return until, ahead
 
 
-def _index_progress(epoch: int, rest: list) -> frozenset:
-    """``[done_below, done]`` of an indexable source's epoch, checked: the positions returned."""
+def _index_progress(count: int | None, epoch: int, rest: list) -> frozenset:
+    """``[done_below, done]`` of an indexable source's epoch, checked: the positions returned.
+
+    ``count``: batches per epoch (None: unknown); a position past it is refused before any
+    set is built (``done_below=10**10`` would otherwise exhaust memory).
+    """
     ok = len(rest) == 2
     if ok:
         below, beyond = rest
-        ok = (isinstance(below, int) and below >= 0 and isinstance(beyond, list)
-              and all(isinstance(x, int) and x > below for x in beyond))
+        ok = (is_count(below, 0) and isinstance(beyond, list)
+              and all(is_count(x, below + 1) for x in beyond))
     if not ok:
         raise ValueError(f"corrupt procpipe Loader state: done_below, done = {rest!r:.200} for epoch {epoch}")
+    if count is not None and (below > count or (beyond and max(beyond) >= count)):
+        raise ValueError(f"procpipe Loader state out of range: done_below, done = {rest!r:.200} for epoch {epoch}, "
+                         f"but an epoch of this loader has {count} batches (positions 0 to {count - 1}); "
+                         "the state is corrupt or from another loader")
     return frozenset(itertools.chain(range(below), beyond))
 
 

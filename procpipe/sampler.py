@@ -74,6 +74,14 @@ class Sampler:
         return [order[i * step:(i + 1) * step] for i in range(len(self))]
 
 
+def _index(value: Any) -> int:
+    """``value`` as an index: any integer type, but not a boolean (``operator.index(True)`` is 1,
+    and a torch bool tensor's too), which is a mistake, not index 1."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        raise TypeError(f"a boolean ({value!r}) is not an index")
+    return operator.index(value)
+
+
 class ExplicitBatches:
     """The batches of each epoch come from the caller: ``batches(epoch) -> list of index lists``.
 
@@ -100,11 +108,11 @@ class ExplicitBatches:
         length, out = self.length, []
         for position, batch in enumerate(self.fn(epoch)):
             try:
-                indices = [operator.index(i) for i in batch]
+                indices = [_index(i) for i in batch]
             except TypeError:
                 raise TypeError(
                     f"batches({epoch}) returned batch {position} = {batch!r}: every batch must be a list "
-                    "of integer indices"
+                    "of integer indices (not booleans)"
                 ) from None
             if not indices:
                 raise ValueError(f"batches({epoch}) returned an empty batch at position {position}")

@@ -3,6 +3,9 @@
 Every file a loader creates is named ``procpipe-<pid>-<token>-<what>`` in one directory
 (``/dev/shm`` by default), so the whole set can be removed by prefix: by ``close()``, by
 garbage collection of the loader, or by a worker that notices its parent was killed.
+Every file is created by ``open_new_file`` (owner-only, never an existing name, never
+through a symlink, its space reserved) and reopened by ``open_owned`` (only if it is
+still a regular 0600 file of this user).
 
 A slot is handed to the consumer as a *lease*: a small per-batch object that exports the
 slot's bytes. Every array of the batch is a view whose ``.base`` is that object, so the
@@ -12,10 +15,12 @@ slot goes back to the free list exactly when the last array of the batch dies (a
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import mmap
 import os
 import secrets
+import stat
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -67,26 +72,88 @@ def check_capacity(directory: str, needed: int, what: str) -> None:
         )
 
 
-def create_file(path: str, size: int, what: str) -> None:
-    """Create ``path`` with ``size`` bytes reserved now, so a full tmpfs fails here, not with SIGBUS later."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
+    """Create ``path`` for ``what`` and return its open (read-write) file descriptor.
+
+    Every file procpipe creates goes through here: owner-only (mode 0600), and never an
+    existing name (``O_CREAT | O_EXCL | O_NOFOLLOW``), so a symlink or file planted at the
+    name is refused, not followed or overwritten. ``size`` bytes are reserved now, so a
+    full filesystem fails here with ``SharedMemoryError`` (not with SIGBUS, or a raw
+    ``ENOSPC``, later); ``data``, if given, is written at the start.
+    """
     try:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            os.unlink(path)
-            raise SharedMemoryError(
-                f"procpipe could not reserve {_mib(size)} in {os.path.dirname(path)} for {what}: {exc}. "
-                "Free some space there, start Docker with a larger --shm-size, or pass shm_dir=... "
-                "on a filesystem with room."
-            ) from exc
-    finally:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST, f"procpipe will not reuse or follow an existing file for {what}: something already "
+            "exists at that fresh, random name (another process put it there, possibly a symlink). Remove it, "
+            "and pass a shm_dir only you can write to", path) from None
+    try:
+        if max(size, len(data)):
+            os.posix_fallocate(fd, 0, max(size, len(data)))
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:done + (1 << 30)], done)
+    except OSError as exc:
         os.close(fd)
+        os.unlink(path)
+        raise SharedMemoryError(
+            f"procpipe could not reserve {_mib(max(size, len(data)))} in {os.path.dirname(path)} for {what}: {exc}. "
+            "Free some space there, start Docker with a larger --shm-size, or pass shm_dir=... "
+            "on a filesystem with room."
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def create_file(path: str, size: int, what: str, data: bytes = b"") -> None:
+    """``open_new_file``, closed: the file is created, reserved and written."""
+    os.close(open_new_file(path, size, what, data))
+
+
+def open_owned(path: str, flags: int = os.O_RDWR) -> int:
+    """Open a file procpipe created (in this or the loader's process) and return its descriptor.
+
+    Anything else is refused with ``PermissionError``: a symlink (never followed), something
+    that is not a regular file, a file of another user, or one that others may read or write
+    (procpipe creates its files 0600). So a worker never unpickles, maps or trusts a file
+    that someone else put or changed in a shared directory.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise PermissionError(errno.EACCES, "procpipe will not follow a symlink where it expects its own file",
+                              path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(
+            errno.EACCES, f"procpipe will not use this file: it is not one procpipe created (expected a regular "
+            f"file owned by uid {os.geteuid()} with mode 0600, found mode {stat.filemode(st.st_mode)} owned by "
+            f"uid {st.st_uid}); something else replaced or changed it", path)
+    return fd
+
+
+def check_private_dir(directory: str, name: str) -> None:
+    """Refuse a directory where other users could replace procpipe's files: writable by
+    group or others without the sticky bit (``/dev/shm`` and ``/tmp`` have it)."""
+    mode = os.stat(directory).st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        raise ValueError(
+            f"{name}={directory!r} can be written by other users ({stat.filemode(mode)}) and has no sticky bit, "
+            "so they could replace the files procpipe shares with its workers. Pass a directory only you can "
+            f"write to, or set its sticky bit (chmod +t {directory})."
+        )
 
 
 def map_file(path: str) -> mmap.mmap:
-    """Map a whole shared file read-write, pages populated up front."""
-    fd = os.open(path, os.O_RDWR)
+    """Map a whole shared file read-write, pages populated up front (procpipe's own files only: ``open_owned``)."""
+    fd = open_owned(path)
     try:
         size = os.fstat(fd).st_size
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))

@@ -47,8 +47,7 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
         from multiprocess import forkserver
 
         preload = files.path("preload")
-        with open(preload, "w") as f:
-            f.write("\n".join(_imported_modules()))
+        create_file(preload, 0, "the forkserver's module list", "\n".join(_imported_modules()).encode())
         server_env = dict(env, PROCPIPE_PRELOAD_FILE=preload)
         saved = {k: os.environ.get(k) for k in server_env}
         os.environ.update(server_env)
@@ -93,7 +92,5 @@ def ship_spec(spec: WorkerSpec, files: SharedFiles) -> str:
         ) from exc
     path = files.path("spec")
     check_capacity(files.directory, len(data), "the serialized dataset and functions")
-    create_file(path, len(data), "the serialized dataset and functions")
-    with open(path, "r+b") as f:
-        f.write(data)
+    create_file(path, len(data), "the serialized dataset and functions", data)
     return path

@@ -14,6 +14,7 @@ from typing import Any
 from .autotune import resolve as resolve_autotune
 from .cache import validate as validate_cache
 from .checks import check_int, is_count
+from .shm import check_private_dir
 from .streaming import Shards
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -70,6 +71,7 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
         raise ValueError(f"shm_dir={shm_dir!r} is not a writable directory; pass a directory procpipe can create files in")
+    check_private_dir(shm_dir, "shm_dir")
     if batches is not None:
         if not callable(batches):
             raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")

@@ -39,7 +39,7 @@ import dill
 from . import wire
 from .produce import produce
 from .rng import SampleScope
-from .shm import WorkerRings, map_file
+from .shm import WorkerRings, map_file, open_owned
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -89,7 +89,8 @@ def dump_spec(spec: WorkerSpec) -> bytes:
 def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:
     if isinstance(spec, WorkerSpec):
         return spec
-    with open(spec, "rb") as f:
+    # Only a file the loader's user created, owner-only: unpickling runs arbitrary code.
+    with os.fdopen(open_owned(spec, os.O_RDONLY), "rb") as f:
         return dill.load(f)
 
 
@@ -172,10 +173,13 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
                 parent_pid: int, parent_started: float, env: dict[str, str]) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process; ``env`` is its whole environment (pool.Launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
     _die_with_parent()
+    # The whole environment, not an update: a forkserver keeps the environment it started
+    # with (the first loader's worker_env), which must not leak into another loader's workers.
+    os.environ.clear()
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
     pipe_closed = False
@@ -228,7 +232,9 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             if batch.skipped:
                 wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
             wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
-        except Exception as exc:
+        except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
+            if isinstance(exc, SystemExit):
+                raise  # sys.exit() in fn, or SIGTERM (_raise_exit): the worker ends
             index = scope.index
             scope.leave()
             wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))

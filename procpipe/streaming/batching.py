@@ -207,11 +207,11 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
     if first[0] in (ARRAY, INLINE):
         values = [collate.build(_rows(node, a, b), lease) for node, lease, a, b in pieces]
         if all(isinstance(v, np.ndarray) for v in values):
-            kinds = {(v.dtype.str, v.shape[1:]) for v in values}
+            kinds = {(v.dtype, v.shape[1:]) for v in values}  # the dtype itself: .str drops a structure's fields
             if len(kinds) > 1:
                 raise _join_error(path, "arrays of " + " and ".join(
-                    f"shape {('N',) + s} dtype {np.dtype(d)}" for d, s in sorted(kinds)))
-            return [INLINE, np.concatenate(values)]
+                    f"shape {('N',) + s} dtype {d}" for d, s in sorted(kinds, key=str)))
+            return [INLINE, np.concatenate(values, dtype=values[0].dtype)]  # as produced: not native byte order
         if all(isinstance(v, list) for v in values):
             return [INLINE, [x for v in values for x in v]]
         raise _join_error(path, "numbers in one block and other objects in another")
