@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +37,7 @@ from .shm import ring_of
 __all__ = ["CudaTransfer", "DeviceStage", "RingPins", "Stage", "device_stage", "resolve_device", "to_torch"]
 
 _ALIGN = 64  # byte alignment of each tensor inside a pinned staging buffer
+_THREAD = threading.local()  # per thread: the CUDA stream a transfer made current there
 _ABANDON_CHECK_S = 0.25  # how often a stage thread blocked on a full queue checks it is still wanted
 
 
@@ -374,6 +376,8 @@ class CudaTransfer:
         self.direct_batches = 0  # batches copied straight from a registered ring
         self.staged_batches = 0  # batches that took the staging path
         self._count = 0  # batches seen (device_fn's position when the source has none)
+        self._last_ring = 0  # id() of the ring of the last batch
+        self._stale = False  # a registered ring may be retired: look for rings to unregister
         self._lock = threading.Lock()  # two epochs' threads may overlap briefly
 
     def __call__(self, batch: Any, convert: Callable[[Any], Any] = to_torch,
@@ -382,26 +386,33 @@ class CudaTransfer:
         before using it. ``convert`` makes the tensors (views of the same memory);
         ``position`` is ``(epoch, seq)`` of the batch, which seeds ``device_fn``'s
         ``batch_rng()``."""
-        with self._lock, torch.cuda.device(self.device):
+        with self._lock:
+            self._use_stream()
             self._reap(block=False)
             entry = None
             pins = self.pins
             if pins is not None:
                 ring = _ring_of_batch(batch)
-                entry = None if ring is None else pins.find(ring)
+                if ring is not None:
+                    entry = pins.find(ring)
+                    if id(ring) != self._last_ring:  # a new ring: an older one may be retired now
+                        self._last_ring, self._stale = id(ring), True
             tensors = convert(batch)
             sources: list[torch.Tensor] = []
             _map_tensors(tensors, lambda t: sources.append(t) or t)
+            keep: list[torch.Tensor] = []  # what the consumer's stream must be recorded on
             if not sources:
                 out, moved, event = tensors, [], None
             else:
-                moved_or_none = self._direct(sources, entry) if entry is not None else None
-                if moved_or_none is None:
+                direct = self._direct(sources, entry) if entry is not None else None
+                if direct is None:
                     moved, event = self._staged(sources)
+                    keep = moved
                     self.staged_batches += 1
                     self.in_flight.append(_Copy(event, None, 0))
                 else:
-                    moved, event = moved_or_none
+                    moved, event, whole = direct
+                    keep = [whole]  # every tensor of the batch is a view of it
                     self.direct_batches += 1
                     self.in_flight.append(_Copy(event, (batch, tensors, sources), id(entry.ring)))
                 outputs = iter(moved)
@@ -409,16 +420,27 @@ class CudaTransfer:
             del batch, tensors, sources
             if self.device_fn is not None:
                 out, event = self._apply(out, position)
+                keep = []
+                _collect_device(out, keep)
             if event is None:
                 return out, None
             if len(self.in_flight) > self._MAX_IN_FLIGHT:
                 self._reap(block=True)
-            keep: list[torch.Tensor] = []
-            _collect_device(out, keep)
             return out, _Ready(self.device, event, keep)
 
-    def _direct(self, sources: list[torch.Tensor], entry: _Pinned) -> tuple[list, Any] | None:
-        """One copy of the span of the slot the tensors lie in; None if some are elsewhere."""
+    def _use_stream(self) -> None:
+        """Make the transfer's device and stream current in the calling (stage) thread, once per
+        thread: copies, allocations and ``device_fn`` then run on the stream without the cost
+        of entering ``torch.cuda.device``/``torch.cuda.stream`` contexts for every batch."""
+        if getattr(_THREAD, "stream", None) is not self.stream:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)
+            _THREAD.stream = self.stream
+
+    def _direct(self, sources: list[torch.Tensor], entry: _Pinned) -> tuple[list, Any, torch.Tensor] | None:
+        """One copy of the span of the slot the tensors lie in (on the transfer's stream, made
+        current by ``_use_stream``): the tensors (views of one device buffer), the copy's
+        event and that buffer; None if some tensor lies elsewhere."""
         base, end = entry.ring.address, entry.ring.address + entry.ring.nbytes
         spans = []
         for t in sources:
@@ -434,17 +456,19 @@ class CudaTransfer:
         hi = max(p + n for p, n in used)
         if hi - lo > entry.ring.slot_bytes:
             return None
-        with torch.cuda.stream(self.stream):
-            whole = entry.host[lo - base:hi - base].to(self.device, non_blocking=True)
-            moved = []
-            for t, (ptr, n) in zip(sources, spans):
-                if n:
-                    moved.append(whole[ptr - lo:ptr - lo + n].view(t.dtype).view(t.shape))
-                else:
-                    moved.append(torch.empty(t.shape, dtype=t.dtype, device=self.device))
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return moved, event
+        whole = entry.host[lo - base:hi - base].to(self.device, non_blocking=True)
+        moved = []
+        for t, (ptr, n) in zip(sources, spans):
+            if n:
+                piece = whole[ptr - lo:ptr - lo + n]
+                if t.dtype != torch.uint8:
+                    piece = piece.view(t.dtype)
+                moved.append(piece.view(t.shape))
+            else:
+                moved.append(torch.empty(t.shape, dtype=t.dtype, device=self.device))
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return moved, event, whole
 
     def _staged(self, sources: list[torch.Tensor]) -> tuple[list, Any]:
         sizes = [t.numel() * t.element_size() for t in sources]
@@ -456,10 +480,9 @@ class CudaTransfer:
             view.copy_(tensor)  # host copy out of the ring (synchronous)
             staged.append(view)
             offset += -(-n // _ALIGN) * _ALIGN
-        with torch.cuda.stream(self.stream):  # allocations and copies on our own stream
-            moved = [view.to(self.device, non_blocking=True) for view in staged]
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        moved = [view.to(self.device, non_blocking=True) for view in staged]  # on our stream (_use_stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
         self.pool.give(buffer, event)
         return moved, event
 
@@ -470,7 +493,7 @@ class CudaTransfer:
         self._count += 1
         epoch, seq = position
         try:
-            with torch.cuda.stream(self.stream), device_scope(self.seed, epoch, seq):
+            with device_scope(self.seed, epoch, seq):  # on the transfer's stream (_use_stream)
                 out = self.device_fn(batch)
                 event = torch.cuda.Event()
                 event.record(self.stream)
@@ -487,8 +510,10 @@ class CudaTransfer:
             in_flight[0].event.synchronize()
         while in_flight and in_flight[0].event.query():
             in_flight.popleft()
-        if self.pins is not None and self.pins.pinned:
-            self.pins.release({c.ring for c in in_flight})
+        pins = self.pins
+        if self._stale and pins is not None:
+            pins.release({c.ring for c in in_flight})
+            self._stale = any(e.ring.retired or e.ring.closed for e in pins.pinned.values())
 
     def close(self) -> None:
         """Wait for the copies in flight, release their slots, unregister every ring."""
@@ -581,7 +606,8 @@ class DeviceStage:
             device_fn = self.device_fn
             if device_fn is None:
                 return _Mapped(it, to_torch)
-            return _Mapped(it, lambda b: _apply_cpu(device_fn, self.seed, it, to_torch(b)))
+            count = itertools.count()
+            return _Mapped(it, lambda b: _apply_cpu(device_fn, self.seed, _position(it, count), to_torch(b)))
         return Stage(it, lambda batch: transfer(batch, to_torch, getattr(it, "position", None)), depth=self.prefetch)
 
     def info(self) -> dict[str, int]:
@@ -599,9 +625,16 @@ class DeviceStage:
             self.transfer.close()
 
 
-def _apply_cpu(device_fn: Callable, seed: int, it: Any, batch: Any) -> Any:
+def _position(it: Any, count: Iterator[int]) -> tuple[int, int]:
+    """``(epoch, seq)`` of the batch ``it`` returned last; where the iterator does not say (a
+    streaming source with ``workers=0``), ``(0, how many batches came before)``."""
+    seq = next(count)
+    return getattr(it, "position", None) or (0, seq)
+
+
+def _apply_cpu(device_fn: Callable, seed: int, position: tuple[int, int], batch: Any) -> Any:
     """``device_fn`` on a CPU batch (``device="cpu"``), in the consumer's thread, seeded like on a GPU."""
-    epoch, seq = getattr(it, "position", None) or (0, 0)
+    epoch, seq = position
     try:
         with device_scope(seed, epoch, seq):
             return device_fn(batch)

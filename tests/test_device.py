@@ -143,7 +143,7 @@ def test_cuda_registration_is_released_and_the_ring_unmapped_on_close():
 
 
 def growing(i):
-    size = 4096 if i < 64 else 3 * 4096
+    size = 4096 if i < 160 else 3 * 4096  # from batch 20 on: the first ring is registered by then
     return ((np.arange(size) + i) % 251).astype(np.uint8)
 
 
