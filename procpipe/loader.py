@@ -29,8 +29,6 @@ from .stats import EpochCounters
 from .validate import validate, validate_epochs
 from .worker import WorkerSpec
 
-# Ring slots a device stage may hold while its copies read them (CudaTransfer: 2 in flight + 1).
-STAGE_SLOTS = 3
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
@@ -64,7 +62,8 @@ class Loader:
         start_method: ``"forkserver"`` (default, safe when the parent runs threads),
             ``"spawn"`` or ``"fork"``.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
-        slot_bytes: size of a ring slot; by default the size of the first batch.
+        slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
+            arrive (scaled up if it was short). A larger batch makes the ring grow.
         max_worker_restarts: worker deaths tolerated per epoch before the epoch fails.
         worker_env: environment variables set in each worker (by default, one thread
             per math library).
@@ -211,7 +210,7 @@ class Loader:
                                   max_worker_restarts, env, start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
                                   speculate=speculate, autotune=auto,
-                                  stage_slots=0 if device is None else STAGE_SLOTS)
+                                  stage_slots=0 if self._device_stage is None else self._device_stage.slots_held)
             self._coordinator = start_engine(config, self._spec, cache, shm_dir)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)

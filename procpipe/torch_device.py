@@ -6,12 +6,13 @@ Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly
 
 - ``"cpu"``: ``to_torch`` turns every numeric/bool numpy array of the batch into a
   tensor sharing its memory (no copy, no thread);
-- ``"cuda[:N]"``: a background thread (``Stage``) copies each batch from the ring into
-  reused pinned buffers (``_StagingPool``; the ring slot is free once that host copy is
-  done) and from there to the GPU with non-blocking copies on its own CUDA stream
-  (``CudaTransfer``); the consumer's stream waits on the copy's event and the tensors are
-  ``record_stream``-ed to it (``_Ready``), so ``next()`` costs nothing when the pipeline
-  keeps up.
+- ``"cuda[:N]"``: a background thread (``Stage``) copies each batch to the GPU with a
+  non-blocking copy on its own CUDA stream (``CudaTransfer``): straight from its ring
+  slot, the ring being registered with CUDA once (``RingPins``), the slot released once
+  the copy's event has completed; or, where registration fails, through reused pinned
+  staging buffers (``_StagingPool``). ``device_fn`` then runs on the batch there. The
+  consumer's stream waits on the event and the tensors are ``record_stream``-ed to it
+  (``_Ready``), so ``next()`` costs nothing when the pipeline keeps up.
 
 ``import procpipe`` never imports this module: ``procpipe.loader`` loads it only when a
 ``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread for its
@@ -24,6 +25,7 @@ import copy
 import itertools
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -294,7 +296,7 @@ class RingPins:
 
     def __init__(self) -> None:
         self.pinned: dict[int, _Pinned] = {}  # id(ring) -> registration
-        self.refused: set[int] = set()
+        self.refused: weakref.WeakSet = weakref.WeakSet()  # rings CUDA would not register
         self.registrations = 0
 
     def find(self, ring: Any) -> _Pinned | None:
@@ -303,7 +305,7 @@ class RingPins:
         entry = self.pinned.get(key)
         if entry is not None and entry.ring is ring:
             return entry
-        if key in self.refused or ring.retired or ring.closed:
+        if ring in self.refused or ring.retired or ring.closed:
             return None
         try:
             exporter = ring.exporter()
@@ -311,7 +313,7 @@ class RingPins:
             return None
         cudart = torch.cuda.cudart()
         if int(cudart.cudaHostRegister(ring.address, ring.nbytes, 0)) != 0:
-            self.refused.add(key)
+            self.refused.add(ring)
             return None
         self.registrations += 1
         host = torch.frombuffer(exporter, dtype=torch.uint8)
@@ -362,14 +364,13 @@ class CudaTransfer:
     same stream, with ``batch_rng()`` seeded from ``(seed, epoch, batch position)``.
     """
 
-    _MAX_IN_FLIGHT = 2  # copies whose slots are held at once: more waits for the oldest
+    MAX_IN_FLIGHT = 2  # copies whose slots are held at once: more waits for the oldest
 
-    def __init__(self, device: torch.device, capacity: int, device_fn: Callable | None = None, seed: int = 0,
-                 register: bool = True) -> None:
+    def __init__(self, device: torch.device, capacity: int, device_fn: Callable | None = None, seed: int = 0) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.pool = _StagingPool(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True), capacity)
-        self.pins = RingPins() if register else None
+        self.pins: RingPins | None = RingPins()  # None once closed
         self.device_fn = device_fn
         self.seed = seed
         self.in_flight: collections.deque[_Copy] = collections.deque()
@@ -424,7 +425,7 @@ class CudaTransfer:
                 _collect_device(out, keep)
             if event is None:
                 return out, None
-            if len(self.in_flight) > self._MAX_IN_FLIGHT:
+            if len(self.in_flight) > self.MAX_IN_FLIGHT:
                 self._reap(block=True)
             return out, _Ready(self.device, event, keep)
 
@@ -599,6 +600,8 @@ class DeviceStage:
         self.device_fn = device_fn
         self.seed = seed
         self.transfer = (CudaTransfer(device, prefetch + 2, device_fn, seed) if device.type == "cuda" else None)
+        # Ring slots the stage may hold while its copies read them (the ring gets that many more).
+        self.slots_held = CudaTransfer.MAX_IN_FLIGHT + 1 if self.transfer is not None else 0
 
     def __call__(self, it: Iterator[Any]) -> Iterator[Any]:
         transfer = self.transfer
