@@ -181,6 +181,16 @@ def layout_value(value: Any, buffer: Any | None, capacity: int) -> tuple[list, i
     return layout, planner.nbytes, planner.write(buffer, capacity)
 
 
+def count_arrays(node: list) -> int:
+    """How many arrays of a layout are in the slot."""
+    kind = node[0]
+    if kind == ARRAY:
+        return 1
+    if kind == INLINE:
+        return 0
+    return sum(count_arrays(child) for child in node[2])
+
+
 _dtype_cache: dict[str | np.dtype, np.dtype] = {}
 
 

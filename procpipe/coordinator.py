@@ -48,7 +48,7 @@ from typing import Any
 from . import wire
 from .autotune import Meter, Tuner, memory_room, ring_workers
 from .epochs import Attempt, EmptyBatch, Epoch, Failure, Job, Stream
-from .errors import TaskTimeoutError, WorkerError
+from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
 from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
@@ -81,6 +81,7 @@ class EngineConfig:
     task_timeout: float | None = None
     speculate: float | None = None
     autotune: Any = None  # an AutoWorkers (workers="auto"); ``workers`` is then the count to start with
+    stage_slots: int = 0  # slots a device stage may hold while its copies read them (Loader(device=...))
 
 
 class Coordinator:
@@ -101,7 +102,9 @@ class Coordinator:
         if config.autotune is not None:
             self.tuner = Tuner(config.autotune, self.capacity, config.workers, time.monotonic())
             self._meter = Meter(config.autotune)
-        self.ring: Ring | None = None
+        self.ring: Ring | None = None  # the current ring (the latest generation)
+        self._retired: list[Ring] = []  # earlier generations some of whose slots are still in use
+        self._grow_failed = False  # a larger ring did not fit in shm_dir: overflows stay inline
         if config.slot_bytes is not None:
             self._make_ring(config.slot_bytes)
         self.stream: Stream | None = None
@@ -238,8 +241,9 @@ class Coordinator:
         self.files.remove_all()
         self._status.release()
         self._status_map.close()  # an mmap holds a file descriptor until closed
-        if self.ring is not None:
-            self.ring.close()
+        for ring in [self.ring, *self._retired]:
+            if ring is not None:
+                ring.close()
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:  # a late wake() (a batch dropped after close) now fails instead of writing to a reused fd
             try:
@@ -273,6 +277,8 @@ class Coordinator:
                 if now >= self._meter.next_at:
                     self._tune(now)
                 wait = min(wait, max(0.001, self._meter.next_at - now))
+            if self._retired:
+                self._remove_idle_rings()
             self._dispatch()
             for key, _ in self._selector.select(wait):
                 if key.data is None:
@@ -377,16 +383,21 @@ class Coordinator:
         """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
         ``slot`` (from ``take_slot``; -1: none). Coordinator thread: here, and in an epoch
         that dispatches its own jobs (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
+        ring = self.ring
+        if slot >= 0 and not ring.owns(slot):  # a re-run job's slot in a ring since replaced
+            self._release(slot)
+            slot = self.take_slot(job.epoch)
+            slot = -1 if slot is None else slot
         attempt = Attempt(self._next_attempt_id, job, worker, slot, None if worker.tasks else time.perf_counter())
         self._next_attempt_id += 1
         self._attempts[attempt.id] = attempt
         worker.tasks[attempt.id] = attempt
         job.attempts.append(attempt)
-        ring = self.ring
-        slot_bytes = ring.slot_bytes if ring is not None and slot >= 0 else 0
+        slot_bytes = ring.slot_bytes if slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
+        local = slot - ring.first_slot if slot >= 0 else -1
         try:
-            wire.send(worker.conn, (attempt.id, job.epoch.number, job.indices, ring_id, slot, slot_bytes))
+            wire.send(worker.conn, (attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
         except OSError:
             pass  # the worker is dying; its sentinel fires and the task is redone
 
@@ -475,12 +486,12 @@ class Coordinator:
                 epoch.deliver(job.seq, EmptyBatch)
                 return
             if self.ring is None:
-                slot_bytes = epoch.ring_slot_bytes(layout, nbytes)
+                slot_bytes = epoch.ring_slot_bytes(layout, nbytes, job, len(attempt.skipped or ()))
                 if slot_bytes is not None:
                     self._make_ring_or_fail(slot_bytes)
             counters = epoch.counters
             if in_slot:
-                lease = self.ring.lease(attempt.slot, self._release)
+                lease = self._ring_of(attempt.slot).lease(attempt.slot, self._release)
                 counters.bytes_in_slots += nbytes
             else:
                 self._release_unused(attempt.slot)
@@ -488,7 +499,7 @@ class Coordinator:
                 counters.bytes_inline += nbytes
                 if attempt.slot >= 0:
                     counters.overflow_batches += 1
-                    self._warn_overflow(nbytes)
+                    self._grow_ring(nbytes)
             counters.array_bytes += array_bytes(layout)
             epoch.accept(job, layout, lease, len(attempt.skipped or ()))
         else:
@@ -505,16 +516,54 @@ class Coordinator:
             self._release(slot)
 
     def _release(self, slot: int) -> None:
-        """Return a slot to the ring (runs in whichever thread drops a batch's last view)."""
-        ring = self.ring
+        """Return a slot to its ring (runs in whichever thread drops a batch's last view)."""
+        ring = self._ring_of(slot)
         if ring is not None:
             ring.free.append(slot)
-            if self.starved:
+            if self.starved and ring is self.ring:
                 self.starved = False
                 self.wake()
 
+    def _ring_of(self, slot: int) -> Ring | None:
+        """The ring (current or retired generation) slot number ``slot`` belongs to."""
+        ring = self.ring
+        if ring is None or ring.owns(slot):
+            return ring
+        for old in list(self._retired):  # (a copy: the coordinator thread may remove one meanwhile)
+            if old.owns(slot):
+                return old
+        return None
+
+    def _remove_idle_rings(self) -> None:
+        """Remove retired rings whose slots have all come back (coordinator thread)."""
+        for old in [r for r in self._retired if r.idle]:
+            self._retired.remove(old)
+            old.remove()
+
+    def _grow_ring(self, nbytes: int) -> None:
+        """A batch of ``nbytes`` did not fit its slot: replace the ring by one whose slots hold
+        it with a margin (the old ring is retired, and removed once its slots are back), so
+        later batches of that size go through the ring, not the pipes. If ``shm_dir`` has no
+        room for it, the ring stays and such batches stay inline (with a warning)."""
+        old = self.ring
+        if self._grow_failed or nbytes <= old.slot_bytes:
+            return
+        try:
+            ring = Ring(self.files, old.ring_id + 1, old.slots, round_slot_bytes(nbytes + nbytes // 4),
+                        old.first_slot + old.slots)
+        except SharedMemoryError as exc:
+            self._grow_failed = True
+            self._warn_overflow(nbytes, f" A larger ring did not fit: {exc}")
+            return
+        old.retired = True
+        self._retired.append(old)
+        self.ring = ring
+        if old.idle:
+            self._remove_idle_rings()
+
     def _make_ring(self, slot_bytes: int) -> None:
-        """Create the ring, its slots sized for the first batch (or ``Loader(slot_bytes=)``)."""
+        """Create the ring, its slots sized for a full batch (from the first batch to arrive,
+        ``Epoch.ring_slot_bytes``) or ``Loader(slot_bytes=)``."""
         if slot_bytes <= SMALL_BATCH_BYTES:
             self.tasks_per_worker = TASKS_PER_WORKER_SMALL
         self._set_outstanding()
@@ -527,7 +576,7 @@ class Coordinator:
         if self.config.speculate is not None:
             self.spare_slots = workers
         # + the batch the consumer is working on
-        slots = self.config.prefetch + self.tasks_per_worker * workers + 1 + self.spare_slots
+        slots = self.config.prefetch + self.tasks_per_worker * workers + 1 + self.spare_slots + self.config.stage_slots
         self.ring = Ring(self.files, 0, slots, slot_bytes)
 
     def _make_ring_or_fail(self, nbytes: int) -> None:
@@ -537,15 +586,15 @@ class Coordinator:
             self._broken = exc
             raise
 
-    def _warn_overflow(self, nbytes: int) -> None:
+    def _warn_overflow(self, nbytes: int, why: str) -> None:
         if not self._overflow_warned:
             import warnings
 
             self._overflow_warned = True
             warnings.warn(
                 f"procpipe: a batch of {nbytes} bytes did not fit the ring's {self.ring.slot_bytes}-byte "
-                "slots (sized from the first batch) and took the slower inline path. If batch sizes vary, "
-                "pass slot_bytes=<largest batch> to Loader.",
+                f"slots and took the slower inline path.{why} Such batches keep taking it; pass "
+                "slot_bytes=<largest batch> to Loader, or give shm_dir more room.",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -151,9 +151,19 @@ class Epoch:
 
     pins_workers = False  # True: ``dispatch(coordinator)`` sends its own jobs (procpipe.streaming)
 
-    def ring_slot_bytes(self, layout: list, nbytes: int) -> int | None:
-        """Slot size for the ring, from the first batch's layout and size (None: this one cannot tell)."""
-        return nbytes
+    def ring_slot_bytes(self, layout: list, nbytes: int, job: Job, skipped: int) -> int | None:
+        """Slot size for the ring, from the first batch to arrive (``job``'s, less ``skipped``
+        samples left out, ``nbytes`` bytes laid out as ``layout``); None: this one cannot tell.
+
+        A short batch (the epoch's last, or one with skipped samples) often arrives first;
+        it must not size the slots, or every full batch after it would overflow: its size
+        is scaled up to the epoch's largest batch, plus each array's alignment padding.
+        """
+        samples = len(job.indices) - skipped
+        full = max(map(len, self.batches), default=samples)
+        if samples <= 0 or samples >= full:
+            return nbytes
+        return -(-nbytes * full // samples) + collate.ALIGN * collate.count_arrays(layout)
 
     def accept(self, job: Job, layout: list, lease: Any, skipped: int) -> None:
         """A job's batch arrived (``lease``: its ring slot, None if inline): count and deliver it."""

@@ -38,6 +38,8 @@ _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinat
 class EpochIterator:
     """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
 
+    ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
+
     Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
     last batch, ``EndOfEpoch`` the stream's. ``number`` is the latest epoch the consumer
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
@@ -88,6 +90,7 @@ class EpochIterator:
                 epoch.counters.wait_s += waited
                 stream.wait_s += waited
                 self._coordinator.consumed_one(stream, epoch, seq)
+                self.position = (epoch.number, seq)  # device_fn's batch_rng() key (torch_device)
                 if epoch.number > self.number:
                     self._enter(epoch)
                 return (epoch.number, batch) if self._with_epoch else batch
@@ -210,6 +213,7 @@ class InlineIterator(EpochIterator):
             self._progress.add(seq)
             if layout is not None:  # None: on_error="skip" left out every sample of the batch
                 break
+        self.position = (self._number, seq)
         counters = self._counters
         counters.batches += 1
         counters.samples += len(kept)

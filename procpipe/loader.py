@@ -62,7 +62,8 @@ class Loader:
         start_method: ``"forkserver"`` (default, safe when the parent runs threads),
             ``"spawn"`` or ``"fork"``.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
-        slot_bytes: size of a ring slot; by default the size of the first batch.
+        slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
+            arrive (scaled up if it was short). A larger batch makes the ring grow.
         max_worker_restarts: worker deaths tolerated per epoch before the epoch fails.
         worker_env: environment variables set in each worker (by default, one thread
             per math library).
@@ -81,7 +82,15 @@ class Loader:
             with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
             copied by a background thread through pinned memory on its own CUDA stream.
             Needs torch (imported only when ``device`` is given); see
-            ``procpipe.torch_device`` and README.md, "Device prefetch".
+            ``procpipe.torch_device`` and README.md, "Device prefetch". The ring is
+            registered with CUDA (page-locked in place), so batches are copied straight
+            from their slots.
+        device_fn: optional ``device_fn(batch) -> batch``, run on each batch once it is on
+            ``device``: in the device stage's thread and on its CUDA stream (overlapping
+            training), e.g. uint8 -> float, normalization, crops and flips, or GPU JPEG
+            decoding of bytes the workers read. ``procpipe.batch_rng()`` works inside it,
+            seeded from ``(seed, epoch, the batch's position in the epoch)``. Needs a
+            ``device``.
         on_error: ``"raise"`` (default): an exception in ``fn``/``__getitem__``/``collate_fn``
             ends the epoch with that exception. ``"skip"``: a failing sample is left out of
             its batch (the batch is smaller); a batch whose collation fails is left out
@@ -155,12 +164,13 @@ class Loader:
         cache: Any = None,
         augment: Callable[[Any], Any] | None = None,
         shuffle_buffer: int | None = None,
+        device_fn: Callable[[Any], Any] | None = None,
     ) -> None:
         validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
                  drop_last=drop_last, on_error=on_error, max_skipped=max_skipped,
                  task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
-                 augment=augment)
+                 augment=augment, device=device, device_fn=device_fn)
         validate_epochs(epochs, reshuffle, with_epoch, batches)
         auto = resolve_autotune(workers)
         if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
@@ -178,7 +188,7 @@ class Loader:
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
-        self._device_stage = None if device is None else _device_stage(device, prefetch)
+        self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed))
         self._spec.skip = on_error == "skip"
         self._spec.batch_fn, self._spec.augment = batch_fn, augment
@@ -199,7 +209,8 @@ class Loader:
             config = EngineConfig(workers if auto is None else auto.first, self._ordered, prefetch, slot_bytes,
                                   max_worker_restarts, env, start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
-                                  speculate=speculate, autotune=auto)
+                                  speculate=speculate, autotune=auto,
+                                  stage_slots=0 if self._device_stage is None else self._device_stage.slots_held)
             self._coordinator = start_engine(config, self._spec, cache, shm_dir)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
@@ -316,6 +327,8 @@ class Loader:
         if self._active is not None:
             self._active.cancel("the loader was closed")
         self._closed = True
+        if self._device_stage is not None:  # its CUDA registrations end before the ring is unmapped
+            self._device_stage.close()
         self._finalizer()
         if self._spec.cache is not None:
             self._spec.cache.close()
@@ -404,6 +417,10 @@ class Loader:
                 ``contended``, ``changes``, and ``trace``: ``[time_s, workers,
                 batches_per_s, wait_fraction]`` per control interval (the last 2000),
                 over the loader's life.
+            device: None without ``device=``; else, over the loader's life,
+                ``direct_batches`` (copied straight from the CUDA-registered ring),
+                ``staged_batches`` (through a pinned staging buffer: a ring that could
+                not be registered), ``registered_rings`` (now) and ``registrations``.
         """
         from .stats import snapshot
 
@@ -413,6 +430,7 @@ class Loader:
         if coordinator is None:
             out = snapshot(self._last_counters, workers=0, running=running, consumed=None)
             out["autotune"] = None
+            out["device"] = None if self._device_stage is None else self._device_stage.info()
             return out
         epoch = getattr(active, "_epoch", None)
         counters = list(coordinator.worker_counters)
@@ -426,6 +444,7 @@ class Loader:
             worker_counters=counters, pids=pids,
         )
         out["autotune"] = coordinator.autotune_info()
+        out["device"] = None if self._device_stage is None else self._device_stage.info()
         return out
 
 
@@ -434,7 +453,7 @@ def _close_engine(coordinator: Coordinator | None) -> None:
         coordinator.close()
 
 
-def _device_stage(device: Any, prefetch: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
+def _device_stage(device: Any, prefetch: int, device_fn: Callable | None, seed: int) -> Any:
     from . import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
 
-    return adapter.device_stage(device, prefetch)
+    return adapter.device_stage(device, prefetch, device_fn, seed)

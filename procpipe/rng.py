@@ -15,6 +15,7 @@ _SHUFFLE_KEY = 0
 _SAMPLE_KEY = 1
 _BUFFER_KEY = 3  # streaming sources' shuffle buffer (procpipe.streaming)
 _BATCH_KEY = 4  # batch_rng(), inside batch_fn
+_DEVICE_KEY = 5  # batch_rng(), inside device_fn (keyed by the batch's position in its epoch)
 
 _current = threading.local()
 
@@ -123,8 +124,24 @@ class no_sample_rng:
         _current.scope, _current.why_not, _current.batch = self.saved
 
 
+_NO_SAMPLE_RNG_IN_DEVICE_FN = (
+    "procpipe.sample_rng() was called inside device_fn, which works on a whole batch on the device: use "
+    "procpipe.batch_rng() there (seeded from (seed, epoch, the batch's position in the epoch)), or draw "
+    "per-sample randomness in fn or augment."
+)
+
+
+def device_scope(seed: int, epoch: int, seq: int) -> no_sample_rng:
+    """The context ``device_fn`` runs in: ``batch_rng()`` is the generator of ``(seed, epoch,
+    seq)`` (``seq``: the batch's position in the epoch's order, the same whatever the
+    workers or the delivery order), ``sample_rng()`` is refused."""
+    scope = BatchScope(seed, epoch, seq)
+    scope.rng = _generator(seed, _DEVICE_KEY, epoch, seq)
+    return no_sample_rng(_NO_SAMPLE_RNG_IN_DEVICE_FN, scope)
+
+
 def batch_rng() -> np.random.Generator:
-    """The random generator of the batch ``batch_fn`` is transforming.
+    """The random generator of the batch ``batch_fn`` (or ``device_fn``) is transforming.
 
     Seeded from ``(seed, epoch, first index of the batch)`` (for a streaming source: the
     ``(shard, record)`` of the batch's first record), so, like ``sample_rng()``, it does
@@ -134,7 +151,7 @@ def batch_rng() -> np.random.Generator:
     batch = getattr(_current, "batch", None)
     if batch is None:
         raise RuntimeError(
-            "procpipe.batch_rng() only works inside batch_fn (a Loader's batch-level function); "
+            "procpipe.batch_rng() only works inside batch_fn or device_fn (a Loader's batch-level functions); "
             "in fn, augment or __getitem__ use procpipe.sample_rng()."
         )
     if batch.rng is None:

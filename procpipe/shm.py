@@ -24,6 +24,7 @@ import stat
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -166,38 +167,92 @@ def round_slot_bytes(nbytes: int) -> int:
 
 
 class Ring:
-    """A fixed number of equal slots in one shared file, and the consumer-side free list."""
+    """A fixed number of equal slots in one shared file, and the consumer-side free list.
 
-    def __init__(self, files: SharedFiles, ring_id: int, slots: int, slot_bytes: int) -> None:
+    A loader's ring can be replaced by a larger one (a *generation*: ``ring_id`` 0, 1, ...)
+    when a batch outgrows its slots. Slot numbers are unique across generations: this
+    ring's are ``first_slot .. first_slot + slots - 1``, so a slot number alone names its
+    ring (``owns``). ``free`` holds the free slot numbers. A replaced ring is ``retired``:
+    its slots are never handed out again, and it is removed once they are all back.
+    """
+
+    def __init__(self, files: SharedFiles, ring_id: int, slots: int, slot_bytes: int, first_slot: int = 0) -> None:
         self.ring_id = ring_id
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self.first_slot = first_slot
+        self.retired = False
+        self.closed = False
         self.path = files.path(f"ring{ring_id}")
         what = f"{slots} ring slots of {_mib(slot_bytes)}"
         check_capacity(files.directory, slots * slot_bytes, what)
         create_file(self.path, slots * slot_bytes, what)
         self._map = map_file(self.path)
-        self.free: deque[int] = deque(range(slots))
-        # One exporter type per ring: its length is the slot size.
-        self._lease_type = type("SlotLease", (ctypes.Array,), {"_type_": ctypes.c_char, "_length_": slot_bytes})
+        self.nbytes = slots * slot_bytes
+        probe = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(probe)  # where the ring is mapped in this process (CUDA registration)
+        del probe
+        self.free: deque[int] = deque(range(first_slot, first_slot + slots))
+        # One exporter type per ring: its length is the slot size; ``ring`` finds the ring from a batch.
+        self._lease_type = type("SlotLease", (ctypes.Array,),
+                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring": self})
+
+    def owns(self, slot: int) -> bool:
+        return self.first_slot <= slot < self.first_slot + self.slots
+
+    @property
+    def idle(self) -> bool:
+        """Every slot is free: nothing is being written into the ring or read from it."""
+        return len(self.free) == self.slots
 
     def close(self) -> None:
         """Unmap the ring now (and close its file descriptor) unless a batch still uses it;
         then it is unmapped when the last such batch dies."""
+        self.closed = True
         try:
             self._map.close()
         except BufferError:
             pass
 
+    def remove(self) -> None:
+        """A retired ring whose slots are all back: its file goes now (its memory once unmapped)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.close()
+
     def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:
         """A per-batch object exporting slot ``slot``; ``on_release(slot)`` runs when it dies."""
-        lease = self._lease_type.from_buffer(self._map, slot * self.slot_bytes)
+        lease = self._lease_type.from_buffer(self._map, (slot - self.first_slot) * self.slot_bytes)
         weakref.finalize(lease, on_release, slot)
         return lease
 
+    def exporter(self) -> ctypes.Array:
+        """An object exporting the whole ring: while it lives the ring stays mapped (a CUDA
+        registration holds one, so the memory is never unmapped while registered)."""
+        return (ctypes.c_char * self.nbytes).from_buffer(self._map)
+
+
+def ring_of(array: Any) -> Ring | None:
+    """The ring a numpy array of a batch lives in (a view of one of its slots), or None."""
+    base = array
+    for _ in range(8):
+        base = getattr(base, "base", None)
+        if base is None:
+            return None
+        ring = getattr(type(base), "ring", None)
+        if isinstance(ring, Ring):
+            return ring
+    return None
+
 
 class WorkerRings:
-    """A worker's view of the rings: maps each ring file the first time a task names it."""
+    """A worker's view of the rings: maps each ring file the first time a task names it.
+
+    Tasks arrive in the order they were sent, and after the coordinator replaced its ring
+    it names only the new one: mapping a newer ring unmaps the older ones here.
+    """
 
     def __init__(self, files_prefix: str) -> None:
         self._prefix = files_prefix
@@ -206,5 +261,11 @@ class WorkerRings:
     def slot(self, ring_id: int, slot: int, slot_bytes: int) -> memoryview:
         ring = self._maps.get(ring_id)
         if ring is None:
+            for old in [i for i in self._maps if i < ring_id]:
+                try:
+                    self._maps[old].close()
+                    del self._maps[old]
+                except BufferError:  # still exported (cannot happen between tasks): keep it
+                    pass
             ring = self._maps[ring_id] = map_file(f"{self._prefix}ring{ring_id}")
         return memoryview(ring)[slot * slot_bytes:(slot + 1) * slot_bytes]

@@ -491,7 +491,8 @@ class DataLoader(_tud.DataLoader):
             if self._pp_transfer is None:
                 self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
-            stage = Stage(epoch, lambda b: transfer(convert(b)), depth, self.timeout if self.num_workers else None)
+            stage = Stage(epoch, lambda b: transfer(b, convert, getattr(epoch, "position", None)), depth,
+                          self.timeout if self.num_workers else None)
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
@@ -505,6 +506,8 @@ class DataLoader(_tud.DataLoader):
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
+        if self._pp_transfer is not None:  # its CUDA registrations of the rings
+            self._pp_transfer.close()
 
     @property
     def worker_pids(self) -> list[int]:

@@ -24,7 +24,8 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
              start_method: Any, shm_dir: Any, slot_bytes: Any, max_worker_restarts: Any, *,
              batches: Any = None, shard: Any = None, shuffle: Any = False, drop_last: Any = False,
              on_error: Any = "raise", max_skipped: Any = 0.01, task_timeout: Any = None,
-             speculate: Any = None, batch_fn: Any = None, cache: Any = None, augment: Any = None) -> None:
+             speculate: Any = None, batch_fn: Any = None, cache: Any = None, augment: Any = None,
+             device: Any = None, device_fn: Any = None) -> None:
     """Check ``Loader``'s arguments (all but the epoch options); raise on the first one wrong."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -40,12 +41,15 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
                                   or not speculate >= 1):
         raise ValueError(f"speculate must be None or a number >= 1 (a multiple of the median batch time), "
                          f"got {speculate!r}")
-    for name, value in (("batch_fn", batch_fn), ("augment", augment)):
+    for name, value in (("batch_fn", batch_fn), ("augment", augment), ("device_fn", device_fn)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
     if batch_fn is not None and batch_size is None:
         raise ValueError("batch_fn needs a batch_size: with batch_size=None samples are yielded unbatched "
                          "(apply the function in fn or augment instead)")
+    if device_fn is not None and device is None:
+        raise ValueError("device_fn runs on batches once they are on a device: pass device='cuda' (or 'cpu') "
+                         "with it, or transform batches in batch_fn (in the workers) instead")
     validate_cache(cache)
     if not isinstance(source, Shards) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(

@@ -29,6 +29,7 @@ def test_torch_training():
 
 
 def test_keras_fit():
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
     out = run_example("keras_fit.py")
     assert "(torch backend)" in out and "epoch 2:" in out
     assert "same worker processes in every epoch" in out and "predict: (256, 10)" in out
@@ -86,3 +87,8 @@ def test_resume_after_preemption():
     assert "job 2: resumed from a checkpoint after 1280 records" in out
     assert "records trained on: 3000 of 3000, every record exactly once: True" in out
     assert "same batches, in the same order, as an uninterrupted run: True" in out
+
+
+def test_jpeg_training():
+    out = run_example("jpeg_training.py")  # CPU, small: device_fn augments on the CPU device
+    assert "device=cpu" in out and "images/s" in out and "overflow batches: 0" in out

@@ -6,9 +6,10 @@ import os
 
 os.environ["KERAS_BACKEND"] = "torch"  # before any keras import
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+keras = pytest.importorskip("keras", reason="these tests need keras, which is not installed")
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data as tud  # noqa: E402
 from conftest import descendants  # noqa: E402

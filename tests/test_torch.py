@@ -367,6 +367,10 @@ def test_augmentation_does_not_depend_on_num_workers():
     assert_batches_equal(expected, list(DataLoader(Augmented(), batch_size=3)))
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour without CUDA; CUDA is present")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks behaviour without an accelerator; one is present")
 def test_pin_memory_without_accelerator_warns_like_torch_and_yields_the_same():
     assert not torch.accelerator.is_available()
     with pytest.warns(UserWarning, match="'pin_memory' argument is set as true but no accelerator") as ours:
@@ -428,8 +432,6 @@ def test_unsupported_arguments_raise_clear_errors():
         DataLoader(Indexed(), prefetch_factor=2)
     with pytest.raises(ValueError, match="persistent_workers"):
         DataLoader(Indexed(), persistent_workers=True)
-    with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
-        DataLoader(Indexed(), device="cuda")
 
     class KeySampler(tud.Sampler):
         def __len__(self):
@@ -446,9 +448,15 @@ class _FakeContext(multiprocessing.context.BaseContext):
     _name = "threads"  # a context torch accepts but procpipe has no start method for
 
 
-def test_loader_device_errors():
+@NO_CUDA
+def test_device_cuda_without_cuda_says_so():
     with pytest.raises(RuntimeError, match=r"device='cuda' needs CUDA.*torch.cuda.is_available\(\) is False"):
         procpipe.Loader(range(8), batch_size=2, workers=2, device="cuda")
+    with pytest.raises(RuntimeError, match=r"torch.cuda.is_available\(\) is False"):
+        DataLoader(Indexed(), device="cuda")
+
+
+def test_loader_device_errors():
     with pytest.raises(ValueError, match="supports 'cpu' and 'cuda"):
         procpipe.Loader(range(8), batch_size=2, workers=2, device="meta")
     with pytest.raises(ValueError, match="not a torch device"):

@@ -239,7 +239,7 @@ class StreamEpoch(Epoch):
         return chosen
 
     # ------------------------------------------------------------------ replies
-    def ring_slot_bytes(self, layout: list, nbytes: int) -> int | None:
+    def ring_slot_bytes(self, layout: list, nbytes: int, job: Any, skipped: int) -> int | None:
         """Size the ring from the first block holding records: scaled up to a full block if it
         held fewer (a shard's short last block, or records skipped after a resume)."""
         kept = layout[2][0][1][1]

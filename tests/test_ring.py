@@ -1,0 +1,99 @@
+"""Ring slot sizing and growth: a short batch never sizes the slots, and a batch larger than
+its slot makes the ring grow (a new generation) instead of sending every later batch of
+that size through the workers' pipes."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from conftest import shm_files
+
+import procpipe
+import procpipe.shm
+
+
+def image(i):
+    return np.full((64, 64, 3), i % 256, np.uint8)
+
+
+def check_batches(batches, plan):
+    assert [b[:, 0, 0, 0].tolist() for b in batches] == [[i % 256 for i in idx] for idx in plan]
+
+
+def test_short_batch_first_does_not_size_the_slots():
+    # One worker runs the tasks in order, so the 1-sample batch is the first to arrive.
+    plan = [[0]] + [list(range(1 + 8 * k, 9 + 8 * k)) for k in range(12)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the overflow warning would fail the test
+        with procpipe.Loader(range(200), image, batch_size=1, workers=1, batches=lambda e: plan) as loader:
+            batches = list(loader)
+            stats = loader.stats()
+    check_batches(batches, plan)
+    assert stats["overflow_batches"] == 0
+    assert stats["ring_slot_bytes"] >= 8 * 64 * 64 * 3
+
+
+def test_issue_repro_many_workers_few_batches():
+    # The short last batch (300 = 9 * 32 + 12) often finishes first with 12 workers.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with procpipe.Loader(range(300), image, batch_size=32, workers=12, shuffle=True) as loader:
+            assert sum(len(b) for b in loader) == 300
+            stats = loader.stats()
+    assert stats["overflow_batches"] == 0
+    assert stats["ring_slot_bytes"] >= 32 * 64 * 64 * 3
+
+
+def growing(i):
+    """Samples of batch k (4 per batch) are small for the first 10 batches, 3x larger after."""
+    size = 4096 if i < 40 else 3 * 4096
+    return np.full(size, i % 251, np.uint8)
+
+
+def test_ring_grows_when_batches_outgrow_their_slots():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
+            prefix = loader.shm_prefix
+            first_slot_bytes = None
+            out = []
+            for batch in loader:
+                if first_slot_bytes is None:
+                    first_slot_bytes = loader.stats()["ring_slot_bytes"]
+                out.append(batch[:, 0].tolist())
+                del batch
+            stats = loader.stats()
+            rings = sorted(os.path.basename(p)[len(os.path.basename(prefix)):] for p in shm_files(prefix)
+                           if "ring" in p)
+    assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
+    assert stats["ring_slot_bytes"] >= 4 * 3 * 4096 > first_slot_bytes
+    # Only the batches already dispatched into the small ring when the first large one came
+    # back overflow (before the fix: all 30 large ones).
+    assert 1 <= stats["overflow_batches"] <= 8
+    assert stats["bytes_in_slots"] >= 20 * 4 * 3 * 4096
+    assert rings == ["ring1"]  # the retired generation was removed once its slots came back
+
+
+def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch):
+    real = procpipe.shm.check_capacity
+    limit = {"bytes": None}
+
+    def capped(directory, needed, what):
+        if limit["bytes"] is not None and needed > limit["bytes"]:
+            raise procpipe.SharedMemoryError(f"procpipe needs {needed} bytes in {directory} for {what} (test cap)")
+        real(directory, needed, what)
+
+    monkeypatch.setattr(procpipe.shm, "check_capacity", capped)
+    with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
+        it = iter(loader)
+        first = next(it)
+        limit["bytes"] = loader.stats()["ring_slots"] * loader.stats()["ring_slot_bytes"]  # no room to grow
+        with pytest.warns(RuntimeWarning, match="did not fit the ring.*A larger ring did not fit.*test cap"):
+            rest = [b[:, 0].tolist() for b in it]  # (holding the batches would hold their slots)
+        stats = loader.stats()
+    out = [first[:, 0].tolist()] + rest
+    assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
+    assert stats["overflow_batches"] == 30  # every large batch, through the pipes
+    assert stats["ring_slot_bytes"] < 4 * 3 * 4096
