@@ -51,7 +51,8 @@ def test_structured_dtype_survives_every_batch(workers, cache):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_non_native_byte_order_is_kept_on_every_path(workers):
     # With workers, the first batches come inline (before the ring exists), the rest through
-    # the ring; with slot_bytes=4096 every batch (16 KB) overflows its slot and comes inline.
+    # the ring; with slot_bytes=4096 the first batches (16 KB) overflow their slots and come
+    # inline until the ring has grown, the rest through the grown ring.
     expected = {"x": np.dtype(">i4"), "y": np.dtype(">f8")}
     for slot_bytes in ((None,) if workers == 0 else (None, 4096)):
         with warnings.catch_warnings():
@@ -60,7 +61,10 @@ def test_non_native_byte_order_is_kept_on_every_path(workers):
                         slot_bytes=slot_bytes) as loader:
                 batches = list(loader)
                 overflows = loader.stats()["overflow_batches"]
-        assert overflows == (N // BS if slot_bytes else 0)
+        if slot_bytes:
+            assert overflows >= 1  # the inline path was taken
+        else:
+            assert overflows == 0
         for k, b in enumerate(batches):
             assert {key: b[key].dtype for key in b} == expected, (slot_bytes, k)
             assert b["x"][:, 0].tolist() == list(range(k * BS, (k + 1) * BS))
@@ -309,7 +313,7 @@ def test_error_messages_summarize_a_large_batch_and_say_when_rss_is_unknown():
     lost = [SimpleNamespace(job=job)]
     message = death_message(fake_worker(-signal.SIGKILL, 0), lost, 150, 3)
     assert len(message) < 1500 and "20000 indices [0, 1, 2" in message
-    assert "0 MiB" not in message and "RSS is unknown" in message
+    assert "RSS 0 MiB" not in message and "RSS is unknown" in message
     message = death_message(fake_worker(-signal.SIGKILL, 300 * 2**20), lost, 150, 3)
     assert "last sampled RSS was 300 MiB" in message
 
