@@ -16,7 +16,8 @@ into the ring; a custom ``collate_fn``'s result is pickled *without* its tensors
 arrays (pickle's persistent ids), which go through the ring instead. Consumer side: the
 batches are rebuilt as zero-copy tensor views, whatever object holds them (dict,
 dataclass, custom batch class...), and handed to ``procpipe.torch_device``'s stage thread
-when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one.
+when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one. An ``IterableDataset``
+is read by one replica per worker, each a streaming source (``procpipe.torch_iterable``).
 """
 from __future__ import annotations
 

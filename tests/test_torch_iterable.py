@@ -209,8 +209,9 @@ def test_persistent_workers_keep_their_replicas(cls, persistent):
 
 
 @LOADER
-def test_an_abandoned_epoch_restarts_the_replicas(cls):
-    loader = make(cls, Uneven((3, 2)), 2, batch_size=1, persistent_workers=True)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_abandoned_epoch_restarts_the_replicas(cls, persistent):
+    loader = make(cls, Uneven((3, 2)), 2, batch_size=1, persistent_workers=persistent)
     it = iter(loader)
     assert next(it).tolist() == [0]
     del it  # the epoch is abandoned after one batch; the next one starts every replica again
