@@ -232,11 +232,11 @@ class Replicas(Shards):
     def reopening(self, block: Block) -> None:
         raise ReplicaLostError(
             f"procpipe.torch: the IterableDataset replica of worker {block.shard} was lost after it had "
-            f"delivered {block.first} batch(es) of this epoch: the worker's process died (or its replica was "
-            "moved), and an IterableDataset's iterator cannot be resumed in another process, so the epoch "
-            "cannot go on without losing or repeating that replica's data. Find why the worker died (the "
-            "warning above names its exit code), or make the dataset map-style (__getitem__), whose batches "
-            "procpipe re-runs exactly once after a crash.")
+            f"delivered {block.first} batch(es) of this epoch: the worker's process died and procpipe started "
+            "a replacement, but an IterableDataset's iterator cannot be resumed in another process, so the "
+            "epoch cannot go on without losing or repeating that replica's data. Find why the worker died "
+            "(the out-of-memory killer, a crash in native code, os._exit or sys.exit in the dataset), or make "
+            "the dataset map-style (__getitem__), whose batches procpipe re-runs exactly once after a crash.")
 
     def open(self, worker: int) -> _ReplicaBatches:
         """This epoch's iterator of replica ``worker`` (in the worker's process)."""
