@@ -191,7 +191,10 @@ class _ReplicaBatches:
                 self.done = True  # no iterator: the replica has nothing more this epoch
             batch = _raised(exc, self.worker, self.position, stage)
         self.position += 1
-        return spec.pack(batch)
+        try:
+            return spec.pack(batch)
+        except Exception as exc:  # e.g. collate_fn returned something that does not pickle
+            return spec.pack(_raised(exc, self.worker, self.position - 1, "packing the batch collate_fn returned"))
 
     def close(self) -> None:
         """Let the dataset's iterator go (a new epoch replaces it, as torch's does)."""

@@ -389,3 +389,19 @@ def test_batches_arrive_as_views_of_the_ring():
 def test_default_start_method_ships_the_dataset():
     out = as_lists(DataLoader(Strided(5), batch_size=2, num_workers=2))
     assert out == [[[0, 0], [2, 0]], [[1, 1], [3, 1]], [[4, 0]]]
+
+
+def test_a_batch_that_cannot_travel_is_an_error_in_its_place():
+    """procpipe only: torch would pickle the batch through its queue and fail there too,
+    but as a crash of its pipe; here the error takes the batch's place and loading goes on."""
+    def collate(samples):
+        return {"x": torch.tensor(samples), "gen": (s for s in samples) if samples[0] == 100 else None}
+
+    it = iter(DataLoader(Uneven((2, 2)), batch_size=1, num_workers=2, multiprocessing_context="fork",
+                         collate_fn=collate))
+    assert next(it)["x"].tolist() == [0]
+    with pytest.raises(TypeError, match="generator") as caught:
+        next(it)
+    assert "packing the batch collate_fn returned of the IterableDataset replica of worker 1" in "\n".join(
+        caught.value.__notes__)
+    assert [b["x"].item() for b in it] == [1, 101]
