@@ -512,7 +512,8 @@ class DataLoader(_tud.DataLoader):
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
         if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
-            return _DataLoaderIter(epoch, convert, stage, owned, None, self._IterableDataset_len_called, self.dataset)
+            return _DataLoaderIter(epoch, convert, stage, owned, None, self._IterableDataset_len_called, self.dataset,
+                                   self.num_workers > 0)
         return _DataLoaderIter(epoch, convert, stage, owned, len(self))
 
     def _pp_new_loader(self, base_seed: int) -> Loader:
@@ -544,7 +545,8 @@ class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
     def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
-                 length: int | None, len_called: int | None = None, dataset: Any = None) -> None:
+                 length: int | None, len_called: int | None = None, dataset: Any = None,
+                 with_workers: bool = False) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
@@ -552,6 +554,7 @@ class _DataLoaderIter:
         self._length = length  # None: an IterableDataset's (no len(), as torch's)
         self._len_called = len_called  # an IterableDataset's len() if len(loader) was asked: warn past it
         self._dataset = dataset
+        self._with_workers = with_workers
         self._yielded = 0
 
     def __iter__(self) -> _DataLoaderIter:
@@ -579,12 +582,16 @@ class _DataLoaderIter:
         return batch
 
     def _counted(self) -> None:
+        """torch's check (and message, which code may filter on): more batches than the dataset's len()."""
         self._yielded += 1
         if self._len_called is not None and self._yielded > self._len_called:
-            warnings.warn(f"Length of IterableDataset {self._dataset} was reported to be {self._len_called} "
-                          f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. "
-                          "With workers, each replica probably yields the whole dataset: shard it in __iter__ "
-                          "with torch.utils.data.get_worker_info().", stacklevel=3)
+            message = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                       f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. ")
+            if self._with_workers:
+                message += ("For multiprocessing data-loading, this could be caused by not properly configuring "
+                            "the IterableDataset replica at each worker (shard it in __iter__ with "
+                            "torch.utils.data.get_worker_info()).")
+            warnings.warn(message, stacklevel=3)
 
     def _finish(self) -> None:
         if self._stage is not None:

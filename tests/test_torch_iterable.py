@@ -125,7 +125,7 @@ def test_batch_size_none_converts_each_sample(cls, num_workers):
 
     out = list(make(cls, Arrays(), num_workers, batch_size=None))
     assert all(type(b["x"]) is torch.Tensor and b["x"].dtype == torch.int32 and type(b["i"]) is int for b in out)
-    assert [b["i"] for b in out] == ([0, 1, 2, 3, 4] if num_workers == 0 else [0, 1, 2, 3, 4])
+    assert [b["i"] for b in out] == [0, 1, 2, 3, 4]  # (with 2 workers: 0, 2, 4 and 1, 3 in turn)
 
 
 @LOADER
@@ -254,12 +254,23 @@ def test_len_of_an_iterable_dataset(cls):
 
 
 @LOADER
-def test_warns_when_more_is_yielded_than_len_said(cls):
-    loader = make(cls, Sized(6, 3), 2, batch_size=1)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_warns_when_more_is_yielded_than_len_said(cls, num_workers):
+    loader = make(cls, Sized(6, 3), num_workers, batch_size=1)
+    it = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # len(loader) not asked before iter(): no warning
+        assert next(it).tolist() == [0]
     len(loader)
-    with pytest.warns(UserWarning, match="Length of IterableDataset"):
-        out = list(loader)
-    assert len(out) == 6
+    it = iter(loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = [b.item() for b in it]
+    assert out == [0, 1, 2, 3, 4, 5]  # (with 2 workers: 0, 2, 4 and 1, 3, 5 in turn)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert [m.split("but ")[1].split(" samples")[0] for m in messages] == ["4", "5", "6"]
+    assert all("Length of IterableDataset" in m for m in messages)
+    assert all(("For multiprocessing data-loading" in m) == (num_workers > 0) for m in messages)
 
 
 # ---------------------------------------------------------------- errors
