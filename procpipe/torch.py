@@ -36,7 +36,8 @@ import torch.utils.data as _tud
 from .loader import Loader
 from .rng import _current as _rng_current
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
-from .torch_iterable import BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, reraise
+from .torch_iterable import (BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise,
+                             sharding_init)
 from .validate import START_METHODS
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
@@ -467,7 +468,8 @@ class DataLoader(_tud.DataLoader):
     def __iter__(self) -> _DataLoaderIter:
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
         pin = False
-        base_seed = 0
+        base_seed = shared_seed = 0
+        datapipe = self._pp_iterable and isinstance(self.dataset, _tud.IterDataPipe)
         if not reuse:
             # What torch's iterator does when it is created: the same warnings, and the same
             # draw from the generator (so shuffling stays in step with torch's DataLoader).
@@ -477,7 +479,13 @@ class DataLoader(_tud.DataLoader):
             if self.pin_memory and not torch.accelerator.is_available():
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
                               "pinned memory won't be used.", stacklevel=2)
-            base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            if datapipe:  # torch: a shared seed for the datapipe's random pipes, then the workers' base seed
+                shared_seed = _draw_seed(self.generator)
+            base_seed = _draw_seed(self.generator)
+            if datapipe and self.num_workers > 0:
+                _draw_seed(self.generator)  # torch's first _reset draws a shared seed its workers never see
+        elif datapipe:
+            _draw_seed(self.generator)  # torch's shared seed of this epoch (the replicas derive theirs)
         self._pp_iterated = True
         if self.pin_memory and torch.accelerator.is_available():
             accelerator = torch.accelerator.current_accelerator()
@@ -485,16 +493,17 @@ class DataLoader(_tud.DataLoader):
         convert = self._pp_convert
         owned = None
         if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
-            epoch: Iterator = BatchFetcher(iter(self.dataset), self.batch_size if self._auto_collation else None,
+            dataset = in_process(self.dataset, shared_seed if datapipe else None)
+            epoch: Iterator = BatchFetcher(iter(dataset), self.batch_size if self._auto_collation else None,
                                            self.drop_last, self.collate_fn)
             convert = _same
         else:
             if self.persistent_workers or self.num_workers == 0:
                 if self._pp_loader is None:
-                    self._pp_loader = self._pp_new_loader(base_seed)
+                    self._pp_loader = self._pp_new_loader(base_seed, shared_seed if datapipe else None)
                 loader = self._pp_loader
             else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
-                loader = owned = self._pp_new_loader(base_seed)
+                loader = owned = self._pp_new_loader(base_seed, shared_seed if datapipe else None)
             loader.set_epoch(self._pp_epochs)
             self._pp_epochs += 1
             epoch = iter(loader)
@@ -516,13 +525,15 @@ class DataLoader(_tud.DataLoader):
                                    self.num_workers > 0)
         return _DataLoaderIter(epoch, convert, stage, owned, len(self))
 
-    def _pp_new_loader(self, base_seed: int) -> Loader:
-        """The engine: over the dataset, or (IterableDataset) over one replica per worker."""
+    def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
+        """The engine: over the dataset, or (IterableDataset) over one replica per worker
+        (``shared_seed``: an IterDataPipe's, see ``procpipe.torch_iterable``)."""
         source = self._pp_source
         if self._pp_iterable:
-            source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, self.worker_init_fn,
+            init = self.worker_init_fn if shared_seed is None else sharding_init(self.worker_init_fn)
+            source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
                                           self.batch_size if self._auto_collation else None, self.drop_last,
-                                          self.collate_fn, _pack))
+                                          self.collate_fn, _pack, shared_seed, self._pp_epochs))
         return Loader(source, **self._pp_options)
 
     def close(self) -> None:
@@ -539,6 +550,11 @@ class DataLoader(_tud.DataLoader):
 
 def _same(batch: Any) -> Any:
     return batch
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A seed drawn from the loader's generator as torch's iterator draws its seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 class _DataLoaderIter:

@@ -39,9 +39,18 @@ torch's semantics, and how they are kept:
 
 ``num_workers=0`` iterates the dataset in the calling process (``BatchFetcher`` directly,
 no replica, ``get_worker_info()`` is None), as torch does.
+
+An ``IterDataPipe`` gets what torch's DataLoader gives it: a shared seed for its random
+pipes (``apply_random_seed``: every replica shuffles alike, so ``sharding_filter`` after
+``shuffle`` splits one order), and sharding by worker (and rank) through the wrapped
+``worker_init_fn``; in the calling process ``in_process`` does both. With persistent
+workers, torch sends each later epoch's shared seed to its workers; procpipe's replicas
+derive it from the first one and the epoch (``epoch_seed``): the same for every replica,
+not torch's value.
 """
 from __future__ import annotations
 
+import functools
 import random
 import traceback
 from collections.abc import Callable, Iterator
@@ -55,7 +64,8 @@ import torch
 from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
 
-__all__ = ["BatchFetcher", "RaisedInReplica", "ReplicaLostError", "ReplicaSpec", "Replicas", "reraise"]
+__all__ = ["BatchFetcher", "RaisedInReplica", "ReplicaLostError", "ReplicaSpec", "Replicas", "epoch_seed",
+           "in_process", "reraise", "sharding_init"]
 
 
 class ReplicaLostError(WorkerError):
@@ -152,6 +162,39 @@ class ReplicaSpec:
     drop_last: bool
     collate_fn: Callable[[Any], Any]
     pack: Callable[[Any], Any]  # a batch (or a RaisedInReplica) -> what travels through the ring
+    shared_seed: int | None = None  # an IterDataPipe's shared seed (of ``first_epoch``); None: not a datapipe
+    first_epoch: int = 0  # the loader's epoch number of the first epoch these workers load
+
+
+def epoch_seed(shared_seed: int, epoch: int) -> int:
+    """The shared seed of a later epoch of persistent replicas: the same in every replica."""
+    return int(np.random.SeedSequence([shared_seed & (2**64 - 1), epoch]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _seeded(datapipe: Any, shared_seed: int) -> Any:
+    from torch.utils.data.graph_settings import apply_random_seed
+
+    return apply_random_seed(datapipe, torch.Generator().manual_seed(shared_seed))
+
+
+def in_process(dataset: Any, shared_seed: int | None) -> Any:
+    """The dataset as the calling process iterates it (``num_workers=0``): an
+    ``IterDataPipe`` (``shared_seed`` not None) seeded and sharded by rank, as torch does."""
+    if shared_seed is None:
+        return dataset
+    from torch.utils.data.dataloader import _get_distributed_settings  # private: torch's own rank lookup
+    from torch.utils.data.graph_settings import apply_sharding
+
+    dataset = _seeded(dataset, shared_seed)
+    apply_sharding(dataset, *_get_distributed_settings())
+    return dataset
+
+
+def sharding_init(worker_init_fn: Callable[[int], Any] | None) -> Callable[[int], Any]:
+    """An ``IterDataPipe``'s ``worker_init_fn``: torch's sharding by worker and rank, then the user's."""
+    from torch.utils.data.dataloader import _get_distributed_settings, _sharding_worker_init_fn  # private
+
+    return functools.partial(_sharding_worker_init_fn, worker_init_fn, *_get_distributed_settings())
 
 
 class _ReplicaBatches:
@@ -218,6 +261,7 @@ class Replicas(Shards):
         self._worker: int | None = None  # the replica this process iterates (set when bound)
         self._init_error: RaisedInReplica | None = None
         self._current: _ReplicaBatches | None = None
+        self._epoch = spec.first_epoch  # the epoch of the block being read (produce_block)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -231,6 +275,10 @@ class Replicas(Shards):
 
     def worker_for(self, shard: int) -> int | None:
         return shard
+
+    def produce_block(self, spec: Any, scope: Any, epoch: int, block: Block, *args: Any, **kwargs: Any) -> Any:
+        self._epoch = epoch  # (open needs it: an IterDataPipe's shared seed is per epoch)
+        return super().produce_block(spec, scope, epoch, block, *args, **kwargs)
 
     def reopening(self, block: Block) -> None:
         raise ReplicaLostError(
@@ -252,6 +300,10 @@ class Replicas(Shards):
                 "worker's process, which already iterates its own.")
         if self._current is not None:
             self._current.close()  # the previous epoch's iterator, if it was not read to its end
+        spec = self.spec
+        if spec.shared_seed is not None:  # an IterDataPipe: its random pipes seeded alike in every replica
+            seed = spec.shared_seed if self._epoch == spec.first_epoch else epoch_seed(spec.shared_seed, self._epoch)
+            spec.dataset = _seeded(spec.dataset, seed)
         self._current = _ReplicaBatches(self, worker, self._init_error)
         self._init_error = None
         return self._current

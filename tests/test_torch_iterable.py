@@ -227,6 +227,50 @@ def test_samplers_are_refused_as_torch_refuses_them(cls, kwargs):
         cls(Uneven((1,)), **kwargs)
 
 
+# ---------------------------------------------------------------- IterDataPipe
+def shuffled_pipe():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    return IterableWrapper(list(range(20))).shuffle().sharding_filter()
+
+
+@pytest.fixture
+def quiet_datapipes():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation warnings for DataPipes
+        yield
+
+
+def epochs_of(cls, num_workers, persistent=False, epochs=2):
+    loader = make(cls, shuffled_pipe(), num_workers, shuffle=True, persistent_workers=persistent)
+    out = []
+    for _ in range(epochs):
+        torch.manual_seed(123)
+        out.append([int(x) for x in loader])
+    if isinstance(loader, DataLoader):
+        loader.close()
+    return out
+
+
+@LOADER
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_datapipe_shuffle_then_sharding_filter_as_torch(cls, num_workers, quiet_datapipes):
+    """The shared seed makes every replica shuffle alike, so sharding_filter splits one order."""
+    first, second = epochs_of(cls, num_workers)
+    assert sorted(first) == list(range(20)) and first != list(range(20))
+    assert first == second  # the same seed, the same order
+    assert first == epochs_of(tud.DataLoader, 0, epochs=1)[0]  # torch's order, whatever num_workers
+
+
+def test_datapipe_with_persistent_workers_stays_exact(quiet_datapipes):
+    """Documented difference: a later epoch's shared seed is derived from the first one and
+    the epoch (torch draws it from the generator), still the same in every replica."""
+    first, second = epochs_of(DataLoader, 2, persistent=True)
+    assert first == epochs_of(tud.DataLoader, 2, persistent=True, epochs=1)[0]
+    assert sorted(second) == list(range(20)) and second != first
+    assert [first, second] == epochs_of(DataLoader, 2, persistent=True)  # reproducible
+
+
 # ---------------------------------------------------------------- len()
 class Sized(tud.IterableDataset):
     def __init__(self, n: int, reported: int) -> None:
