@@ -468,7 +468,8 @@ class DataLoader(_tud.DataLoader):
     def __iter__(self) -> _DataLoaderIter:
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
         pin = False
-        base_seed = shared_seed = 0
+        base_seed = 0
+        shared_seed: int | None = None  # an IterDataPipe's (torch draws one per iterator)
         datapipe = self._pp_iterable and isinstance(self.dataset, _tud.IterDataPipe)
         if not reuse:
             # What torch's iterator does when it is created: the same warnings, and the same
@@ -493,17 +494,17 @@ class DataLoader(_tud.DataLoader):
         convert = self._pp_convert
         owned = None
         if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
-            dataset = in_process(self.dataset, shared_seed if datapipe else None)
+            dataset = in_process(self.dataset, shared_seed)
             epoch: Iterator = BatchFetcher(iter(dataset), self.batch_size if self._auto_collation else None,
                                            self.drop_last, self.collate_fn)
             convert = _same
         else:
             if self.persistent_workers or self.num_workers == 0:
                 if self._pp_loader is None:
-                    self._pp_loader = self._pp_new_loader(base_seed, shared_seed if datapipe else None)
+                    self._pp_loader = self._pp_new_loader(base_seed, shared_seed)
                 loader = self._pp_loader
             else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
-                loader = owned = self._pp_new_loader(base_seed, shared_seed if datapipe else None)
+                loader = owned = self._pp_new_loader(base_seed, shared_seed)
             loader.set_epoch(self._pp_epochs)
             self._pp_epochs += 1
             epoch = iter(loader)
