@@ -28,8 +28,8 @@ torch's semantics, and how they are kept:
   loader goes on (as torch's does), the replica with its next batch (after an error in
   ``worker_init_fn`` or ``__iter__``, which leave no iterator, the replica has ended).
 - **Seeds**: torch's, per worker: ``base_seed + id`` for ``random`` and torch,
-  ``_generate_state(base_seed, id)`` for numpy, once when the worker starts, before
-  ``worker_init_fn``; ``base_seed`` is drawn from the loader's ``generator`` as torch
+  ``_generate_state(base_seed, id)`` for numpy, once per worker process (when it first
+  opens its replica, before ``worker_init_fn`` and ``__iter__``); ``base_seed`` is drawn from the loader's ``generator`` as torch
   draws it, so the replicas see the same random numbers as under torch's DataLoader.
 - **A worker crash** cannot be recovered exactly: an opaque iterator cannot be re-read
   from where the dead worker was, so the engine's usual recovery (another process re-reads
@@ -60,6 +60,7 @@ from typing import Any, NamedTuple, NoReturn
 import dill
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
@@ -197,6 +198,30 @@ def sharding_init(worker_init_fn: Callable[[int], Any] | None) -> Callable[[int]
     return functools.partial(_sharding_worker_init_fn, worker_init_fn, *_get_distributed_settings())
 
 
+def _in_private_memory(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """torch's ``default_collate`` as the replica runs it: into private memory.
+
+    In a worker (``get_worker_info()`` set) ``default_collate`` stacks into a new
+    shared-memory segment, for torch's queue to pass on; here the batch is copied into
+    the ring anyway, and a segment per batch costs more than the stacking (measured:
+    bench/torch_iterable.py, images). Another ``collate_fn`` runs as it is.
+    """
+    return _PrivateDefaultCollate() if collate_fn is default_collate else collate_fn
+
+
+class _PrivateDefaultCollate:
+    """``default_collate`` with ``get_worker_info()`` None while it runs (see ``_in_private_memory``)."""
+
+    def __call__(self, batch: Any) -> Any:
+        from torch.utils.data._utils import worker as _torch_worker  # private: the variable get_worker_info reads
+
+        info, _torch_worker._worker_info = _torch_worker._worker_info, None
+        try:
+            return default_collate(batch)
+        finally:
+            _torch_worker._worker_info = info
+
+
 class _ReplicaBatches:
     """One epoch of a replica, in its worker: the records ``Shards`` reads (packed batches,
     or a packed ``RaisedInReplica`` in the place of a batch that failed)."""
@@ -223,7 +248,8 @@ class _ReplicaBatches:
         try:
             if self.fetcher is None:
                 stage = "__iter__"
-                self.fetcher = BatchFetcher(iter(spec.dataset), spec.batch_size, spec.drop_last, spec.collate_fn)
+                self.fetcher = BatchFetcher(iter(spec.dataset), spec.batch_size, spec.drop_last,
+                                            _in_private_memory(spec.collate_fn))
                 stage = "__next__ or collate_fn"
             batch = next(self.fetcher)
         except StopIteration:

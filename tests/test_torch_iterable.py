@@ -131,11 +131,12 @@ def test_batch_size_none_converts_each_sample(cls, num_workers):
 @LOADER
 def test_custom_collate_fn_runs_in_the_worker(cls):
     def collate(samples):
-        return {"sum": torch.tensor(sum(samples)), "n": len(samples), "pid": os.getpid()}
+        return {"sum": torch.tensor(sum(samples)), "n": len(samples), "pid": os.getpid(),
+                "worker": tud.get_worker_info().id}
 
     loader = make(cls, Uneven((3, 2)), 2, batch_size=2, collate_fn=collate)
     out = list(loader)
-    assert [(b["sum"].item(), b["n"]) for b in out] == [(1, 2), (201, 2), (2, 1)]
+    assert [(b["sum"].item(), b["n"], b["worker"]) for b in out] == [(1, 2, 0), (201, 2, 1), (2, 1, 0)]
     assert all(b["pid"] != os.getpid() for b in out)
 
 
