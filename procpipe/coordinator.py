@@ -425,6 +425,8 @@ class Coordinator:
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:
         """The selector saw a reply: read it, and any others already waiting."""
+        if worker.conn.closed:  # its death was handled earlier in the same select() round
+            return
         if not self._read_waiting(worker, first=True):
             self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
 

@@ -16,7 +16,8 @@ into the ring; a custom ``collate_fn``'s result is pickled *without* its tensors
 arrays (pickle's persistent ids), which go through the ring instead. Consumer side: the
 batches are rebuilt as zero-copy tensor views, whatever object holds them (dict,
 dataclass, custom batch class...), and handed to ``procpipe.torch_device``'s stage thread
-when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one.
+when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one. An ``IterableDataset``
+is read by one replica per worker, each a streaming source (``procpipe.torch_iterable``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import torch.utils.data as _tud
 from .loader import Loader
 from .rng import _current as _rng_current
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .torch_iterable import (BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise,
+                             sharding_init)
 from .validate import START_METHODS
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
@@ -361,9 +364,12 @@ class DataLoader(_tud.DataLoader):
     batches go to procpipe's workers. Differences, all documented in the README section
     "PyTorch: procpipe.torch.DataLoader":
 
-    - map-style datasets only (an ``IterableDataset`` raises ``TypeError``); the sampler
-      must have a length and yield integer indices; ``__getitems__`` is not used (each
-      index is fetched with ``__getitem__``, which is what it stands for);
+    - a map-style dataset's sampler must have a length and yield integer indices;
+      ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which is
+      what it stands for);
+    - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
+      with ``in_order``; see ``procpipe.torch_iterable``), except that a worker that dies
+      ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
     - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"``;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
       before every sample from ``(seed, epoch, index)``, so augmentation does not depend
@@ -402,12 +408,8 @@ class DataLoader(_tud.DataLoader):
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
     ) -> None:
-        if isinstance(dataset, _tud.IterableDataset):
-            raise TypeError(
-                "procpipe.torch.DataLoader supports map-style datasets (__getitem__ + __len__) only; "
-                f"{type(dataset).__name__} is an IterableDataset. Use torch.utils.data.DataLoader for it."
-            )
-        if not hasattr(dataset, "__getitem__"):
+        self._pp_iterable = isinstance(dataset, _tud.IterableDataset)
+        if not self._pp_iterable and not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must support indexing (__getitem__); got {type(dataset).__name__}")
         super().__init__(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
@@ -416,7 +418,8 @@ class DataLoader(_tud.DataLoader):
             pin_memory_device=pin_memory_device, in_order=in_order,
         )
         try:
-            len(self._index_sampler)
+            if not self._pp_iterable:  # (an IterableDataset's sampler is torch's endless one)
+                len(self._index_sampler)
         except TypeError:
             raise TypeError(
                 "procpipe.torch.DataLoader needs a sampler with a length (each epoch's batches are planned "
@@ -426,7 +429,10 @@ class DataLoader(_tud.DataLoader):
         self._pp_device = None if device is None else resolve_device(device)
         if self._pp_device is not None and self._pp_device.type == "cpu":
             self._pp_device = None  # batches are CPU tensors already
-        if not self._auto_collation:  # collate_fn (default: default_convert) applies to each sample
+        if self._pp_iterable:  # batches are collated and packed in the worker (procpipe.torch_iterable)
+            mode, item_fn = CUSTOM, None
+            self._pp_convert = _unpack
+        elif not self._auto_collation:  # collate_fn (default: default_convert) applies to each sample
             default = self.collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else self.collate_fn)
             self._pp_convert: Callable = _unpack_convert if default else _unpack
@@ -437,20 +443,21 @@ class DataLoader(_tud.DataLoader):
             mode, item_fn = CUSTOM, None
             self._pp_convert = _unpack
         self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
-        self._pp_source = _TorchSource(dataset, mode, item_fn, worker_init_fn, num_workers, self._pp_seed)
+        self._pp_source = None if self._pp_iterable else _TorchSource(dataset, mode, item_fn, worker_init_fn,
+                                                                      num_workers, self._pp_seed)
         self._pp_options = dict(
-            batch_size=None if mode == UNBATCHED else 1,  # sizes come from the batch sampler
+            batch_size=None if mode == UNBATCHED or self._pp_iterable else 1,  # sizes: the batch sampler's
             workers=num_workers,
             ordered=bool(in_order),
             prefetch=max(1, (self.prefetch_factor or 0) * num_workers),
             seed=self._pp_seed,
-            collate_fn=_PackingCollate(self.collate_fn) if mode == CUSTOM else None,
+            collate_fn=_PackingCollate(self.collate_fn) if mode == CUSTOM and not self._pp_iterable else None,
             start_method=self._pp_start_method,
             shm_dir=shm_dir,
             slot_bytes=slot_bytes,
             max_worker_restarts=max_worker_restarts,
             worker_env=worker_env,
-            batches=_SamplerBatches(self._index_sampler, mode == UNBATCHED),
+            batches=None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED),
         )
         self._pp_loader: Loader | None = None
         self._pp_iterated = False
@@ -461,6 +468,9 @@ class DataLoader(_tud.DataLoader):
     def __iter__(self) -> _DataLoaderIter:
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
         pin = False
+        base_seed = 0
+        shared_seed: int | None = None  # an IterDataPipe's (torch draws one per iterator)
+        datapipe = self._pp_iterable and isinstance(self.dataset, _tud.IterDataPipe)
         if not reuse:
             # What torch's iterator does when it is created: the same warnings, and the same
             # draw from the generator (so shuffling stays in step with torch's DataLoader).
@@ -470,21 +480,34 @@ class DataLoader(_tud.DataLoader):
             if self.pin_memory and not torch.accelerator.is_available():
                 warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
                               "pinned memory won't be used.", stacklevel=2)
-            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            if datapipe:  # torch: a shared seed for the datapipe's random pipes, then the workers' base seed
+                shared_seed = _draw_seed(self.generator)
+            base_seed = _draw_seed(self.generator)
+            if datapipe and self.num_workers > 0:
+                _draw_seed(self.generator)  # torch's first _reset draws a shared seed its workers never see
+        elif datapipe:
+            _draw_seed(self.generator)  # torch's shared seed of this epoch (the replicas derive theirs)
         self._pp_iterated = True
         if self.pin_memory and torch.accelerator.is_available():
             accelerator = torch.accelerator.current_accelerator()
             pin = accelerator is not None and accelerator.type != "mps"
-        if self.persistent_workers or self.num_workers == 0:
-            if self._pp_loader is None:
-                self._pp_loader = Loader(self._pp_source, **self._pp_options)
-            loader, owned = self._pp_loader, None
-        else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
-            loader = owned = Loader(self._pp_source, **self._pp_options)
-        loader.set_epoch(self._pp_epochs)
-        self._pp_epochs += 1
-        epoch = iter(loader)
         convert = self._pp_convert
+        owned = None
+        if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
+            dataset = in_process(self.dataset, shared_seed)
+            epoch: Iterator = BatchFetcher(iter(dataset), self.batch_size if self._auto_collation else None,
+                                           self.drop_last, self.collate_fn)
+            convert = _same
+        else:
+            if self.persistent_workers or self.num_workers == 0:
+                if self._pp_loader is None:
+                    self._pp_loader = self._pp_new_loader(base_seed, shared_seed)
+                loader = self._pp_loader
+            else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
+                loader = owned = self._pp_new_loader(base_seed, shared_seed)
+            loader.set_epoch(self._pp_epochs)
+            self._pp_epochs += 1
+            epoch = iter(loader)
         stage: Stage | None = None
         depth = self._pp_options["prefetch"]
         if self._pp_device is not None:
@@ -499,7 +522,21 @@ class DataLoader(_tud.DataLoader):
             stage = Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None)
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
+        if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
+            return _DataLoaderIter(epoch, convert, stage, owned, None, self._IterableDataset_len_called, self.dataset,
+                                   self.num_workers > 0)
         return _DataLoaderIter(epoch, convert, stage, owned, len(self))
+
+    def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
+        """The engine: over the dataset, or (IterableDataset) over one replica per worker
+        (``shared_seed``: an IterDataPipe's, see ``procpipe.torch_iterable``)."""
+        source = self._pp_source
+        if self._pp_iterable:
+            init = self.worker_init_fn if shared_seed is None else sharding_init(self.worker_init_fn)
+            source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
+                                          self.batch_size if self._auto_collation else None, self.drop_last,
+                                          self.collate_fn, _pack, shared_seed, self._pp_epochs))
+        return Loader(source, **self._pp_options)
 
     def close(self) -> None:
         """End the workers and remove the shared memory now (otherwise done when collected)."""
@@ -515,31 +552,66 @@ class DataLoader(_tud.DataLoader):
         return [] if self._pp_loader is None else self._pp_loader.worker_pids
 
 
+def _same(batch: Any) -> Any:
+    return batch
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A seed drawn from the loader's generator as torch's iterator draws its seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
     def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
-                 length: int) -> None:
+                 length: int | None, len_called: int | None = None, dataset: Any = None,
+                 with_workers: bool = False) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
         self._owned = owned  # a per-epoch Loader (persistent_workers=False), closed at the end
-        self._length = length
+        self._length = length  # None: an IterableDataset's (no len(), as torch's)
+        self._len_called = len_called  # an IterableDataset's len() if len(loader) was asked: warn past it
+        self._dataset = dataset
+        self._with_workers = with_workers
+        self._yielded = 0
 
     def __iter__(self) -> _DataLoaderIter:
         return self
 
     def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("an iterator over an IterableDataset has no len() (as torch's); len(loader) "
+                            "gives the length the dataset reports")
         return self._length
 
     def __next__(self) -> Any:
         try:
             if self._stage is not None:
-                return next(self._stage)
-            return self._convert(next(self._epoch))
+                batch = next(self._stage)
+            else:
+                batch = self._convert(next(self._epoch))
         except StopIteration:
             self._finish()
             raise
+        if self._length is None:
+            if type(batch) is RaisedInReplica:  # an error in a replica, in the place of its batch
+                reraise(batch)
+            self._counted()
+        return batch
+
+    def _counted(self) -> None:
+        """torch's check (and message, which code may filter on): more batches than the dataset's len()."""
+        self._yielded += 1
+        if self._len_called is not None and self._yielded > self._len_called:
+            message = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                       f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. ")
+            if self._with_workers:
+                message += ("For multiprocessing data-loading, this could be caused by not properly configuring "
+                            "the IterableDataset replica at each worker (shard it in __iter__ with "
+                            "torch.utils.data.get_worker_info()).")
+            warnings.warn(message, stacklevel=3)
 
     def _finish(self) -> None:
         if self._stage is not None:

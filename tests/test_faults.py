@@ -489,3 +489,22 @@ def test_sigkilled_parent_while_workers_are_mid_task(tmp_path):
         for prefix in prefixes:
             for path in shm_files(prefix):
                 os.unlink(path)
+
+
+def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
+    """One select() round can report a worker's sentinel and its pipe together; the death
+    handler (first) closes the pipe, and the pipe's callback must then do nothing (it used
+    to call fileno() on the closed pipe: OSError out of the coordinator's loop)."""
+    import multiprocess
+    from types import SimpleNamespace
+
+    from procpipe.coordinator import Coordinator
+
+    ours, theirs = multiprocess.Pipe()
+    theirs.close()
+    ours.close()
+    handled = []
+    coordinator = SimpleNamespace(_on_message=lambda *a: handled.append(a),
+                                  _selector=SimpleNamespace(unregister=lambda *a: handled.append(a)))
+    Coordinator._on_readable(coordinator, SimpleNamespace(conn=ours))
+    assert handled == []

@@ -409,13 +409,6 @@ def test_timeout_raises_like_torch():
 
 # --------------------------------------------------------------------------- errors
 def test_unsupported_arguments_raise_clear_errors():
-    class Stream(tud.IterableDataset):
-        def __iter__(self):
-            return iter(range(3))
-
-    with pytest.raises(TypeError, match="IterableDataset"):
-        DataLoader(Stream())
-
     class Endless(tud.Sampler):
         def __iter__(self):
             while True:

@@ -199,7 +199,8 @@ class StreamEpoch(Epoch):
         at its first block not entirely received before a resume.
         """
         while self.opened < len(self.order) and self.opened - self.ended < self.plan.cycle_length:
-            state = self.states[self.opened] = _Shard(self.opened, self.order[self.opened])
+            index = self.order[self.opened]
+            state = self.states[self.opened] = _Shard(self.opened, index, worker=self.plan.source.worker_for(index))
             if self.interleave is None:
                 state.next_block = state.got.below = self.resume.first_unreceived_block(state.index)
             self.opened += 1

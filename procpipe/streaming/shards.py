@@ -237,12 +237,28 @@ class Shards:
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])
 
+    def worker_for(self, shard: int) -> int | None:
+        """The worker (index) that should read ``shard``; None (here): the least loaded one.
+
+        A source whose shards are bound to workers (``procpipe.torch_iterable``: one replica
+        of an ``IterableDataset`` per worker) names it; the shard still moves if that worker
+        is gone."""
+        return None
+
+    def reopening(self, block: Block) -> None:
+        """Called before this process opens ``block``'s shard to read it from past its first
+        records (their reader was in a process that died, or was passed): ``Shards`` opens
+        the shard again and skips them, which is exact because ``open_fn`` yields the same
+        records every time. A source whose iterators cannot be replayed raises here."""
+
     def _reader(self, epoch: int, block: Block, scope: SampleScope, status: Any | None) -> _Reader:
         """The shard's reader, positioned at the block's first record (opened again if need be)."""
         reader = self._readers.pop((epoch, block.shard), None)
         if reader is None or reader.position > block.first:
             if reader is not None:
                 reader.close()
+            if block.first > 0:
+                self.reopening(block)
             scope.enter(epoch, RecordKey(block.shard, 0))
             try:
                 reader = _Reader(iter(self.open_fn(self.shards[block.shard])))
