@@ -118,6 +118,12 @@ class Loader:
             through a buffer of this many records in the calling process, like tf.data's
             ``shuffle(buffer_size)``; deterministic from ``(seed, epoch)`` with ``ordered=True``.
             See README.md, "Streaming sources: shards and parallel interleave".
+        seed_globals: ``True`` (default): before each sample, Python's ``random``, ``np.random``
+            and torch's default generator (if torch is imported; it is never imported for
+            this) are seeded from ``(seed, epoch, index)``, so code drawing from them
+            (torchvision-style transforms) gets distinct, reproducible values per sample,
+            whatever the worker count. With ``workers=0`` the caller's generator states are
+            put back after each batch. ``False``: leave them alone (about 20 us per sample).
 
     Use it as a context manager, or call ``close()``; an unclosed loader is cleaned up
     when it is garbage collected or when the interpreter exits.
@@ -155,6 +161,7 @@ class Loader:
         cache: Any = None,
         augment: Callable[[Any], Any] | None = None,
         shuffle_buffer: int | None = None,
+        seed_globals: bool = True,
     ) -> None:
         validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
@@ -182,6 +189,7 @@ class Loader:
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed))
         self._spec.skip = on_error == "skip"
         self._spec.batch_fn, self._spec.augment = batch_fn, augment
+        self._spec.seed_globals = bool(seed_globals)
         self._max_skipped = max_skipped
         self._resume: Resume | None = None  # from load_state_dict
         self._workers = workers

@@ -33,7 +33,8 @@ import torch
 import torch.utils.data as _tud
 
 from .loader import Loader
-from .rng import _current as _rng_current
+from .rng import mix_seed as _mix
+from .rng import reseed_current_sample
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .validate import START_METHODS
 
@@ -227,19 +228,6 @@ class _PackingCollate:
 DEFAULT, CUSTOM, UNBATCHED = "default", "custom", "unbatched"
 
 
-def _mix(*values: int) -> int:
-    """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
-    x = 0x243F6A8885A308D3
-    for v in values:
-        x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
-        x ^= x >> 30
-        x = x * 0xBF58476D1CE4E5B9 & _MASK64
-        x ^= x >> 27
-        x = x * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 31
-    return x
-
-
 _WORKER_NAME = "procpipe-worker-"  # the coordinator names its processes procpipe-worker-<index>
 
 
@@ -259,9 +247,10 @@ def _worker_index() -> int | None:
 class _TorchSource:
     """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
 
-    In a worker, before each sample, torch's, numpy's and Python's global generators are
-    seeded from ``(seed, epoch, index)``, so augmentation drawn from them is the same
-    whatever ``num_workers`` and however batches are scheduled (torch seeds per worker).
+    In a worker, before each sample, the core seeds torch's, numpy's and Python's global
+    generators from ``(seed, epoch, index)`` (``Loader(seed_globals=True)``, procpipe.rng),
+    so augmentation drawn from them is the same whatever ``num_workers`` and however
+    batches are scheduled (torch seeds per worker).
     """
 
     def __init__(self, dataset: Any, mode: str, item_fn: Callable | None, worker_init_fn: Callable | None,
@@ -311,13 +300,7 @@ class _TorchSource:
     def __getitem__(self, index: int) -> Any:
         if self._pid != os.getpid():
             self._enter_process()
-        if self._in_worker:
-            scope = getattr(_rng_current, "scope", None)
-            if scope is not None:
-                s = _mix(scope.seed, scope.epoch, scope.index)
-                torch.default_generator.manual_seed(s)
-                random.seed(s)
-                np.random.seed(s & 0xFFFFFFFF)
+            reseed_current_sample()  # the per-worker set-up above re-seeded the generators
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             return _sample_to_wire(sample)
@@ -451,6 +434,7 @@ class DataLoader(_tud.DataLoader):
             max_worker_restarts=max_worker_restarts,
             worker_env=worker_env,
             batches=_SamplerBatches(self._index_sampler, mode == UNBATCHED),
+            seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
         )
         self._pp_loader: Loader | None = None
         self._pp_iterated = False
