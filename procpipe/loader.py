@@ -24,6 +24,7 @@ from .iterators import EpochIterator, InlineIterator
 from .resume import Resume, load_state, save_state
 from .sampler import ExplicitBatches, Sampler
 from .start import start_engine
+from .start_method import resolve as resolve_start_method
 from .streaming import InlineStream, Shards, StreamPlan
 from .stats import EpochCounters
 from .validate import validate, validate_epochs
@@ -59,8 +60,11 @@ class Loader:
         with_epoch: yield ``(epoch, batch)`` pairs instead of batches.
         collate_fn: optional ``collate_fn(list_of_samples) -> batch``, run in the worker,
             replacing the default stacking (e.g. to pad variable-length samples).
-        start_method: ``"forkserver"`` (default, safe when the parent runs threads),
-            ``"spawn"`` or ``"fork"``.
+        start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs a single
+            OS thread (fastest: nothing is imported or shipped), else ``"forkserver"``
+            (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
+            ``"fork"``. Workers never import the main script (procpipe.start_method), so
+            no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default the size of the first batch.
         max_worker_restarts: worker deaths tolerated per epoch before the epoch fails.
@@ -145,7 +149,7 @@ class Loader:
         epochs: int | None = 1,
         with_epoch: bool = False,
         collate_fn: Callable[[list], Any] | None = None,
-        start_method: str = "forkserver",
+        start_method: str = "auto",
         shm_dir: str = "/dev/shm",
         slot_bytes: int | None = None,
         max_worker_restarts: int = 3,
@@ -205,7 +209,7 @@ class Loader:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
             config = EngineConfig(workers if auto is None else auto.first, self._ordered, prefetch, slot_bytes,
-                                  max_worker_restarts, env, start_method,
+                                  max_worker_restarts, env, resolve_start_method(start_method),
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
                                   speculate=speculate, autotune=auto)
             self._coordinator = start_engine(config, self._spec, cache, shm_dir)  # sets self._spec.cache

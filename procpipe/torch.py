@@ -328,7 +328,7 @@ class _SamplerBatches:
 # --------------------------------------------------------------------------- DataLoader facade
 def _start_method(context: Any) -> str:
     if context is None:
-        return "forkserver"
+        return "auto"
     method = context if isinstance(context, str) else context.get_start_method()
     if method not in START_METHODS:
         raise ValueError(f"multiprocessing_context={context!r}: procpipe supports the start methods {START_METHODS}")
@@ -347,7 +347,8 @@ class DataLoader(_tud.DataLoader):
     - map-style datasets only (an ``IterableDataset`` raises ``TypeError``); the sampler
       must have a length and yield integer indices; ``__getitems__`` is not used (each
       index is fetched with ``__getitem__``, which is what it stands for);
-    - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"``;
+    - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
+      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
       before every sample from ``(seed, epoch, index)``, so augmentation does not depend
       on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);

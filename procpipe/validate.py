@@ -16,7 +16,7 @@ from .cache import validate as validate_cache
 from .checks import check_int, is_count
 from .streaming import Shards
 
-START_METHODS = ("forkserver", "spawn", "fork")
+START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
 def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,
