@@ -414,6 +414,8 @@ class Coordinator:
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerHandle) -> None:
         """The selector saw a reply: read it, and any others already waiting."""
+        if worker.conn.closed:  # its death was handled earlier in the same select() batch
+            return
         try:
             self._on_message(worker, wire.recv(worker.conn))
             self._read_waiting(worker)
