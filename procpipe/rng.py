@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 import numpy as np
+import numpy.random  # noqa: F401  (numpy imports it lazily: here, forked workers inherit it)
 
 # Distinct spawn-key prefixes keep the shuffle stream and the per-sample streams apart.
 _SHUFFLE_KEY = 0

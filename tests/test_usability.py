@@ -91,3 +91,28 @@ def test_torch_generator_is_seeded_per_sample(tmp_path):
     for r in runs:
         assert r.returncode == 0, r.stderr
     assert runs[0].stdout == runs[1].stdout, "torch draws differ between runs"
+
+
+class Images:
+    """Image-sized samples: a batch of 32 is 1.5 MiB, far more than a pipe holds."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int):
+        return np.full((3, 64, 64), i, np.float32), np.int64(i % 10)
+
+
+def test_dropping_an_iterator_after_the_first_batch_does_not_kill_workers(monkeypatch):
+    """Workers blocked sending large inline batches must see the stop (their replies are
+    drained while they stop), not wait to be killed after the 2 s grace period."""
+    torch_data = pytest.importorskip("procpipe.torch")
+    import procpipe.pool
+
+    killed: list[int] = []
+    kill_tree = procpipe.pool.kill_tree
+    monkeypatch.setattr(procpipe.pool, "kill_tree", lambda pid, wait=True: (killed.append(pid), kill_tree(pid, wait)))
+    loader = torch_data.DataLoader(Images(), batch_size=32, num_workers=2)
+    first = next(iter(loader))  # the iterator is dropped at once: its loader closes
+    assert first[0].shape == (32, 3, 64, 64)
+    assert killed == [], "workers had to be killed: they never saw the stop"
