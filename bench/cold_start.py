@@ -59,8 +59,10 @@ SCRIPT = textwrap.dedent('''
     auto = procpipe.start_method.resolve("auto")  # what "auto" picks here, for the report
     start = time.perf_counter()
     loader = make()
-    first = next(iter(loader))
+    it = iter(loader)
+    first = next(it)
     t_first = time.perf_counter() - start
+    del it
     close = getattr(loader, "close", None)
     if close is not None:
         close()
