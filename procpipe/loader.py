@@ -186,6 +186,8 @@ class Loader:
         elif batches is None:
             self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
                                     None if shard is None else tuple(shard), bool(reshuffle))
+            if not len(self._sampler):
+                warn_no_batches(len(source), batch_size, bool(drop_last))
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
@@ -439,6 +441,15 @@ class Loader:
         )
         out["autotune"] = coordinator.autotune_info()
         return out
+
+
+def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> None:
+    """An epoch of this loader would yield nothing: say why (called from ``Loader.__init__``)."""
+    import warnings
+
+    why = ("the source is empty (len(source) == 0)" if not length else
+           f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})")
+    warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
 
 
 def _close_engine(coordinator: Coordinator | None) -> None:

@@ -35,6 +35,9 @@ import torch.utils.data as _tud
 from .loader import Loader
 from .rng import mix_seed as _mix
 from .rng import reseed_current_sample
+from .tensors import DTYPE_NAMES as _DTYPE_NAMES
+from .tensors import numpy_tensor as _numpy_tensor
+from .tensors import tensor_numpy as _tensor_numpy
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .validate import START_METHODS
 
@@ -44,23 +47,7 @@ _MASK64 = (1 << 64) - 1
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
 # --------------------------------------------------------------------------- tensors <-> numpy
-# dtypes numpy has no equivalent for travel as same-width integers and are viewed back.
-_BITS_VIEW: dict[torch.dtype, torch.dtype] = {}
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # e.g. "ComplexHalf support is experimental"
-    for _name in ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                  "float8_e5m2fnuz", "float8_e8m0fnu"):
-        _dt = getattr(torch, _name, None)
-        if not isinstance(_dt, torch.dtype):
-            continue
-        try:
-            torch.empty(1, dtype=_dt).numpy()
-        except TypeError:
-            _view = _INT_OF_SIZE.get(torch.empty(0, dtype=_dt).element_size())
-            if _view is not None:
-                _BITS_VIEW[_dt] = _view
-_DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
+# (procpipe.tensors, shared with the core's collation of tensor samples)
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
@@ -73,26 +60,6 @@ for _dt, _name in _DTYPE_NAMES.items():
     globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
     _BITS_MARKERS[_cls] = _dt
     _MARKER_OF[_dt] = _cls
-
-
-def _tensor_numpy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype | None]:
-    """A numpy view of a CPU tensor, and the torch dtype to view it back as (None: same)."""
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-        raise TypeError(
-            f"procpipe.torch cannot move a {t.device.type} {t.layout} tensor"
-            f"{' (quantized)' if t.is_quantized else ''} through shared memory: return dense CPU tensors "
-            "from the dataset/collate_fn (move to the GPU in the training loop, or use device=...)"
-        )
-    t = t.detach().resolve_conj().resolve_neg()
-    view = _BITS_VIEW.get(t.dtype)
-    if view is None:
-        return t.numpy(), None
-    return t.view(view).numpy(), t.dtype
-
-
-def _numpy_tensor(array: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if dtype is None else tensor.view(dtype)
 
 
 # ---- default collate: samples in the worker, batches in the consumer -------------------

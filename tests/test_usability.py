@@ -116,3 +116,73 @@ def test_dropping_an_iterator_after_the_first_batch_does_not_kill_workers(monkey
     first = next(iter(loader))  # the iterator is dropped at once: its loader closes
     assert first[0].shape == (32, 3, 64, 64)
     assert killed == [], "workers had to be killed: they never saw the stop"
+
+
+# --------------------------------------------------------------------------- silent surprises
+class TensorSamples:
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        import torch
+
+        return {"x": torch.full((2, 3), float(i)), "h": torch.full((2,), i, dtype=torch.bfloat16), "y": i}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_torch_tensor_samples_are_stacked_into_tensors(workers):
+    torch = pytest.importorskip("torch")
+    with procpipe.Loader(TensorSamples(), batch_size=4, workers=workers) as loader:
+        batches = list(loader)
+    first = batches[0]
+    assert isinstance(first["x"], torch.Tensor) and first["x"].shape == (4, 2, 3)
+    assert first["h"].dtype == torch.bfloat16 and first["h"].shape == (4, 2)
+    assert torch.equal(torch.cat([b["x"][:, 0, 0] for b in batches]), torch.arange(10, dtype=torch.float32))
+    assert torch.equal(torch.cat([b["h"][:, 0] for b in batches]).float(), torch.arange(10, dtype=torch.float32))
+    assert isinstance(first["y"], np.ndarray)
+
+
+def test_torch_tensor_from_a_collate_fn_or_unbatched_is_a_tensor():
+    torch = pytest.importorskip("torch")
+    with procpipe.Loader(TensorSamples(), lambda s: s["x"], batch_size=None, workers=2) as loader:
+        got = list(loader)
+    assert all(isinstance(t, torch.Tensor) and t.shape == (2, 3) for t in got)
+    assert [float(t[0, 0]) for t in got] == list(map(float, range(10)))
+
+
+def forgot_return(sample):
+    sample * 2  # no return
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_fn_returning_none_says_so(workers):
+    with procpipe.Loader(list(range(8)), forgot_return, batch_size=4, workers=workers) as loader:
+        with pytest.raises(TypeError, match=r"fn returned None for index 0.*forget a `return`"):
+            list(loader)
+
+
+def test_none_samples_with_a_collate_fn_are_the_users_business():
+    with procpipe.Loader(list(range(4)), forgot_return, batch_size=2, workers=0, collate_fn=len) as loader:
+        assert list(loader) == [2, 2]
+
+
+def test_an_empty_source_warns():
+    with pytest.warns(UserWarning, match=r"yields no batch: the source is empty"):
+        loader = procpipe.Loader([], batch_size=4, workers=0)
+    assert list(loader) == []
+    with pytest.warns(UserWarning, match=r"drop_last=True drops the only, partial batch \(3 samples < batch_size=4\)"):
+        procpipe.Loader([1, 2, 3], batch_size=4, workers=0, drop_last=True)
+
+
+def test_a_large_ring_says_so_once(monkeypatch):
+    import procpipe.shm
+
+    assert procpipe.shm.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
+    assert procpipe.shm.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
+    assert not procpipe.shm.is_large_reservation(100 << 20, 1 << 30)
+    monkeypatch.setattr(procpipe.shm, "LARGE_RESERVATION_BYTES", 1024)
+    with pytest.warns(UserWarning, match=r"the ring reserves .* slots of .*lower it: a smaller prefetch") as record:
+        with procpipe.Loader(np.zeros((64, 256), np.float32), batch_size=8, workers=1) as loader:
+            for _ in range(2):
+                assert sum(len(b) for b in loader) == 64
+    assert sum("the ring reserves" in str(w.message) for w in record) == 1
