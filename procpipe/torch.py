@@ -405,6 +405,7 @@ class DataLoader(_tud.DataLoader):
             seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
         )
         self._pp_loader: Loader | None = None
+        self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -434,6 +435,7 @@ class DataLoader(_tud.DataLoader):
         else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
             loader = owned = Loader(self._pp_source, **self._pp_options)
         loader.set_epoch(self._pp_epochs)
+        self._pp_current = loader
         self._pp_epochs += 1
         epoch = iter(loader)
         convert = self._pp_convert
@@ -451,6 +453,13 @@ class DataLoader(_tud.DataLoader):
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
         return _DataLoaderIter(epoch, convert, stage, owned, len(self))
+
+    def stats(self) -> dict[str, Any]:
+        """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
+        ``python -m procpipe.bench`` reads); ``RuntimeError`` before the first one."""
+        if self._pp_current is None:
+            raise RuntimeError("stats() describes an iteration: iterate over the DataLoader first")
+        return self._pp_current.stats()
 
     def close(self) -> None:
         """End the workers and remove the shared memory now (otherwise done when collected)."""
