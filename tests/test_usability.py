@@ -186,3 +186,44 @@ def test_a_large_ring_says_so_once(monkeypatch):
             for _ in range(2):
                 assert sum(len(b) for b in loader) == 64
     assert sum("the ring reserves" in str(w.message) for w in record) == 1
+
+
+# --------------------------------------------------------------------------- docs and packaging
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = heading.strip().lower()
+    return "".join(c for c in text if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def test_readme_contents_links_resolve_and_nothing_points_outside_the_repository():
+    import os
+    import re
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        readme = f.read()
+    headings = {_slug(line.lstrip("#")) for line in readme.splitlines() if line.startswith("#")}
+    contents = readme[readme.index("## Contents"):readme.index("## Two commands")]
+    anchors = re.findall(r"\]\(#([^)]+)\)", contents)
+    assert len(anchors) >= 10 and set(anchors) <= headings, set(anchors) - headings
+    assert "about 4-5 minutes" in readme
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.split()
+    mentions = []
+    for path in tracked:
+        if path.endswith((".py", ".md", ".toml", ".txt", ".cfg")) and path != "tests/test_usability.py":
+            with open(os.path.join(REPO_ROOT, path), errors="replace") as f:
+                if "TARGETS" + ".md" in f.read():
+                    mentions.append(path)
+    assert mentions == []
+
+
+def test_the_package_declares_its_type_hints():
+    import os
+
+    from conftest import REPO_ROOT
+
+    assert os.path.isfile(os.path.join(REPO_ROOT, "procpipe", "py.typed"))
+    with open(os.path.join(REPO_ROOT, "pyproject.toml")) as f:
+        assert 'procpipe = ["py.typed"]' in f.read()
