@@ -60,9 +60,9 @@ class Loader:
         with_epoch: yield ``(epoch, batch)`` pairs instead of batches.
         collate_fn: optional ``collate_fn(list_of_samples) -> batch``, run in the worker,
             replacing the default stacking (e.g. to pad variable-length samples).
-        start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs a single
-            OS thread (fastest: nothing is imported or shipped), else ``"forkserver"``
-            (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
+        start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs no other
+            thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
+            ``"forkserver"`` (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
             ``"fork"``. Workers never import the main script (procpipe.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).

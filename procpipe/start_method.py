@@ -8,7 +8,11 @@ pool the child cannot use. Threads are counted at the OS level (``/proc/self/tas
 native pools (torch's OpenMP intra-op pool once a parallel op ran) count as well as
 Python's. The baseline taken at import is numpy's BLAS pool, which OpenBLAS makes
 fork-safe itself (``pthread_atfork``); a script that imports torch but has not run a
-parallel op yet has no more threads than that.
+parallel op yet has no more threads than that. The choice is made once per loader: its
+workers started later (replacing a dead one, or added by ``workers="auto"``) are forked
+the same way, from the coordinator thread, as torch's DataLoader forks each epoch's
+workers from a training process that runs threads by then. Native threads that were
+already running when procpipe was imported count in the baseline: import procpipe early.
 
 With ``"forkserver"`` and ``"spawn"``, multiprocess makes every new process import the
 main script again (as ``__mp_main__``) before it runs anything: a second or more when
