@@ -37,6 +37,7 @@ def test_global_generators_are_seeded_per_sample():
     np.testing.assert_array_equal(two, _draws(2), err_msg="not reproducible across runs")
     np.testing.assert_array_equal(two, _draws(1), err_msg="depends on the worker count")
     np.testing.assert_array_equal(two, _draws(0), err_msg="workers=0 differs")
+    np.testing.assert_array_equal(two, _draws(2, start_method="forkserver"), err_msg="forkserver differs")
     assert not np.array_equal(two, _draws(2, seed=1)), "the seed does not matter"
 
 
@@ -59,6 +60,25 @@ def test_seed_globals_false_leaves_them_alone():
     random.seed(7)
     expected = [(np.random.randint(1 << 30), random.getrandbits(30)) for _ in range(12)]
     assert [tuple(r) for r in out] == expected
+
+
+def test_auto_start_method_does_not_fork_a_process_running_threads():
+    import threading
+
+    import procpipe.start_method as start_method
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="test-busy-thread")
+    thread.start()
+    try:
+        assert not start_method.fork_is_safe()
+        assert start_method.resolve("auto") == "forkserver"
+        with procpipe.Loader(list(range(8)), batch_size=4, workers=1) as loader:
+            assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    finally:
+        stop.set()
+        thread.join(10)
+    assert start_method.resolve("spawn") == "spawn" and start_method.resolve("fork") == "fork"
 
 
 TORCH_SCRIPT = textwrap.dedent("""
