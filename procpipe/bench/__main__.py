@@ -199,7 +199,8 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
 
 
 LEGEND = ("  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
-          "for a CPU held by another process, ! = contended; USS: private memory, the shared ring left out)")
+          "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
+          "USS: private memory, the shared ring left out)")
 
 
 def _builtin_maker(name: str, size: int | None, full: bool) -> tuple[Callable[[int], Any], str]:

@@ -47,7 +47,7 @@ class Setting:
     stats: dict = field(default_factory=dict)  # loader.stats() at the end of the window
     uss_mib: float | None = None  # the largest private memory (USS) of one worker: the shared ring left out
     worker_runq_pct: float | None = None  # mean over workers of the time runnable but waiting for a CPU
-    contended: bool = False  # workers waited for a CPU > CONTENDED of their busy time: other processes
+    contended: bool = False  # workers (no more than the CPUs) waited for a CPU > CONTENDED of their busy time
     repeats: int = 1  # measurements combined (combine())
     samples_per_s_min: float | None = None  # the spread of samples/s over the repeats
     samples_per_s_max: float | None = None
@@ -201,7 +201,8 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         if runq:
             runq_pct = 100.0 * sum(runq) / len(runq) / seconds
             busy_s = sum(busy) * seconds
-            contended = busy_s > 0 and sum(runq) > CONTENDED * busy_s
+            # beyond the CPU count the workers queue behind each other: only then is it not contention
+            contended = busy_s > 0 and sum(runq) > CONTENDED * busy_s and workers <= cpu_count()
     return Setting(
         workers=workers, batches=consumed, samples=samples, seconds=seconds,
         samples_per_s=samples / seconds, batches_per_s=consumed / seconds,
