@@ -1,11 +1,10 @@
 """procpipe beside PyTorch's DataLoader, ``multiprocessing.Pool.imap`` and a serial loop.
 
-Runs each reference workload of TARGETS.md (defined once, in
-``procpipe/bench/workloads.py``) with every engine, in one process, alternating the
-engines within each repetition (the order rotates between repetitions) so that drift
-on a noisy machine hits all of them alike, and prints the medians and the TARGETS.md
-rows: both sides, their ratio, and whether the target is met. Targets are reported,
-never asserted.
+Runs each reference workload (defined once, in ``procpipe/bench/workloads.py``) with
+every engine, in one process, alternating the engines within each repetition (the order
+rotates between repetitions) so that drift on a noisy machine hits all of them alike, and
+prints the medians and one row per performance goal (README.md, "Performance goals"):
+both sides, their ratio, and whether the goal is met. Goals are reported, never asserted.
 
     python bench/compare.py                    # every workload, 5 repetitions
     python bench/compare.py --quick            # fewer repetitions, smaller sizes (~1 min)
@@ -19,7 +18,8 @@ Throughput is measured over the end of one epoch: after the first batch (start-u
 the separate "first batch" row) and a warm-up of as many batches as procpipe keeps in
 flight (``prefetch + 4 * workers``), the same for every engine; the consumer does not
 touch the data. DataLoader and
-Pool use ``fork``; procpipe its default, fork-safe start method (forkserver).
+Pool use ``fork``; procpipe the fork-safe forkserver (what its ``"auto"`` default picks in a
+process running threads; ``bench/cold_start.py`` measures the default in a fresh script).
 PyTorch is optional (``pip install torch``, the bench extra): without it the DataLoader
 column is empty and the rows that need it say so.
 
@@ -110,7 +110,7 @@ class EngineResult:
 
 @dataclass
 class Target:
-    """A TARGETS.md row: procpipe beside its reference, the ratio and the bar it must clear."""
+    """A performance-goal row: procpipe beside its reference, the ratio and the bar it must clear."""
 
     name: str
     procpipe: float
@@ -181,6 +181,7 @@ def _consume(iterator: Any, t0: float, n: int, batch_size: int, warmup: int) -> 
 def procpipe_engine(source: Any, batch_size: int, workers: int, *, ordered: bool = True,
                     **loader_kwargs: Any) -> Measurement:
     t0 = time.perf_counter()
+    loader_kwargs.setdefault("start_method", "forkserver")
     with Loader(source, batch_size=batch_size, workers=workers, ordered=ordered, prefetch=PREFETCH,
                 **loader_kwargs) as loader:
         return _consume(iter(loader), t0, len(source), batch_size, warmup_batches(workers))
@@ -426,7 +427,7 @@ def resolve(names: str | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="procpipe beside DataLoader, Pool.imap and serial, with the "
-                                            "TARGETS.md rows.")
+                                            "performance-goal rows.")
     p.add_argument("--quick", action="store_true", help="3 repetitions and smaller sizes")
     p.add_argument("--reps", type=int, help="repetitions per engine (default 5, or 3 with --quick)")
     p.add_argument("--workloads", metavar="A,B", help=f"subset to run: {', '.join([*RUNNERS, *ALIASES])}")
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [RUNNERS[n](opts) for n in names]
     print("\nmedians (higher is better, except first_batch in seconds):")
     print(results_table(results))
-    print("\nTARGETS.md (ratios measured in this run):")
+    print("\nperformance goals (ratios measured in this run; README.md, \"Performance goals\"):")
     print(targets_table(results))
     print(f"\n{time.perf_counter() - started:.0f} s")
     if args.json:

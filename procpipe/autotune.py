@@ -237,11 +237,8 @@ class Meter:
         seen: dict[int, tuple[float, float]] = {}
         for w in workers:
             pid = w.process.pid
-            try:
-                with open(f"/proc/{pid}/schedstat", "rb") as f:
-                    fields = f.read().split()
-                now = (int(fields[0]) / 1e9, int(fields[1]) / 1e9)
-            except (OSError, ValueError, IndexError):
+            now = schedstat_seconds(pid)
+            if now is None:
                 try:
                     if w.ps is None:
                         w.ps = psutil.Process(pid)
@@ -255,6 +252,18 @@ class Meter:
             runq += max(0.0, now[1] - before[1])
         self._cpu_seen = seen
         return cpu, runq
+
+
+def schedstat_seconds(pid: int) -> tuple[float, float] | None:
+    """``(seconds on a CPU, seconds runnable but waiting for one)`` of process ``pid``'s main
+    thread since it started, from ``/proc/<pid>/schedstat``; None where the kernel has none.
+    (The run-queue time is how contention from other processes shows.)"""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            fields = f.read().split()
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class Tuner:

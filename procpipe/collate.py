@@ -11,12 +11,16 @@ Layout nodes are short lists, cheap to pickle:
 - ``[ARRAY, dtype, shape, offset]``: an array in the slot; ``dtype`` is the dtype's
   string (``'<f4'``, ``'>i4'``: cheap to pickle) when that string says all of it, else
   the ``np.dtype`` itself (structured and subarray dtypes, whose ``.str`` is only ``'|V8'``);
+  ``[ARRAY, dtype, shape, offset, torch_dtype]`` for a stack of torch tensors, given back
+  as a tensor (sharing the slot's memory; ``torch_dtype`` names a dtype numpy lacks, ""
+  if none: procpipe.tensors);
 - ``[INLINE, value]``: a value carried in the message (objects, or arrays that did not
   fit their slot);
 - ``[DICT, keys, children]``, ``[SEQ, type, children]``: containers.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +36,17 @@ _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
 
 def _path_str(path: tuple) -> str:
     return "sample" + "".join(f"[{p!r}]" for p in path)
+
+
+def _tensor_type() -> type | None:
+    """``torch.Tensor`` if this process has imported torch (procpipe never imports it for this)."""
+    return getattr(sys.modules.get("torch"), "Tensor", None)
+
+
+def _as_tensor(array: np.ndarray, torch_dtype: str) -> Any:
+    from .tensors import named_tensor  # only reached for batches of tensors: torch is there
+
+    return named_tensor(array, torch_dtype)
 
 
 def _describe(value: Any) -> str:
@@ -81,7 +96,31 @@ class _Planner:
             return self._stack_arrays(values, path, indices)
         if isinstance(first, _NUMBER_TYPES) and not isinstance(first, (str, bytes)):
             return self._stack_numbers(values, path, indices)
+        tensor = _tensor_type()
+        if tensor is not None and isinstance(first, tensor):
+            return self._stack_tensors(values, path, indices, tensor)
         return [INLINE, list(values)]
+
+    def _stack_tensors(self, values: list, path: tuple, indices: Sequence[int], tensor: type) -> list:
+        """Stack torch tensors like arrays (through numpy views); they come back as a tensor."""
+        from .tensors import dtype_name, tensor_numpy
+
+        arrays, dtypes = [], set()
+        for v, i in zip(values, indices):
+            if not isinstance(v, tensor):
+                raise CollateError(
+                    f"cannot collate {_path_str(path)}: index {indices[0]} is a torch tensor but index {i} is "
+                    f"{_describe(v)}. Make the field the same type in every sample, or pass collate_fn=...."
+                )
+            array, dtype = tensor_numpy(v)
+            arrays.append(array)
+            dtypes.add(dtype_name(dtype))
+        if len(dtypes) > 1:
+            raise CollateError(f"cannot stack {_path_str(path)} for indices {list(indices)}: the tensors have "
+                               f"different dtypes ({sorted(dtypes)}); cast them in fn.")
+        node = self._stack_arrays(arrays, path, indices)
+        node.append(dtypes.pop())
+        return node
 
     def _stack_arrays(self, values: list, path: tuple, indices: Sequence[int]) -> list:
         first = values[0]
@@ -123,6 +162,15 @@ class _Planner:
             return [DICT, keys, [self.pack(value[k]) for k in keys]]
         if isinstance(value, (tuple, list)):
             return [SEQ, _seq_type(value), [self.pack(v) for v in value]]
+        tensor = _tensor_type()
+        if tensor is not None and isinstance(value, tensor):
+            from .tensors import dtype_name, tensor_numpy
+
+            array, dtype = tensor_numpy(value)
+            if not array.dtype.hasobject:
+                node = self._array_node(array.dtype, array.shape, array, False)
+                node.append(dtype_name(dtype))
+                return node
         return [INLINE, value]
 
     # -- moving the bytes ----------------------------------------------------------------
@@ -151,7 +199,7 @@ class _Planner:
                 else:
                     np.copyto(out, source, casting="no")
                 node[0] = INLINE
-                node[1] = out
+                node[1] = out if len(node) <= 4 else _as_tensor(out, node[4])  # a stack of tensors
                 del node[2:]
         return in_slot
 
@@ -201,7 +249,8 @@ def build(node: list, buffer: Any | None) -> Any:
         dtype = _dtype_cache.get(node[1])
         if dtype is None:
             dtype = _dtype_cache[node[1]] = np.dtype(node[1])
-        return np.ndarray(node[2], dtype, buffer=buffer, offset=node[3])
+        array = np.ndarray(node[2], dtype, buffer=buffer, offset=node[3])
+        return array if len(node) == 4 else _as_tensor(array, node[4])
     if kind == INLINE:
         return node[1]
     if kind == DICT:

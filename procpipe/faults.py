@@ -156,8 +156,7 @@ def startup_message(worker: WorkerHandle, start_method: str) -> str:
                f"{worker.process.exitcode} while its process was starting, before it loaded the dataset or "
                f"ran any of your code; its traceback was printed on stderr.")
     if start_method != "fork":
-        message += (f" The usual cause: with start_method={start_method!r} every worker imports your main "
-                    f"script, and a script that builds a Loader (or runs its training) at import time must put "
-                    f"that code under `if __name__ == \"__main__\":`. Also check that the script imports "
-                    f"without errors in a fresh process.")
+        message += (f" With start_method={start_method!r} a worker is a fresh process that unpickles the "
+                    f"dataset and functions: check that the modules they come from import without errors "
+                    f"in a fresh process.")
     return message

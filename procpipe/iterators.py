@@ -167,7 +167,7 @@ class InlineIterator(EpochIterator):
         self._with_epoch = loader._with_epoch
         self._until = until
         self._ahead = dict(ahead or {})
-        self._scope = SampleScope(loader._spec.seed)
+        self._scope = SampleScope(loader._spec.seed, seed_globals=loader._spec.seed_globals, restore_globals=True)
         self._done = False
         self._complete = False
         self._cancelled = None

@@ -36,6 +36,15 @@ _NO_SAMPLE_RNG_IN_BATCH_FN = (
 )
 
 
+def _returned_none(spec: Any, index: int) -> str:
+    """The error for a sample that is ``None``: which stage returned nothing."""
+    stage = ("augment" if spec.augment is not None else "fn" if spec.fn is not None
+             else "the source's __getitem__")
+    return (f"{stage} returned None for index {index}: a sample must be a value (an array, a number, a "
+            f"dict or tuple of them); did {stage} forget a `return`? (To drop samples, raise in fn with "
+            "on_error='skip'; to batch None values on purpose, pass a collate_fn.)")
+
+
 @dataclass
 class Produced:
     layout: list | None  # None: every sample was skipped
@@ -75,6 +84,8 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
                     sample = fn(sample)
             if augment is not None:
                 sample = augment(sample)
+            if sample is None and spec.batched and spec.collate_fn is None:
+                raise TypeError(_returned_none(spec, index))
         except Exception as exc:
             if not spec.skip:
                 raise

@@ -3,12 +3,23 @@
 Determinism is per sample, not per worker: the generator for a sample depends only on
 ``(seed, epoch, index)``. Output is therefore identical whatever the worker count, the
 schedule, or how often a batch had to be re-run after a crash or for a straggler.
+
+The process's *global* generators (Python's ``random``, ``np.random`` and, if the process
+has imported it, torch's) are seeded the same way before every sample (``SampleScope``
+with ``seed_globals``), so existing code that draws from them, torchvision-style transforms
+included, gets different values per sample and the same values on every run. In the calling
+process (``workers=0``, the cache's first sample) their state is put back after each batch:
+the caller's own draws are not disturbed.
 """
 from __future__ import annotations
 
+import random
+import sys
 import threading
+from typing import Any
 
 import numpy as np
+import numpy.random  # noqa: F401  (numpy imports it lazily: here, forked workers inherit it)
 
 # Distinct spawn-key prefixes keep the shuffle stream and the per-sample streams apart.
 _SHUFFLE_KEY = 0
@@ -18,6 +29,49 @@ _BATCH_KEY = 4  # batch_rng(), inside batch_fn
 _DEVICE_KEY = 5  # batch_rng(), inside device_fn (keyed by the batch's position in its epoch)
 
 _current = threading.local()
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
+    x = 0x243F6A8885A308D3
+    for v in values:
+        x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 & _MASK64
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x
+
+
+def _torch_generator() -> Any:
+    """torch's default CPU generator if this process has imported torch (never imports it)."""
+    torch = sys.modules.get("torch")
+    return getattr(torch, "default_generator", None)
+
+
+def seed_global_generators(seed: int) -> None:
+    """Seed ``random``, ``np.random`` and (if imported) torch's default generator from ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    generator = _torch_generator()
+    if generator is not None:
+        generator.manual_seed(seed)
+
+
+def _global_states() -> tuple[Any, Any, Any, Any]:
+    generator = _torch_generator()
+    return (random.getstate(), np.random.get_state(), generator,
+            None if generator is None else generator.get_state())
+
+
+def _restore_global_states(saved: tuple[Any, Any, Any, Any]) -> None:
+    py_state, np_state, generator, torch_state = saved
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    if generator is not None:
+        generator.set_state(torch_state)
 
 
 def _generator(seed: int, kind: int, epoch: int, index: int | tuple[int, ...] | None = None) -> np.random.Generator:
@@ -46,26 +100,55 @@ class SampleScope:
     """Marks which sample is being produced, so ``sample_rng()`` can seed from it.
 
     One instance lives in each worker (and in the consumer for ``workers=0``); ``enter``
-    is called before ``source[i]`` and ``fn`` run for index ``i``.
+    is called before ``source[i]`` and ``fn`` run for index ``i``. With ``seed_globals``
+    it also seeds the global generators from ``(seed, epoch, index)`` (module doc); with
+    ``restore_globals`` (the calling process) their states are saved at the first
+    ``enter`` and put back by ``leave``.
     """
 
-    __slots__ = ("seed", "epoch", "index", "rng")
+    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved")
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, seed_globals: bool = False, restore_globals: bool = False) -> None:
         self.seed = seed
         self.epoch = 0
-        self.index: int | None = None  # the sample being produced; None between samples
+        self.index: int | tuple[int, ...] | None = None  # the sample being produced; None between samples
         self.rng: np.random.Generator | None = None
+        self.seed_globals = seed_globals
+        self.restore_globals = restore_globals
+        self._saved: tuple[Any, Any, Any, Any] | None = None
 
-    def enter(self, epoch: int, index: int) -> None:
+    def enter(self, epoch: int, index: int | tuple[int, ...]) -> None:
         self.epoch = epoch
         self.index = index
         self.rng = None  # created lazily: most pipelines never ask for one
         _current.scope = self
+        if self.seed_globals:
+            if self.restore_globals and self._saved is None:
+                self._saved = _global_states()
+            self.reseed_globals()
+
+    def reseed_globals(self) -> None:
+        """Seed the global generators for the current sample (again: e.g. after a worker's
+        set-up code re-seeded them)."""
+        index = self.index
+        keys = index if isinstance(index, tuple) else (index,)
+        seed_global_generators(mix_seed(self.seed, self.epoch, *keys))
 
     def leave(self) -> None:
         self.index = None
         _current.scope = None
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            _restore_global_states(saved)
+
+
+def reseed_current_sample() -> None:
+    """Seed the global generators again for the sample being produced, if the loader seeds
+    them (``seed_globals``); nothing outside a sample. For adapters whose per-process set-up
+    runs inside the first sample and re-seeds the generators (procpipe.torch)."""
+    scope = getattr(_current, "scope", None)
+    if scope is not None and scope.seed_globals and scope.index is not None:
+        scope.reseed_globals()
 
 
 def sample_rng() -> np.random.Generator:

@@ -73,6 +73,30 @@ def check_capacity(directory: str, needed: int, what: str) -> None:
         )
 
 
+LARGE_RESERVATION_BYTES = 1 << 30  # a ring this large is mentioned when it is made
+
+
+def is_large_reservation(needed: int, free: int) -> bool:
+    """Whether reserving ``needed`` bytes where ``free`` are free deserves a word to the user:
+    more than ``LARGE_RESERVATION_BYTES``, or more than a quarter of what is free."""
+    return needed > LARGE_RESERVATION_BYTES or needed > free // 4
+
+
+def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
+    """Say (once per ring) that the ring reserves a lot of ``directory``, and how to lower it."""
+    needed, free = slots * slot_bytes, psutil.disk_usage(directory).free
+    if is_large_reservation(needed, free):
+        import warnings
+
+        warnings.warn(
+            f"procpipe: the ring reserves {_mib(needed)} of {directory} ({_mib(free)} free): {slots} slots "
+            f"of {_mib(slot_bytes)} (a full batch), one for each batch that may be ready or in "
+            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB). "
+            "To lower it: a smaller prefetch, fewer workers, or a smaller batch_size.",
+            stacklevel=2,
+        )
+
+
 def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
     """Create ``path`` for ``what`` and return its open (read-write) file descriptor.
 
@@ -186,6 +210,7 @@ class Ring:
         self.path = files.path(f"ring{ring_id}")
         what = f"{slots} ring slots of {_mib(slot_bytes)}"
         check_capacity(files.directory, slots * slot_bytes, what)
+        warn_large_ring(files.directory, slots, slot_bytes)
         create_file(self.path, slots * slot_bytes, what)
         self._map = map_file(self.path)
         self.nbytes = slots * slot_bytes

@@ -14,11 +14,10 @@ import os
 import sys
 from typing import Any
 
-import multiprocess
-
 from .cache import open_cache
 from .coordinator import Coordinator, EngineConfig
 from .shm import SharedFiles, check_capacity, create_file
+from .start_method import context as start_context
 from .worker import WorkerSpec, dump_spec
 
 
@@ -37,7 +36,7 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
 
 def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
     """The multiprocess context; a forkserver preloads what the parent has imported, once."""
-    ctx = multiprocess.get_context(start_method)
+    ctx = start_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["procpipe.preload"])
         # The forkserver process inherits the environment when it starts: start it with
@@ -65,11 +64,10 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
 def _imported_modules() -> list[str]:
     """The modules the parent has imported, for the forkserver to preload.
 
-    Every worker imports the main module again (the spawn-style start), and with it
-    whatever it imports: torch alone takes about a second, and a script's standard-library
-    and own imports add up to tens of milliseconds more. Preloading them once in the
-    forkserver makes each worker start in milliseconds. (CPython's own ``"__main__"``
-    preload does not take effect: it never receives the main path.) Sorted, so packages
+    Every worker imports what the dataset and functions it unpickles need: torch alone
+    takes about a second, and a script's standard-library and own imports add up to tens
+    of milliseconds more. Preloading them once in the forkserver makes each worker start
+    in milliseconds. (Workers do not import the main script: start_method.py.) Sorted, so packages
     come before their submodules; private and built-in modules come with their parents.
     """
     return sorted(

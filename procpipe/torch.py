@@ -34,7 +34,11 @@ import torch
 import torch.utils.data as _tud
 
 from .loader import Loader
-from .rng import _current as _rng_current
+from .rng import mix_seed as _mix
+from .rng import reseed_current_sample
+from .tensors import DTYPE_NAMES as _DTYPE_NAMES
+from .tensors import numpy_tensor as _numpy_tensor
+from .tensors import tensor_numpy as _tensor_numpy
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .torch_iterable import (BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise,
                              sharding_init)
@@ -46,23 +50,7 @@ _MASK64 = (1 << 64) - 1
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
 # --------------------------------------------------------------------------- tensors <-> numpy
-# dtypes numpy has no equivalent for travel as same-width integers and are viewed back.
-_BITS_VIEW: dict[torch.dtype, torch.dtype] = {}
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # e.g. "ComplexHalf support is experimental"
-    for _name in ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                  "float8_e5m2fnuz", "float8_e8m0fnu"):
-        _dt = getattr(torch, _name, None)
-        if not isinstance(_dt, torch.dtype):
-            continue
-        try:
-            torch.empty(1, dtype=_dt).numpy()
-        except TypeError:
-            _view = _INT_OF_SIZE.get(torch.empty(0, dtype=_dt).element_size())
-            if _view is not None:
-                _BITS_VIEW[_dt] = _view
-_DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
+# (procpipe.tensors, shared with the core's collation of tensor samples)
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
@@ -75,26 +63,6 @@ for _dt, _name in _DTYPE_NAMES.items():
     globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
     _BITS_MARKERS[_cls] = _dt
     _MARKER_OF[_dt] = _cls
-
-
-def _tensor_numpy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype | None]:
-    """A numpy view of a CPU tensor, and the torch dtype to view it back as (None: same)."""
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-        raise TypeError(
-            f"procpipe.torch cannot move a {t.device.type} {t.layout} tensor"
-            f"{' (quantized)' if t.is_quantized else ''} through shared memory: return dense CPU tensors "
-            "from the dataset/collate_fn (move to the GPU in the training loop, or use device=...)"
-        )
-    t = t.detach().resolve_conj().resolve_neg()
-    view = _BITS_VIEW.get(t.dtype)
-    if view is None:
-        return t.numpy(), None
-    return t.view(view).numpy(), t.dtype
-
-
-def _numpy_tensor(array: np.ndarray, dtype: torch.dtype | None) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor if dtype is None else tensor.view(dtype)
 
 
 # ---- default collate: samples in the worker, batches in the consumer -------------------
@@ -230,19 +198,6 @@ class _PackingCollate:
 DEFAULT, CUSTOM, UNBATCHED = "default", "custom", "unbatched"
 
 
-def _mix(*values: int) -> int:
-    """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
-    x = 0x243F6A8885A308D3
-    for v in values:
-        x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
-        x ^= x >> 30
-        x = x * 0xBF58476D1CE4E5B9 & _MASK64
-        x ^= x >> 27
-        x = x * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 31
-    return x
-
-
 _WORKER_NAME = "procpipe-worker-"  # the coordinator names its processes procpipe-worker-<index>
 
 
@@ -262,9 +217,10 @@ def _worker_index() -> int | None:
 class _TorchSource:
     """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
 
-    In a worker, before each sample, torch's, numpy's and Python's global generators are
-    seeded from ``(seed, epoch, index)``, so augmentation drawn from them is the same
-    whatever ``num_workers`` and however batches are scheduled (torch seeds per worker).
+    In a worker, before each sample, the core seeds torch's, numpy's and Python's global
+    generators from ``(seed, epoch, index)`` (``Loader(seed_globals=True)``, procpipe.rng),
+    so augmentation drawn from them is the same whatever ``num_workers`` and however
+    batches are scheduled (torch seeds per worker).
     """
 
     def __init__(self, dataset: Any, mode: str, item_fn: Callable | None, worker_init_fn: Callable | None,
@@ -314,13 +270,7 @@ class _TorchSource:
     def __getitem__(self, index: int) -> Any:
         if self._pid != os.getpid():
             self._enter_process()
-        if self._in_worker:
-            scope = getattr(_rng_current, "scope", None)
-            if scope is not None:
-                s = _mix(scope.seed, scope.epoch, scope.index)
-                torch.default_generator.manual_seed(s)
-                random.seed(s)
-                np.random.seed(s & 0xFFFFFFFF)
+            reseed_current_sample()  # the per-worker set-up above re-seeded the generators
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             return _sample_to_wire(sample)
@@ -348,7 +298,7 @@ class _SamplerBatches:
 # --------------------------------------------------------------------------- DataLoader facade
 def _start_method(context: Any) -> str:
     if context is None:
-        return "forkserver"
+        return "auto"
     method = context if isinstance(context, str) else context.get_start_method()
     if method not in START_METHODS:
         raise ValueError(f"multiprocessing_context={context!r}: procpipe supports the start methods {START_METHODS}")
@@ -370,7 +320,8 @@ class DataLoader(_tud.DataLoader):
     - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
       with ``in_order``; see ``procpipe.torch_iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
-    - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"``;
+    - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
+      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
       before every sample from ``(seed, epoch, index)``, so augmentation does not depend
       on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);
@@ -458,8 +409,10 @@ class DataLoader(_tud.DataLoader):
             max_worker_restarts=max_worker_restarts,
             worker_env=worker_env,
             batches=None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED),
+            seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
         )
         self._pp_loader: Loader | None = None
+        self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -506,6 +459,7 @@ class DataLoader(_tud.DataLoader):
             else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
                 loader = owned = self._pp_new_loader(base_seed, shared_seed)
             loader.set_epoch(self._pp_epochs)
+            self._pp_current = loader
             self._pp_epochs += 1
             epoch = iter(loader)
         stage: Stage | None = None
@@ -537,6 +491,13 @@ class DataLoader(_tud.DataLoader):
                                           self.batch_size if self._auto_collation else None, self.drop_last,
                                           self.collate_fn, _pack, shared_seed, self._pp_epochs))
         return Loader(source, **self._pp_options)
+
+    def stats(self) -> dict[str, Any]:
+        """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
+        ``python -m procpipe.bench`` reads); ``RuntimeError`` before the first one."""
+        if self._pp_current is None:
+            raise RuntimeError("stats() describes an iteration: iterate over the DataLoader first")
+        return self._pp_current.stats()
 
     def close(self) -> None:
         """End the workers and remove the shared memory now (otherwise done when collected)."""

@@ -17,7 +17,7 @@ from .checks import check_int, is_count
 from .shm import check_private_dir
 from .streaming import Shards
 
-START_METHODS = ("forkserver", "spawn", "fork")
+START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
 
 def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,

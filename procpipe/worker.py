@@ -60,6 +60,7 @@ class WorkerSpec:
     batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
     augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
     cache: Any = None  # a procpipe.cache.Cache: fn's output per index, computed once
+    seed_globals: bool = True  # seed random/np.random/torch per sample (rng.SampleScope)
 
 
 class _SpecPickler(dill.Pickler):
@@ -214,7 +215,7 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
 
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
-    scope = SampleScope(spec.seed)
+    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     while True:
         while not conn.poll(_IDLE_CHECK_S):
             if parent.gone():

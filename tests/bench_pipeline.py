@@ -17,3 +17,13 @@ def factory():
 def make_loader(workers):
     """A ready Loader, for the bench's other factory form."""
     return Loader(TinyDataset(48), batch_size=8, workers=workers)
+
+
+def wrong_key():
+    """A typo in a Loader argument: the bench must name it and suggest the right one."""
+    return {"source": TinyDataset(48), "batchsize": 8}
+
+
+def facade_kwargs():
+    """procpipe.torch.DataLoader arguments: the bench sets num_workers."""
+    return {"dataset": TinyDataset(48), "batch_size": 8}

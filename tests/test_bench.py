@@ -14,10 +14,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SETTING_FIELDS = {
     "workers", "batches", "samples", "seconds", "samples_per_s", "batches_per_s", "mb_per_s", "wait_pct",
     "worker_busy_pct", "worker_cpu_pct", "peak_rss_mib", "total_rss_mib", "first_batch_s", "overflow_batches",
-    "stats",
+    "stats", "uss_mib", "worker_runq_pct", "contended", "repeats", "samples_per_s_min", "samples_per_s_max",
 }
 RECOMMENDATION_FIELDS = {"workers", "fraction_of_best", "best_workers", "best_samples_per_s", "gain_beyond",
-                         "text", "why"}
+                         "diagnosis", "contended", "text", "why"}
 
 
 def check_document(doc, workers):
@@ -31,12 +31,15 @@ def check_document(doc, workers):
             assert set(s) == SETTING_FIELDS
             assert s["batches"] > 0 and s["samples"] > 0 and s["samples_per_s"] > 0 and s["mb_per_s"] > 0
             assert 0.0 <= s["wait_pct"] <= 100.0
+            assert s["samples_per_s_min"] <= s["samples_per_s"] <= s["samples_per_s_max"]
             assert s["first_batch_s"] > 0
             if s["workers"] == 0:
                 assert s["worker_busy_pct"] is None and s["peak_rss_mib"] is None
             else:
                 assert 0.0 <= s["worker_busy_pct"] <= 100.0
                 assert s["peak_rss_mib"] > 0 and s["total_rss_mib"] >= s["peak_rss_mib"]
+                # private memory: the ring pages a worker touched are shared, not its own
+                assert 0 < s["uss_mib"] <= s["peak_rss_mib"]
                 assert len(s["stats"]["per_worker"]) == s["workers"]
         rec = run["recommendation"]
         assert set(rec) == RECOMMENDATION_FIELDS
@@ -47,13 +50,14 @@ def check_document(doc, workers):
 def test_cli_sweeps_a_pipeline(tmp_path):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     proc = run_python(["-m", "procpipe.bench", "--pipeline", "tests.bench_pipeline:factory", "--workers", "0,1",
-                       "--step-ms", "0.2", "--no-progress", "--json", str(out_json), "--plot", str(out_png)],
+                       "--step-ms", "0.2", "--no-progress", "--repeat", "2", "--json", str(out_json), "--plot", str(out_png)],
                       cwd=REPO_ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "samples/s" in proc.stdout and "wait %" in proc.stdout and "why:" in proc.stdout
-    assert "use " in proc.stdout
+    assert "use " in proc.stdout and "USS MiB/worker" in proc.stdout and "RSS" not in proc.stdout
     doc = json.loads(out_json.read_text())
     check_document(doc, [0, 1])
+    assert doc["repeat"] == 2 and all(s["repeats"] == 2 for s in doc["runs"][0]["settings"])
     assert doc["step_ms"] == 0.2 and doc["runs"][0]["name"] == "tests.bench_pipeline:factory"
     settings = doc["runs"][0]["settings"]
     assert all(s["samples"] <= 96 for s in settings)
@@ -77,6 +81,31 @@ def test_cli_builtin_workload_and_ready_loader(tmp_path, monkeypatch, capsys):
     assert "use 1 worker" in capsys.readouterr().out
 
 
+def test_cli_sweeps_the_facades_num_workers(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.chdir(REPO_ROOT)
+    out_json = tmp_path / "facade.json"
+    assert main(["--pipeline", "tests.bench_pipeline:facade_kwargs", "--workers", "0,1", "--repeat", "1",
+                 "--no-progress", "--json", str(out_json)]) == 0
+    check_document(json.loads(out_json.read_text()), [0, 1])
+
+
+def test_cli_help_shows_the_factory_contract(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "FACTORY(workers=N)" in out and "def loader_kwargs():" in out and "procpipe.torch.DataLoader" in out
+    assert "--pipeline mytrain.data:loader_kwargs" in out and "--repeat" in out
+
+
+def test_cli_names_a_wrong_key(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    with pytest.raises(SystemExit, match=r"'batchsize', which is not a procpipe.Loader argument "
+                                         r"\(did you mean 'batch_size'"):
+        main(["--pipeline", "tests.bench_pipeline:wrong_key", "--workers", "1", "--repeat", "1", "--no-progress"])
+
+
 def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--workers", "a,b"])
@@ -86,10 +115,53 @@ def test_cli_rejects_bad_arguments(capsys):
         main(["--workloads", "nope"])
 
 
-def _setting(workers, rate, busy=None, cpu=None, wait=100.0):
+def _setting(workers, rate, busy=None, cpu=None, wait=100.0, runq=None, contended=False):
     return sweep.Setting(workers=workers, batches=10, samples=100, seconds=1.0, samples_per_s=rate, batches_per_s=10,
                          mb_per_s=1.0, wait_pct=wait, worker_busy_pct=busy, worker_cpu_pct=cpu, peak_rss_mib=30.0,
-                         total_rss_mib=30.0 * workers, first_batch_s=0.1, overflow_batches=0)
+                         total_rss_mib=30.0 * workers, first_batch_s=0.1, overflow_batches=0, uss_mib=10.0,
+                         worker_runq_pct=runq, contended=contended)
+
+
+def test_advice_never_contradicts_itself():
+    # CPU-bound at the largest count, CPUs not all busy: no "try more workers" beside "CPU-bound"
+    cpu_bound = [_setting(0, 100), _setting(1, 150, 99, 90), _setting(2, 200, 99, 70), _setting(3, 240, 99, 65),
+                 _setting(4, 260, 99, 62)]
+    rec = sweep.recommend(cpu_bound, cpus=8)
+    assert rec["diagnosis"] == "cpu" and "CPU-bound" in rec["why"]
+    assert "try more workers" not in rec["text"] and "CPU-bound" in rec["text"]
+
+    # still growing at the largest count: "try more", and never "stops growing after" it
+    growing = [_setting(w, 100 * (w + 1), 80, 45, wait=30.0) for w in range(5)]
+    rec = sweep.recommend(growing, cpus=8)
+    assert rec["workers"] == 4 and rec["diagnosis"] == "growing"
+    assert "try more workers" in rec["text"] and "stops growing" not in rec["why"]
+    assert "still growing at 4" in rec["why"]
+
+    # a plateau below the largest count: "stops growing", and no "try more"
+    flat = [_setting(0, 100), _setting(1, 196, 80, 45, wait=30.0), _setting(2, 200, 70, 40, wait=30.0),
+            _setting(3, 201, 60, 35, wait=30.0)]
+    rec = sweep.recommend(flat, cpus=8)
+    assert rec["workers"] == 1 and "try more" not in rec["text"] and "no gain" in rec["text"]
+
+
+def test_cpu_starvation_is_not_mistaken_for_io_and_is_reported():
+    # busy 99 %, on a CPU 40 %, waiting for one 55 %: other processes hold the CPUs
+    starved = [_setting(0, 100), _setting(1, 150, 99, 40, runq=55.0, contended=True),
+               _setting(2, 160, 99, 40, runq=58.0, contended=True)]
+    rec = sweep.recommend(starved, cpus=2)
+    assert rec["diagnosis"] != "io" and "overlap the waits" not in rec["why"]
+    assert rec["contended"] and "the CPUs were contended" in rec["why"] and "up to 58 %" in rec["why"]
+    assert "contended" not in sweep.recommend([_setting(0, 100), _setting(1, 150, 99, 95)], cpus=2)["why"]
+
+
+def test_combine_takes_the_median_run_and_its_spread():
+    runs = [_setting(2, rate, 90, 90) for rate in (300.0, 100.0, 200.0)]
+    runs[1].contended = True
+    s = sweep.combine(runs)
+    assert s.samples_per_s == 200.0 and s.repeats == 3 and s.contended
+    assert (s.samples_per_s_min, s.samples_per_s_max) == (100.0, 300.0) and sweep.spread(s) == 1.0
+    table = sweep.format_table([s])
+    assert "±50 %" in table and "USS MiB/worker" in table and "RSS" not in table
 
 
 def test_recommendation_picks_fewest_workers_near_the_best():

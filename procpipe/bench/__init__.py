@@ -3,7 +3,7 @@
 - ``python -m procpipe.bench`` (or ``procpipe-bench``): sweep the worker count on the
   reference workloads or on your own pipeline (``--pipeline module:factory``) and get a
   recommendation; see ``procpipe/bench/__main__.py`` and README.md ("python -m procpipe.bench").
-- :mod:`procpipe.bench.workloads`: the reference workloads of TARGETS.md, shared with
+- :mod:`procpipe.bench.workloads`: the reference workloads (README.md, "Performance goals"), shared with
   ``bench/compare.py`` (procpipe beside PyTorch's DataLoader, Pool.imap and serial).
 """
 from .sweep import Setting, default_worker_counts, measure, recommend

@@ -2,14 +2,18 @@
 
 With no arguments, sweeps the worker count on the built-in reference workloads (cpu,
 transfer, straggler, tiny with batch 1 and 64) at a quick size and prints a table per
-workload. With ``--pipeline module:factory``, sweeps your own pipeline: ``factory`` returns
-the ``procpipe.Loader`` keyword arguments (a dict; ``workers`` is set by the sweep) or a
-ready ``Loader`` (then it must accept a ``workers=`` argument).
+workload. With ``--pipeline module:factory``, sweeps your own pipeline (``FACTORY_HELP``
+below: the factory's contract, with an example), a ``procpipe.Loader`` or a
+``procpipe.torch.DataLoader`` (its ``num_workers``).
 
-Per worker count it prints samples/s, batches/s, MB/s, the % of time the training loop
-waited in ``next()``, the workers' mean busy %, their peak RSS and the time to the first
-batch, then a recommendation and its reason. ``--step-ms`` models the training step
-(``--step-mode sleep``: a GPU step, the process idle; ``busy``: a CPU step holding the GIL).
+Each worker count is measured ``--repeat`` times (default 3, the counts taken in turn so
+that a passing load hits them alike); the table gives the median run and the spread of
+samples/s. Per worker count it prints samples/s, its spread, batches/s, MB/s, the % of
+time the training loop waited in ``next()``, the workers' mean busy % and CPU %, the %
+of time they waited for a CPU held by another process (run queue; ``!``: contended), their
+private memory (USS: the shared ring is not counted) and the time to the first batch, then
+a recommendation and its reason. ``--step-ms`` models the training step (``--step-mode
+sleep``: a GPU step, the process idle; ``busy``: a CPU step holding the GIL).
 
 Examples::
 
@@ -32,6 +36,31 @@ from typing import Any
 from . import sweep
 from .workloads import WORKLOADS, resolve
 
+FACTORY_HELP = """\
+--pipeline MODULE:FACTORY, the factory's contract:
+  FACTORY() (or FACTORY(workers=N), if it takes workers) returns one of
+  - a dict of procpipe.Loader keyword arguments (source, fn, batch_size, ...): the bench
+    sets workers;
+  - a dict of procpipe.torch.DataLoader keyword arguments (it has a "dataset" key): the
+    bench sets num_workers;
+  - a ready procpipe.Loader or procpipe.torch.DataLoader: then FACTORY must take workers=
+    and build it with that many workers.
+  MODULE is imported from the current directory too. Example, mytrain/data.py:
+
+      import numpy as np
+
+      class Images:                        # any object with __len__ and __getitem__
+          def __len__(self):
+              return 10_000
+          def __getitem__(self, i):
+              return np.load(f"/data/{i}.npy")
+
+      def loader_kwargs():
+          return {"source": Images(), "batch_size": 64, "shuffle": True}
+
+  then:  python -m procpipe.bench --pipeline mytrain.data:loader_kwargs --step-ms 30
+"""
+
 
 def _parse_workers(text: str) -> list[int]:
     try:
@@ -49,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep procpipe's worker count on the reference workloads or on your own pipeline, "
                     "and recommend one.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="JSON fields and every column are documented in README.md (section: python -m procpipe.bench).",
+        epilog=FACTORY_HELP + "\nJSON fields and every column are documented in README.md "
+                              "(section: python -m procpipe.bench).",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--pipeline", metavar="MODULE:FACTORY",
@@ -68,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=10.0, metavar="S",
                    help="stop measuring one worker count after S seconds (default 10)")
     p.add_argument("--batches", type=int, metavar="N", help="stop measuring one worker count after N batches")
+    p.add_argument("--repeat", type=int, default=3, metavar="N",
+                   help="measure each worker count N times, in turn, and report the median and spread (default 3)")
     p.add_argument("--within", type=float, default=0.95, metavar="F",
                    help="recommend the fewest workers within this fraction of the best throughput (default 0.95)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -97,8 +129,34 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return obj
 
 
+def _facade() -> Any:
+    """``procpipe.torch`` if torch is installed (imported only for a facade pipeline)."""
+    try:
+        import procpipe.torch as facade
+    except ImportError:
+        return None
+    return facade
+
+
+def _check_keys(kwargs: Mapping[str, Any], target: Any, what: str) -> None:
+    """A clear error for a key ``target`` does not take (with the closest valid ones)."""
+    import difflib
+
+    params = inspect.signature(target).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [name for name in params if name != "self"]
+    for key in kwargs:
+        if key not in params:
+            close = difflib.get_close_matches(str(key), valid, n=2)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            raise SystemExit(f"--pipeline factory returned {key!r}, which is not a {what} argument{hint}. "
+                             f"{what} takes: {', '.join(valid)}. See --help for the factory's contract.")
+
+
 def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
-    """A ``workers -> Loader`` function from a factory returning kwargs or a Loader."""
+    """A ``workers -> loader`` function from a factory returning kwargs, a Loader or a
+    ``procpipe.torch.DataLoader`` (see ``FACTORY_HELP``)."""
     from procpipe import Loader
 
     try:
@@ -109,22 +167,40 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
 
     def make(workers: int) -> Any:
         made = factory(workers=workers) if takes_workers else factory()
-        if isinstance(made, Loader):
-            if made._workers != workers:
+        is_dict = isinstance(made, Mapping)
+        facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
+        if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
+            have = made.num_workers if facade is not None and isinstance(made, facade.DataLoader) else made._workers
+            if have != workers:
                 made.close()
                 raise SystemExit(
-                    f"--pipeline factory returned a Loader with {made._workers} workers where {workers} were asked: "
-                    "to sweep the worker count it must take a workers= argument, or return the Loader's keyword "
+                    f"--pipeline factory returned a loader with {have} workers where {workers} were asked: "
+                    "to sweep the worker count it must take a workers= argument, or return the loader's keyword "
                     "arguments as a dict instead")
             return made
         if isinstance(made, Mapping):
             kwargs = dict(made)
-            kwargs["workers"] = workers
-            return Loader(**kwargs)
-        raise SystemExit(f"--pipeline factory must return a dict of Loader arguments or a Loader, "
-                         f"got {type(made).__name__}")
+            if "dataset" in kwargs:  # procpipe.torch.DataLoader's arguments
+                if facade is None:
+                    raise SystemExit("--pipeline factory returned DataLoader arguments (a 'dataset' key), "
+                                     "which need torch: pip install torch")
+                kwargs.pop("num_workers", None)
+                _check_keys(kwargs, facade.DataLoader.__init__, "procpipe.torch.DataLoader")
+                # the workers outlive the measured epoch, so their memory and CPU can be read at its end
+                kwargs.setdefault("persistent_workers", workers > 0)
+                return facade.DataLoader(**kwargs, num_workers=workers)
+            kwargs.pop("workers", None)
+            _check_keys(kwargs, Loader.__init__, "procpipe.Loader")
+            return Loader(**kwargs, workers=workers)
+        raise SystemExit(f"--pipeline factory must return a dict of Loader arguments, a Loader or a "
+                         f"procpipe.torch.DataLoader, got {type(made).__name__}. See --help.")
 
     return make
+
+
+LEGEND = ("  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
+          "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
+          "USS: private memory, the shared ring left out)")
 
 
 def _builtin_maker(name: str, size: int | None, full: bool) -> tuple[Callable[[int], Any], str]:
@@ -155,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=len(jobs) * len(counts), unit="setting", disable=True if args.no_progress else None,
+    repeats = max(1, args.repeat)
+    bar = tqdm(total=len(jobs) * len(counts) * repeats, unit="setting", disable=True if args.no_progress else None,
                leave=False, dynamic_ncols=True)
     out = tqdm.write
     cpus = sweep.cpu_count()
@@ -164,22 +241,26 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for name, make, description in jobs:
-            settings = []
-            for workers in counts:
-                done = [0]
+            measured: dict[int, list[sweep.Setting]] = {w: [] for w in counts}
+            for rep in range(repeats):
+                # the counts in turn, starting one further each round: a passing load hits them alike
+                for workers in counts[rep % len(counts):] + counts[:rep % len(counts)]:
+                    done = [0]
 
-                def progress(n: int, name: str = name, workers: int = workers, done: list = done) -> None:
-                    done[0] += n
-                    bar.set_postfix_str(f"{name}, {workers} workers, {done[0]} batches", refresh=False)
-                    bar.update(0)  # redraws at most every bar.mininterval
+                    def progress(n: int, name: str = name, workers: int = workers, done: list = done) -> None:
+                        done[0] += n
+                        bar.set_postfix_str(f"{name}, {workers} workers, {done[0]} batches", refresh=False)
+                        bar.update(0)  # redraws at most every bar.mininterval
 
-                progress(0)
-                settings.append(sweep.measure(make, workers, step_s=step_s, step_mode=args.step_mode,
-                                              max_batches=args.batches, max_seconds=args.seconds,
-                                              progress=None if bar.disable else progress))
-                bar.update(1)
+                    progress(0)
+                    measured[workers].append(sweep.measure(make, workers, step_s=step_s, step_mode=args.step_mode,
+                                                           max_batches=args.batches, max_seconds=args.seconds,
+                                                           progress=None if bar.disable else progress))
+                    bar.update(1)
+            settings = [sweep.combine(measured[w]) for w in counts]
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
-            out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{rec['text']}.\n  why: {rec['why']}.")
+            out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
+                f"{rec['text']}.\n  why: {rec['why']}.")
             runs.append({"name": name, "description": description,
                          "settings": [s.to_json() for s in settings], "recommendation": rec})
     finally:
@@ -194,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         document = {
             "procpipe_version": __version__, "python": platform.python_version(), "cpu_count": cpus,
             "argv": sys.argv[1:] if argv is None else list(argv), "workers": counts,
-            "step_ms": args.step_ms, "step_mode": args.step_mode, "within": args.within, "runs": runs,
+            "step_ms": args.step_ms, "step_mode": args.step_mode, "within": args.within, "repeat": repeats,
+            "runs": runs,
         }
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)

@@ -3,9 +3,14 @@
 :func:`measure` builds a loader, takes its first batch (timed apart: start-up is not
 throughput), then consumes the epoch, optionally spending ``step_s`` per batch as the
 training step would, and reads ``Loader.stats()`` before and after to get the consumer's
-wait and the workers' busy time over exactly the measured window.
-:func:`recommend` picks the smallest worker count within ``within`` of the best
-throughput and says why more would not help.
+wait and the workers' busy time over exactly the measured window. It also reads how long
+the workers were on a CPU and how long they waited for one (``/proc/<pid>/schedstat``, as
+the autotuner does): workers that wait in the run queue for more than a quarter of their
+busy time are *contended*, other processes hold the CPUs, and the figures are not to be
+trusted. :func:`combine` makes one ``Setting`` of repeated measurements: the median run,
+with the spread of samples/s. :func:`recommend` picks the smallest worker count within
+``within`` of the best throughput and says why more would not help, its advice following
+one diagnosis (CPU-bound, I/O-bound, limited by the training process or its step).
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from ..autotune import CONTENDED, schedstat_seconds
 
 MiB = 2**20
 
@@ -38,6 +45,12 @@ class Setting:
     first_batch_s: float  # from creating the loader to the first batch in hand
     overflow_batches: int
     stats: dict = field(default_factory=dict)  # loader.stats() at the end of the window
+    uss_mib: float | None = None  # the largest private memory (USS) of one worker: the shared ring left out
+    worker_runq_pct: float | None = None  # mean over workers of the time runnable but waiting for a CPU
+    contended: bool = False  # workers (no more than the CPUs) waited for a CPU > CONTENDED of their busy time
+    repeats: int = 1  # measurements combined (combine())
+    samples_per_s_min: float | None = None  # the spread of samples/s over the repeats
+    samples_per_s_max: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +114,23 @@ def _cpu_seconds(pids: list[int]) -> dict[int, float]:
     return out
 
 
+def _uss(pids: list[int]) -> dict[int, int]:
+    """Private memory of each process (pages no other process maps: not the shared ring)."""
+    import psutil
+
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = psutil.Process(pid).memory_full_info().uss
+        except (psutil.Error, AttributeError):
+            pass
+    return out
+
+
+def _schedstats(pids: list[int]) -> dict[int, tuple[float, float]]:
+    return {pid: got for pid in pids if (got := schedstat_seconds(pid)) is not None}
+
+
 def _pids(stats: dict) -> list[int]:
     return [w["pid"] for w in stats["per_worker"] if w["pid"] is not None]
 
@@ -122,6 +152,7 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         del batch
         s0 = loader.stats()
         cpu0 = _cpu_seconds(_pids(s0))
+        sched0 = _schedstats(_pids(s0))
         start = time.perf_counter()
         deadline = start + max_seconds if max_seconds else math.inf
         consumed = pending = 0
@@ -143,7 +174,9 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         end = time.perf_counter()
         s1 = loader.stats()
         cpu1 = _cpu_seconds(_pids(s1))
+        sched1 = _schedstats(_pids(s1))
         rss_now = _live_rss(_pids(s1))
+        uss_now = _uss(_pids(s1))
     finally:
         loader.close()
     if progress is not None and pending:
@@ -153,7 +186,8 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
     per_batch_bytes = s1["bytes"] / s1["batches"] if s1["batches"] else 0.0
     samples = int(round(consumed * per_batch_samples))
     wait = min(1.0, max(0.0, (s1["wait_s"] - s0["wait_s"]) / seconds))
-    busy_pct = cpu_pct = peak = total = None
+    busy_pct = cpu_pct = peak = total = uss = runq_pct = None
+    contended = False
     if s1["per_worker"]:
         before = {w["index"]: w["busy_s"] for w in s0["per_worker"]}
         busy = [min(1.0, max(0.0, (w["busy_s"] - before.get(w["index"], 0.0)) / seconds)) for w in s1["per_worker"]]
@@ -162,13 +196,40 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         cpu_pct = 100.0 * sum(cpu) / len(cpu) if cpu else None
         peaks = [max(w["peak_rss_bytes"], rss_now.get(w["pid"], 0)) for w in s1["per_worker"]]
         peak, total = max(peaks) / MiB, sum(peaks) / MiB
+        uss = max(uss_now.values()) / MiB if uss_now else None
+        runq = [max(0.0, sched1[p][1] - sched0[p][1]) for p in sched1 if p in sched0]
+        if runq:
+            runq_pct = 100.0 * sum(runq) / len(runq) / seconds
+            busy_s = sum(busy) * seconds
+            # beyond the CPU count the workers queue behind each other: only then is it not contention
+            contended = busy_s > 0 and sum(runq) > CONTENDED * busy_s and workers <= cpu_count()
     return Setting(
         workers=workers, batches=consumed, samples=samples, seconds=seconds,
         samples_per_s=samples / seconds, batches_per_s=consumed / seconds,
         mb_per_s=consumed * per_batch_bytes / seconds / 1e6, wait_pct=100.0 * wait,
         worker_busy_pct=busy_pct, worker_cpu_pct=cpu_pct, peak_rss_mib=peak, total_rss_mib=total,
         first_batch_s=first_batch_s, overflow_batches=s1["overflow_batches"], stats=s1,
+        uss_mib=uss, worker_runq_pct=runq_pct, contended=contended,
+        samples_per_s_min=samples / seconds, samples_per_s_max=samples / seconds,
     )
+
+
+def combine(runs: list[Setting]) -> Setting:
+    """Repeated measurements of one worker count as one ``Setting``: the run with the median
+    samples/s (the lower middle one for an even count), with the spread of all of them;
+    ``contended`` if any run was."""
+    ordered = sorted(runs, key=lambda s: s.samples_per_s)
+    median = ordered[(len(ordered) - 1) // 2]
+    rates = [s.samples_per_s for s in ordered]
+    return replace(median, repeats=len(runs), samples_per_s_min=rates[0], samples_per_s_max=rates[-1],
+                   contended=any(s.contended for s in runs))
+
+
+def spread(setting: Setting) -> float:
+    """The relative spread of a setting's samples/s over its repeats ((max - min) / median)."""
+    if setting.samples_per_s <= 0 or setting.samples_per_s_min is None or setting.samples_per_s_max is None:
+        return 0.0
+    return (setting.samples_per_s_max - setting.samples_per_s_min) / setting.samples_per_s
 
 
 def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 0.0,
@@ -176,38 +237,54 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
     """The smallest worker count reaching ``within`` of the best samples/s, and why.
 
     Returns ``{"workers", "fraction_of_best", "best_workers", "best_samples_per_s",
-    "gain_beyond", "text", "why"}``; ``gain_beyond`` is the largest relative gain any
-    larger worker count showed (None when none was measured).
+    "gain_beyond", "diagnosis", "contended", "text", "why"}``; ``gain_beyond`` is the
+    largest relative gain any larger worker count showed (None when none was measured);
+    ``diagnosis`` is one of ``inline``, ``step``, ``io``, ``cpu``, ``consumer``,
+    ``growing``, ``flat``, and both ``text`` and ``why`` follow it, so the advice never
+    contradicts itself (no "try more workers" beside "CPU-bound"). ``contended``: some
+    measurement found the CPUs held by other processes (``why`` then says so).
     """
     cpus = cpus or cpu_count()
     best = max(settings, key=lambda s: s.samples_per_s)
+    contended = any(s.contended for s in settings)
     if best.samples_per_s <= 0:
         return {"workers": best.workers, "fraction_of_best": 1.0, "best_workers": best.workers,
-                "best_samples_per_s": 0.0, "gain_beyond": None,
+                "best_samples_per_s": 0.0, "gain_beyond": None, "diagnosis": "flat", "contended": contended,
                 "text": "no throughput measured", "why": "every setting delivered nothing"}
     good = [s for s in settings if s.samples_per_s >= within * best.samples_per_s]
     rec = min(good, key=lambda s: s.workers)
     frac = rec.samples_per_s / best.samples_per_s
     beyond = [s for s in settings if s.workers > rec.workers]
     gain = max((s.samples_per_s / rec.samples_per_s - 1.0 for s in beyond), default=None)
+    diagnosis, why = _diagnose(rec, step_s, cpus, largest=gain is None)
     noun = "worker" if rec.workers == 1 else "workers"
     text = f"use {rec.workers} {noun}: {frac * 100:.0f} % of the best throughput"
     if best is not rec:
         text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
-    if gain is None and _cpus_used(rec) >= 0.9 * cpus:
+    if gain is not None:
+        if gain <= 0.0:
+            text += "; beyond that, no gain: more workers were slower"
+        elif gain <= 1.0 - within:
+            text += f"; beyond that, no gain (at most {gain * 100:+.0f} %)"
+        else:
+            text += f"; beyond that, at most {gain * 100:+.0f} %, not worth the extra processes"
+    elif diagnosis == "cpu" and _cpus_used(rec) >= 0.9 * cpus:
         text += (f"; it is the largest count measured, but its workers already keep the {cpus} CPUs busy: "
                  "more would share them (it beat fewer workers by winning CPU time from other processes)")
-    elif gain is None:
+    elif diagnosis == "cpu":
+        text += "; it is the largest count measured, but the pipeline is CPU-bound: more would share the same CPUs"
+    elif diagnosis in ("io", "growing"):
         text += "; it is the largest count measured: try more workers, throughput may still grow"
-    elif gain <= 0.0:
-        text += "; beyond that, no gain: more workers were slower"
-    elif gain <= 1.0 - within:
-        text += f"; beyond that, no gain (at most {gain * 100:+.0f} %)"
     else:
-        text += f"; beyond that, at most {gain * 100:+.0f} %, not worth the extra processes"
+        text += "; it is the largest count measured, and more workers would not help (see why)"
+    if contended:
+        worst = max((s.worker_runq_pct or 0.0) for s in settings)
+        why += (f". Caution: the CPUs were contended (workers waited up to {worst:.0f} % of the time for a CPU "
+                "held by other processes), so these figures vary from run to run; measure on an idle machine "
+                "to trust them")
     return {"workers": rec.workers, "fraction_of_best": frac, "best_workers": best.workers,
-            "best_samples_per_s": best.samples_per_s, "gain_beyond": gain, "text": text,
-            "why": _why(rec, best, settings, step_s, cpus)}
+            "best_samples_per_s": best.samples_per_s, "gain_beyond": gain, "diagnosis": diagnosis,
+            "contended": contended, "text": text, "why": why}
 
 
 def _cpus_used(setting: Setting) -> float:
@@ -215,46 +292,59 @@ def _cpus_used(setting: Setting) -> float:
     return (setting.worker_cpu_pct or 0.0) * setting.workers / 100.0
 
 
-def _why(rec: Setting, best: Setting, settings: list[Setting], step_s: float, cpus: int) -> str:
+def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool) -> tuple[str, str]:
+    """What limits the recommended setting: ``(kind, explanation)`` (kinds: ``recommend``)."""
     busy = rec.worker_busy_pct
     cpu = rec.worker_cpu_pct
+    runq = rec.worker_runq_pct or 0.0
     wait = rec.wait_pct
     used = _cpus_used(rec)
-    waits_on_io = busy is not None and cpu is not None and busy >= 50.0 and cpu < 0.5 * busy and used < 0.5 * cpus
+    # Waiting for a CPU held by another process is not waiting on I/O: count it as CPU demand.
+    waits_on_io = (busy is not None and cpu is not None and busy >= 50.0 and cpu + runq < 0.5 * busy
+                   and used < 0.5 * cpus)
     if rec.workers == 0:
-        return ("loading in the training process is at least as fast as with workers: the per-batch work is "
-                "too small to pay for handing batches between processes (or the step leaves no CPU for them)")
+        return "inline", ("loading in the training process is at least as fast as with workers: the per-batch "
+                          "work is too small to pay for handing batches between processes (or the step leaves "
+                          "no CPU for them)")
     if step_s > 0 and wait < 5.0:
-        rss = f" and about {rec.peak_rss_mib:.0f} MiB" if rec.peak_rss_mib else ""
-        return (f"with {rec.workers} the training loop waits only {wait:.1f} % of the time: the input pipeline "
-                f"keeps up with the {step_s * 1e3:g} ms step, so more workers would only cost CPU{rss} each")
+        mem = f" and about {rec.uss_mib:.0f} MiB" if rec.uss_mib else ""
+        return "step", (f"with {rec.workers} the training loop waits only {wait:.1f} % of the time: the input "
+                        f"pipeline keeps up with the {step_s * 1e3:g} ms step, so more workers would only cost "
+                        f"CPU{mem} each")
     if waits_on_io:
         more = f" and more than the {cpus} CPUs help" if rec.workers > cpus else ""
-        return (f"the workers are {busy:.0f} % busy but use only {cpu:.0f} % of a CPU each: samples wait "
-                f"(I/O, sleep) more than they compute, so workers overlap the waits{more}")
-    if cpu is not None and (cpu >= 60.0 or used >= 0.6 * cpus):
-        return (f"the workers use {cpu:.0f} % of a CPU each ({used:.1f} of the {cpus} CPUs, which the training "
-                f"process shares): the pipeline is CPU-bound, more processes would share the same cores")
+        return "io", (f"the workers are {busy:.0f} % busy but use only {cpu:.0f} % of a CPU each: samples wait "
+                      f"(I/O, sleep) more than they compute, so workers overlap the waits{more}")
+    if cpu is not None and (cpu + runq >= 60.0 or used >= 0.6 * cpus):
+        return "cpu", (f"the workers use {cpu:.0f} % of a CPU each ({used:.1f} of the {cpus} CPUs, which the "
+                       f"training process shares): the pipeline is CPU-bound, more processes would share the "
+                       f"same cores")
     if busy is not None and wait >= 20.0 and busy < 60.0:
-        return (f"the training loop waits {wait:.0f} % of the time while the workers are idle {100 - busy:.0f} % "
-                "of it: the limit is in the training process (receiving batches, the loader's per-batch "
-                "cost, or the step), not in the workers, so more workers cannot help")
-    return (f"throughput stops growing after {rec.workers} (training loop waits {wait:.0f} %, workers "
-            f"{busy if busy is not None else 0:.0f} % busy, {cpu if cpu is not None else 0:.0f} % CPU)")
+        return "consumer", (f"the training loop waits {wait:.0f} % of the time while the workers are idle "
+                            f"{100 - busy:.0f} % of it: the limit is in the training process (receiving batches, "
+                            "the loader's per-batch cost, or the step), not in the workers, so more workers "
+                            "cannot help")
+    figures = (f"training loop waits {wait:.0f} %, workers {busy if busy is not None else 0:.0f} % busy, "
+               f"{cpu if cpu is not None else 0:.0f} % CPU")
+    if largest:
+        return "growing", f"throughput was still growing at {rec.workers}, the largest count measured ({figures})"
+    return "flat", f"throughput stops growing after {rec.workers} ({figures})"
 
 
 # ------------------------------------------------------------------------------ output
 def format_table(settings: list[Setting]) -> str:
     best = max((s.samples_per_s for s in settings), default=0.0) or 1.0
-    head = ("workers", "samples/s", "batches/s", "MB/s", "wait %", "busy %", "CPU %", "RSS MiB/worker",
-            "first batch s", "vs best")
+    head = ("workers", "samples/s", "spread", "batches/s", "MB/s", "wait %", "busy %", "CPU %", "runq %",
+            "USS MiB/worker", "first batch s", "vs best")
     rows = [head]
     for s in settings:
         rows.append((
-            str(s.workers), f"{s.samples_per_s:,.0f}", f"{s.batches_per_s:,.0f}", f"{s.mb_per_s:,.1f}",
+            str(s.workers), f"{s.samples_per_s:,.0f}", f"±{50 * spread(s):.0f} %" if s.repeats > 1 else "-",
+            f"{s.batches_per_s:,.0f}", f"{s.mb_per_s:,.1f}",
             f"{s.wait_pct:.1f}", "-" if s.worker_busy_pct is None else f"{s.worker_busy_pct:.1f}",
             "-" if s.worker_cpu_pct is None else f"{s.worker_cpu_pct:.0f}",
-            "-" if s.peak_rss_mib is None else f"{s.peak_rss_mib:.0f}", f"{s.first_batch_s:.3f}",
+            "-" if s.worker_runq_pct is None else f"{s.worker_runq_pct:.0f}" + ("!" if s.contended else ""),
+            "-" if s.uss_mib is None else f"{s.uss_mib:.0f}", f"{s.first_batch_s:.3f}",
             f"{100 * s.samples_per_s / best:.0f} %",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

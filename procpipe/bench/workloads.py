@@ -1,4 +1,6 @@
-"""The reference workloads of TARGETS.md, shared by ``python -m procpipe.bench`` and ``bench/compare.py``.
+"""The reference workloads, shared by ``python -m procpipe.bench`` and ``bench/compare.py``.
+
+They are the workloads the performance goals are measured on (README.md, "Performance goals").
 
 Every dataset is a module-level class (picklable by reference, so any start method and
 any loader can ship it to its workers) with ``__len__`` and ``__getitem__(int)``:

@@ -194,7 +194,7 @@ def _rows(node: list, start: int, stop: int) -> list:
     if kind == ARRAY:
         dtype, shape = np.dtype(node[1]), tuple(node[2])
         row = dtype.itemsize * math.prod(shape[1:])
-        return [ARRAY, node[1], (stop - start,) + shape[1:], node[3] + start * row]
+        return [ARRAY, node[1], (stop - start,) + shape[1:], node[3] + start * row, *node[4:]]
     if kind == INLINE:
         return [INLINE, node[1][start:stop]]
     return [kind, node[1], [_rows(child, start, stop) for child in node[2]]]

@@ -160,7 +160,7 @@ class InlineStream:
         self._loader = loader
         self._coordinator = None
         self._spec = loader._spec
-        self._scope = SampleScope(self._spec.seed)
+        self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
         self._with_epoch = loader._with_epoch
         self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         self._stream.open(self._stream.first)
