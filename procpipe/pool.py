@@ -192,7 +192,7 @@ def stop_all(workers: list[WorkerHandle]) -> None:
             pass
     deadline = time.monotonic() + 2.0
     running = {w.process.sentinel: w for w in workers}
-    replies = {w.conn: w for w in workers}
+    replies = {w.conn: w for w in workers if not w.conn.closed}
     while running and (left := deadline - time.monotonic()) > 0:
         for ready in wait_ready([*running, *replies], left):
             if ready in running:
