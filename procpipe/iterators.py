@@ -89,6 +89,8 @@ class EpochIterator:
                 self._coordinator.consumed_one(stream, epoch, seq)
                 if epoch.number > self.number:
                     self._enter(epoch)
+                if type(batch) is Failure:  # this batch's user code raised; the next one follows
+                    raise batch.exc
                 return (epoch.number, batch) if self._with_epoch else batch
             if isinstance(item, EpochEnd):
                 self._epoch_end(item.epoch)
@@ -204,7 +206,10 @@ class InlineIterator(EpochIterator):
             try:
                 layout, kept = self._load(seq, indices)
             except Exception:
-                self._done = True
+                if self._skips is not None:  # on_error="skip" past its budget: the epoch ends
+                    self._done = True
+                else:  # as with workers: this batch raises, the next next() goes on after it
+                    self._progress.add(seq)
                 raise
             self._progress.add(seq)
             if layout is not None:  # None: on_error="skip" left out every sample of the batch

@@ -83,7 +83,8 @@ class Loader:
             Needs torch (imported only when ``device`` is given); see
             ``procpipe.torch_device`` and README.md, "Device prefetch".
         on_error: ``"raise"`` (default): an exception in ``fn``/``__getitem__``/``collate_fn``
-            ends the epoch with that exception. ``"skip"``: a failing sample is left out of
+            is raised by ``next()`` in place of its batch; the next ``next()`` goes on with
+            the following batches (as torch's DataLoader). ``"skip"``: a failing sample is left out of
             its batch (the batch is smaller); a batch whose collation fails is left out
             whole. Each skip is logged (logger ``"procpipe"``, with index and exception)
             and listed in ``stats()["skipped"]``.
