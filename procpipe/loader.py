@@ -334,6 +334,15 @@ class Loader:
             return []
         return [w.process.pid for w in self._coordinator.workers]
 
+    @property
+    def worker_processes(self) -> list[Any]:
+        """The live workers' process objects (``multiprocess.Process``: ``pid``, ``is_alive()``,
+        ``join()``...), for code that watches them; empty for ``workers=0`` or once closed.
+        procpipe starts, restarts and stops them: do not terminate them yourself."""
+        if self._coordinator is None or self._closed:
+            return []
+        return [w.process for w in self._coordinator.workers]
+
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
         (indices computed so far), ``sample_bytes``, ``bytes`` (the file); None without one."""

@@ -20,18 +20,22 @@ when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one.
 """
 from __future__ import annotations
 
+import copy
 import io
+import operator
 import os
 import pickle
 import random
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from . import classref
 from .loader import Loader
 from .rng import _current as _rng_current
 from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
@@ -64,6 +68,20 @@ _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
 _Leaf = NamedTuple("_Leaf", [("value", Any)])  # str/bytes/None/objects: torch's collate decides
+# A Mapping that is not a dict: its items, and an empty copy (its class and attributes)
+_MappingOf = NamedTuple("_MappingOf", [("template", Any), ("items", dict)])
+
+
+class _Opaque:
+    """A value the core must carry as is (not walk into, as it would a mapping)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple:
+        return _Opaque, (self.value,)
 _BITS_MARKERS: dict[type, torch.dtype] = {}
 _MARKER_OF: dict[torch.dtype, type] = {}
 for _dt, _name in _DTYPE_NAMES.items():
@@ -107,13 +125,40 @@ def _sample_to_wire(x: Any) -> Any:
         return x
     if kind is complex:  # the core would stack it; torch's default_collate refuses it
         raise TypeError(_tud._utils.collate.default_collate_err_msg_format.format(kind))
-    if kind is dict or isinstance(x, Mapping):
+    if kind is dict:
         return {k: _sample_to_wire(v) for k, v in x.items()}
+    if isinstance(x, Mapping):  # torch's default_collate keeps the class: carry it
+        return _MappingOf(_Opaque(_empty_like(x)), {k: _sample_to_wire(v) for k, v in x.items()})
     if kind is tuple or kind is list:
         return kind([_sample_to_wire(v) for v in x])
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return kind(*(_sample_to_wire(v) for v in x))
     return _Leaf(x)
+
+
+def _empty_like(mapping: Mapping) -> Any:
+    """What default_collate rebuilds a Mapping subclass from: an emptied shallow copy of a
+    mutable one (its class and attributes, e.g. a defaultdict's factory), else its class."""
+    if isinstance(mapping, MutableMapping):
+        try:
+            clone = copy.copy(mapping)
+            clone.clear()
+            return clone
+        except Exception:  # noqa: BLE001 - default_collate falls back to a dict too
+            return dict
+    return type(mapping)
+
+
+def _rebuild_mapping(template: Any, items: dict) -> Any:
+    """``items`` in the first sample's mapping class, as default_collate does (a dict if it cannot)."""
+    try:
+        if isinstance(template, MutableMapping):
+            clone = copy.copy(template)
+            clone.update(items)
+            return clone
+        return template(items)
+    except TypeError:
+        return items
 
 
 def _from_default(x: Any, in_sequence: bool = False) -> Any:
@@ -125,6 +170,8 @@ def _from_default(x: Any, in_sequence: bool = False) -> Any:
         return {k: _from_default(v) for k, v in x.items()}
     if kind is list or kind is tuple:  # torch turns a tuple of columns into a list
         return [_from_default(v, True) for v in x]
+    if kind is _MappingOf:
+        return _rebuild_mapping(x.template[0].value, _from_default(x.items))
     if kind is _Leaf:
         # default_collate sees a column as the tuple zip() makes (inside a sequence) or a list.
         values = x.value
@@ -143,7 +190,7 @@ class _Packed(NamedTuple):
     arrays: list  # those arrays, in the ring
 
 
-class _RefPickler(pickle.Pickler):
+class _RefPickler(classref.Pickler):
     def __init__(self, file: Any, arrays: list) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays = arrays
@@ -179,9 +226,7 @@ def _pack(obj: Any) -> _Packed:
     try:
         _RefPickler(buffer, arrays).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
-        import dill  # lambdas, local classes...
-
-        class _DillRefPickler(dill.Pickler):
+        class _DillRefPickler(classref.DillPickler):  # lambdas, local classes...
             def persistent_id(self, o: Any) -> Any:
                 return _persistent_id(self, o)
 
@@ -205,7 +250,23 @@ class _RefUnpickler(pickle.Unpickler):
         return tensor.requires_grad_() if ref[3] else tensor
 
 
-def _unpack(packed: _Packed) -> Any:
+class _InProcess:
+    """A ``collate_fn`` result or unbatched sample made in this process (``num_workers=0``):
+    handed over as is, so it is the very object (and class) torch's DataLoader would yield."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _pack_for_consumer(obj: Any) -> _Packed | _InProcess:
+    return _InProcess(obj) if _worker_index() is None else _pack(obj)
+
+
+def _unpack(packed: _Packed | _InProcess) -> Any:
+    if type(packed) is _InProcess:
+        return packed.value
     return _RefUnpickler(io.BytesIO(packed.skeleton), packed.arrays).load()
 
 
@@ -219,12 +280,13 @@ class _PackingCollate:
     def __init__(self, collate_fn: Callable[[list], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, samples: list) -> _Packed:
-        return _pack(self.collate_fn(samples))
+    def __call__(self, samples: list) -> _Packed | _InProcess:
+        return _pack_for_consumer(self.collate_fn(samples))
 
 
 # ---- the dataset, as the workers see it -----------------------------------------------
-DEFAULT, CUSTOM, UNBATCHED = "default", "custom", "unbatched"
+# BULK: batch_size=None with a sampler yielding lists of indices: dataset[list] per item.
+DEFAULT, CUSTOM, UNBATCHED, BULK = "default", "custom", "unbatched", "bulk"
 
 
 def _mix(*values: int) -> int:
@@ -318,28 +380,79 @@ class _TorchSource:
                 torch.default_generator.manual_seed(s)
                 random.seed(s)
                 np.random.seed(s & 0xFFFFFFFF)
+        if self.mode == BULK:
+            return index  # _BulkFetch loads the whole list at once
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             return _sample_to_wire(sample)
         if self.mode == UNBATCHED:
-            return _pack(sample if self.item_fn is None else self.item_fn(sample))
+            return _pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))
         return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
 
 
+class _BulkFetch:
+    """``collate_fn`` for the core in ``BULK`` mode, run in the worker: ``dataset[indices]``
+    (the sampler's item, a list) in one call, then the user's ``collate_fn``, if any."""
+
+    def __init__(self, source: _TorchSource) -> None:
+        self.source = source
+
+    def __call__(self, indices: list) -> _Packed | _InProcess:
+        source = self.source
+        data = source.dataset[list(indices)]
+        return _pack_for_consumer(data if source.item_fn is None else source.item_fn(data))
+
+
+def _is_index(item: Any) -> bool:
+    try:
+        operator.index(item)
+    except TypeError:
+        return False
+    return True
+
+
 class _SamplerBatches:
-    """``batches=`` for the core: one epoch of a torch (batch) sampler, materialized."""
+    """``batches=`` for the core: one epoch of a torch (batch) sampler, materialized.
+
+    Without auto-batching (``batch_size=None``) a sampler item is either one index or,
+    as torch allows, a list of indices the dataset loads at once ("bulk loading"):
+    ``plan()`` draws the epoch's items before the loader starts and says which.
+    """
 
     def __init__(self, index_sampler: Any, unbatched: bool) -> None:
         self.index_sampler = index_sampler
         self.unbatched = unbatched
+        self.bulk = False
+        self._planned: list | None = None
 
     def __len__(self) -> int:
         return len(self.index_sampler)
 
+    def plan(self) -> bool:
+        """Draw the next epoch's items from the sampler now (the next call returns them);
+        whether they are lists of indices (bulk loading)."""
+        self._planned = items = list(self.index_sampler)
+        return bool(items) and not _is_index(items[0])
+
     def __call__(self, epoch: int) -> list:
-        if self.unbatched:
-            return [[index] for index in self.index_sampler]
-        return [list(batch) for batch in self.index_sampler]
+        items, self._planned = self._planned, None
+        if items is None:
+            items = list(self.index_sampler)
+        if not self.unbatched:
+            return [list(batch) for batch in items]
+        if not self.bulk:
+            return [[index] for index in items]
+        out = []
+        for position, item in enumerate(items):
+            if _is_index(item) or not all(_is_index(i) for i in item):
+                raise TypeError(
+                    f"the sampler yielded {item!r} (item {position}) after lists of indices: with "
+                    "batch_size=None, procpipe.torch.DataLoader takes a sampler yielding integer indices, "
+                    "or one yielding lists of integer indices (each list is passed to dataset[...] at once), "
+                    "not a mix"
+                )
+            out.append(list(item))
+        return out
 
 
 # --------------------------------------------------------------------------- DataLoader facade
@@ -352,7 +465,10 @@ def _start_method(context: Any) -> str:
     return method
 
 
-class DataLoader(_tud.DataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader``, loading with procpipe's engine.
 
     Accepts torch's arguments with torch's meaning and yields the same batches, in the
@@ -452,7 +568,9 @@ class DataLoader(_tud.DataLoader):
             worker_env=worker_env,
             batches=_SamplerBatches(self._index_sampler, mode == UNBATCHED),
         )
+        self._pp_bulk_collate = _BulkFetch(self._pp_source)
         self._pp_loader: Loader | None = None
+        self._pp_epoch_loader: weakref.ref | None = None  # the running epoch's (persistent_workers=False)
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -475,12 +593,15 @@ class DataLoader(_tud.DataLoader):
         if self.pin_memory and torch.accelerator.is_available():
             accelerator = torch.accelerator.current_accelerator()
             pin = accelerator is not None and accelerator.type != "mps"
+        if self._pp_source.mode in (UNBATCHED, BULK):
+            self._pp_plan_unbatched()
         if self.persistent_workers or self.num_workers == 0:
             if self._pp_loader is None:
                 self._pp_loader = Loader(self._pp_source, **self._pp_options)
             loader, owned = self._pp_loader, None
         else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
             loader = owned = Loader(self._pp_source, **self._pp_options)
+            self._pp_epoch_loader = weakref.ref(owned)
         loader.set_epoch(self._pp_epochs)
         self._pp_epochs += 1
         epoch = iter(loader)
@@ -498,10 +619,31 @@ class DataLoader(_tud.DataLoader):
             stage = Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None)
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
-        return _DataLoaderIter(epoch, convert, stage, owned, len(self))
+        return _DataLoaderIter(epoch, convert, stage, owned, len(self), loader)
+
+    def _pp_plan_unbatched(self) -> None:
+        """``batch_size=None``: draw the epoch's sampler items, and load each as one index or,
+        for lists of indices, as one ``dataset[list]`` call (a loader's workers do one or the other)."""
+        batches: _SamplerBatches = self._pp_options["batches"]
+        bulk = batches.plan()
+        if bulk == (self._pp_source.mode == BULK):
+            return
+        if self._pp_loader is not None:
+            raise TypeError(
+                "the sampler switched between yielding indices and lists of indices; the workers of a "
+                "persistent procpipe.torch.DataLoader load one kind: create a new DataLoader"
+            )
+        batches.bulk = bulk
+        self._pp_source.mode = BULK if bulk else UNBATCHED
+        self._pp_options["batch_size"] = 1 if bulk else None
+        self._pp_options["collate_fn"] = self._pp_bulk_collate if bulk else None
 
     def close(self) -> None:
-        """End the workers and remove the shared memory now (otherwise done when collected)."""
+        """End the workers and remove the shared memory now (otherwise done when collected),
+        those of an epoch still being iterated included."""
+        epoch_loader = self._pp_epoch_loader() if self._pp_epoch_loader is not None else None
+        if epoch_loader is not None:
+            epoch_loader.close()
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
@@ -516,12 +658,19 @@ class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
     def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
-                 length: int) -> None:
+                 length: int, loader: Loader) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
         self._owned = owned  # a per-epoch Loader (persistent_workers=False), closed at the end
         self._length = length
+        self._loader = loader
+
+    @property
+    def _workers(self) -> list:
+        """The worker processes (``multiprocess.Process``), as torch's iterator's ``_workers``
+        (code that reaches into it: ``pid``, ``is_alive()``, ``join()``). Empty once closed."""
+        return self._loader.worker_processes
 
     def __iter__(self) -> _DataLoaderIter:
         return self
