@@ -49,6 +49,13 @@ def _by_qualname(cls: type) -> Any:
         return None
 
 
+_MAIN_NAMES = {"__main__", "__mp_main__"}  # a worker imports the main script again as __mp_main__
+
+
+def _same_module(a: str, b: str) -> bool:
+    return a == b or (a in _MAIN_NAMES and b in _MAIN_NAMES)
+
+
 def _search(cls: type) -> str:
     """Where ``cls`` is in its module: by identity, else the one class of the same name; "" if nowhere."""
     module = sys.modules.get(cls.__module__)
@@ -65,7 +72,7 @@ def _search(cls: type) -> str:
             seen.add(id(value))
             if value is cls:
                 return path
-            if value.__name__ == cls.__name__ and value.__module__ == cls.__module__:
+            if value.__name__ == cls.__name__ and _same_module(value.__module__, cls.__module__):
                 same_name.append(path)
             for name, inner in list(vars(value).items()):
                 if isinstance(inner, type):
