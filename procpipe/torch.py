@@ -478,9 +478,13 @@ class DataLoader(_tud.DataLoader[_T_co]):
     "PyTorch: procpipe.torch.DataLoader":
 
     - map-style datasets only (an ``IterableDataset`` raises ``TypeError``); the sampler
-      must have a length and yield integer indices; ``__getitems__`` is not used (each
-      index is fetched with ``__getitem__``, which is what it stands for);
-    - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"``;
+      must have a length and yield integer indices (with ``batch_size=None``, or lists of
+      them: each list is loaded with one ``dataset[list]`` call); ``__getitems__`` is not
+      used (each index is fetched with ``__getitem__``, which is what it stands for);
+    - ``multiprocessing_context=None`` means procpipe's fork-safe ``"forkserver"`` (a
+      dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+    - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
+      is the worker that really loads it;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
       before every sample from ``(seed, epoch, index)``, so augmentation does not depend
       on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import pickle
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from typing import Any
@@ -129,7 +130,8 @@ class WhoLoads(tud.Dataset):
         if info is None:
             return {"index": i, "id": -1, "workers": 0, "pid": os.getpid(), "init": -1}
         return {"index": i, "id": info.id, "workers": info.num_workers, "pid": os.getpid(),
-                "init": INIT_SEEN.get(os.getpid(), -2), "has_dataset": info.dataset is not None}
+                "init": INIT_SEEN.get(os.getpid(), -2), "has_dataset": info.dataset is not None,
+                "seed": str(info.seed)}
 
 
 INIT_SEEN: dict[int, int] = {}
@@ -351,6 +353,8 @@ def test_worker_init_fn_and_get_worker_info():
             assert b["has_dataset"].tolist() == [True, True]
             assert b["init"].tolist() == b["id"].tolist(), "worker_init_fn got the id get_worker_info() reports"
         assert len({int(p) for b in batches for p in b["pid"]}) <= 2
+        seeds = {i: int(seed) for b in batches for i, seed in zip(b["id"].tolist(), b["seed"])}
+        assert len(set(seeds.values())) == len(seeds), "each worker has its own seed"
     same([b["index"] for b in ref], [b["index"] for b in got])
     ref, got = both(WhoLoads(), batch_size=2, num_workers=0)
     same(ref, got)  # no workers: get_worker_info() is None, in this process
@@ -414,19 +418,22 @@ def test_dataset_synchronization_objects_need_fork():
     assert "through inheritance" in str(info.value)
 
 
-def test_local_worker_init_fn_under_forkserver_differs_on_purpose():
-    """torch pickles worker_init_fn with pickle, which refuses a local function; procpipe ships
-    it with dill, so it works."""
+def test_local_functions_under_forkserver_differ_on_purpose():
+    """torch pickles worker_init_fn and collate_fn with pickle, which refuses a local function or a
+    lambda; procpipe ships them with dill, so they work."""
     seen = []
 
     def init(worker_id):  # a closure: not picklable by pickle
         seen.append(worker_id)
 
-    kwargs = dict(batch_size=2, num_workers=2, worker_init_fn=init, multiprocessing_context="forkserver")
-    with pytest.raises(AttributeError, match="local object"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's own hint about picklable worker arguments
-        drain(TorchDataLoader(Squares(4), **kwargs))
-    same(drain(ProcpipeDataLoader(Squares(4), **kwargs)), drain(TorchDataLoader(Squares(4), batch_size=2)))
+    expected = drain(TorchDataLoader(Squares(4), batch_size=2))
+    for local in (dict(worker_init_fn=init), dict(collate_fn=lambda samples: tud.default_collate(samples))):
+        kwargs = dict(batch_size=2, num_workers=2, multiprocessing_context="forkserver", **local)
+        with pytest.raises((AttributeError, pickle.PicklingError), match="local object|lambda"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own hint about picklable worker arguments
+            drain(TorchDataLoader(Squares(4), **kwargs))
+        same(drain(ProcpipeDataLoader(Squares(4), **kwargs)), expected)
 
 
 def test_worker_init_fn_seeding_differs_on_purpose():
