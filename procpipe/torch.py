@@ -69,7 +69,16 @@ _DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _BITS_VIEW}
 # core stacks like any namedtuple; the consumer recognises the class.
 _Leaf = NamedTuple("_Leaf", [("value", Any)])  # str/bytes/None/objects: torch's collate decides
 # A Mapping that is not a dict: its items, and an empty copy (its class and attributes)
+# wrapped in an _Opaque, so the core carries it as is instead of stacking it.
 _MappingOf = NamedTuple("_MappingOf", [("template", Any), ("items", dict)])
+_BITS_MARKERS: dict[type, torch.dtype] = {}
+_MARKER_OF: dict[torch.dtype, type] = {}
+for _dt, _name in _DTYPE_NAMES.items():
+    _cls = NamedTuple(f"_Bits_{_name}", [("bits", Any)])
+    _cls.__module__ = __name__
+    globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
+    _BITS_MARKERS[_cls] = _dt
+    _MARKER_OF[_dt] = _cls
 
 
 class _Opaque:
@@ -79,17 +88,6 @@ class _Opaque:
 
     def __init__(self, value: Any) -> None:
         self.value = value
-
-    def __reduce__(self) -> tuple:
-        return _Opaque, (self.value,)
-_BITS_MARKERS: dict[type, torch.dtype] = {}
-_MARKER_OF: dict[torch.dtype, type] = {}
-for _dt, _name in _DTYPE_NAMES.items():
-    _cls = NamedTuple(f"_Bits_{_name}", [("bits", Any)])
-    _cls.__module__ = __name__
-    globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
-    _BITS_MARKERS[_cls] = _dt
-    _MARKER_OF[_dt] = _cls
 
 
 def _tensor_numpy(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype | None]:

@@ -39,7 +39,8 @@ def same(a: Any, b: Any, path: str = "batch") -> None:
     """``a`` and ``b`` are equal, leaf for leaf, and of the very same types."""
     assert type(a) is type(b), f"{path}: {type(a)!r} is not {type(b)!r}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert torch.equal(a, b), f"{path}: {a} != {b}"
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: {a} != {b}"
@@ -55,10 +56,6 @@ def same(a: Any, b: Any, path: str = "batch") -> None:
         same(dataclasses.asdict(a), dataclasses.asdict(b), path)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def make(cls: type, dataset: Any, **kwargs: Any) -> Any:
-    return cls(dataset, **kwargs)
 
 
 def drain(loader: Any) -> list:
