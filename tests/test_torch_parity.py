@@ -14,6 +14,7 @@ Tiny datasets and 2 workers keep it fast.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import pickle
@@ -372,14 +373,19 @@ def test_which_worker_loads_which_batch_differs_on_purpose():
 
 
 def test_iterator_workers_attribute():
+    """``iter(loader)._workers``: the worker processes; they exit when the iterator goes, after an
+    error in a batch too."""
     for cls in (TorchDataLoader, ProcpipeDataLoader):
-        loader = cls(Squares(), batch_size=2, num_workers=2)
+        loader = cls(FailsAt((2,)), batch_size=2, num_workers=2)
         it = iter(loader)
         next(it)
+        with pytest.raises(KeyError):
+            next(it)
         workers = it._workers
         assert len(workers) == 2 and all(w.is_alive() for w in workers), cls
         assert len({w.pid for w in workers}) == 2
         del it  # a non-persistent iterator's workers end with it
+        gc.collect()  # (the raised exception's traceback and its frames form a cycle holding it)
         for w in workers:
             w.join(JOIN_S)
             assert not w.is_alive(), cls
