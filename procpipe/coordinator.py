@@ -508,7 +508,7 @@ class Coordinator:
             self._release_unused(attempt.slot)
             error = message[2:7]
             if epoch.skips is None:
-                epoch.deliver(job.seq, Failure(rebuild_error(error, worker, job, epoch.number)))
+                epoch.deliver(job.seq, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
             elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
                 epoch.drop()
                 epoch.deliver(job.seq, EmptyBatch)

@@ -14,7 +14,9 @@ The stream opens the next epoch as soon as every batch of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
 reassembly, counters and progress, and all of them feed one queue, tagged with their
 epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch,
-``EndOfEpoch`` after the stream, and a ``Failure`` that ends it.
+``EndOfEpoch`` after the stream, and a ``Failure`` that ends it. A batch whose user code
+raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
+the iteration goes on with the next batch (as torch's DataLoader does).
 """
 from __future__ import annotations
 
@@ -58,9 +60,16 @@ class EmptyBatch:
 
 @dataclass
 class Failure:
-    """Queue item: the epoch ends with this exception, raised in the consumer."""
+    """Queue item: the epoch ends with this exception, raised in the consumer.
+
+    ``batch_only``: only one batch failed (its user code raised); it is delivered in that
+    batch's place, raised by ``next()``, and the next ``next()`` goes on with the batches
+    after it. Otherwise (a dead engine, a broken sampler, a skip budget overrun) the
+    iteration ends with it.
+    """
 
     exc: BaseException
+    batch_only: bool = False
 
 
 @dataclass(eq=False)
@@ -180,7 +189,7 @@ class Epoch:
         for ready_seq, ready in self.reassembly.add(seq, item):
             if self.finished:
                 return
-            if isinstance(ready, Failure):
+            if isinstance(ready, Failure) and not ready.batch_only:
                 self.stream.fail_at(self, ready)
                 return
             if ready is EmptyBatch:

@@ -93,6 +93,8 @@ class EpochIterator:
                 self.position = (epoch.number, seq)  # device_fn's batch_rng() key (torch_device)
                 if epoch.number > self.number:
                     self._enter(epoch)
+                if type(batch) is Failure:  # this batch's user code raised; the next one follows
+                    raise batch.exc
                 return (epoch.number, batch) if self._with_epoch else batch
             if isinstance(item, EpochEnd):
                 self._epoch_end(item.epoch)
@@ -208,7 +210,10 @@ class InlineIterator(EpochIterator):
             try:
                 layout, kept = self._load(seq, indices)
             except Exception:
-                self._done = True
+                if self._skips is not None:  # on_error="skip" past its budget: the epoch ends
+                    self._done = True
+                else:  # as with workers: this batch raises, the next next() goes on after it
+                    self._progress.add(seq)
                 raise
             self._progress.add(seq)
             if layout is not None:  # None: on_error="skip" left out every sample of the batch

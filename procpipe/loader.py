@@ -96,7 +96,8 @@ class Loader:
             seeded from ``(seed, epoch, the batch's position in the epoch)``. Needs a
             ``device``.
         on_error: ``"raise"`` (default): an exception in ``fn``/``__getitem__``/``collate_fn``
-            ends the epoch with that exception. ``"skip"``: a failing sample is left out of
+            is raised by ``next()`` in place of its batch; the next ``next()`` goes on with
+            the following batches (as torch's DataLoader). ``"skip"``: a failing sample is left out of
             its batch (the batch is smaller); a batch whose collation fails is left out
             whole. Each skip is logged (logger ``"procpipe"``, with index and exception)
             and listed in ``stats()["skipped"]``.
@@ -359,6 +360,15 @@ class Loader:
         if self._coordinator is None or self._closed:
             return []
         return [w.process.pid for w in self._coordinator.workers]
+
+    @property
+    def worker_processes(self) -> list[Any]:
+        """The live workers' process objects (``multiprocess.Process``: ``pid``, ``is_alive()``,
+        ``join()``...), for code that watches them; empty for ``workers=0`` or once closed.
+        procpipe starts, restarts and stops them: do not terminate them yourself."""
+        if self._coordinator is None or self._closed:
+            return []
+        return [w.process for w in self._coordinator.workers]
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``

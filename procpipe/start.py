@@ -27,7 +27,7 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
     try:
         ctx = context(config.start_method, config.worker_env, files)
         spec.cache = open_cache(spec, cache, files, shm_dir)  # runs the first sample here
-        shipped = spec if config.start_method == "fork" else ship_spec(spec, files)
+        shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
         return Coordinator(config, ctx, shipped, files)
     except BaseException:
         files.remove_all()
@@ -77,13 +77,25 @@ def _imported_modules() -> list[str]:
     )
 
 
-def ship_spec(spec: WorkerSpec, files: SharedFiles) -> str:
+_INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle Value, Array, Lock, Event...
+
+
+def ship_spec(spec: WorkerSpec, files: SharedFiles, start_method: str = "forkserver") -> str:
     """Pickle the dataset, fn and collate_fn once (dill), into a shared file every worker reads."""
     try:
         data = dump_spec(spec)
     except Exception as exc:
+        if _INHERITED_ONLY in str(exc):
+            raise TypeError(
+                f"procpipe could not send the source, fn or collate_fn to workers started with "
+                f"start_method={start_method!r}: {exc}. They hold a multiprocessing synchronization object "
+                "(Value, Array, Lock, Event, Semaphore...), which reaches a child process only by "
+                "inheritance: use start_method='fork' (procpipe.torch.DataLoader: "
+                "multiprocessing_context='fork'), where workers inherit it, or create it in the worker."
+            ) from exc
         raise TypeError(
-            f"procpipe could not serialize the source, fn or collate_fn for the workers: {exc}. "
+            f"procpipe could not serialize the source, fn or collate_fn for the workers "
+            f"(start_method={start_method!r}): {exc}. "
             "Everything passed to Loader must be picklable by dill; open files, locks and sockets "
             "should be opened lazily inside __getitem__ or fn instead. start_method='fork' avoids "
             "serialization altogether."

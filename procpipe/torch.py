@@ -21,18 +21,22 @@ is read by one replica per worker, each a streaming source (``procpipe.torch_ite
 """
 from __future__ import annotations
 
+import copy
 import io
+import operator
 import os
 import pickle
 import random
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+import weakref
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from . import classref
 from .loader import Loader
 from .rng import mix_seed as _mix
 from .rng import reseed_current_sample
@@ -55,6 +59,9 @@ _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
 _Leaf = NamedTuple("_Leaf", [("value", Any)])  # str/bytes/None/objects: torch's collate decides
+# A Mapping that is not a dict: its items, and an empty copy (its class and attributes)
+# wrapped in an _Opaque, so the core carries it as is instead of stacking it.
+_MappingOf = NamedTuple("_MappingOf", [("template", Any), ("items", dict)])
 _BITS_MARKERS: dict[type, torch.dtype] = {}
 _MARKER_OF: dict[torch.dtype, type] = {}
 for _dt, _name in _DTYPE_NAMES.items():
@@ -63,6 +70,15 @@ for _dt, _name in _DTYPE_NAMES.items():
     globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
     _BITS_MARKERS[_cls] = _dt
     _MARKER_OF[_dt] = _cls
+
+
+class _Opaque:
+    """A value the core must carry as is (not walk into, as it would a mapping)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 # ---- default collate: samples in the worker, batches in the consumer -------------------
@@ -78,13 +94,40 @@ def _sample_to_wire(x: Any) -> Any:
         return x
     if kind is complex:  # the core would stack it; torch's default_collate refuses it
         raise TypeError(_tud._utils.collate.default_collate_err_msg_format.format(kind))
-    if kind is dict or isinstance(x, Mapping):
+    if kind is dict:
         return {k: _sample_to_wire(v) for k, v in x.items()}
+    if isinstance(x, Mapping):  # torch's default_collate keeps the class: carry it
+        return _MappingOf(_Opaque(_empty_like(x)), {k: _sample_to_wire(v) for k, v in x.items()})
     if kind is tuple or kind is list:
         return kind([_sample_to_wire(v) for v in x])
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         return kind(*(_sample_to_wire(v) for v in x))
     return _Leaf(x)
+
+
+def _empty_like(mapping: Mapping) -> Any:
+    """What default_collate rebuilds a Mapping subclass from: an emptied shallow copy of a
+    mutable one (its class and attributes, e.g. a defaultdict's factory), else its class."""
+    if isinstance(mapping, MutableMapping):
+        try:
+            clone = copy.copy(mapping)
+            clone.clear()
+            return clone
+        except Exception:  # noqa: BLE001 - default_collate falls back to a dict too
+            return dict
+    return type(mapping)
+
+
+def _rebuild_mapping(template: Any, items: dict) -> Any:
+    """``items`` in the first sample's mapping class, as default_collate does (a dict if it cannot)."""
+    try:
+        if isinstance(template, MutableMapping):
+            clone = copy.copy(template)
+            clone.update(items)
+            return clone
+        return template(items)
+    except TypeError:
+        return items
 
 
 def _from_default(x: Any, in_sequence: bool = False) -> Any:
@@ -96,6 +139,8 @@ def _from_default(x: Any, in_sequence: bool = False) -> Any:
         return {k: _from_default(v) for k, v in x.items()}
     if kind is list or kind is tuple:  # torch turns a tuple of columns into a list
         return [_from_default(v, True) for v in x]
+    if kind is _MappingOf:
+        return _rebuild_mapping(x.template[0].value, _from_default(x.items))
     if kind is _Leaf:
         # default_collate sees a column as the tuple zip() makes (inside a sequence) or a list.
         values = x.value
@@ -114,7 +159,7 @@ class _Packed(NamedTuple):
     arrays: list  # those arrays, in the ring
 
 
-class _RefPickler(pickle.Pickler):
+class _RefPickler(classref.Pickler):
     def __init__(self, file: Any, arrays: list) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays = arrays
@@ -150,9 +195,7 @@ def _pack(obj: Any) -> _Packed:
     try:
         _RefPickler(buffer, arrays).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
-        import dill  # lambdas, local classes...
-
-        class _DillRefPickler(dill.Pickler):
+        class _DillRefPickler(classref.DillPickler):  # lambdas, local classes...
             def persistent_id(self, o: Any) -> Any:
                 return _persistent_id(self, o)
 
@@ -176,7 +219,23 @@ class _RefUnpickler(pickle.Unpickler):
         return tensor.requires_grad_() if ref[3] else tensor
 
 
-def _unpack(packed: _Packed) -> Any:
+class _InProcess:
+    """A ``collate_fn`` result or unbatched sample made in this process (``num_workers=0``):
+    handed over as is, so it is the very object (and class) torch's DataLoader would yield."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _pack_for_consumer(obj: Any) -> _Packed | _InProcess:
+    return _InProcess(obj) if _worker_index() is None else _pack(obj)
+
+
+def _unpack(packed: _Packed | _InProcess) -> Any:
+    if type(packed) is _InProcess:
+        return packed.value
     return _RefUnpickler(io.BytesIO(packed.skeleton), packed.arrays).load()
 
 
@@ -190,12 +249,13 @@ class _PackingCollate:
     def __init__(self, collate_fn: Callable[[list], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, samples: list) -> _Packed:
-        return _pack(self.collate_fn(samples))
+    def __call__(self, samples: list) -> _Packed | _InProcess:
+        return _pack_for_consumer(self.collate_fn(samples))
 
 
 # ---- the dataset, as the workers see it -----------------------------------------------
-DEFAULT, CUSTOM, UNBATCHED = "default", "custom", "unbatched"
+# BULK: batch_size=None with a sampler yielding lists of indices: dataset[list] per item.
+DEFAULT, CUSTOM, UNBATCHED, BULK = "default", "custom", "unbatched", "bulk"
 
 
 _WORKER_NAME = "procpipe-worker-"  # the coordinator names its processes procpipe-worker-<index>
@@ -271,28 +331,79 @@ class _TorchSource:
         if self._pid != os.getpid():
             self._enter_process()
             reseed_current_sample()  # the per-worker set-up above re-seeded the generators
+        if self.mode == BULK:
+            return index  # _BulkFetch loads the whole list at once
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             return _sample_to_wire(sample)
         if self.mode == UNBATCHED:
-            return _pack(sample if self.item_fn is None else self.item_fn(sample))
+            return _pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))
         return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
 
 
+class _BulkFetch:
+    """``collate_fn`` for the core in ``BULK`` mode, run in the worker: ``dataset[indices]``
+    (the sampler's item, a list) in one call, then the user's ``collate_fn``, if any."""
+
+    def __init__(self, source: _TorchSource) -> None:
+        self.source = source
+
+    def __call__(self, indices: list) -> _Packed | _InProcess:
+        source = self.source
+        data = source.dataset[list(indices)]
+        return _pack_for_consumer(data if source.item_fn is None else source.item_fn(data))
+
+
+def _is_index(item: Any) -> bool:
+    try:
+        operator.index(item)
+    except TypeError:
+        return False
+    return True
+
+
 class _SamplerBatches:
-    """``batches=`` for the core: one epoch of a torch (batch) sampler, materialized."""
+    """``batches=`` for the core: one epoch of a torch (batch) sampler, materialized.
+
+    Without auto-batching (``batch_size=None``) a sampler item is either one index or,
+    as torch allows, a list of indices the dataset loads at once ("bulk loading"):
+    ``plan()`` draws the epoch's items before the loader starts and says which.
+    """
 
     def __init__(self, index_sampler: Any, unbatched: bool) -> None:
         self.index_sampler = index_sampler
         self.unbatched = unbatched
+        self.bulk = False
+        self._planned: list | None = None
 
     def __len__(self) -> int:
         return len(self.index_sampler)
 
+    def plan(self) -> bool:
+        """Draw the next epoch's items from the sampler now (the next call returns them);
+        whether they are lists of indices (bulk loading)."""
+        self._planned = items = list(self.index_sampler)
+        return bool(items) and not _is_index(items[0])
+
     def __call__(self, epoch: int) -> list:
-        if self.unbatched:
-            return [[index] for index in self.index_sampler]
-        return [list(batch) for batch in self.index_sampler]
+        items, self._planned = self._planned, None
+        if items is None:
+            items = list(self.index_sampler)
+        if not self.unbatched:
+            return [list(batch) for batch in items]
+        if not self.bulk:
+            return [[index] for index in items]
+        out = []
+        for position, item in enumerate(items):
+            if _is_index(item) or not all(_is_index(i) for i in item):
+                raise TypeError(
+                    f"the sampler yielded {item!r} (item {position}) after lists of indices: with "
+                    "batch_size=None, procpipe.torch.DataLoader takes a sampler yielding integer indices, "
+                    "or one yielding lists of integer indices (each list is passed to dataset[...] at once), "
+                    "not a mix"
+                )
+            out.append(list(item))
+        return out
 
 
 # --------------------------------------------------------------------------- DataLoader facade
@@ -305,7 +416,10 @@ def _start_method(context: Any) -> str:
     return method
 
 
-class DataLoader(_tud.DataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_tud.DataLoader[_T_co]):
     """``torch.utils.data.DataLoader``, loading with procpipe's engine.
 
     Accepts torch's arguments with torch's meaning and yields the same batches, in the
@@ -314,14 +428,18 @@ class DataLoader(_tud.DataLoader):
     batches go to procpipe's workers. Differences, all documented in the README section
     "PyTorch: procpipe.torch.DataLoader":
 
-    - a map-style dataset's sampler must have a length and yield integer indices;
-      ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which is
-      what it stands for);
+    - a map-style dataset's sampler must have a length and yield integer indices (with
+      ``batch_size=None``, or lists of them: each list is loaded with one ``dataset[list]``
+      call); ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which
+      is what it stands for);
     - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
       with ``in_order``; see ``procpipe.torch_iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
     - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
-      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``;
+      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``
+      (a dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+    - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
+      is the worker that really loads it;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
       before every sample from ``(seed, epoch, index)``, so augmentation does not depend
       on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);
@@ -411,8 +529,10 @@ class DataLoader(_tud.DataLoader):
             batches=None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED),
             seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
         )
+        self._pp_bulk_collate = _BulkFetch(self._pp_source)
         self._pp_loader: Loader | None = None
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
+        self._pp_epoch_loader: weakref.ref | None = None  # the running epoch's (persistent_workers=False)
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -451,13 +571,17 @@ class DataLoader(_tud.DataLoader):
             epoch: Iterator = BatchFetcher(iter(dataset), self.batch_size if self._auto_collation else None,
                                            self.drop_last, self.collate_fn)
             convert = _same
+            loader = None
         else:
+            if not self._pp_iterable and self._pp_source.mode in (UNBATCHED, BULK):
+                self._pp_plan_unbatched()
             if self.persistent_workers or self.num_workers == 0:
                 if self._pp_loader is None:
                     self._pp_loader = self._pp_new_loader(base_seed, shared_seed)
                 loader = self._pp_loader
             else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
                 loader = owned = self._pp_new_loader(base_seed, shared_seed)
+                self._pp_epoch_loader = weakref.ref(owned)
             loader.set_epoch(self._pp_epochs)
             self._pp_current = loader
             self._pp_epochs += 1
@@ -477,9 +601,26 @@ class DataLoader(_tud.DataLoader):
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
         if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
-            return _DataLoaderIter(epoch, convert, stage, owned, None, self._IterableDataset_len_called, self.dataset,
-                                   self.num_workers > 0)
-        return _DataLoaderIter(epoch, convert, stage, owned, len(self))
+            return _DataLoaderIter(epoch, convert, stage, owned, None, loader, self._IterableDataset_len_called,
+                                   self.dataset, self.num_workers > 0)
+        return _DataLoaderIter(epoch, convert, stage, owned, len(self), loader)
+
+    def _pp_plan_unbatched(self) -> None:
+        """``batch_size=None``: draw the epoch's sampler items, and load each as one index or,
+        for lists of indices, as one ``dataset[list]`` call (a loader's workers do one or the other)."""
+        batches: _SamplerBatches = self._pp_options["batches"]
+        bulk = batches.plan()
+        if bulk == (self._pp_source.mode == BULK):
+            return
+        if self._pp_loader is not None:
+            raise TypeError(
+                "the sampler switched between yielding indices and lists of indices; the workers of a "
+                "persistent procpipe.torch.DataLoader load one kind: create a new DataLoader"
+            )
+        batches.bulk = bulk
+        self._pp_source.mode = BULK if bulk else UNBATCHED
+        self._pp_options["batch_size"] = 1 if bulk else None
+        self._pp_options["collate_fn"] = self._pp_bulk_collate if bulk else None
 
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
@@ -500,7 +641,11 @@ class DataLoader(_tud.DataLoader):
         return self._pp_current.stats()
 
     def close(self) -> None:
-        """End the workers and remove the shared memory now (otherwise done when collected)."""
+        """End the workers and remove the shared memory now (otherwise done when collected),
+        those of an epoch still being iterated included."""
+        epoch_loader = self._pp_epoch_loader() if self._pp_epoch_loader is not None else None
+        if epoch_loader is not None:
+            epoch_loader.close()
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
@@ -526,8 +671,8 @@ class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
     def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
-                 length: int | None, len_called: int | None = None, dataset: Any = None,
-                 with_workers: bool = False) -> None:
+                 length: int | None, loader: Loader | None, len_called: int | None = None,
+                 dataset: Any = None, with_workers: bool = False) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
@@ -537,6 +682,13 @@ class _DataLoaderIter:
         self._dataset = dataset
         self._with_workers = with_workers
         self._yielded = 0
+        self._loader = loader  # None: an IterableDataset iterated in this process
+
+    @property
+    def _workers(self) -> list:
+        """The worker processes (``multiprocess.Process``), as torch's iterator's ``_workers``
+        (code that reaches into it: ``pid``, ``is_alive()``, ``join()``). Empty once closed."""
+        return [] if self._loader is None else self._loader.worker_processes
 
     def __iter__(self) -> _DataLoaderIter:
         return self

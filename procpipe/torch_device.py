@@ -70,8 +70,11 @@ class _End:
 
 
 class _Raised:
-    def __init__(self, exc: BaseException) -> None:
+    """Queue item: an exception for the consumer; ``final``: the stage thread stopped after it."""
+
+    def __init__(self, exc: BaseException, final: bool = True) -> None:
         self.exc = exc
+        self.final = final
 
 
 def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: threading.Event,
@@ -82,11 +85,14 @@ def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: th
                 return
             try:
                 batch = next(source)
+                item = transfer(batch)
+                del batch  # the ring slot is free once the transfer no longer needs it
             except StopIteration:
                 out.put(_End)
                 return
-            item = transfer(batch)
-            del batch  # the ring slot is free once the transfer no longer needs it
+            except Exception as exc:  # noqa: BLE001 - this batch failed: raised in the consumer, then
+                batch = None  # the next one follows (the source says whether any does)
+                item = _Raised(exc, final=False)
             while True:
                 try:
                     out.put(item, timeout=_ABANDON_CHECK_S)
@@ -137,7 +143,7 @@ class Stage:
             self._finished = True
             iteration_over(getattr(self._source, "_cancelled", None))
         if isinstance(item, _Raised):
-            self._finished = True
+            self._finished = item.final
             raise item.exc
         batch, ready = item
         if ready is not None:

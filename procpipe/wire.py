@@ -3,7 +3,8 @@
 multiprocess's ``Connection.send`` pickles with dill's pure-Python pickler, which costs
 tens of microseconds for a small tuple. Control messages are small tuples of ints, lists
 and strings, so the C pickler handles them; dill is the fallback for the rare message
-that carries user objects the C pickler cannot (lambdas in a sample, say). Either way
+that carries user objects the C pickler cannot (lambdas in a sample, say), with the
+user's classes kept by reference wherever they can be found (classref.py). Either way
 the receiving side uses ``pickle.loads``, which also reads dill's output.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import dill
+from . import classref
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
 
@@ -19,8 +20,8 @@ PROTOCOL = pickle.HIGHEST_PROTOCOL
 def send(conn: Any, message: Any) -> None:
     try:
         data = pickle.dumps(message, PROTOCOL)
-    except Exception:
-        data = dill.dumps(message, PROTOCOL)
+    except Exception:  # classes pickle cannot find by name, lambdas...: see classref.py
+        data = classref.dumps(message, PROTOCOL)
     conn.send_bytes(data)
 
 

@@ -110,6 +110,35 @@ def test_user_exception_keeps_type_index_and_traceback(tmp_path, where, workers)
         assert _first_column(loader) == EXPECTED
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("where", ["getitem", "collate"])
+def test_a_failing_batch_raises_and_the_iteration_goes_on(tmp_path, where, ordered, workers):
+    """As torch's DataLoader: next() raises the batch's exception, the next next() returns the
+    batch after it, and the epoch ends when its batches do (not at the first error)."""
+    flag = tmp_path / "fail"
+    flag.touch()
+    f = Failing(where, flag)
+    with Loader(f, f.fn, batch_size=BS, workers=workers, ordered=ordered, collate_fn=f.collate) as loader:
+        it = iter(loader)
+        got, errors = [], []
+        for _ in range(len(loader) + 1):  # one next() more than there are batches
+            try:
+                got.append(next(it)[:, 0].tolist())
+            except Boom as exc:
+                errors.append(str(exc))
+            except StopIteration:
+                break
+        else:
+            pytest.fail("the iterator did not end after the epoch's batches")
+        assert errors == [f"bad item {BAD}"]
+        expected = [b for b in EXPECTED if BAD not in b]
+        assert (got if ordered else sorted(got)) == expected
+        flag.unlink()
+        rest = _first_column(loader)
+        assert (rest if ordered else sorted(rest)) == EXPECTED  # and the next epoch is whole
+
+
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("error", ["two-args", "generator"])
 def test_exception_that_cannot_travel_becomes_worker_error(tmp_path, error, ordered):
