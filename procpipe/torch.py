@@ -631,6 +631,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
             source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
                                           self.batch_size if self._auto_collation else None, self.drop_last,
                                           self.collate_fn, _pack, shared_seed, self._pp_epochs))
+            # torch's seeds per worker, then the replica's own draws: no per-record reseeding
+            return Loader(source, **{**self._pp_options, "seed_globals": False})
         return Loader(source, **self._pp_options)
 
     def stats(self) -> dict[str, Any]:
