@@ -274,6 +274,9 @@ class Coordinator:
                     self._tune(now)
                 wait = min(wait, max(0.001, self._meter.next_at - now))
             self._dispatch()
+            for w in self.workers:
+                if w.outbox.pending and not w.writing:  # (a stop message queued by a retiring worker)
+                    self._flush(w)
             for key, _ in self._selector.select(wait):
                 if key.data is None:
                     _drain(self._wake_r)
@@ -385,10 +388,21 @@ class Coordinator:
         ring = self.ring
         slot_bytes = ring.slot_bytes if ring is not None and slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
-        try:
-            wire.send(worker.conn, (attempt.id, job.epoch.number, job.indices, ring_id, slot, slot_bytes))
-        except OSError:
-            pass  # the worker is dying; its sentinel fires and the task is redone
+        # Never a blocking write (a large task to a worker busy in a slow sample would stall
+        # the loop): what its pipe does not take now is written when it becomes writable.
+        # A worker that is dying drops it; its sentinel fires and the task is redone.
+        worker.outbox.put((attempt.id, job.epoch.number, job.indices, ring_id, slot, slot_bytes))
+        self._flush(worker)
+
+    def _flush(self, worker: WorkerHandle) -> None:
+        """Write what ``worker``'s pipe takes now; while some is left, the selector watches for room."""
+        outbox = worker.outbox
+        waiting = not outbox.flush()
+        if waiting and not worker.writing:
+            self._selector.register(outbox.fileno(), selectors.EVENT_WRITE, (self._flush, worker))
+        elif not waiting and worker.writing:
+            self._selector.unregister(outbox.fileno())
+        worker.writing = waiting
 
     # ---------------------------------------------------------------- stragglers
     def _speculate(self) -> None:
@@ -556,6 +570,10 @@ class Coordinator:
             pass
         self._on_readable_quietly(worker)
         worker.process.join(0.1)
+        if worker.writing:
+            self._selector.unregister(worker.outbox.fileno())
+            worker.writing = False
+        worker.outbox.close()
         worker.conn.close()
         lost = list(worker.tasks.values())
         for attempt in lost:

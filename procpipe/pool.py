@@ -50,6 +50,8 @@ class WorkerHandle:
     retiring: bool = False  # autotune: no more tasks; told to stop once idle
     stop_sent: bool = False
     ps: Any = None  # its psutil.Process (autotune reads its CPU time)
+    outbox: wire.Outbox | None = None  # messages to it not yet taken by its pipe (never a blocking write)
+    writing: bool = False  # the coordinator's selector watches its outbox for writability
 
     @property
     def healthy(self) -> bool:
@@ -60,10 +62,7 @@ class WorkerHandle:
         """A retiring worker with nothing left to run is told to stop (once)."""
         if self.retiring and not self.tasks and not self.stop_sent:
             self.stop_sent = True
-            try:
-                wire.send(self.conn, None)  # it exits; its sentinel fires and the coordinator removes it
-            except OSError:
-                pass
+            self.outbox.put(None)  # it exits; its sentinel fires and the coordinator removes it
 
 
 class Launcher:
@@ -87,7 +86,7 @@ class Launcher:
         )
         process.start()
         child_conn.close()
-        return WorkerHandle(index, process, parent_conn, counters)
+        return WorkerHandle(index, process, parent_conn, counters, outbox=wire.Outbox(parent_conn))
 
 
 class Watchdog:
@@ -165,17 +164,24 @@ def kill_tree(pid: int, wait: bool = True) -> None:
 
 
 def stop_all(workers: list[WorkerHandle]) -> None:
-    """Ask every worker to stop, give them 2 s together, kill what is left, close the pipes."""
+    """Ask every worker to stop, give them 2 s together, kill what is left, close the pipes.
+
+    Never blocks on a pipe: tasks not yet sent are dropped, and a worker that does not
+    read its stop message (busy in a sample) is killed at the deadline.
+    """
     for w in workers:
-        try:
-            wire.send(w.conn, None)
-        except OSError:
-            pass
+        w.outbox.drop_unsent()
+        w.outbox.put(None)
+        w.outbox.flush()
     deadline = time.monotonic() + 2.0
     for w in workers:
+        while w.outbox.pending and w.process.is_alive() and time.monotonic() < deadline:
+            w.process.join(0.01)  # it is reading the rest of a task: keep writing
+            w.outbox.flush()
         w.process.join(max(0.0, deadline - time.monotonic()))
     for w in workers:
         if w.process.is_alive():
             kill_tree(w.process.pid)
         w.process.join(1.0)
+        w.outbox.close()
         w.conn.close()

@@ -1,0 +1,117 @@
+"""Engine robustness: the coordinator never blocks, an iteration never ends short in silence,
+a forked child leaves its parent's loader alone, one bad reply does not break the loader.
+
+A hang must fail the test, not stall the suite: every iteration that could hang on a
+regression runs in a daemon thread joined with a generous deadline (``within``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from procpipe import Loader
+
+DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
+
+
+def within(what, seconds=DEADLINE_S):
+    """``what()`` run in a daemon thread: its result, its exception, or a failure after ``seconds``."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = what()
+        except BaseException as exc:  # re-raised in the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds:.0f} s: the loader hangs")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class HangOnce:
+    """``fn``: returns ``i``; the first attempt at index ``at`` blocks until ``release`` exists
+    (an ``O_EXCL`` marker in ``marks`` tells the first attempt from a re-run)."""
+
+    def __init__(self, marks, at, release=None):
+        self.marks, self.at = str(marks), at
+        self.release = str(release) if release else os.path.join(self.marks, "never")
+
+    def __call__(self, i):
+        if i == self.at:
+            try:
+                os.close(os.open(os.path.join(self.marks, "attempted"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return i
+            while not os.path.exists(self.release):
+                time.sleep(0.01)
+        return i
+
+
+# --------------------------------------------------------------------------- 1. never blocks
+# A task names every index of its batch (~5 bytes each above 65535): tasks of 60,000 such
+# indices (~300 KB) do not fit a socket pair's buffer (~200 KB), so writing one to a worker
+# busy in a hung sample blocked the coordinator thread, and with it the watchdog.
+BIG, BIG_N = 60_000, 200_000
+
+
+def big_batches(count):
+    """``count`` batches of ``BIG`` indices, all above 65535 (the largest pickled ints)."""
+    return lambda epoch: [list(range(BIG_N - BIG, BIG_N))] * count
+
+
+def closing(loader):
+    """Close ``loader`` at the end of a ``with`` block, failing (not hanging) if close() hangs."""
+    class Closing:
+        def __enter__(self):
+            return loader
+
+        def __exit__(self, *exc):
+            within(loader.close, 30)
+
+    return Closing()
+
+
+def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_path):
+    fn = HangOnce(tmp_path, BIG_N - 1)  # the last index of batch 0
+    with closing(Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, task_timeout=2)) as loader:
+        got = within(lambda: [len(b) for b in loader])
+        stats = loader.stats()
+    assert got == [BIG] * 6
+    assert stats["timed_out_tasks"] == 1 and stats["worker_deaths"] == 1
+
+
+def test_speculation_rescues_a_straggler_with_large_tasks(tmp_path):
+    release = tmp_path / "release"
+    fn = HangOnce(tmp_path, BIG_N - 1, release)
+    # Batch 6 straggles (its first attempt is the one that marks the index); the 6 before
+    # give the watchdog its median.
+    batches = lambda epoch: [list(range(BIG_N - BIG, BIG_N - 1))] * 6 + [list(range(BIG_N - BIG, BIG_N))] * 4
+    with closing(Loader(range(BIG_N), fn, batches=batches, workers=2, speculate=2.0)) as loader:
+        try:
+            got = within(lambda: [len(b) for b in loader])
+            stats = loader.stats()
+        finally:
+            release.touch()
+    assert got == [BIG - 1] * 6 + [BIG] * 4
+    assert stats["speculative_tasks"] >= 1
+
+
+def test_close_does_not_hang_on_a_worker_that_never_reads(tmp_path):
+    fn = HangOnce(tmp_path, BIG_N - 1)  # batch 0 hangs; batches 1 and 2 go to the other worker
+    loader = Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, ordered=False)
+    it = iter(loader)
+    # The second batch is dispatched together with a task queued behind the hung one.
+    assert within(lambda: [len(next(it)), len(next(it))]) == [BIG, BIG]
+    within(loader.close, 30)
+    with pytest.raises(RuntimeError, match="ended early"):
+        next(it)
