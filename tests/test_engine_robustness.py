@@ -7,16 +7,18 @@ regression runs in a daemon thread joined with a generous deadline (``within``).
 from __future__ import annotations
 
 import os
+import signal
+import sys
+
 import threading
 import time
 
-import numpy as np
 import pytest
+from conftest import wait_until
 
 from procpipe import Loader
 
 DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
-
 
 def within(what, seconds=DEADLINE_S):
     """``what()`` run in a daemon thread: its result, its exception, or a failure after ``seconds``."""
@@ -37,7 +39,6 @@ def within(what, seconds=DEADLINE_S):
         raise box["error"]
     return box["value"]
 
-
 class HangOnce:
     """``fn``: returns ``i``; the first attempt at index ``at`` blocks until ``release`` exists
     (an ``O_EXCL`` marker in ``marks`` tells the first attempt from a re-run)."""
@@ -56,18 +57,15 @@ class HangOnce:
                 time.sleep(0.01)
         return i
 
-
 # --------------------------------------------------------------------------- 1. never blocks
 # A task names every index of its batch (~5 bytes each above 65535): tasks of 60,000 such
 # indices (~300 KB) do not fit a socket pair's buffer (~200 KB), so writing one to a worker
 # busy in a hung sample blocked the coordinator thread, and with it the watchdog.
 BIG, BIG_N = 60_000, 200_000
 
-
 def big_batches(count):
     """``count`` batches of ``BIG`` indices, all above 65535 (the largest pickled ints)."""
     return lambda epoch: [list(range(BIG_N - BIG, BIG_N))] * count
-
 
 def closing(loader):
     """Close ``loader`` at the end of a ``with`` block, failing (not hanging) if close() hangs."""
@@ -80,7 +78,6 @@ def closing(loader):
 
     return Closing()
 
-
 def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_path):
     fn = HangOnce(tmp_path, BIG_N - 1)  # the last index of batch 0
     with closing(Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, task_timeout=2)) as loader:
@@ -88,7 +85,6 @@ def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_pat
         stats = loader.stats()
     assert got == [BIG] * 6
     assert stats["timed_out_tasks"] == 1 and stats["worker_deaths"] == 1
-
 
 def test_speculation_rescues_a_straggler_with_large_tasks(tmp_path):
     release = tmp_path / "release"
@@ -105,7 +101,6 @@ def test_speculation_rescues_a_straggler_with_large_tasks(tmp_path):
     assert got == [BIG - 1] * 6 + [BIG] * 4
     assert stats["speculative_tasks"] >= 1
 
-
 def test_close_does_not_hang_on_a_worker_that_never_reads(tmp_path):
     fn = HangOnce(tmp_path, BIG_N - 1)  # batch 0 hangs; batches 1 and 2 go to the other worker
     loader = Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, ordered=False)
@@ -115,3 +110,124 @@ def test_close_does_not_hang_on_a_worker_that_never_reads(tmp_path):
     within(loader.close, 30)
     with pytest.raises(RuntimeError, match="ended early"):
         next(it)
+
+# --------------------------------------------------------------------------- 2. no silent short epoch
+class Gate:
+    """``fn``: returns ``i``; from index ``at`` on, blocks until the file ``release`` exists."""
+
+    def __init__(self, release, at):
+        self.release, self.at = str(release), at
+
+    def __call__(self, i):
+        while i >= self.at and not os.path.exists(self.release):
+            time.sleep(0.005)
+        return i
+
+def in_next(thread_id):
+    """Whether thread ``thread_id`` is inside ``next()`` of an epoch iterator (waiting for a batch)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("procpipe", "iterators.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+def from_thread(action, when, release):
+    """Run ``action()`` in a thread once ``when()`` holds; if it never does, open ``release``
+    so that the test's own loop ends (and fails) instead of hanging."""
+    errors = []
+
+    def run():
+        try:
+            wait_until(when, DEADLINE_S, "the consumer to wait inside next()")
+            action()
+        except BaseException as exc:
+            errors.append(exc)
+            release.touch()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors
+
+@pytest.mark.parametrize("how", ["iter from another thread", "close from a signal handler"])
+def test_an_iteration_ended_from_elsewhere_while_next_waits_raises(tmp_path, how):
+    release = tmp_path / "release"
+    loader = Loader(range(400), Gate(release, 80), batch_size=4, workers=2)
+    main = threading.get_ident()
+    if how == "iter from another thread":
+        action = lambda: iter(loader)
+    else:
+        action = lambda: os.kill(os.getpid(), signal.SIGUSR1)
+        previous = signal.signal(signal.SIGUSR1, lambda *_: loader.close())  # a preemption hook
+    try:
+        thread, errors = from_thread(action, lambda: loader.stats()["batches_consumed"] == 20 and in_next(main),
+                                     release)
+        got = []
+        with pytest.raises(RuntimeError, match="ended early"):
+            for batch in loader:
+                got.append(batch)
+        thread.join(DEADLINE_S)
+        assert not errors, errors
+        assert len(got) == 20
+    finally:
+        release.touch()
+        loader.close()
+        if how != "iter from another thread":
+            signal.signal(signal.SIGUSR1, previous)
+
+def test_two_threads_sharing_an_iterator_both_see_the_end(tmp_path):
+    release = tmp_path / "release"
+    with closing(Loader(range(400), Gate(release, 399), batch_size=4, workers=2)) as loader:
+        it = iter(loader)
+        got = [[], []]
+
+        def consume(k):
+            for batch in it:
+                got[k].extend(batch.tolist())
+
+        threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
+        for t in threads:
+            t.start()
+        # Both wait inside next() for the last batch when it comes, and then for the end.
+        wait_until(lambda: all(in_next(t.ident) for t in threads), DEADLINE_S, "both threads to wait in next()")
+        release.touch()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads), "a thread never saw the end of the iteration"
+        assert sorted(got[0] + got[1]) == list(range(400))
+        with pytest.raises(StopIteration):
+            next(it)
+
+class FailAt:
+    def __init__(self, at):
+        self.at = at
+
+    def __call__(self, i):
+        if i == self.at:
+            raise ValueError(f"bad sample {i}")
+        return i
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_threads_sharing_an_iterator_both_see_its_error(workers):
+    with closing(Loader(range(400), FailAt(200), batch_size=4, workers=workers)) as loader:
+        it = iter(loader)
+        ended = [None, None]
+
+        def consume(k):
+            try:
+                for _ in it:
+                    pass
+                ended[k] = "StopIteration"
+            except BaseException as exc:
+                ended[k] = exc
+
+        threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not any(t.is_alive() for t in threads), "a thread never saw the end of the iteration"
+    original = [e for e in ended if isinstance(e, ValueError)]
+    assert len(original) >= 1 and "bad sample 200" in str(original[0])
+    for e in ended:  # the other thread is told the iteration ended with that error, not that it ended
+        assert isinstance(e, ValueError) or (isinstance(e, RuntimeError) and isinstance(e.__cause__, ValueError)), e
