@@ -89,6 +89,7 @@ class Coordinator:
     def __init__(self, config: EngineConfig, ctx: Any, spec: Any, files: SharedFiles) -> None:
         self.config = config
         self.files = files
+        self.owner = os.getpid()  # the only process that may stop the workers or remove the files
         self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
         self.n_workers = config.workers  # workers given tasks (autotune changes it; retiring ones excluded)
         # The most workers at once: status words and worker indices are sized for it.
@@ -157,6 +158,10 @@ class Coordinator:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def foreign(self) -> bool:
+        """This is a forked child of the loader's process: the engine is its parent's, not its own."""
+        return os.getpid() != self.owner
+
     def autotune_info(self) -> dict[str, Any] | None:
         """``stats()["autotune"]``: None unless ``workers="auto"``."""
         return None if self.tuner is None else self.tuner.info(self.n_workers)
@@ -166,8 +171,11 @@ class Coordinator:
 
         The coordinator thread does the shutdown itself as it leaves its loop; if it is
         already gone (or this is that thread, e.g. a garbage collection running there),
-        whatever is left is done here.
+        whatever is left is done here. In a forked child (its exit handlers, finalizers or
+        an explicit close) it does nothing: the workers and files are the parent's.
         """
+        if self.foreign():
+            return
         self.submit("close")
         if threading.current_thread() is self._thread:
             return

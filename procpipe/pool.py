@@ -14,8 +14,10 @@ when the loader closes.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,27 @@ if TYPE_CHECKING:
 _SPECULATE_MIN_S = 0.02  # never call a batch a straggler before it has run this long
 _SPECULATE_AFTER = 5  # batches that must have finished before their median is trusted
 _DURATIONS_KEPT = 64  # the running median covers this many recent batches
+
+_started: weakref.WeakSet = weakref.WeakSet()  # the worker processes this process started
+
+
+def _disown_workers() -> None:
+    """In a child made by ``os.fork()``: the workers are its parent's, not its children.
+
+    multiprocess lists the processes it started in a module-level set that a forked child
+    inherits; at the child's exit (``sys.exit``) its exit handler would SIGTERM every
+    daemon in that set, the parent's workers included, then fail to join them. The
+    loader's own shutdown is guarded separately (``Coordinator.close``).
+    """
+    from multiprocess import process
+
+    children = getattr(process, "_children", None)  # private to multiprocess; absent: nothing to do
+    if children is not None:
+        children.difference_update(list(_started))
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_disown_workers)
 
 
 @dataclass(eq=False)
@@ -85,6 +108,7 @@ class Launcher:
             daemon=True,
         )
         process.start()
+        _started.add(process)
         child_conn.close()
         return WorkerHandle(index, process, parent_conn, counters, outbox=wire.Outbox(parent_conn))
 

@@ -6,19 +6,21 @@ regression runs in a daemon thread joined with a generous deadline (``within``).
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-
+import textwrap
 import threading
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import run_python, wait_until
 
 from procpipe import Loader
 
 DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
+
 
 def within(what, seconds=DEADLINE_S):
     """``what()`` run in a daemon thread: its result, its exception, or a failure after ``seconds``."""
@@ -39,6 +41,7 @@ def within(what, seconds=DEADLINE_S):
         raise box["error"]
     return box["value"]
 
+
 class HangOnce:
     """``fn``: returns ``i``; the first attempt at index ``at`` blocks until ``release`` exists
     (an ``O_EXCL`` marker in ``marks`` tells the first attempt from a re-run)."""
@@ -57,15 +60,18 @@ class HangOnce:
                 time.sleep(0.01)
         return i
 
+
 # --------------------------------------------------------------------------- 1. never blocks
 # A task names every index of its batch (~5 bytes each above 65535): tasks of 60,000 such
 # indices (~300 KB) do not fit a socket pair's buffer (~200 KB), so writing one to a worker
 # busy in a hung sample blocked the coordinator thread, and with it the watchdog.
 BIG, BIG_N = 60_000, 200_000
 
+
 def big_batches(count):
     """``count`` batches of ``BIG`` indices, all above 65535 (the largest pickled ints)."""
     return lambda epoch: [list(range(BIG_N - BIG, BIG_N))] * count
+
 
 def closing(loader):
     """Close ``loader`` at the end of a ``with`` block, failing (not hanging) if close() hangs."""
@@ -78,6 +84,7 @@ def closing(loader):
 
     return Closing()
 
+
 def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_path):
     fn = HangOnce(tmp_path, BIG_N - 1)  # the last index of batch 0
     with closing(Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, task_timeout=2)) as loader:
@@ -85,6 +92,7 @@ def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_pat
         stats = loader.stats()
     assert got == [BIG] * 6
     assert stats["timed_out_tasks"] == 1 and stats["worker_deaths"] == 1
+
 
 def test_speculation_rescues_a_straggler_with_large_tasks(tmp_path):
     release = tmp_path / "release"
@@ -101,6 +109,7 @@ def test_speculation_rescues_a_straggler_with_large_tasks(tmp_path):
     assert got == [BIG - 1] * 6 + [BIG] * 4
     assert stats["speculative_tasks"] >= 1
 
+
 def test_close_does_not_hang_on_a_worker_that_never_reads(tmp_path):
     fn = HangOnce(tmp_path, BIG_N - 1)  # batch 0 hangs; batches 1 and 2 go to the other worker
     loader = Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, ordered=False)
@@ -110,6 +119,7 @@ def test_close_does_not_hang_on_a_worker_that_never_reads(tmp_path):
     within(loader.close, 30)
     with pytest.raises(RuntimeError, match="ended early"):
         next(it)
+
 
 # --------------------------------------------------------------------------- 2. no silent short epoch
 class Gate:
@@ -123,6 +133,7 @@ class Gate:
             time.sleep(0.005)
         return i
 
+
 def in_next(thread_id):
     """Whether thread ``thread_id`` is inside ``next()`` of an epoch iterator (waiting for a batch)."""
     frame = sys._current_frames().get(thread_id)
@@ -131,6 +142,7 @@ def in_next(thread_id):
             return True
         frame = frame.f_back
     return False
+
 
 def from_thread(action, when, release):
     """Run ``action()`` in a thread once ``when()`` holds; if it never does, open ``release``
@@ -148,6 +160,7 @@ def from_thread(action, when, release):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, errors
+
 
 @pytest.mark.parametrize("how", ["iter from another thread", "close from a signal handler"])
 def test_an_iteration_ended_from_elsewhere_while_next_waits_raises(tmp_path, how):
@@ -175,6 +188,7 @@ def test_an_iteration_ended_from_elsewhere_while_next_waits_raises(tmp_path, how
         if how != "iter from another thread":
             signal.signal(signal.SIGUSR1, previous)
 
+
 def test_two_threads_sharing_an_iterator_both_see_the_end(tmp_path):
     release = tmp_path / "release"
     with closing(Loader(range(400), Gate(release, 399), batch_size=4, workers=2)) as loader:
@@ -198,6 +212,7 @@ def test_two_threads_sharing_an_iterator_both_see_the_end(tmp_path):
         with pytest.raises(StopIteration):
             next(it)
 
+
 class FailAt:
     def __init__(self, at):
         self.at = at
@@ -206,6 +221,7 @@ class FailAt:
         if i == self.at:
             raise ValueError(f"bad sample {i}")
         return i
+
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_threads_sharing_an_iterator_both_see_its_error(workers):
@@ -231,3 +247,53 @@ def test_two_threads_sharing_an_iterator_both_see_its_error(workers):
     assert len(original) >= 1 and "bad sample 200" in str(original[0])
     for e in ended:  # the other thread is told the iteration ended with that error, not that it ended
         assert isinstance(e, ValueError) or (isinstance(e, RuntimeError) and isinstance(e.__cause__, ValueError)), e
+
+
+# --------------------------------------------------------------------------- 3. forked children
+FORK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from procpipe import Loader
+
+    def main(mode, start_method):
+        loader = Loader(list(range(2000)), batch_size=4, workers=2, start_method=start_method)
+        pids, status = loader.worker_pids, loader.shm_prefix + "status"
+        got, child = [], None
+        for k, batch in enumerate(loader):
+            got.extend(batch.tolist())
+            if k == 5:
+                pid = os.fork()
+                if pid == 0:
+                    code = 0
+                    if mode == "close":
+                        loader.close()
+                    elif mode == "iter":
+                        try:
+                            iter(loader)
+                            code = 4
+                        except RuntimeError as exc:
+                            code = 0 if "created in another process" in str(exc) else 3
+                    sys.exit(code)  # runs the exit handlers: atexit, finalizers
+                child = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                files_kept = os.path.exists(status)
+        stats = loader.stats()
+        again = sorted(i for b in loader for i in b.tolist())
+        print(json.dumps({"complete": sorted(got) == list(range(2000)), "again": again == list(range(2000)),
+                          "child": child, "files_kept": files_kept, "deaths": stats["worker_deaths"],
+                          "same_workers": loader.worker_pids == pids}))
+        loader.close()
+
+    if __name__ == "__main__":
+        main(sys.argv[1], sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+@pytest.mark.parametrize("mode", ["exit", "close", "iter"])
+def test_a_forked_child_leaves_its_parents_loader_alone(tmp_path, mode, start_method):
+    script = tmp_path / "fork_child.py"
+    script.write_text(FORK_SCRIPT)
+    done = run_python([str(script), mode, start_method])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "complete": True, "again": True, "child": 0, "files_kept": True, "deaths": 0, "same_workers": True}
+    assert "Traceback" not in done.stderr, done.stderr  # nothing failed in the child's exit handlers either
