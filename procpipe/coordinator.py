@@ -51,6 +51,7 @@ from .epochs import Attempt, EmptyBatch, Epoch, Failure, Job, Stream
 from .errors import TaskTimeoutError, WorkerError
 from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
+from .replies import unreadable_reply
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
 from .stats import WorkerCounters, array_bytes, worker_baseline
 from .worker import STARTING
@@ -437,14 +438,28 @@ class Coordinator:
     def _on_readable(self, worker: WorkerHandle) -> None:
         """The selector saw a reply: read it, and any others already waiting."""
         try:
-            self._on_message(worker, wire.recv(worker.conn))
+            self._on_reply(worker, worker.conn.recv_bytes())
             self._read_waiting(worker)
         except (EOFError, OSError):
             self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
 
     def _read_waiting(self, worker: WorkerHandle) -> None:
         while worker.conn.poll():
-            self._on_message(worker, wire.recv(worker.conn))
+            self._on_reply(worker, worker.conn.recv_bytes())
+
+    def _on_reply(self, worker: WorkerHandle, data: bytes) -> None:
+        """One reply's bytes. One that does not unpickle here (a sample's ``__reduce__`` that
+        fails in this process) becomes the error of its batch instead of stopping this thread."""
+        try:
+            message = wire.decode(data)
+        except Exception as exc:  # noqa: BLE001 - user objects' unpickling: anything can be raised
+            attempt = next(iter(worker.tasks.values()), None)  # a worker replies to its tasks in order
+            if attempt is None:
+                return
+            left_out = {info[0] for info in attempt.skipped or ()}
+            kept = [i for i in attempt.job.indices if i not in left_out]
+            message = unreadable_reply(attempt.id, worker.index, data, exc, kept)
+        self._on_message(worker, message)
 
     def _on_message(self, worker: WorkerHandle, message: tuple) -> None:
         kind = message[0]

@@ -42,8 +42,12 @@ def send(conn: Any, message: Any) -> None:
     conn.send_bytes(encode(message))
 
 
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
 def recv(conn: Any) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    return decode(conn.recv_bytes())
 
 
 def frame(data: bytes) -> bytes:

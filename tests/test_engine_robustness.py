@@ -297,3 +297,47 @@ def test_a_forked_child_leaves_its_parents_loader_alone(tmp_path, mode, start_me
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "complete": True, "again": True, "child": 0, "files_kept": True, "deaths": 0, "same_workers": True}
     assert "Traceback" not in done.stderr, done.stderr  # nothing failed in the child's exit handlers either
+
+
+# --------------------------------------------------------------------------- 4. a reply that does not unpickle
+class Unpicklable:
+    """Pickles anywhere; unpickling it raises ValueError (``int("x")``)."""
+
+    def __reduce__(self):
+        return int, ("x",)
+
+
+class BadOnce:
+    """``fn``: ``{"i": i, "tag": ...}``; the tag of index ``at`` is an ``Unpicklable`` on its first
+    attempt only (an ``O_EXCL`` marker), so the next epoch is clean."""
+
+    def __init__(self, marks, at):
+        self.marks, self.at = str(marks), at
+
+    def __call__(self, i):
+        tag = "ok"
+        if i == self.at:
+            try:
+                os.close(os.open(os.path.join(self.marks, "bad"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                tag = Unpicklable()
+            except FileExistsError:
+                pass
+        return {"i": i, "tag": tag}
+
+
+def test_a_reply_that_does_not_unpickle_names_the_index_and_the_loader_goes_on(tmp_path):
+    with Loader(range(40), BadOnce(tmp_path, 13), batch_size=4, workers=2) as loader:
+        with pytest.raises(ValueError, match="invalid literal") as info:
+            for _ in loader:
+                pass
+        notes = "\n".join(info.value.__notes__)
+        assert "index 13" in notes and "batch 3" in notes and "could not be unpickled" in notes
+        assert sorted(i for b in loader for i in b["i"].tolist()) == list(range(40))  # the next epoch
+
+
+def test_a_reply_that_does_not_unpickle_is_skipped_with_on_error_skip(tmp_path):
+    with Loader(range(40), BadOnce(tmp_path, 13), batch_size=4, workers=2, on_error="skip", max_skipped=4) as loader:
+        got = sorted(i for b in loader for i in b["i"].tolist())
+        assert 13 in loader.stats()["skipped"]
+        assert got == [i for i in range(40) if i not in loader.stats()["skipped"]]
+        assert sorted(i for b in loader for i in b["i"].tolist()) == list(range(40))
