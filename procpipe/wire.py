@@ -27,6 +27,7 @@ from typing import Any
 import dill
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
+_DONTWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # never block; a closed peer is an error, not SIGPIPE
 
 
 def encode(message: Any) -> bytes:
@@ -71,7 +72,7 @@ class Outbox:
     def __init__(self, conn: Any) -> None:
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         self._sock.setblocking(True)  # (a global socket.setdefaulttimeout would have cleared it)
-        self._frames: deque[memoryview] = deque()
+        self._frames: deque[bytes | memoryview] = deque()
         self._started = False  # the first frame is partly written
         self.broken = False  # the other end is gone: messages are dropped
 
@@ -86,7 +87,7 @@ class Outbox:
     def put(self, message: Any) -> None:
         """Queue ``message`` (written by the next ``flush``)."""
         if not self.broken:
-            self._frames.append(memoryview(frame(encode(message))))
+            self._frames.append(frame(encode(message)))
 
     def flush(self) -> bool:
         """Write what the pipe takes now, never blocking; True once nothing is left."""
@@ -94,7 +95,7 @@ class Outbox:
         while frames:
             head = frames[0]
             try:
-                n = self._sock.send(head, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                n = self._sock.send(head, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:  # the worker is gone: its death is handled by its sentinel
@@ -102,7 +103,7 @@ class Outbox:
                 frames.clear()
                 return True
             if n < len(head):
-                frames[0] = head[n:]
+                frames[0] = memoryview(head)[n:]
                 self._started = True
                 return False
             frames.popleft()
