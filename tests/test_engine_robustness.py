@@ -341,3 +341,37 @@ def test_a_reply_that_does_not_unpickle_is_skipped_with_on_error_skip(tmp_path):
         assert 13 in loader.stats()["skipped"]
         assert got == [i for i in range(40) if i not in loader.stats()["skipped"]]
         assert sorted(i for b in loader for i in b["i"].tolist()) == list(range(40))
+
+
+def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
+    import multiprocess
+
+    from procpipe import wire
+
+    ours, theirs = multiprocess.Pipe(duplex=True)
+    outbox = wire.Outbox(ours)
+    try:
+        messages = [(k, list(range(k * 50_000, (k + 1) * 50_000))) for k in range(6)]  # ~250 KB each
+        for m in messages:
+            outbox.put(m)
+        started = time.monotonic()
+        assert outbox.flush() is False  # the peer reads nothing: the socket fills, flush returns
+        assert time.monotonic() - started < 30
+        outbox.drop_unsent()  # keeps the message partly written, drops those not begun
+        outbox.put("stop")
+        got = []
+        while True:
+            outbox.flush()
+            if theirs.poll(5):
+                got.append(wire.recv(theirs))
+                if got[-1] == "stop":
+                    break
+            else:
+                pytest.fail("the peer never received the rest")
+        # Whole messages, in order: those written before the drop (the last one finished), then "stop".
+        assert got[-1] == "stop" and got[:-1] == messages[:len(got) - 1] and 1 <= len(got) - 1 < len(messages)
+        assert not outbox.pending
+    finally:
+        outbox.close()
+        ours.close()
+        theirs.close()
