@@ -215,6 +215,7 @@ class Coordinator:
         self.n_workers -= 1
         self._set_outstanding()
         worker.stop_if_idle()
+        self._flush(worker)
         return True
 
     def _set_outstanding(self) -> None:
@@ -283,9 +284,6 @@ class Coordinator:
                     self._tune(now)
                 wait = min(wait, max(0.001, self._meter.next_at - now))
             self._dispatch()
-            for w in self.workers:
-                if w.outbox.pending and not w.writing:  # (a stop message queued by a retiring worker)
-                    self._flush(w)
             for key, _ in self._selector.select(wait):
                 if key.data is None:
                     _drain(self._wake_r)
@@ -475,6 +473,7 @@ class Coordinator:
         worker.tasks.pop(message[1], None)
         if worker.retiring:
             worker.stop_if_idle()
+            self._flush(worker)
         busy = message[-1]
         worker.counters.tasks += 1
         worker.counters.busy_s += busy
