@@ -284,7 +284,10 @@ class Coordinator:
                     self._tune(now)
                 wait = min(wait, max(0.001, self._meter.next_at - now))
             self._dispatch()
+            registered = self._selector.get_map()
             for key, _ in self._selector.select(wait):
+                if registered.get(key.fd) is not key:
+                    continue  # unregistered by an earlier callback of this round (its worker died)
                 if key.data is None:
                     _drain(self._wake_r)
                 else:

@@ -375,3 +375,40 @@ def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
         outbox.close()
         ours.close()
         theirs.close()
+
+
+class DieOnce:
+    """``fn``: returns ``i``; the first attempt at each index of ``at`` ends its worker (``os._exit``)."""
+
+    def __init__(self, marks, at):
+        self.marks, self.at = str(marks), set(at)
+
+    def __call__(self, i):
+        if i in self.at:
+            try:
+                os.close(os.open(os.path.join(self.marks, f"died-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                os._exit(7)
+            except FileExistsError:
+                pass
+        return i
+
+
+def test_a_death_seen_before_its_pipe_in_one_wakeup_does_not_stop_the_coordinator(tmp_path):
+    # A dying fork worker's sentinel and pipe become ready together. When the death was
+    # handled first (it closes the pipe), the pipe's stale event made the coordinator read
+    # a closed connection and die ("handle is closed"). The selector is made to report
+    # deaths first, so every death that comes with its pipe in one wake-up hits that order.
+    deaths = [5, 15, 25, 35, 45, 55]
+    with Loader(range(64), DieOnce(tmp_path, deaths), batch_size=4, workers=2, start_method="fork",
+                max_worker_restarts=len(deaths)) as loader:
+        selector = loader._coordinator._selector
+        select = selector.select
+
+        def deaths_first(timeout=None):
+            events = select(timeout)
+            return sorted(events, key=lambda e: 0 if e[0].data and e[0].data[0].__name__ == "_on_exit" else 1)
+
+        selector.select = deaths_first
+        assert sorted(i for b in loader for i in b.tolist()) == list(range(64))
+        assert loader.stats()["worker_deaths"] == len(deaths)
+        assert sorted(i for b in loader for i in b.tolist()) == list(range(64))
