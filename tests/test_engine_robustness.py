@@ -6,6 +6,7 @@ regression runs in a daemon thread joined with a generous deadline (``within``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -73,16 +74,13 @@ def big_batches(count):
     return lambda epoch: [list(range(BIG_N - BIG, BIG_N))] * count
 
 
+@contextlib.contextmanager
 def closing(loader):
-    """Close ``loader`` at the end of a ``with`` block, failing (not hanging) if close() hangs."""
-    class Closing:
-        def __enter__(self):
-            return loader
-
-        def __exit__(self, *exc):
-            within(loader.close, 30)
-
-    return Closing()
+    """``loader``, closed at the end of the ``with`` block: a close() that hangs fails the test."""
+    try:
+        yield loader
+    finally:
+        within(loader.close, 30)
 
 
 def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_path):
