@@ -51,6 +51,7 @@ from .epochs import Attempt, EmptyBatch, Epoch, Failure, Job, Stream
 from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
 from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
+from .replies import unreadable_reply
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
 from .stats import WorkerCounters, array_bytes, worker_baseline
 from .worker import STARTING
@@ -90,6 +91,7 @@ class Coordinator:
     def __init__(self, config: EngineConfig, ctx: Any, spec: Any, files: SharedFiles) -> None:
         self.config = config
         self.files = files
+        self.owner = os.getpid()  # the only process that may stop the workers or remove the files
         self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
         self.n_workers = config.workers  # workers given tasks (autotune changes it; retiring ones excluded)
         # The most workers at once: status words and worker indices are sized for it.
@@ -160,6 +162,10 @@ class Coordinator:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def foreign(self) -> bool:
+        """This is a forked child of the loader's process: the engine is its parent's, not its own."""
+        return os.getpid() != self.owner
+
     def autotune_info(self) -> dict[str, Any] | None:
         """``stats()["autotune"]``: None unless ``workers="auto"``."""
         return None if self.tuner is None else self.tuner.info(self.n_workers)
@@ -169,8 +175,11 @@ class Coordinator:
 
         The coordinator thread does the shutdown itself as it leaves its loop; if it is
         already gone (or this is that thread, e.g. a garbage collection running there),
-        whatever is left is done here.
+        whatever is left is done here. In a forked child (its exit handlers, finalizers or
+        an explicit close) it does nothing: the workers and files are the parent's.
         """
+        if self.foreign():
+            return
         self.submit("close")
         if threading.current_thread() is self._thread:
             return
@@ -209,6 +218,7 @@ class Coordinator:
         self.n_workers -= 1
         self._set_outstanding()
         worker.stop_if_idle()
+        self._flush(worker)
         return True
 
     def _set_outstanding(self) -> None:
@@ -280,7 +290,10 @@ class Coordinator:
             if self._retired:
                 self._remove_idle_rings()
             self._dispatch()
+            registered = self._selector.get_map()
             for key, _ in self._selector.select(wait):
+                if registered.get(key.fd) is not key:
+                    continue  # unregistered by an earlier callback of this round (its worker died)
                 if key.data is None:
                     _drain(self._wake_r)
                 else:
@@ -396,10 +409,21 @@ class Coordinator:
         slot_bytes = ring.slot_bytes if slot >= 0 else 0
         ring_id = ring.ring_id if ring is not None else -1
         local = slot - ring.first_slot if slot >= 0 else -1
-        try:
-            wire.send(worker.conn, (attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
-        except OSError:
-            pass  # the worker is dying; its sentinel fires and the task is redone
+        # Never a blocking write (a large task to a worker busy in a slow sample would stall
+        # the loop): what its pipe does not take now is written when it becomes writable.
+        # A worker that is dying drops it; its sentinel fires and the task is redone.
+        worker.outbox.put((attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
+        self._flush(worker)
+
+    def _flush(self, worker: WorkerHandle) -> None:
+        """Write what ``worker``'s pipe takes now; while some is left, the selector watches for room."""
+        outbox = worker.outbox
+        waiting = not outbox.flush()
+        if waiting and not worker.writing:
+            self._selector.register(outbox.fileno(), selectors.EVENT_WRITE, (self._flush, worker))
+        elif not waiting and worker.writing:
+            self._selector.unregister(outbox.fileno())
+        worker.writing = waiting
 
     # ---------------------------------------------------------------- stragglers
     def _speculate(self) -> None:
@@ -440,11 +464,25 @@ class Coordinator:
             try:
                 if not (first or worker.conn.poll()):
                     return True
-                message = wire.recv(worker.conn)
+                data = worker.conn.recv_bytes()
             except (EOFError, OSError):
                 return False
             first = False
-            self._on_message(worker, message)
+            self._on_reply(worker, data)
+
+    def _on_reply(self, worker: WorkerHandle, data: bytes) -> None:
+        """One reply's bytes. One that does not unpickle here (a sample's ``__reduce__`` that
+        fails in this process) becomes the error of its batch instead of stopping this thread."""
+        try:
+            message = wire.decode(data)
+        except Exception as exc:  # noqa: BLE001 - user objects' unpickling: anything can be raised
+            attempt = next(iter(worker.tasks.values()), None)  # a worker replies to its tasks in order
+            if attempt is None:
+                return
+            left_out = {info[0] for info in attempt.skipped or ()}
+            kept = [i for i in attempt.job.indices if i not in left_out]
+            message = unreadable_reply(attempt.id, worker.index, data, exc, kept)
+        self._on_message(worker, message)
 
     def _on_message(self, worker: WorkerHandle, message: tuple) -> None:
         kind = message[0]
@@ -460,6 +498,7 @@ class Coordinator:
         worker.tasks.pop(message[1], None)
         if worker.retiring:
             worker.stop_if_idle()
+            self._flush(worker)
         busy = message[-1]
         worker.counters.tasks += 1
         worker.counters.busy_s += busy
@@ -616,6 +655,10 @@ class Coordinator:
             pass
         self._on_readable_quietly(worker)
         worker.process.join(0.1)
+        if worker.writing:
+            self._selector.unregister(worker.outbox.fileno())
+            worker.writing = False
+        worker.outbox.close()
         worker.conn.close()
         lost = list(worker.tasks.values())
         for attempt in lost:

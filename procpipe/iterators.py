@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ class EpochIterator:
         self._done = False
         self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
+        self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
+        self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
         loader._last_counters = self._epoch.counters
         self._set_epoch(number + 1)
         self._coordinator.submit("start", self._stream)
@@ -78,8 +81,21 @@ class EpochIterator:
         return self._loader._epoch == getattr(self, "_epoch_set", None)
 
     def __next__(self) -> Any:
+        # Threads sharing the iterator take batches in turn, and each sees its end: the
+        # StopIteration, or the error (the one that ended it, or a RuntimeError saying so).
+        with self._lock:
+            return self._next()
+
+    def _over(self) -> None:
+        """``next()`` on an iterator that has ended: StopIteration, or why it ended otherwise."""
+        if self._failed is not None:
+            raise RuntimeError("this epoch's iterator has already ended with an error, raised by an earlier "
+                               "next() (perhaps in another thread)") from self._failed
+        iteration_over(self._cancelled)
+
+    def _next(self) -> Any:
         if self._done:
-            iteration_over(self._cancelled)
+            self._over()
         stream = self._stream
         started = time.perf_counter()
         while True:
@@ -105,10 +121,14 @@ class EpochIterator:
             self._done = True
             if item is EndOfEpoch:
                 self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
-                if not self._cancelled:
-                    self._complete = True
-                    self._set_epoch(stream.until if stream.until is not None else stream.next_number)
+                # Cancelled (iter() or close() from another thread or a signal handler) while
+                # this next() waited: the iteration ended early, so it must say so.
+                if self._cancelled:
+                    iteration_over(self._cancelled)
+                self._complete = True
+                self._set_epoch(stream.until if stream.until is not None else stream.next_number)
                 raise StopIteration
+            self._failed = item.exc
             raise item.exc  # a Failure
 
     def _enter(self, epoch: Epoch) -> None:
@@ -149,8 +169,8 @@ class EpochIterator:
 
     def cancel(self, why: str) -> None:
         if not self._done:
+            self._cancelled = why  # before _done: a next() in another thread that sees _done sees why
             self._done = True
-            self._cancelled = why
             self._coordinator.submit("cancel", self._stream.gen)
             self._stream.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
 
@@ -173,6 +193,8 @@ class InlineIterator(EpochIterator):
         self._done = False
         self._complete = False
         self._cancelled = None
+        self._failed = None
+        self._lock = threading.Lock()
         self._open(number, loader._sampler.batches(number), done, time.perf_counter())
 
     def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
@@ -185,9 +207,9 @@ class InlineIterator(EpochIterator):
         self._skips = SkipBudget(loader._max_skipped, batches, self._counters) if loader._spec.skip else None
         self._set_epoch(number + 1)
 
-    def __next__(self) -> Any:
+    def _next(self) -> Any:
         if self._done:
-            iteration_over(self._cancelled)
+            self._over()
         started = time.perf_counter()
         while True:
             item = next(self._batches, None)
@@ -200,8 +222,8 @@ class InlineIterator(EpochIterator):
                     raise StopIteration
                 try:
                     batches = self._loader._sampler.batches(following)
-                except Exception:
-                    self._done = True
+                except Exception as exc:
+                    self._done, self._failed = True, exc
                     raise
                 self._open(following, batches, self._ahead.pop(following, frozenset()), now)
                 started = now
@@ -209,9 +231,9 @@ class InlineIterator(EpochIterator):
             seq, indices = item
             try:
                 layout, kept = self._load(seq, indices)
-            except Exception:
+            except Exception as exc:
                 if self._skips is not None:  # on_error="skip" past its budget: the epoch ends
-                    self._done = True
+                    self._done, self._failed = True, exc
                 else:  # as with workers: this batch raises, the next next() goes on after it
                     self._progress.add(seq)
                 raise
@@ -262,8 +284,8 @@ class InlineIterator(EpochIterator):
 
     def cancel(self, why: str) -> None:
         if not self._done:  # like the workers' iterator: a superseded epoch says so
-            self._done = True
             self._cancelled = why
+            self._done = True
 
     def __del__(self) -> None:
         pass

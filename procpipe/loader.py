@@ -240,6 +240,9 @@ class Loader:
         """Start the next epoch, or ``epochs`` epochs (ending an unfinished previous iteration), and iterate."""
         if self._closed:
             raise RuntimeError("this procpipe.Loader is closed; create a new one to load more data")
+        if self._coordinator is not None and self._coordinator.foreign():
+            raise RuntimeError("this procpipe.Loader was created in another process (this one is a fork of it); "
+                               "its workers serve that process only: create a new Loader here")
         if self._active is not None:
             self._active.cancel("a new iteration over the loader started")
         epoch = self._epoch

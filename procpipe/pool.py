@@ -18,6 +18,7 @@ import gc
 import os
 import statistics
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,27 @@ _SPECULATE_MIN_S = 0.02  # never call a batch a straggler before it has run this
 _SPECULATE_AFTER = 5  # batches that must have finished before their median is trusted
 _DURATIONS_KEPT = 64  # the running median covers this many recent batches
 
+_started: weakref.WeakSet = weakref.WeakSet()  # the worker processes this process started
+
+
+def _disown_workers() -> None:
+    """In a child made by ``os.fork()``: the workers are its parent's, not its children.
+
+    multiprocess lists the processes it started in a module-level set that a forked child
+    inherits; at the child's exit (``sys.exit``) its exit handler would SIGTERM every
+    daemon in that set, the parent's workers included, then fail to join them. The
+    loader's own shutdown is guarded separately (``Coordinator.close``).
+    """
+    from multiprocess import process
+
+    children = getattr(process, "_children", None)  # private to multiprocess; absent: nothing to do
+    if children is not None:
+        children.difference_update(list(_started))
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_disown_workers)
+
 
 @dataclass(eq=False)
 class WorkerHandle:
@@ -53,6 +75,8 @@ class WorkerHandle:
     retiring: bool = False  # autotune: no more tasks; told to stop once idle
     stop_sent: bool = False
     ps: Any = None  # its psutil.Process (autotune reads its CPU time)
+    outbox: wire.Outbox | None = None  # messages to it not yet taken by its pipe (never a blocking write)
+    writing: bool = False  # the coordinator's selector watches its outbox for writability
 
     @property
     def healthy(self) -> bool:
@@ -63,10 +87,7 @@ class WorkerHandle:
         """A retiring worker with nothing left to run is told to stop (once)."""
         if self.retiring and not self.tasks and not self.stop_sent:
             self.stop_sent = True
-            try:
-                wire.send(self.conn, None)  # it exits; its sentinel fires and the coordinator removes it
-            except OSError:
-                pass
+            self.outbox.put(None)  # it exits; its sentinel fires and the coordinator removes it
 
 
 class Launcher:
@@ -99,9 +120,10 @@ class Launcher:
         finally:
             if forked:
                 gc.unfreeze()  # this process collects as before
+        _started.add(process)
         child_conn.close()
         counters.rss_bytes = 0  # a new process: not sampled yet (not its predecessor's figure)
-        return WorkerHandle(index, process, parent_conn, counters)
+        return WorkerHandle(index, process, parent_conn, counters, outbox=wire.Outbox(parent_conn))
 
 
 class Watchdog:
@@ -181,20 +203,22 @@ def kill_tree(pid: int, wait: bool = True) -> None:
 def stop_all(workers: list[WorkerHandle]) -> None:
     """Ask every worker to stop, give them 2 s together, kill what is left, close the pipes.
 
-    Meanwhile their replies are read and dropped: a worker blocked writing a large reply
-    (an inline batch, before the ring exists) could not otherwise see the stop, and would
-    be killed after the full 2 s (a loader closed after its first batch).
+    Never blocks on a pipe: tasks not yet sent are dropped, and a worker that does not
+    read its stop message (busy in a sample) is killed at the deadline. Meanwhile their
+    replies are read and dropped: a worker blocked writing a large reply (an inline batch,
+    before the ring exists) could not otherwise see the stop.
     """
     for w in workers:
-        try:
-            wire.send(w.conn, None)
-        except OSError:
-            pass
+        w.outbox.drop_unsent()
+        w.outbox.put(None)
+        w.outbox.flush()
     deadline = time.monotonic() + 2.0
     running = {w.process.sentinel: w for w in workers}
     replies = {w.conn: w for w in workers if not w.conn.closed}
     while running and (left := deadline - time.monotonic()) > 0:
-        for ready in wait_ready([*running, *replies], left):
+        writing = [w for w in workers if w.outbox.pending and not w.outbox.flush()]
+        # a worker still reading the rest of a task gets it (then its stop message) as it reads
+        for ready in wait_ready([*running, *replies], min(left, 0.01) if writing else left):
             if ready in running:
                 del running[ready]
                 continue
@@ -208,4 +232,5 @@ def stop_all(workers: list[WorkerHandle]) -> None:
         if w.process.is_alive():
             kill_tree(w.process.pid)
         w.process.join(1.0)
+        w.outbox.close()
         w.conn.close()

@@ -6,24 +6,119 @@ and strings, so the C pickler handles them; dill is the fallback for the rare me
 that carries user objects the C pickler cannot (lambdas in a sample, say), with the
 user's classes kept by reference wherever they can be found (classref.py). Either way
 the receiving side uses ``pickle.loads``, which also reads dill's output.
+
+The coordinator thread must never block (it also runs the watchdog, and it reads every
+worker's replies), yet a task names every index of its batch (about 5 bytes each) and a
+worker busy in a slow sample does not read its pipe: ``Connection.send_bytes`` of a large
+task would wait for it. So the coordinator writes through an ``Outbox`` instead: each
+message is framed as ``Connection.recv_bytes`` reads it (a 4-byte big-endian length, or
+-1 and an 8-byte one; the format multiprocessing keeps for wire compatibility), and
+written with ``MSG_DONTWAIT``; what the pipe does not take now waits in the outbox until
+the selector says the pipe is writable again.
 """
 from __future__ import annotations
 
+import os
 import pickle
+import socket
+import struct
+from collections import deque
 from typing import Any
 
 from . import classref
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL
+_DONTWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL  # never block; a closed peer is an error, not SIGPIPE
+
+
+def encode(message: Any) -> bytes:
+    """``message`` pickled: by the C pickler, or by dill when it cannot."""
+    try:
+        return pickle.dumps(message, PROTOCOL)
+    except Exception:  # classes pickle cannot find by name, lambdas...: see classref.py
+        return classref.dumps(message, PROTOCOL)
 
 
 def send(conn: Any, message: Any) -> None:
-    try:
-        data = pickle.dumps(message, PROTOCOL)
-    except Exception:  # classes pickle cannot find by name, lambdas...: see classref.py
-        data = classref.dumps(message, PROTOCOL)
-    conn.send_bytes(data)
+    """Send ``message`` on a ``Connection``, blocking until the pipe takes it (workers' side)."""
+    conn.send_bytes(encode(message))
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
 
 
 def recv(conn: Any) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    return decode(conn.recv_bytes())
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` with the length header ``Connection.recv_bytes`` expects."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return header + data
+
+
+class Outbox:
+    """Messages for one ``Connection`` (a socket pair end), written without ever blocking.
+
+    ``put`` queues a message; ``flush`` writes what the socket takes now and says whether
+    anything is left, for the caller to wait for ``fileno()`` to become writable. The
+    outbox writes through its own duplicate of the connection's descriptor, so the caller
+    can watch it for writability separately from the connection's readability. The
+    descriptor stays in blocking mode (the connection's reads rely on it); only the
+    writes here are non-blocking (``MSG_DONTWAIT``).
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._sock.setblocking(True)  # (a global socket.setdefaulttimeout would have cleared it)
+        self._frames: deque[bytes | memoryview] = deque()
+        self._started = False  # the first frame is partly written
+        self.broken = False  # the other end is gone: messages are dropped
+
+    @property
+    def pending(self) -> bool:
+        """Messages (or the rest of one) wait for the pipe to take them."""
+        return bool(self._frames)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def put(self, message: Any) -> None:
+        """Queue ``message`` (written by the next ``flush``)."""
+        if not self.broken:
+            self._frames.append(frame(encode(message)))
+
+    def flush(self) -> bool:
+        """Write what the pipe takes now, never blocking; True once nothing is left."""
+        frames = self._frames
+        while frames:
+            head = frames[0]
+            try:
+                n = self._sock.send(head, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:  # the worker is gone: its death is handled by its sentinel
+                self.broken = True
+                frames.clear()
+                return True
+            if n < len(head):
+                frames[0] = memoryview(head)[n:]
+                self._started = True
+                return False
+            frames.popleft()
+            self._started = False
+        return True
+
+    def drop_unsent(self) -> None:
+        """Forget the messages not begun (a message partly written is kept, so the stream stays whole)."""
+        keep = self._frames[0] if self._started else None
+        self._frames.clear()
+        if keep is not None:
+            self._frames.append(keep)
+
+    def close(self) -> None:
+        self._frames.clear()
+        self.broken = True
+        self._sock.close()

@@ -185,6 +185,8 @@ class InlineStream:
             try:
                 item = stream.out.get_nowait()
             except queue.Empty:
+                if self._cancelled:  # by iter() or close() from another thread or a signal handler
+                    iteration_over(self._cancelled)
                 try:
                     self._load()
                 except BaseException:
