@@ -77,8 +77,34 @@ class StreamPlan:
         self.source = shards.configured(self.block_length, self.mode, batch_size)
 
     def __len__(self) -> int:
-        raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len(): the number of "
-                        "records is only known once every shard has been read")
+        """Batches per epoch, from ``Shards(lengths=...)`` (``TypeError`` without them, or when
+        the count changes from epoch to epoch)."""
+        lengths = self.shards.lengths
+        if lengths is None:
+            raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len() unless the shards' "
+                            "record counts are given: pass Shards(..., lengths=[records of each shard]); without "
+                            "them the number of records is only known once every shard has been read")
+        if (self.shard is not None and self.shuffle and self.reshuffle and self.shard[1] > 1
+                and len(set(lengths)) > 1):
+            raise TypeError("a Loader over a streaming source with shard=(rank, world_size), shuffle=True and "
+                            "shards of different lengths has no len(): each epoch gives this rank a different "
+                            "set of shards, hence a different number of records (pass reshuffle=False for the "
+                            "same shards every epoch)")
+        return self.batch_count(self.batches(0))
+
+    def batch_count(self, order: list[int]) -> int:
+        """The batches an epoch over the shards ``order`` yields, from their ``lengths``."""
+        lengths = self.shards.lengths
+        size = self.batch_size
+
+        def batches(records: int) -> int:
+            return records // size if self.drop_last else -(-records // size)
+
+        if self.mode == CHUNKS:  # batches never span blocks: a block's last chunk may be smaller
+            block = self.block_length
+            return sum(lengths[s] // block * batches(block) + batches(lengths[s] % block) for s in order)
+        records = sum(lengths[s] for s in order)
+        return records if size is None else batches(records)
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""

@@ -21,7 +21,8 @@ from typing import Any
 from .. import collate
 from ..collate import INLINE, SEQ
 from ..produce import Produced, collate_privately, run_batch_fn
-from ..checks import check_int
+from ..checks import check_int, is_count
+from ..errors import ShardLengthError
 from ..rng import SampleScope
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
@@ -109,10 +110,14 @@ class Shards:
             there are enough). Fixed, so the order does not depend on the machine.
         block_length: records taken from a shard per turn, and the unit of work sent to
             a worker; ``None`` (default): the loader's ``batch_size`` (1 if that is None).
+        lengths: optional, the number of records of each shard (one int per shard). It
+            gives the loader a ``len()``, and it is a promise: a shard that yields fewer or
+            more records raises ``ShardLengthError`` (the epoch never ends short silently).
     """
 
     def __init__(self, shards: Iterable[Any], open_fn: Callable[[Any], Iterable[Any]], *,
-                 cycle_length: int = 4, block_length: int | None = None) -> None:
+                 cycle_length: int = 4, block_length: int | None = None,
+                 lengths: Iterable[int] | None = None) -> None:
         if isinstance(shards, (str, bytes)):
             raise TypeError(f"shards must be a list of shards, got the single {type(shards).__name__} "
                             f"{shards!r:.100}; write [path] for one shard")
@@ -127,6 +132,7 @@ class Shards:
         if block_length is not None:
             check_int("block_length", block_length, 1)
         self.shards = shards
+        self.lengths = _check_lengths(lengths, len(shards))
         self.open_fn = open_fn
         self.cycle_length = cycle_length
         self.block_length = block_length
@@ -139,7 +145,8 @@ class Shards:
 
     def __repr__(self) -> str:
         return (f"Shards({reprlib.repr(self.shards)}, {getattr(self.open_fn, '__name__', self.open_fn)!s}, "
-                f"cycle_length={self.cycle_length}, block_length={self.block_length})")
+                f"cycle_length={self.cycle_length}, block_length={self.block_length}"
+                + ("" if self.lengths is None else f", lengths={reprlib.repr(self.lengths)}") + ")")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -237,6 +244,13 @@ class Shards:
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])
 
+    def length_mismatch(self, shard: int, what: str) -> str:
+        """The message of a shard that broke the ``lengths`` promise."""
+        return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
+                f"{self.lengths[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
+                "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
+                "every time.")
+
     def worker_for(self, shard: int) -> int | None:
         """The worker (index) that should read ``shard``; None (here): the least loaded one.
 
@@ -295,6 +309,24 @@ class Shards:
             reader.close()
 
 
+def _check_lengths(lengths: Iterable[int] | None, shards: int) -> tuple[int, ...] | None:
+    """``Shards(lengths=...)`` as a tuple of record counts, one per shard (``ValueError`` otherwise)."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, (str, bytes)):
+        raise TypeError(f"lengths must be a list of ints (records per shard), got {type(lengths).__name__}")
+    try:
+        lengths = tuple(lengths)
+    except TypeError:
+        raise TypeError(f"lengths must be a list of ints (records per shard), got {type(lengths).__name__}") from None
+    if len(lengths) != shards:
+        raise ValueError(f"lengths must give one record count per shard: {shards} shards, {len(lengths)} lengths")
+    for i, n in enumerate(lengths):
+        if not is_count(n, 0):
+            raise ValueError(f"lengths[{i}] must be an int >= 0 (the records of shard {i}), got {n!r}")
+    return lengths
+
+
 class _Reader:
     """One shard's iterator in one process, and how many records it has yielded."""
 
@@ -309,11 +341,15 @@ class _Reader:
     def next(self, shards: Shards, key: RecordKey) -> Any:
         if self.done:
             return _END
+        promised = None if shards.lengths is None else shards.lengths[key[0]]
         try:
             record = next(self.iterator)
         except StopIteration:
             self.done = True
             self.close()
+            if promised is not None and self.position != promised:
+                self.broken = True
+                raise ShardLengthError(shards.length_mismatch(key[0], f"ended after {self.position} records"))
             return _END
         except Exception as exc:
             self.broken = True
@@ -321,6 +357,10 @@ class _Reader:
             exc.add_note(f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
                          "in the iterator open_fn returned.")
             raise
+        if promised is not None and self.position >= promised:
+            self.broken = True
+            self.close()
+            raise ShardLengthError(shards.length_mismatch(key[0], f"yielded more than {promised} records"))
         self.position += 1
         return record
 

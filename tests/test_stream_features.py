@@ -1,0 +1,106 @@
+"""Features of indexed sources made to work for streaming sources (procpipe.Shards):
+``len()`` from ``Shards(lengths=...)``, a promise the epoch enforces."""
+from __future__ import annotations
+
+import pytest
+
+from procpipe import Loader, ShardLengthError, Shards
+
+# (shard id, records): uneven, empty, shorter than a block, exact multiples of the block.
+SHARDS = [(0, 5), (1, 0), (2, 13), (3, 8), (4, 3), (5, 16), (6, 1)]
+LENGTHS = [n for _, n in SHARDS]
+
+
+def open_shard(shard):
+    for i in range(shard[1]):
+        yield shard[0] * 1000 + i
+
+
+def open_liar(shard):
+    """Shard 2 yields one record fewer than SHARDS says, shard 5 one more (by the shard's value)."""
+    sid, n = shard
+    yield from open_shard((sid, n - 1 if sid == 2 else n + 1 if sid == 5 else n))
+
+
+def as_list(batch):
+    return [batch] if isinstance(batch, int) else [int(x) for x in batch]
+
+
+CASES = [
+    dict(batch_size=5),
+    dict(batch_size=5, drop_last=True),
+    dict(batch_size=3, collate_fn=lambda records: list(records)),  # batches never span blocks
+    dict(batch_size=3, collate_fn=lambda records: list(records), drop_last=True),
+    dict(batch_size=None),
+    dict(batch_size=4, shuffle_buffer=7),
+    dict(batch_size=4, shuffle_buffer=7, drop_last=True),
+    dict(batch_size=5, shuffle=True, shard=(1, 3), reshuffle=False),
+]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_len_from_lengths_is_the_number_of_batches(workers, case):
+    kwargs = dict(CASES[case])
+    source = Shards(SHARDS, open_shard, cycle_length=3, block_length=4, lengths=LENGTHS)
+    with Loader(source, workers=workers, seed=3, **kwargs) as loader:
+        n = len(loader)
+        batches = list(loader)
+        assert len(batches) == n, kwargs
+        again = list(loader)  # a second epoch: the same count
+        assert len(again) == n
+    if "shard" not in kwargs and not kwargs.get("drop_last"):
+        records = sorted(r for b in batches for r in as_list(b))
+        assert records == sorted(s * 1000 + i for s, k in SHARDS for i in range(k))
+
+
+def test_no_lengths_no_len():
+    with Loader(Shards(SHARDS, open_shard), batch_size=4, workers=0) as loader:
+        with pytest.raises(TypeError, match="lengths="):
+            len(loader)
+
+
+def test_len_refused_when_a_rank_gets_other_shards_each_epoch():
+    source = Shards(SHARDS, open_shard, lengths=LENGTHS)
+    with Loader(source, batch_size=4, workers=0, shuffle=True, shard=(0, 2)) as loader:
+        with pytest.raises(TypeError, match="different set of shards"):
+            len(loader)
+    equal = Shards([(i, 4) for i in range(6)], open_shard, lengths=[4] * 6)  # same lengths: same count
+    with Loader(equal, batch_size=3, workers=0, shuffle=True, shard=(0, 2)) as loader:
+        assert len(loader) == len(list(loader)) == 4
+
+
+@pytest.mark.parametrize("lengths, error, match", [
+    ([1, 2], ValueError, "one record count per shard"),
+    ([5, 0, 13, 8, 3, -1, 1], ValueError, r"lengths\[5\] must be an int >= 0"),
+    ([5, 0, 13, 8, 3, 16, 1.0], ValueError, r"lengths\[6\]"),
+    ([5, 0, 13, 8, 3, 16, True], ValueError, r"lengths\[6\]"),
+    ("5013", TypeError, "list of ints"),
+    (7, TypeError, "list of ints"),
+])
+def test_lengths_are_validated(lengths, error, match):
+    with pytest.raises(error, match=match):
+        Shards(SHARDS, open_shard, lengths=lengths)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("liar, match", [(2, r"shard 1 \(\(2, 13\)\) ended after 12 records.*promised 13"),
+                                         (5, r"shard 1 \(\(5, 16\)\) yielded more than 16 records")])
+def test_a_shard_breaking_its_length_raises(workers, ordered, liar, match):
+    shards = [(s, n) for s, n in SHARDS if s in (0, liar)]
+    source = Shards(shards, open_liar, cycle_length=2, block_length=4, lengths=[n for _, n in shards])
+    with Loader(source, batch_size=4, workers=workers, ordered=ordered) as loader:
+        it = iter(loader)
+        with pytest.raises(ShardLengthError, match=match):
+            for _ in range(len(loader) + 2):
+                next(it)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shorter_shard_on_a_block_boundary_raises(workers):
+    """The shard ends exactly where a block ends (12 of 13 records, block 4): caught anyway."""
+    source = Shards([(2, 13)], open_liar, cycle_length=1, block_length=4, lengths=[13])
+    with Loader(source, batch_size=4, workers=workers) as loader:
+        with pytest.raises(ShardLengthError, match="ended after 12"):
+            list(loader)
