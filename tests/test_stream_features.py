@@ -1,9 +1,14 @@
 """Features of indexed sources made to work for streaming sources (procpipe.Shards):
-``len()`` from ``Shards(lengths=...)``, a promise the epoch enforces."""
+``len()`` from ``Shards(lengths=...)``, a promise the epoch enforces, and ``cache=...`` keyed by
+``(shard, record)``."""
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
+import procpipe
 from procpipe import Loader, ShardLengthError, Shards
 
 # (shard id, records): uneven, empty, shorter than a block, exact multiples of the block.
@@ -102,5 +107,89 @@ def test_a_shorter_shard_on_a_block_boundary_raises(workers):
     """The shard ends exactly where a block ends (12 of 13 records, block 4): caught anyway."""
     source = Shards([(2, 13)], open_liar, cycle_length=1, block_length=4, lengths=[13])
     with Loader(source, batch_size=4, workers=workers) as loader:
+        with pytest.raises(ShardLengthError, match="ended after 12"):
+            list(loader)
+
+
+# --------------------------------------------------------------------------- cache=...
+def counting(log_dir):
+    """open_fn and fn that log each call to a file (one line per call, from any process)."""
+    def log(what):
+        with open(os.path.join(log_dir, what), "a") as f:
+            f.write("x\n")
+
+    def open_fn(shard):
+        log("open")
+        for i in range(shard[1]):
+            yield shard[0] * 1000 + i
+
+    def fn(record):
+        log("fn")
+        return np.array([record, record * 2], np.int64)
+
+    def calls(what):
+        path = os.path.join(log_dir, what)
+        return len(open(path).read().split()) if os.path.exists(path) else 0
+
+    return open_fn, fn, calls
+
+
+def noisy(sample):
+    return sample + (procpipe.sample_rng().integers(1, 1000) << 32)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_cache_runs_fn_once_per_record_and_later_epochs_read_no_shard(tmp_path, workers, ordered):
+    open_fn, fn, calls = counting(str(tmp_path))
+    source = Shards(SHARDS, open_fn, cycle_length=3, block_length=4, lengths=LENGTHS)
+    with Loader(source, fn, batch_size=5, workers=workers, ordered=ordered, shuffle=True, seed=2, cache=True,
+                augment=noisy) as loader:
+        first = [b.copy() for b in loader]
+        fn_calls, opens = calls("fn"), calls("open")
+        assert fn_calls == sum(LENGTHS)  # (the first record's, computed when the loader is created, is stored)
+        second = [b.copy() for b in loader]
+        assert calls("fn") == fn_calls and calls("open") == opens  # epoch 2: from the cache only
+        assert loader.cache_info()["filled"] == sum(LENGTHS)
+    for batches in (first, second):  # the cached stage is fn's output: the low half is the record
+        records = sorted(int(r) for b in batches for r in b[:, 0] & 0xFFFFFFFF)
+        assert records == sorted(s * 1000 + i for s, n in SHARDS for i in range(n))
+    assert [b.tolist() for b in first] != [b.tolist() for b in second]  # augment still runs every epoch
+    plain = Shards(SHARDS, open_shard, cycle_length=3, block_length=4)
+    with Loader(plain, lambda r: np.array([r, r * 2], np.int64), batch_size=5, workers=0, shuffle=True, seed=2,
+                augment=noisy, epochs=2) as loader:
+        uncached = [b.tolist() for b in loader]
+    if ordered:  # the very batches of the same loader without a cache, epoch for epoch
+        assert [b.tolist() for b in first + second] == uncached
+
+
+def test_cache_needs_lengths():
+    with pytest.raises(ValueError, match=r"cache.*lengths="):
+        Loader(Shards(SHARDS, open_shard), batch_size=4, workers=0, cache=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cache_resumes_exactly(tmp_path, workers):
+    open_fn, fn, _ = counting(str(tmp_path))
+
+    def make():
+        source = Shards(SHARDS, open_fn, cycle_length=3, block_length=4, lengths=LENGTHS)
+        return Loader(source, fn, batch_size=3, workers=workers, epochs=2, cache=True)
+
+    with make() as loader:
+        full = [b.tolist() for b in loader]
+    with make() as loader:
+        it = iter(loader)
+        taken = [next(it).tolist() for _ in range(len(loader) + 2)]  # into the second epoch
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        rest = [b.tolist() for b in loader]
+    assert taken + rest == full
+
+
+def test_cache_checks_the_lengths_while_filling():
+    source = Shards([(0, 5), (2, 13)], open_liar, cycle_length=2, block_length=4, lengths=[5, 13])
+    with Loader(source, batch_size=4, workers=0, cache=True) as loader:
         with pytest.raises(ShardLengthError, match="ended after 12"):
             list(loader)

@@ -137,6 +137,7 @@ class Shards:
         self.cycle_length = cycle_length
         self.block_length = block_length
         self._config: tuple[int, str, int | None] | None = None  # set on the loader's copy (configured)
+        self._offsets: list[int] | None = None  # cache=...: each shard's first cache index (cache_index)
         self._readers: OrderedDict[tuple[int, int], _Reader] = OrderedDict()  # this process's open shards
 
     def __len__(self) -> int:
@@ -172,38 +173,8 @@ class Shards:
         None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
         _, mode, batch_size = self._config
-        fn, augment = spec.fn, getattr(spec, "augment", None)
-        keys: list[RecordKey] = []
-        samples: list[Any] = []
-        reader = self._reader(epoch, block, scope, status)
-        stop = block.first + block.length
-        try:
-            while reader.position < stop:
-                key = RecordKey(block.shard, reader.position)
-                scope.enter(epoch, key)  # the iterator's own draws and fn's share this record's generator
-                if status is not None:
-                    status[1] = reader.position
-                record = reader.next(self, key)
-                if record is _END:
-                    break
-                if block.skip and block.skipped(key[1]):
-                    continue
-                for stage, name in ((fn, "fn"), (augment, "augment")):
-                    if stage is not None:
-                        try:
-                            record = stage(record)
-                        except Exception as exc:
-                            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} "
-                                         f"({self.name(key[0])}).")
-                            raise
-                keys.append(key)
-                samples.append(record)
-        finally:
-            self._keep(epoch, block.shard, reader)
-        scope.leave()
-        if status is not None:
-            status[1] = -1
-        read = max(0, reader.position - block.first)
+        read_all = self._from_cache(spec, scope, epoch, block) if getattr(spec, "cache", None) is not None else None
+        keys, samples, read = read_all or self._read(spec, scope, epoch, block, status)
         if not read:
             return Produced(None, 0, False, [], [])
         if not samples:  # every record read was received before a resume
@@ -222,6 +193,122 @@ class Shards:
                 exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
                 raise
         return Produced([SEQ, tuple, [[INLINE, (read, len(samples))], layout]], nbytes, in_slot, keys, [])
+
+    def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
+              status: Any | None) -> tuple[list[RecordKey], list[Any], int]:
+        """Read ``block`` from its shard's iterator and run the stages on each record kept:
+        ``(keys, samples, records read)``. With ``cache=...``, ``fn``'s output is taken
+        from the cache when it is there, else computed and stored."""
+        fn, augment, cache = spec.fn, getattr(spec, "augment", None), getattr(spec, "cache", None)
+        keys: list[RecordKey] = []
+        samples: list[Any] = []
+        reader = self._reader(epoch, block, scope, status)
+        stop = block.first + block.length
+        try:
+            while reader.position < stop:
+                key = RecordKey(block.shard, reader.position)
+                scope.enter(epoch, key)  # the iterator's own draws and fn's share this record's generator
+                if status is not None:
+                    status[1] = reader.position
+                record = reader.next(self, key)
+                if record is _END:
+                    break
+                if block.skip and block.skipped(key[1]):
+                    continue
+                if cache is not None:
+                    index = self.cache_index(key)
+                    cached = cache.get(index)
+                    # (the cache computes fn on "source[index]": here, the record just read)
+                    record = cached if cached is not None else cache.compute(index, {index: record}, fn)
+                    stages = ((augment, "augment"),)
+                else:
+                    stages = ((fn, "fn"), (augment, "augment"))
+                for stage, name in stages:
+                    if stage is not None:
+                        try:
+                            record = stage(record)
+                        except Exception as exc:
+                            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} "
+                                         f"({self.name(key[0])}).")
+                            raise
+                keys.append(key)
+                samples.append(record)
+        finally:
+            self._keep(epoch, block.shard, reader)
+        scope.leave()
+        if status is not None:
+            status[1] = -1
+        return keys, samples, max(0, reader.position - block.first)
+
+    def _from_cache(self, spec: Any, scope: SampleScope, epoch: int,
+                    block: Block) -> tuple[list[RecordKey], list[Any], int] | None:
+        """``block`` entirely from the cache, without reading its shard (the lengths, a
+        promise checked when the cache was filled, say where the shard ends); None if one
+        of its records is not cached yet (the block is then read)."""
+        cache, augment = spec.cache, getattr(spec, "augment", None)
+        end = min(block.first + block.length, self.lengths[block.shard])
+        keys: list[RecordKey] = []
+        samples: list[Any] = []
+        for record in range(block.first, end):
+            if block.skip and block.skipped(record):
+                continue
+            key = RecordKey(block.shard, record)
+            sample = cache.get(self.cache_index(key))
+            if sample is None:
+                return None
+            keys.append(key)
+            samples.append(sample)
+        if augment is not None:
+            for i, key in enumerate(keys):
+                scope.enter(epoch, key)
+                try:
+                    samples[i] = augment(samples[i])
+                except Exception as exc:
+                    exc.add_note(f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
+                                 f"({self.name(key[0])}).")
+                    raise
+            scope.leave()
+        return keys, samples, max(0, end - block.first)
+
+    # ------------------------------------------------------------------ the cache (cache=...)
+    def cache_length(self) -> int:
+        """Records in all shards: the cache's length (``ValueError`` without ``lengths``)."""
+        if self.lengths is None:
+            raise ValueError("cache=... with a streaming source needs the shards' record counts, to lay the cache "
+                             "file out: pass Shards(..., lengths=[records of each shard])")
+        return sum(self.lengths)
+
+    def cache_index(self, key: RecordKey) -> int:
+        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``."""
+        if self._offsets is None:
+            self._offsets = [0]
+            for n in self.lengths:
+                self._offsets.append(self._offsets[-1] + n)
+        return self._offsets[key[0]] + key[1]
+
+    def first_record(self, scope: SampleScope) -> tuple[int, RecordKey, Any]:
+        """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
+        (the calling process lays the cache out from ``fn`` of it, as for an index source)."""
+        for shard, n in enumerate(self.lengths):
+            if not n:
+                continue
+            key = RecordKey(shard, 0)
+            scope.enter(0, key)
+            try:
+                iterator = iter(self.open_fn(self.shards[shard]))
+                reader = _Reader(iterator)
+                record = reader.next(self, key)
+                reader.close()
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
+                             f"({self.name(shard)}) to lay out the cache (cache=...).")
+                raise
+            finally:
+                scope.leave()
+            if record is _END:
+                raise ShardLengthError(self.length_mismatch(shard, "ended after 0 records"))
+            return self.cache_index(key), key, record
+        raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
     def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
         """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
