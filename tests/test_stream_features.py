@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -193,3 +194,138 @@ def test_cache_checks_the_lengths_while_filling():
     with Loader(source, batch_size=4, workers=0, cache=True) as loader:
         with pytest.raises(ShardLengthError, match="ended after 12"):
             list(loader)
+
+
+# --------------------------------------------------------------------------- on_error="skip"
+BAD = {(2, 3), (2, 4), (5, 15), (3, 0)}  # (shard id, record) whose fn raises
+
+
+def fragile(record):
+    if (record // 1000, record % 1000) in BAD:
+        raise KeyError(f"bad record {record}")
+    return record
+
+
+def everything_but_bad():
+    return sorted(s * 1000 + i for s, n in SHARDS for i in range(n) if (s, i) not in BAD)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("lengths, max_skipped", [(None, 4), (LENGTHS, 0.1)])
+def test_skip_leaves_out_the_records_whose_fn_raises(workers, ordered, lengths, max_skipped):
+    source = Shards(SHARDS, open_shard, cycle_length=3, block_length=4, lengths=lengths)
+    with Loader(source, fragile, batch_size=3, workers=workers, ordered=ordered, on_error="skip",
+                max_skipped=max_skipped) as loader:
+        records = sorted(r for b in loader for r in as_list(b))
+        skipped = loader.stats()["skipped"]
+    assert records == everything_but_bad()
+    assert sorted(map(tuple, skipped)) == sorted((SHARDS.index((s, n)), r) for s, r in BAD
+                                                 for n in [dict(SHARDS)[s]])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_budget_counts_records(workers):
+    source = Shards(SHARDS, open_shard, cycle_length=3, block_length=4, lengths=LENGTHS)
+    # 4 bad records of 46: max_skipped=0.05 allows ceil(2.3) = 3
+    with Loader(source, fragile, batch_size=3, workers=workers, on_error="skip", max_skipped=0.05) as loader:
+        with pytest.raises(KeyError, match="bad record") as info:
+            list(loader)
+    assert any("more than max_skipped allows (3)" in note for note in info.value.__notes__)
+
+
+def broken_shard(shard):
+    """Shard 5's iterator raises after 6 records: it cannot be read past that."""
+    for i in range(shard[1]):
+        if shard[0] == 5 and i == 6:
+            raise OSError("disk on fire")
+        yield shard[0] * 1000 + i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_does_not_cut_a_shard_whose_iterator_fails(workers):
+    source = Shards(SHARDS, broken_shard, cycle_length=3, block_length=4)
+    with Loader(source, batch_size=3, workers=workers, on_error="skip", max_skipped=1000) as loader:
+        with pytest.raises(OSError, match="disk on fire"):
+            list(loader)
+
+
+def test_skip_with_a_fraction_needs_lengths():
+    with pytest.raises(ValueError, match=r"max_skipped=0.01.*lengths="):
+        Loader(Shards(SHARDS, open_shard), fragile, batch_size=3, workers=0, on_error="skip")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_resumes_exactly(workers):
+    def make():
+        return Loader(Shards(SHARDS, open_shard, cycle_length=3, block_length=4), fragile, batch_size=3,
+                      workers=workers, on_error="skip", max_skipped=10)
+
+    with make() as loader:
+        full = [as_list(b) for b in loader]
+    with make() as loader:
+        it = iter(loader)
+        taken = [as_list(next(it)) for _ in range(6)]  # past (2, 3) and (2, 4)
+        state = loader.state_dict()
+    with make() as loader:
+        loader.load_state_dict(state)
+        rest = [as_list(b) for b in loader]
+        assert [tuple(k) for k in loader.stats()["skipped"]] == [(5, 15)]  # not (2, 3) nor (2, 4) again
+    assert taken + rest == full
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skip_with_cache_and_a_failing_augment(workers):
+    def augment(sample):
+        if sample % 1000 == 1:
+            raise ValueError("no")
+        return sample
+
+    source = Shards(SHARDS, open_shard, cycle_length=3, block_length=4, lengths=LENGTHS)
+    expected = sorted(s * 1000 + i for s, n in SHARDS for i in range(n) if i != 1)
+    with Loader(source, lambda r: np.int64(r), batch_size=3, workers=workers, on_error="skip", max_skipped=10,
+                cache=True, augment=augment, epochs=2) as loader:
+        records = sorted(r for b in loader for r in as_list(b))
+    assert records == sorted(expected * 2)
+
+
+# --------------------------------------------------------------------------- speculate
+def slow_once(marker_dir, record_id, seconds):
+    """fn that sleeps ``seconds`` on ``record_id`` the first time any process runs it (a marker file)."""
+    def fn(record):
+        if record == record_id:
+            try:
+                os.close(os.open(os.path.join(marker_dir, "slow"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(seconds)
+        time.sleep(0.002)
+        return record
+    return fn
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_speculation_races_a_straggling_block(tmp_path, ordered):
+    shards = [(s, 24) for s in range(4)]
+    expected = [as_list(b) for b in Loader(Shards(shards, open_shard, cycle_length=2, block_length=4),
+                                           batch_size=4, workers=0)]
+    source = Shards(shards, open_shard, cycle_length=2, block_length=4)
+    with Loader(source, slow_once(str(tmp_path), 2009, 3.0), batch_size=4, workers=2, ordered=ordered,
+                speculate=2.0, prefetch=1) as loader:
+        got = [as_list(b) for b in loader]
+        assert loader.stats()["speculative_tasks"] >= 1
+        again = [as_list(b) for b in loader]  # the loser's late reply was discarded
+    for batches in (got, again):
+        if ordered:
+            assert batches == expected
+        else:
+            assert sorted(r for b in batches for r in b) == sorted(r for b in expected for r in b)
+
+
+def test_speculate_refused_for_shards_that_cannot_be_read_again():
+    class OneShot(Shards):
+        replayable = False
+
+    with pytest.raises(ValueError, match="speculate with a OneShot source"):
+        Loader(OneShot(SHARDS, open_shard), batch_size=4, workers=2, speculate=2.0)

@@ -38,14 +38,18 @@ class StreamPlan:
 
     def __init__(self, shards: Shards, *, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
                  reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
-                 shuffle_buffer: int | None = None, on_error: str = "raise", speculate: float | None = None,
+                 shuffle_buffer: int | None = None, on_error: str = "raise", max_skipped: int | float = 0.01,
+                 speculate: float | None = None,
                  batches: Any = None, batch_fn: Any = None, cache: Any = None) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
-            (on_error != "raise", "on_error='skip' (skip bad records inside open_fn or fn instead)"),
-            (speculate is not None, ("speculate (a shard is read in order by the worker that opened it, so a "
-                                     "block cannot be raced on another worker without reading the shard again; "
-                                     "with ordered=False a slow shard does not hold back the others)")),
+            (on_error == "skip" and isinstance(max_skipped, float) and shards.lengths is None,
+             (f"on_error='skip' with max_skipped={max_skipped!r}, a fraction of the epoch's records, without the "
+              "shards' record counts: pass Shards(..., lengths=[records of each shard]), or max_skipped as a "
+              "count (an int)")),
+            (speculate is not None and not shards.replayable,
+             (f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
+              "worker, so a straggling block cannot be raced)")),
             (batch_fn is not None and shuffle_buffer is not None,
              ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
               "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
@@ -256,6 +260,14 @@ class InlineStream:
             exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.indices} "
                          f"(epoch {epoch.number}).")
             raise
+        if produced.skipped:  # on_error="skip": records whose fn or augment raised
+            if epoch.skips is None:
+                epoch.skips = epoch.skip_budget(self._loader._max_skipped)
+            for key, exc in produced.skipped:
+                if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.indices})",
+                                       f"{type(exc).__name__}: {exc}"):
+                    exc.add_note(epoch.skips.note())
+                    raise exc
         if produced.layout is None:
             epoch.deliver(job.seq, EmptyBatch)
         else:

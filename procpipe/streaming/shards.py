@@ -115,6 +115,10 @@ class Shards:
             more records raises ``ShardLengthError`` (the epoch never ends short silently).
     """
 
+    # A block may run again in another process, which opens its shard and skips ahead (worker
+    # deaths, ``speculate``). A subclass whose shards cannot be read again says False (``reopening``).
+    replayable = True
+
     def __init__(self, shards: Iterable[Any], open_fn: Callable[[Any], Iterable[Any]], *,
                  cycle_length: int = 4, block_length: int | None = None,
                  lengths: Iterable[int] | None = None) -> None:
@@ -173,12 +177,18 @@ class Shards:
         None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
         _, mode, batch_size = self._config
-        read_all = self._from_cache(spec, scope, epoch, block) if getattr(spec, "cache", None) is not None else None
-        keys, samples, read = read_all or self._read(spec, scope, epoch, block, status)
+        skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
+        read_all = (self._from_cache(spec, scope, epoch, block, skipped)
+                    if getattr(spec, "cache", None) is not None else None)
+        if read_all is None:
+            skipped.clear()
+        keys, samples, read = read_all or self._read(spec, scope, epoch, block, status, skipped)
+        failed = tuple(key[1] for key, _ in skipped)
         if not read:
             return Produced(None, 0, False, [], [])
         if not samples:  # every record read was received before a resume
-            return Produced([SEQ, tuple, [[INLINE, (read, 0)], [INLINE, None]]], 0, buffer is not None, [], [])
+            return Produced([SEQ, tuple, [[INLINE, (read, 0, failed)], [INLINE, None]]], 0, buffer is not None, [],
+                            skipped)
         if mode == CHUNKS:
             batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
                        for i in range(0, len(samples), batch_size)]
@@ -192,14 +202,15 @@ class Shards:
             except Exception as exc:
                 exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
                 raise
-        return Produced([SEQ, tuple, [[INLINE, (read, len(samples))], layout]], nbytes, in_slot, keys, [])
+        return Produced([SEQ, tuple, [[INLINE, (read, len(samples), failed)], layout]], nbytes, in_slot, keys, skipped)
 
-    def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
-              status: Any | None) -> tuple[list[RecordKey], list[Any], int]:
+    def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None,
+              skipped: list) -> tuple[list[RecordKey], list[Any], int]:
         """Read ``block`` from its shard's iterator and run the stages on each record kept:
         ``(keys, samples, records read)``. With ``cache=...``, ``fn``'s output is taken
-        from the cache when it is there, else computed and stored."""
-        fn, augment, cache = spec.fn, getattr(spec, "augment", None), getattr(spec, "cache", None)
+        from the cache when it is there, else computed and stored. With ``on_error="skip"``
+        a record whose stages raise is left out and put in ``skipped`` with its exception
+        (an error of the iterator itself still raises: the shard cannot be read past it)."""
         keys: list[RecordKey] = []
         samples: list[Any] = []
         reader = self._reader(epoch, block, scope, status)
@@ -215,22 +226,13 @@ class Shards:
                     break
                 if block.skip and block.skipped(key[1]):
                     continue
-                if cache is not None:
-                    index = self.cache_index(key)
-                    cached = cache.get(index)
-                    # (the cache computes fn on "source[index]": here, the record just read)
-                    record = cached if cached is not None else cache.compute(index, {index: record}, fn)
-                    stages = ((augment, "augment"),)
-                else:
-                    stages = ((fn, "fn"), (augment, "augment"))
-                for stage, name in stages:
-                    if stage is not None:
-                        try:
-                            record = stage(record)
-                        except Exception as exc:
-                            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} "
-                                         f"({self.name(key[0])}).")
-                            raise
+                try:
+                    record = self._stages(spec, key, record)
+                except Exception as exc:
+                    if not getattr(spec, "skip", False):
+                        raise
+                    skipped.append((key, exc))
+                    continue
                 keys.append(key)
                 samples.append(record)
         finally:
@@ -240,8 +242,26 @@ class Shards:
             status[1] = -1
         return keys, samples, max(0, reader.position - block.first)
 
-    def _from_cache(self, spec: Any, scope: SampleScope, epoch: int,
-                    block: Block) -> tuple[list[RecordKey], list[Any], int] | None:
+    def _stages(self, spec: Any, key: RecordKey, record: Any) -> Any:
+        """``fn`` (or the cache) then ``augment`` on one record; an exception gets a note naming it."""
+        cache, name = getattr(spec, "cache", None), "fn"
+        try:
+            if cache is not None:
+                index = self.cache_index(key)
+                cached = cache.get(index)
+                # (the cache computes fn on "source[index]": here, the record just read)
+                record = cached if cached is not None else cache.compute(index, {index: record}, spec.fn)
+            elif spec.fn is not None:
+                record = spec.fn(record)
+            name = "augment"
+            augment = getattr(spec, "augment", None)
+            return record if augment is None else augment(record)
+        except Exception as exc:
+            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
+            raise
+
+    def _from_cache(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
+                    skipped: list) -> tuple[list[RecordKey], list[Any], int] | None:
         """``block`` entirely from the cache, without reading its shard (the lengths, a
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
@@ -259,15 +279,20 @@ class Shards:
             keys.append(key)
             samples.append(sample)
         if augment is not None:
-            for i, key in enumerate(keys):
+            kept_keys, kept = [], []
+            for key, sample in zip(keys, samples):
                 scope.enter(epoch, key)
                 try:
-                    samples[i] = augment(samples[i])
+                    kept.append(augment(sample))
+                    kept_keys.append(key)
                 except Exception as exc:
                     exc.add_note(f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
                                  f"({self.name(key[0])}).")
-                    raise
+                    if not getattr(spec, "skip", False):
+                        raise
+                    skipped.append((key, exc))
             scope.leave()
+            keys, samples = kept_keys, kept
         return keys, samples, max(0, end - block.first)
 
     # ------------------------------------------------------------------ the cache (cache=...)
