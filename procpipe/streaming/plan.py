@@ -74,6 +74,7 @@ class StreamPlan:
         self.shard = None if shard is None else tuple(shard)
         self.collate_fn = collate_fn
         self.shuffle_buffer = shuffle_buffer
+        self.max_skipped = max_skipped
         if shuffle_buffer is not None or batch_size is None:
             self.mode = RECORDS
         elif collate_fn is not None or batch_fn is not None:
@@ -262,7 +263,7 @@ class InlineStream:
             raise
         if produced.skipped:  # on_error="skip": records whose fn or augment raised
             if epoch.skips is None:
-                epoch.skips = epoch.skip_budget(self._loader._max_skipped)
+                epoch.skips = epoch.skip_budget(epoch.plan.max_skipped)
             for key, exc in produced.skipped:
                 if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.indices})",
                                        f"{type(exc).__name__}: {exc}"):
