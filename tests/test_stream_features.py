@@ -329,3 +329,11 @@ def test_speculate_refused_for_shards_that_cannot_be_read_again():
 
     with pytest.raises(ValueError, match="speculate with a OneShot source"):
         Loader(OneShot(SHARDS, open_shard), batch_size=4, workers=2, speculate=2.0)
+
+
+def test_cache_layout_read_checks_the_first_shards_length():
+    """The first record is read in the calling process to lay the cache out: an empty shard
+    promised records raises there, naming it."""
+    source = Shards([(0, 0), (1, 3)], open_shard, lengths=[2, 3])
+    with pytest.raises(ShardLengthError, match=r"shard 0 \(\(0, 0\)\) ended after 0 records"):
+        Loader(source, batch_size=2, workers=0, cache=True)
