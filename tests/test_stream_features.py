@@ -1,6 +1,6 @@
 """Features of indexed sources made to work for streaming sources (procpipe.Shards):
-``len()`` from ``Shards(lengths=...)``, a promise the epoch enforces, and ``cache=...`` keyed by
-``(shard, record)``."""
+``len()`` from ``Shards(lengths=...)``, a promise the epoch enforces, ``cache=...`` keyed by
+``(shard, record)``, ``on_error="skip"`` counting records, and ``speculate``."""
 from __future__ import annotations
 
 import os
