@@ -4,8 +4,8 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
-from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, SharedMemoryError, TaskTimeoutError,
-                     WorkerError)
+from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
+                     TaskTimeoutError, WorkerError)
 from .autotune import AutoWorkers
 from .loader import Loader
 from .records import Records
@@ -20,6 +20,7 @@ __all__ = [
     "ProcpipeError",
     "Records",
     "RemoteTraceback",
+    "ShardLengthError",
     "SharedMemoryError",
     "Shards",
     "TaskTimeoutError",

@@ -371,13 +371,11 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     directory = location(cache, shm_dir)
     if directory is None:
         return None
-    if hasattr(spec.source, "produce_block"):
-        raise ValueError("cache=... needs a map-style source (len() and source[i]): a streaming source's "
-                         "records have no index to key the cache by")
-    length = len(spec.source)
+    stream = hasattr(spec.source, "produce_block")  # a procpipe.Shards: keyed by (shard, record), see cache_index
+    length = spec.source.cache_length() if stream else len(spec.source)
     if length == 0:
         return None
-    index, first = _first_sample(spec, length)
+    index, first = _first_stream_sample(spec) if stream else _first_sample(spec, length)
     skeleton, fields = plan(first)
     offset = _align(length)  # the filled bytes
     crc_offset = None
@@ -451,6 +449,22 @@ def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
             scope.leave()
     assert error is not None
     raise error
+
+
+def _first_stream_sample(spec: Any) -> tuple[int, Any]:
+    """A streaming source's first record, through ``fn``: ``(cache index, sample)``."""
+    scope = SampleScope(spec.seed)
+    index, key, record = spec.source.first_record(scope)
+    scope.enter(0, key)
+    try:
+        with no_sample_rng(_NO_RNG):
+            return index, record if spec.fn is None else spec.fn(record)
+    except Exception as exc:
+        exc.add_note("procpipe: raised in the calling process while computing the first record to lay out the "
+                     "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.")
+        raise
+    finally:
+        scope.leave()
 
 
 def _unlink(path: str) -> None:

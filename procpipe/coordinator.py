@@ -328,7 +328,8 @@ class Coordinator:
         """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
         epoch.on_drop = self._release
         if self.config.on_error == "skip":
-            epoch.skips = SkipBudget(self.config.max_skipped, epoch.batches, epoch.counters)
+            epoch.skips = SkipBudget(self.config.max_skipped, epoch.sample_total(), epoch.counters,
+                                     epoch.skips_batches)
         epoch.counters.worker_base = worker_baseline(self.worker_counters)
         self._restarts_this_epoch = 0
 

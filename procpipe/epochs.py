@@ -159,6 +159,11 @@ class Epoch:
         return Job(self, seq, self.batches[seq])
 
     pins_workers = False  # True: ``dispatch(coordinator)`` sends its own jobs (procpipe.streaming)
+    skips_batches = True  # on_error="skip" may leave out a whole batch that failed (collation)
+
+    def sample_total(self) -> int:
+        """The epoch's samples (what a fractional ``max_skipped`` is a fraction of)."""
+        return sum(map(len, self.batches))
 
     def ring_slot_bytes(self, layout: list, nbytes: int, job: Job, skipped: int) -> int | None:
         """Slot size for the ring, from the first batch to arrive (``job``'s, less ``skipped``

@@ -61,3 +61,8 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n" + self.tb.rstrip() + "\n(end of the worker's traceback)"
+
+
+class ShardLengthError(ProcpipeError, ValueError):
+    """A shard of a ``procpipe.Shards`` with ``lengths=`` yielded a different number of
+    records than promised: the epoch would not have the ``len()`` the loader reported."""

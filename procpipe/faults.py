@@ -35,14 +35,19 @@ logger = logging.getLogger("procpipe")
 class SkipBudget:
     """``on_error="skip"`` for one epoch: logs each skip, records it, enforces ``max_skipped``.
 
-    ``max_skipped`` is a count (int) or a fraction of the epoch's samples (float, rounded up).
+    ``max_skipped`` is a count (int) or a fraction of the epoch's ``samples`` (float, rounded
+    up). ``whole_batches``: a batch that failed as a whole (collation; for a streaming source,
+    its shard's iterator) may be skipped too; a stream cannot, since its shard cannot be read
+    past the error (the epoch would end that shard short).
     """
 
-    def __init__(self, max_skipped: int | float, batches: list[list[int]], counters: EpochCounters) -> None:
+    def __init__(self, max_skipped: int | float, samples: int, counters: EpochCounters,
+                 whole_batches: bool = True) -> None:
         if isinstance(max_skipped, float):
-            max_skipped = math.ceil(max_skipped * sum(map(len, batches)))
+            max_skipped = math.ceil(max_skipped * samples)
         self.limit = max_skipped
         self.counters = counters
+        self.whole_batches = whole_batches
 
     def add(self, indices: list[int], what: str, error: str) -> bool:
         """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
@@ -72,6 +77,13 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tup
         if not within:
             error = info
             break
+    if within and batch_error is not None and not skips.whole_batches:
+        exc = rebuild_error(batch_error, worker, job, epoch.number)
+        exc.add_note("procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
+                     "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
+                     "read past it).")
+        epoch.deliver(job.seq, Failure(exc))
+        return False
     if within and batch_error is not None:
         left = {info[0] for info in samples}
         rest = [i for i in job.indices if i not in left]

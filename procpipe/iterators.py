@@ -204,7 +204,7 @@ class InlineIterator(EpochIterator):
         self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
         self._progress = Progress(done)
         self._counters = loader._last_counters = EpochCounters(epoch=number, started=started)
-        self._skips = SkipBudget(loader._max_skipped, batches, self._counters) if loader._spec.skip else None
+        self._skips = SkipBudget(loader._max_skipped, sum(map(len, batches)), self._counters) if loader._spec.skip else None
         self._set_epoch(number + 1)
 
     def _next(self) -> Any:

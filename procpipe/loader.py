@@ -188,7 +188,7 @@ class Loader:
         if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
             self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                        reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
-                                       shuffle_buffer=shuffle_buffer, on_error=on_error, speculate=speculate,
+                                       shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
                                        batches=batches, batch_fn=batch_fn, cache=cache)
             source = self._sampler.source  # the copy that knows how to lay out blocks
         elif shuffle_buffer is not None:

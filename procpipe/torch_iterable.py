@@ -281,6 +281,8 @@ class Replicas(Shards):
     replica keeps in its attributes persists across epochs, as with torch).
     """
 
+    replayable = False  # a replica's iterator lives in its worker only (see reopening)
+
     def __init__(self, spec: ReplicaSpec) -> None:
         super().__init__(list(range(spec.num_workers)), self.open, cycle_length=spec.num_workers, block_length=1)
         self.spec = spec

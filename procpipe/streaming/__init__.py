@@ -42,6 +42,13 @@ collation, leases, the coordinator's loop, worker-death recovery):
   first block not entirely received), and its blocks skip the records received: the
   worker advances the shard's iterator past them without running ``fn``.
 
+- **The indexed features, per record**: ``Shards(lengths=...)`` gives ``len()`` and is a
+  promise the reader checks (``ShardLengthError``); ``cache=`` keys ``fn``'s output by
+  ``(shard, record)`` (``Shards.cache_index``) and serves fully cached blocks without
+  reading their shard; ``on_error="skip"`` leaves out records whose ``fn``/``augment``
+  raised (the block's layout names them); ``speculate`` races a block on another worker,
+  which reopens the shard and skips ahead (``Shards.replayable``).
+
 Modules, in the order a block meets them on the data path:
 
 - ``plan.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,

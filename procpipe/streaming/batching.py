@@ -86,6 +86,11 @@ class Output:
                 self._item(collate.build(node, lease), [(shard, record, record + 1)], 1, out)
         return out
 
+    def left_out(self, shard: int, records: tuple[int, ...]) -> None:
+        """Records ``on_error="skip"`` left out: covered by the next item, as if received (a resume
+        does not try them again)."""
+        self.dropped += _spans(shard, sorted(records))
+
     def flush(self) -> list[tuple[Any, int, list]]:
         out: list[tuple[Any, int, list]] = []
         if self.capacity is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..epochs import EmptyBatch, Epoch, Failure, Job
+from ..faults import SkipBudget
 from ..reassembly import Progress
 from .batching import Output
 from .order import StreamProgress
@@ -71,6 +72,17 @@ class StreamEpoch(Epoch):
     """
 
     pins_workers = True  # the coordinator lets ``dispatch`` choose each block's worker
+    skips_batches = False  # on_error="skip": a failed block cannot be left out (its shard cannot be read past it)
+
+    def sample_total(self) -> int:
+        """The epoch's records, from ``Shards(lengths=...)`` (``StreamPlan`` refuses a fractional
+        ``max_skipped`` without them, so this is only asked with them)."""
+        lengths = self.plan.source.lengths
+        return 0 if lengths is None else sum(lengths[s] for s in self.batches)
+
+    def skip_budget(self, max_skipped: int | float) -> SkipBudget:
+        """``on_error="skip"`` with ``workers=0`` (the coordinator makes its own with workers)."""
+        return SkipBudget(max_skipped, self.sample_total(), self.counters, self.skips_batches)
 
     def __post_init__(self, *args: Any) -> None:
         resume, self.done = self.done or None, frozenset()  # a StreamProgress state, not batch positions
@@ -252,8 +264,11 @@ class StreamEpoch(Epoch):
         """A block's records arrived (``lease``: its ring slot, or None when inline)."""
         if self.jobs.pop(job.seq, None) is None or self.finished:
             return
-        (read, _), inner = layout[2][0][1], layout[2][1]
-        self._result(job, read, (job.indices.kept(read), inner, lease))
+        (read, _, failed), inner = layout[2][0][1], layout[2][1]
+        records = job.indices.kept(read)
+        if failed:  # on_error="skip" left these out
+            records = [r for r in records if r not in failed]
+        self._result(job, read, (records, inner, lease, failed))
 
     def deliver(self, seq: int, item: Any) -> None:
         """A block with no record (``EmptyBatch``), or a failed one (``Failure``)."""
@@ -266,7 +281,8 @@ class StreamEpoch(Epoch):
             self._result(job, None, item)
 
     def _result(self, job: BlockJob, count: int | None, payload: Any) -> None:
-        """``count`` records read; ``payload``: ``(records kept, layout, lease)``, None if
+        """``count`` records read; ``payload``: ``(records kept, layout, lease, records
+        on_error="skip" left out)``, None if
         nothing was read, the block's Failure if ``count`` is None."""
         state, b = job.shard, job.block
         state.in_flight -= 1
@@ -337,7 +353,9 @@ class StreamEpoch(Epoch):
 
     # ------------------------------------------------------------------ output
     def _emit(self, job: BlockJob, payload: tuple) -> None:
-        records, inner, lease = payload
+        records, inner, lease, failed = payload
+        if failed:
+            self.output.left_out(job.indices.shard, failed)
         if not records:
             return
         try:

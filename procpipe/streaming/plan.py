@@ -38,19 +38,25 @@ class StreamPlan:
 
     def __init__(self, shards: Shards, *, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
                  reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
-                 shuffle_buffer: int | None = None, on_error: str = "raise", speculate: float | None = None,
+                 shuffle_buffer: int | None = None, on_error: str = "raise", max_skipped: int | float = 0.01,
+                 speculate: float | None = None,
                  batches: Any = None, batch_fn: Any = None, cache: Any = None) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
-            (on_error != "raise", "on_error='skip' (skip bad records inside open_fn or fn instead)"),
-            (speculate is not None, ("speculate (a shard is read in order by the worker that opened it, so a "
-                                     "block cannot be raced on another worker without reading the shard again; "
-                                     "with ordered=False a slow shard does not hold back the others)")),
+            (on_error == "skip" and isinstance(max_skipped, float) and shards.lengths is None,
+             (f"on_error='skip' with max_skipped={max_skipped!r}, a fraction of the epoch's records, without the "
+              "shards' record counts: pass Shards(..., lengths=[records of each shard]), or max_skipped as a "
+              "count (an int)")),
+            (speculate is not None and not shards.replayable,
+             (f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
+              "worker, so a straggling block cannot be raced)")),
             (batch_fn is not None and shuffle_buffer is not None,
              ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
               "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
               "function to each batch in your loop, or transform records in fn)")),
-            (cache not in (None, False), "cache (it keeps fn's output per index)"),
+            (cache not in (None, False) and shards.lengths is None,
+             "cache without the shards' record counts (the cache file is laid out for every record: pass "
+             "Shards(..., lengths=[records of each shard]))"),
         ]
         for bad, what in unsupported:
             if bad:
@@ -68,6 +74,7 @@ class StreamPlan:
         self.shard = None if shard is None else tuple(shard)
         self.collate_fn = collate_fn
         self.shuffle_buffer = shuffle_buffer
+        self.max_skipped = max_skipped
         if shuffle_buffer is not None or batch_size is None:
             self.mode = RECORDS
         elif collate_fn is not None or batch_fn is not None:
@@ -77,8 +84,34 @@ class StreamPlan:
         self.source = shards.configured(self.block_length, self.mode, batch_size)
 
     def __len__(self) -> int:
-        raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len(): the number of "
-                        "records is only known once every shard has been read")
+        """Batches per epoch, from ``Shards(lengths=...)`` (``TypeError`` without them, or when
+        the count changes from epoch to epoch)."""
+        lengths = self.shards.lengths
+        if lengths is None:
+            raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len() unless the shards' "
+                            "record counts are given: pass Shards(..., lengths=[records of each shard]); without "
+                            "them the number of records is only known once every shard has been read")
+        if (self.shard is not None and self.shuffle and self.reshuffle and self.shard[1] > 1
+                and len(set(lengths)) > 1):
+            raise TypeError("a Loader over a streaming source with shard=(rank, world_size), shuffle=True and "
+                            "shards of different lengths has no len(): each epoch gives this rank a different "
+                            "set of shards, hence a different number of records (pass reshuffle=False for the "
+                            "same shards every epoch)")
+        return self.batch_count(self.batches(0))
+
+    def batch_count(self, order: list[int]) -> int:
+        """The batches an epoch over the shards ``order`` yields, from their ``lengths``."""
+        lengths = self.shards.lengths
+        size = self.batch_size
+
+        def batches(records: int) -> int:
+            return records // size if self.drop_last else -(-records // size)
+
+        if self.mode == CHUNKS:  # batches never span blocks: a block's last chunk may be smaller
+            block = self.block_length
+            return sum(lengths[s] // block * batches(block) + batches(lengths[s] % block) for s in order)
+        records = sum(lengths[s] for s in order)
+        return records if size is None else batches(records)
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
@@ -230,6 +263,14 @@ class InlineStream:
             exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.indices} "
                          f"(epoch {epoch.number}).")
             raise
+        if produced.skipped:  # on_error="skip": records whose fn or augment raised
+            if epoch.skips is None:
+                epoch.skips = epoch.skip_budget(epoch.plan.max_skipped)
+            for key, exc in produced.skipped:
+                if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.indices})",
+                                       f"{type(exc).__name__}: {exc}"):
+                    exc.add_note(epoch.skips.note())
+                    raise exc
         if produced.layout is None:
             epoch.deliver(job.seq, EmptyBatch)
         else:

@@ -21,7 +21,8 @@ from typing import Any
 from .. import collate
 from ..collate import INLINE, SEQ
 from ..produce import Produced, collate_privately, run_batch_fn
-from ..checks import check_int
+from ..checks import check_int, is_count
+from ..errors import ShardLengthError
 from ..rng import SampleScope
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
@@ -109,10 +110,18 @@ class Shards:
             there are enough). Fixed, so the order does not depend on the machine.
         block_length: records taken from a shard per turn, and the unit of work sent to
             a worker; ``None`` (default): the loader's ``batch_size`` (1 if that is None).
+        lengths: optional, the number of records of each shard (one int per shard). It
+            gives the loader a ``len()``, and it is a promise: a shard that yields fewer or
+            more records raises ``ShardLengthError`` (the epoch never ends short silently).
     """
 
+    # A block may run again in another process, which opens its shard and skips ahead (worker
+    # deaths, ``speculate``). A subclass whose shards cannot be read again says False (``reopening``).
+    replayable = True
+
     def __init__(self, shards: Iterable[Any], open_fn: Callable[[Any], Iterable[Any]], *,
-                 cycle_length: int = 4, block_length: int | None = None) -> None:
+                 cycle_length: int = 4, block_length: int | None = None,
+                 lengths: Iterable[int] | None = None) -> None:
         if isinstance(shards, (str, bytes)):
             raise TypeError(f"shards must be a list of shards, got the single {type(shards).__name__} "
                             f"{shards!r:.100}; write [path] for one shard")
@@ -127,10 +136,12 @@ class Shards:
         if block_length is not None:
             check_int("block_length", block_length, 1)
         self.shards = shards
+        self.lengths = _check_lengths(lengths, len(shards))
         self.open_fn = open_fn
         self.cycle_length = cycle_length
         self.block_length = block_length
         self._config: tuple[int, str, int | None] | None = None  # set on the loader's copy (configured)
+        self._offsets: list[int] | None = None  # cache=...: each shard's first cache index (cache_index)
         self._readers: OrderedDict[tuple[int, int], _Reader] = OrderedDict()  # this process's open shards
 
     def __len__(self) -> int:
@@ -139,7 +150,8 @@ class Shards:
 
     def __repr__(self) -> str:
         return (f"Shards({reprlib.repr(self.shards)}, {getattr(self.open_fn, '__name__', self.open_fn)!s}, "
-                f"cycle_length={self.cycle_length}, block_length={self.block_length})")
+                f"cycle_length={self.cycle_length}, block_length={self.block_length}"
+                + ("" if self.lengths is None else f", lengths={reprlib.repr(self.lengths)}") + ")")
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -165,7 +177,40 @@ class Shards:
         None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
         _, mode, batch_size = self._config
-        fn, augment = spec.fn, getattr(spec, "augment", None)
+        skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
+        read_all = (self._from_cache(spec, scope, epoch, block, skipped)
+                    if getattr(spec, "cache", None) is not None else None)
+        if read_all is None:
+            skipped.clear()
+        keys, samples, read = read_all or self._read(spec, scope, epoch, block, status, skipped)
+        failed = tuple(key[1] for key, _ in skipped)
+        if not read:
+            return Produced(None, 0, False, [], [])
+        if not samples:  # every record read was received before a resume
+            return Produced([SEQ, tuple, [[INLINE, (read, 0, failed)], [INLINE, None]]], 0, buffer is not None, [],
+                            skipped)
+        if mode == CHUNKS:
+            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
+                       for i in range(0, len(samples), batch_size)]
+            layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
+        else:
+            try:
+                if mode == STACK:
+                    layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
+                else:
+                    layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+            except Exception as exc:
+                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                raise
+        return Produced([SEQ, tuple, [[INLINE, (read, len(samples), failed)], layout]], nbytes, in_slot, keys, skipped)
+
+    def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None,
+              skipped: list) -> tuple[list[RecordKey], list[Any], int]:
+        """Read ``block`` from its shard's iterator and run the stages on each record kept:
+        ``(keys, samples, records read)``. With ``cache=...``, ``fn``'s output is taken
+        from the cache when it is there, else computed and stored. With ``on_error="skip"``
+        a record whose stages raise is left out and put in ``skipped`` with its exception
+        (an error of the iterator itself still raises: the shard cannot be read past it)."""
         keys: list[RecordKey] = []
         samples: list[Any] = []
         reader = self._reader(epoch, block, scope, status)
@@ -181,14 +226,13 @@ class Shards:
                     break
                 if block.skip and block.skipped(key[1]):
                     continue
-                for stage, name in ((fn, "fn"), (augment, "augment")):
-                    if stage is not None:
-                        try:
-                            record = stage(record)
-                        except Exception as exc:
-                            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} "
-                                         f"({self.name(key[0])}).")
-                            raise
+                try:
+                    record = self._stages(spec, key, record)
+                except Exception as exc:
+                    if not getattr(spec, "skip", False):
+                        raise
+                    skipped.append((key, exc))
+                    continue
                 keys.append(key)
                 samples.append(record)
         finally:
@@ -196,25 +240,100 @@ class Shards:
         scope.leave()
         if status is not None:
             status[1] = -1
-        read = max(0, reader.position - block.first)
-        if not read:
-            return Produced(None, 0, False, [], [])
-        if not samples:  # every record read was received before a resume
-            return Produced([SEQ, tuple, [[INLINE, (read, 0)], [INLINE, None]]], 0, buffer is not None, [], [])
-        if mode == CHUNKS:
-            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
-                       for i in range(0, len(samples), batch_size)]
-            layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
-        else:
+        return keys, samples, max(0, reader.position - block.first)
+
+    def _stages(self, spec: Any, key: RecordKey, record: Any) -> Any:
+        """``fn`` (or the cache) then ``augment`` on one record; an exception gets a note naming it."""
+        cache, name = getattr(spec, "cache", None), "fn"
+        try:
+            if cache is not None:
+                index = self.cache_index(key)
+                cached = cache.get(index)
+                # (the cache computes fn on "source[index]": here, the record just read)
+                record = cached if cached is not None else cache.compute(index, {index: record}, spec.fn)
+            elif spec.fn is not None:
+                record = spec.fn(record)
+            name = "augment"
+            augment = getattr(spec, "augment", None)
+            return record if augment is None else augment(record)
+        except Exception as exc:
+            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
+            raise
+
+    def _from_cache(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
+                    skipped: list) -> tuple[list[RecordKey], list[Any], int] | None:
+        """``block`` entirely from the cache, without reading its shard (the lengths, a
+        promise checked when the cache was filled, say where the shard ends); None if one
+        of its records is not cached yet (the block is then read)."""
+        cache, augment = spec.cache, getattr(spec, "augment", None)
+        end = min(block.first + block.length, self.lengths[block.shard])
+        keys: list[RecordKey] = []
+        samples: list[Any] = []
+        for record in range(block.first, end):
+            if block.skip and block.skipped(record):
+                continue
+            key = RecordKey(block.shard, record)
+            sample = cache.get(self.cache_index(key))
+            if sample is None:
+                return None
+            keys.append(key)
+            samples.append(sample)
+        if augment is not None:
+            kept_keys, kept = [], []
+            for key, sample in zip(keys, samples):
+                scope.enter(epoch, key)
+                try:
+                    kept.append(augment(sample))
+                    kept_keys.append(key)
+                except Exception as exc:
+                    exc.add_note(f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
+                                 f"({self.name(key[0])}).")
+                    if not getattr(spec, "skip", False):
+                        raise
+                    skipped.append((key, exc))
+            scope.leave()
+            keys, samples = kept_keys, kept
+        return keys, samples, max(0, end - block.first)
+
+    # ------------------------------------------------------------------ the cache (cache=...)
+    def cache_length(self) -> int:
+        """Records in all shards: the cache's length (``ValueError`` without ``lengths``)."""
+        if self.lengths is None:
+            raise ValueError("cache=... with a streaming source needs the shards' record counts, to lay the cache "
+                             "file out: pass Shards(..., lengths=[records of each shard])")
+        return sum(self.lengths)
+
+    def cache_index(self, key: RecordKey) -> int:
+        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``."""
+        if self._offsets is None:
+            self._offsets = [0]
+            for n in self.lengths:
+                self._offsets.append(self._offsets[-1] + n)
+        return self._offsets[key[0]] + key[1]
+
+    def first_record(self, scope: SampleScope) -> tuple[int, RecordKey, Any]:
+        """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
+        (the calling process lays the cache out from ``fn`` of it, as for an index source)."""
+        for shard, n in enumerate(self.lengths):
+            if not n:
+                continue
+            key = RecordKey(shard, 0)
+            scope.enter(0, key)
             try:
-                if mode == STACK:
-                    layout, nbytes, in_slot = collate.layout_batch(samples, keys, buffer, capacity)
-                else:
-                    layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
+                iterator = iter(self.open_fn(self.shards[shard]))
+                reader = _Reader(iterator)
+                record = reader.next(self, key)
+                reader.close()
             except Exception as exc:
-                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                exc.add_note(f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
+                             f"({self.name(shard)}) to lay out the cache (cache=...).")
                 raise
-        return Produced([SEQ, tuple, [[INLINE, (read, len(samples))], layout]], nbytes, in_slot, keys, [])
+            finally:
+                scope.leave()
+            if record is _END:
+                raise ShardLengthError(self.length_mismatch(shard, "ended after 0 records"))
+            return self.cache_index(key), key, record
+        raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
     def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
         """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
@@ -236,6 +355,13 @@ class Shards:
 
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])
+
+    def length_mismatch(self, shard: int, what: str) -> str:
+        """The message of a shard that broke the ``lengths`` promise."""
+        return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
+                f"{self.lengths[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
+                "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
+                "every time.")
 
     def worker_for(self, shard: int) -> int | None:
         """The worker (index) that should read ``shard``; None (here): the least loaded one.
@@ -295,6 +421,24 @@ class Shards:
             reader.close()
 
 
+def _check_lengths(lengths: Iterable[int] | None, shards: int) -> tuple[int, ...] | None:
+    """``Shards(lengths=...)`` as a tuple of record counts, one per shard (``ValueError`` otherwise)."""
+    if lengths is None:
+        return None
+    if isinstance(lengths, (str, bytes)):
+        raise TypeError(f"lengths must be a list of ints (records per shard), got {type(lengths).__name__}")
+    try:
+        lengths = tuple(lengths)
+    except TypeError:
+        raise TypeError(f"lengths must be a list of ints (records per shard), got {type(lengths).__name__}") from None
+    if len(lengths) != shards:
+        raise ValueError(f"lengths must give one record count per shard: {shards} shards, {len(lengths)} lengths")
+    for i, n in enumerate(lengths):
+        if not is_count(n, 0):
+            raise ValueError(f"lengths[{i}] must be an int >= 0 (the records of shard {i}), got {n!r}")
+    return lengths
+
+
 class _Reader:
     """One shard's iterator in one process, and how many records it has yielded."""
 
@@ -309,11 +453,15 @@ class _Reader:
     def next(self, shards: Shards, key: RecordKey) -> Any:
         if self.done:
             return _END
+        promised = None if shards.lengths is None else shards.lengths[key[0]]
         try:
             record = next(self.iterator)
         except StopIteration:
             self.done = True
             self.close()
+            if promised is not None and self.position != promised:
+                self.broken = True
+                raise ShardLengthError(shards.length_mismatch(key[0], f"ended after {self.position} records"))
             return _END
         except Exception as exc:
             self.broken = True
@@ -321,6 +469,10 @@ class _Reader:
             exc.add_note(f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
                          "in the iterator open_fn returned.")
             raise
+        if promised is not None and self.position >= promised:
+            self.broken = True
+            self.close()
+            raise ShardLengthError(shards.length_mismatch(key[0], f"yielded more than {promised} records"))
         self.position += 1
         return record
 
