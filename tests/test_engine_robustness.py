@@ -85,7 +85,10 @@ def closing(loader):
 
 def test_task_timeout_fires_while_a_worker_with_large_queued_tasks_hangs(tmp_path):
     fn = HangOnce(tmp_path, BIG_N - 1)  # the last index of batch 0
-    with closing(Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, task_timeout=2)) as loader:
+    # seed_globals=False: reseeding the global generators (~15 us a sample) would make a
+    # 60,000-sample batch itself take longer than task_timeout on a busy 2-core machine.
+    with closing(Loader(range(BIG_N), fn, batches=big_batches(6), workers=2, task_timeout=2,
+                        seed_globals=False)) as loader:
         got = within(lambda: [len(b) for b in loader])
         stats = loader.stats()
     assert got == [BIG] * 6
@@ -223,14 +226,17 @@ class FailAt:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_two_threads_sharing_an_iterator_both_see_its_error(workers):
+    # A failing batch raises in the thread that takes it and the iteration goes on (as with
+    # torch's DataLoader): the other thread takes the rest, and sees the end.
     with closing(Loader(range(400), FailAt(200), batch_size=4, workers=workers)) as loader:
         it = iter(loader)
         ended = [None, None]
+        taken = [0, 0]
 
         def consume(k):
             try:
                 for _ in it:
-                    pass
+                    taken[k] += 1
                 ended[k] = "StopIteration"
             except BaseException as exc:
                 ended[k] = exc
@@ -242,9 +248,9 @@ def test_two_threads_sharing_an_iterator_both_see_its_error(workers):
             t.join(DEADLINE_S)
         assert not any(t.is_alive() for t in threads), "a thread never saw the end of the iteration"
     original = [e for e in ended if isinstance(e, ValueError)]
-    assert len(original) >= 1 and "bad sample 200" in str(original[0])
-    for e in ended:  # the other thread is told the iteration ended with that error, not that it ended
-        assert isinstance(e, ValueError) or (isinstance(e, RuntimeError) and isinstance(e.__cause__, ValueError)), e
+    assert len(original) == 1 and "bad sample 200" in str(original[0])
+    assert ended.count("StopIteration") == 1, ended
+    assert sum(taken) == 99  # every batch but the failing one, once
 
 
 # --------------------------------------------------------------------------- 3. forked children

@@ -111,7 +111,7 @@ def test_a_planted_symlink_is_never_followed(name, shm_dir, tmp_path, monkeypatc
     os.symlink(target, link)
     try:
         with pytest.raises(FileExistsError, match="will not reuse or follow an existing file"):
-            with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir,
+            with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir, start_method="forkserver",
                         cache=str(cache_dir)) as loader:
                 list(loader)
     finally:
@@ -127,7 +127,8 @@ def test_every_file_procpipe_creates_is_owner_only(shm_dir, tmp_path):
     cache_dir.mkdir()
     old_umask = os.umask(0o022)  # the usual umask: plain open(path, "w") gives 0644
     try:
-        with Loader(list(range(N)), eight, batch_size=BS, workers=2, shm_dir=shm_dir, cache=str(cache_dir)) as loader:
+        with Loader(list(range(N)), eight, batch_size=BS, workers=2, shm_dir=shm_dir, cache=str(cache_dir),
+                    start_method="forkserver") as loader:
             list(loader)
             paths = glob.glob(os.path.join(shm_dir, "*")) + glob.glob(os.path.join(cache_dir, "*"))
             modes = {p.rsplit("-", 1)[1]: stat.S_IMODE(os.lstat(p).st_mode) for p in paths}
@@ -149,7 +150,7 @@ class RunsCode:
 
 def test_workers_do_not_unpickle_a_spec_file_procpipe_did_not_write(shm_dir, tmp_path):
     marker = tmp_path / "ran"
-    with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir) as loader:
+    with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir, start_method="forkserver") as loader:
         spec = loader.shm_prefix + "spec"
         os.unlink(spec)
         with open(spec, "wb") as f:
