@@ -632,8 +632,13 @@ class DataLoader(_tud.DataLoader[_T_co]):
                                           self.batch_size if self._auto_collation else None, self.drop_last,
                                           self.collate_fn, _pack, shared_seed, self._pp_epochs))
             # torch's seeds per worker, then the replica's own draws: no per-record reseeding
-            return Loader(source, **{**self._pp_options, "seed_globals": False})
-        return Loader(source, **self._pp_options)
+            loader = Loader(source, **{**self._pp_options, "seed_globals": False})
+        else:
+            loader = Loader(source, **self._pp_options)
+        # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
+        # start the same way, though the training loop runs threads by then (torch forks each epoch too)
+        self._pp_options["start_method"] = loader.start_method
+        return loader
 
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
