@@ -63,7 +63,8 @@ class Loader:
         start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs no other
             thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
             ``"forkserver"`` (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
-            ``"fork"``. Workers never import the main script (procpipe.start_method), so
+            ``"fork"``. Resolved once, when the loader is created (``loader.start_method``).
+            Workers never import the main script (procpipe.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to

@@ -436,8 +436,10 @@ class DataLoader(_tud.DataLoader[_T_co]):
       with ``in_order``; see ``procpipe.torch_iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
     - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
-      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``
-      (a dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+      default) while the process runs no OS thread but its main one and those that ran when
+      procpipe was imported (numpy's BLAS pool), else the fork-safe ``"forkserver"`` (a
+      dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+      resolved for the first epoch and kept for later epochs' workers;
     - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
       is the worker that really loads it;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
