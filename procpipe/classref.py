@@ -6,15 +6,18 @@ that pickle cannot find by ``module.__qualname__``:
 
 - a class made by a factory inside another class: ``class Outer: Row = namedtuple("Row", ...)``
   gives ``Row.__qualname__ == "Row"``, but ``Row`` lives at ``Outer.Row``;
-- a class the worker received *by value* (dill ships classes of ``__main__`` that way):
-  the worker's module defines its own twin, which is not the same object.
+- a class the worker received *by value*: dill ships the classes of ``__main__`` that
+  way, and a worker started by forkserver or spawn does not import the main script
+  (start_method.py), so its ``__main__`` has no such class at all.
 
 pickle then fails and dill pickles the class by value, so the consumer rebuilds a new
 class with the same name: ``isinstance(batch, Outer.Row)`` is False. ``reduce_class``
 names such a class by where it is found in its module (by identity, else a unique class
 of the same name and module), so the receiving process, which has the original module,
-gets its own class object. Classes that cannot be found at all (defined inside a
-function) still travel by value.
+gets its own class object. A ``__main__`` class the worker cannot find goes as its name
+plus a by-value copy (``main_class``): the receiver, whose ``__main__`` is the script,
+looks it up there (nested classes too) and uses the copy only if it has none. Classes
+defined inside a function still travel by value.
 
 Where it sits: used by ``wire.send`` (worker replies) and ``procpipe.torch`` (the packed
 result of a ``collate_fn``), on the worker side of the data path.
@@ -31,7 +34,7 @@ from typing import Any
 import dill
 
 _MAX_DEPTH = 3  # how deep inside module-level classes a class is looked for
-_located: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> path, or "" (none)
+_located: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> its reduction, or None
 
 
 def find(module: str, path: str) -> Any:
@@ -49,36 +52,70 @@ def _by_qualname(cls: type) -> Any:
         return None
 
 
-_MAIN_NAMES = {"__main__", "__mp_main__"}  # a worker imports the main script again as __mp_main__
+_MAIN_NAMES = {"__main__", "__mp_main__"}  # (the main script imported again by a user's own spawned process)
 
 
 def _same_module(a: str, b: str) -> bool:
     return a == b or (a in _MAIN_NAMES and b in _MAIN_NAMES)
 
 
-def _search(cls: type) -> str:
-    """Where ``cls`` is in its module: by identity, else the one class of the same name; "" if nowhere."""
-    module = sys.modules.get(cls.__module__)
-    if module is None:
-        return ""
+def _search_in(module: Any, name: str, module_name: str, cls: type | None = None) -> str:
+    """Where class ``cls`` is in ``module`` (its module-level classes and those nested in
+    them): by identity, else the one class called ``name`` of ``module_name``; "" if nowhere."""
     same_name: list[str] = []
     seen: set[int] = set()
-    frontier = [(name, value) for name, value in list(vars(module).items()) if isinstance(value, type)]
+    frontier = [(key, value) for key, value in list(vars(module).items()) if isinstance(value, type)]
     for _ in range(_MAX_DEPTH):
         nested = []
         for path, value in frontier:
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            if value is cls:
+            if cls is not None and value is cls:
                 return path
-            if value.__name__ == cls.__name__ and _same_module(value.__module__, cls.__module__):
+            if value.__name__ == name and _same_module(value.__module__, module_name):
                 same_name.append(path)
-            for name, inner in list(vars(value).items()):
+            for key, inner in list(vars(value).items()):
                 if isinstance(inner, type):
-                    nested.append((f"{path}.{name}", inner))
+                    nested.append((f"{path}.{key}", inner))
         frontier = nested
     return same_name[0] if len(same_name) == 1 else ""
+
+
+def _search(cls: type) -> str:
+    """Where ``cls`` is in its module: by identity, else the one class of the same name; "" if nowhere."""
+    module = sys.modules.get(cls.__module__)
+    return "" if module is None else _search_in(module, cls.__name__, cls.__module__, cls)
+
+
+def main_class(qualname: str, name: str, copy: bytes) -> Any:
+    """In the process that unpickles: the class of *its* ``__main__`` that a worker named
+    (at ``qualname``, else the one class called ``name`` there, nested ones included), else
+    the worker's copy (``copy``: the class pickled by value, as dill would have sent it)."""
+    try:
+        found = find("__main__", qualname)
+    except Exception:  # noqa: BLE001 - not there
+        found = None
+    if isinstance(found, type) and found.__name__ == name:
+        return found
+    main = sys.modules.get("__main__")
+    path = "" if main is None else _search_in(main, name, "__main__")
+    return find("__main__", path) if path else dill.loads(copy)
+
+
+def _locate(obj: type, found: Any) -> tuple | None:
+    """The reduction of class ``obj``, which its ``__qualname__`` does not find (``found``)."""
+    if isinstance(found, type) and found.__name__ == obj.__name__:
+        return (find, (obj.__module__, obj.__qualname__))  # a by-value copy of a class its module defines
+    path = _search(obj)
+    if path:
+        return (find, (obj.__module__, path))
+    if obj.__module__ in _MAIN_NAMES and "<locals>" not in obj.__qualname__:
+        # A worker started by forkserver or spawn does not import the main script
+        # (start_method.py): dill sent it the script's classes by value, and its own __main__
+        # has none of them. Name the class for the receiver's __main__, which is the script.
+        return (main_class, (obj.__qualname__, obj.__name__, dill.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+    return None
 
 
 def reduce_class(obj: Any) -> tuple | None:
@@ -90,19 +127,13 @@ def reduce_class(obj: Any) -> tuple | None:
     if found is obj:
         return None
     try:
-        path = _located.get(obj)
-    except TypeError:
+        if obj in _located:
+            return _located[obj]
+    except TypeError:  # not weak-referenceable
         return None
-    if path is None:
-        if isinstance(found, type) and found.__name__ == obj.__name__:
-            path = obj.__qualname__  # the worker's by-value copy of a class its module defines
-        else:
-            path = _search(obj)
-        try:
-            _located[obj] = path
-        except TypeError:
-            pass
-    return (find, (obj.__module__, path)) if path else None
+    reduction = _locate(obj, found)
+    _located[obj] = reduction
+    return reduction
 
 
 class DillPickler(dill.Pickler):

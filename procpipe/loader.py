@@ -63,7 +63,8 @@ class Loader:
         start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs no other
             thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
             ``"forkserver"`` (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
-            ``"fork"``. Workers never import the main script (procpipe.start_method), so
+            ``"fork"``. Resolved once, when the loader is created (``loader.start_method``).
+            Workers never import the main script (procpipe.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
@@ -210,6 +211,7 @@ class Loader:
         self._max_skipped = max_skipped
         self._resume: Resume | None = None  # from load_state_dict
         self._workers = workers
+        self._start_method = resolve_start_method(start_method)  # once: its restarted workers start the same way
         self._epochs = epochs
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
@@ -222,7 +224,7 @@ class Loader:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
             config = EngineConfig(workers if auto is None else auto.first, self._ordered, prefetch, slot_bytes,
-                                  max_worker_restarts, env, resolve_start_method(start_method),
+                                  max_worker_restarts, env, self._start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
                                   speculate=speculate, autotune=auto,
                                   stage_slots=0 if self._device_stage is None else self._device_stage.slots_held)
@@ -356,6 +358,18 @@ class Loader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def start_method(self) -> str:
+        """The start method of this loader's workers: ``"fork"``, ``"forkserver"`` or
+        ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
+        return self._start_method
+
+    @property
+    def workers_setting(self) -> int | str | Any:
+        """``workers`` as it was passed: a count, ``"auto"`` or an autotune setting (the
+        number running now, which autotuning changes, is ``len(worker_pids)``)."""
+        return self._workers
 
     @property
     def worker_pids(self) -> list[int]:

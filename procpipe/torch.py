@@ -436,8 +436,10 @@ class DataLoader(_tud.DataLoader[_T_co]):
       with ``in_order``; see ``procpipe.torch_iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
     - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
-      default) while the process runs a single OS thread, else the fork-safe ``"forkserver"``
-      (a dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+      default) while the process runs no OS thread but its main one and those that ran when
+      procpipe was imported (numpy's BLAS pool), else the fork-safe ``"forkserver"`` (a
+      dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
+      resolved for the first epoch and kept for later epochs' workers;
     - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
       is the worker that really loads it;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
@@ -632,8 +634,13 @@ class DataLoader(_tud.DataLoader[_T_co]):
                                           self.batch_size if self._auto_collation else None, self.drop_last,
                                           self.collate_fn, _pack, shared_seed, self._pp_epochs))
             # torch's seeds per worker, then the replica's own draws: no per-record reseeding
-            return Loader(source, **{**self._pp_options, "seed_globals": False})
-        return Loader(source, **self._pp_options)
+            loader = Loader(source, **{**self._pp_options, "seed_globals": False})
+        else:
+            loader = Loader(source, **self._pp_options)
+        # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
+        # start the same way, though the training loop runs threads by then (torch forks each epoch too)
+        self._pp_options["start_method"] = loader.start_method
+        return loader
 
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what

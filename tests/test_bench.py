@@ -81,6 +81,20 @@ def test_cli_builtin_workload_and_ready_loader(tmp_path, monkeypatch, capsys):
     assert "use 1 worker" in capsys.readouterr().out
 
 
+def test_a_ready_loader_is_checked_by_its_public_workers_setting():
+    """The bench reads Loader.workers_setting: a loader built with the asked count passes; one
+    that autotunes (workers="auto") is refused, by name, since the sweep cannot set its count."""
+    from procpipe import Loader
+    from procpipe.bench.__main__ import loader_maker
+
+    make = loader_maker(lambda workers: Loader(list(range(8)), batch_size=4, workers=workers))
+    with make(1) as loader:
+        assert loader.workers_setting == 1
+    auto = loader_maker(lambda workers: Loader(list(range(8)), batch_size=4, workers="auto"))
+    with pytest.raises(SystemExit, match=r"workers='auto' \(autotuned\) where 1 were asked"):
+        auto(1)
+
+
 def test_cli_sweeps_the_facades_num_workers(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.chdir(REPO_ROOT)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from batch_compare import assert_batches_equal
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
@@ -64,33 +65,6 @@ class Indexed(tud.Dataset):
 
     def __getitem__(self, i: int):
         return torch.full((2,), i, dtype=torch.int64), i
-
-
-def assert_same(a, b, path="batch"):
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: arrays differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(a):
-        assert_same(dataclasses.asdict(a), dataclasses.asdict(b), path)
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def assert_batches_equal(expected, got):
-    assert len(expected) == len(got), f"{len(expected)} batches expected, got {len(got)}"
-    for i, (a, b) in enumerate(zip(expected, got)):
-        assert_same(a, b, f"batch {i}")
 
 
 def tensor_leaves(x):

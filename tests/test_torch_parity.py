@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
+from batch_compare import same
 
 import procpipe.torch as ppt
 
@@ -36,29 +37,6 @@ JOIN_S = 30
 
 
 # --------------------------------------------------------------------------- helpers
-def same(a: Any, b: Any, path: str = "batch") -> None:
-    """``a`` and ``b`` are equal, leaf for leaf, and of the very same types."""
-    assert type(a) is type(b), f"{path}: {type(a)!r} is not {type(b)!r}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, \
-            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: {a} != {b}"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: {a} != {b}"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(a):
-        same(dataclasses.asdict(a), dataclasses.asdict(b), path)
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
 def drain(loader: Any) -> list:
     """Every batch of one epoch, and the worker processes closed (procpipe's) afterwards."""
     try:
@@ -419,6 +397,25 @@ def test_dataset_synchronization_objects_need_fork():
     with pytest.raises(TypeError, match=r"start_method='forkserver'.*multiprocessing_context='fork'") as info:
         drain(ProcpipeDataLoader(Counted(), batch_size=2, num_workers=2, multiprocessing_context="forkserver"))
     assert "through inheritance" in str(info.value)
+
+
+def test_auto_start_method_is_kept_for_every_epoch(monkeypatch):
+    """multiprocessing_context=None: "auto" is resolved for the first epoch and kept. Once the
+    training loop runs threads, later epochs' fresh workers (persistent_workers=False) still fork,
+    as torch's do: a dataset holding an mp.Value keeps working."""
+    import procpipe.start_method as start_method
+
+    monkeypatch.setattr(start_method, "fork_is_safe", lambda: True)  # epoch 0: no thread runs yet
+    ds = Counted()
+    loader = ProcpipeDataLoader(ds, batch_size=2, num_workers=2)
+    try:
+        first = list(loader)
+        monkeypatch.setattr(start_method, "fork_is_safe", lambda: False)  # the training loop started threads
+        second = list(loader)
+        assert ds.count.value == 2 * ds.n
+    finally:
+        loader.close()
+    assert sorted(int(i) for b in first + second for i in b) == sorted(2 * list(range(ds.n)))
 
 
 def test_local_functions_under_forkserver_differ_on_purpose():

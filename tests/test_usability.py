@@ -74,6 +74,7 @@ def test_auto_start_method_does_not_fork_a_process_running_threads():
         assert not start_method.fork_is_safe()
         assert start_method.resolve("auto") == "forkserver"
         with procpipe.Loader(list(range(8)), batch_size=4, workers=1) as loader:
+            assert loader.start_method == "forkserver"  # what its workers were really started with
             assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     finally:
         stop.set()
@@ -132,7 +133,8 @@ def test_dropping_an_iterator_after_the_first_batch_does_not_kill_workers(monkey
     killed: list[int] = []
     kill_tree = procpipe.pool.kill_tree
     monkeypatch.setattr(procpipe.pool, "kill_tree", lambda pid, wait=True: (killed.append(pid), kill_tree(pid, wait)))
-    loader = torch_data.DataLoader(Images(), batch_size=32, num_workers=2)
+    # fork: workers that start in milliseconds, so the grace period measures the stop, not a slow start
+    loader = torch_data.DataLoader(Images(), batch_size=32, num_workers=2, multiprocessing_context="fork")
     first = next(iter(loader))  # the iterator is dropped at once: its loader closes
     assert first[0].shape == (32, 3, 64, 64)
     assert killed == [], "workers had to be killed: they never saw the stop"

@@ -170,13 +170,14 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
         is_dict = isinstance(made, Mapping)
         facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
         if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
-            have = made.num_workers if facade is not None and isinstance(made, facade.DataLoader) else made._workers
-            if have != workers:
+            have = made.num_workers if facade is not None and isinstance(made, facade.DataLoader) else made.workers_setting
+            if have != workers or not isinstance(have, int):
                 made.close()
+                what = f"{have} workers" if isinstance(have, int) else f"workers={have!r} (autotuned)"
                 raise SystemExit(
-                    f"--pipeline factory returned a loader with {have} workers where {workers} were asked: "
-                    "to sweep the worker count it must take a workers= argument, or return the loader's keyword "
-                    "arguments as a dict instead")
+                    f"--pipeline factory returned a loader with {what} where {workers} were asked: "
+                    "to sweep the worker count it must take a workers= argument and build the loader with "
+                    "that many, or return the loader's keyword arguments as a dict instead")
             return made
         if isinstance(made, Mapping):
             kwargs = dict(made)
