@@ -212,15 +212,17 @@ class Ring:
         check_capacity(files.directory, slots * slot_bytes, what)
         warn_large_ring(files.directory, slots, slot_bytes)
         create_file(self.path, slots * slot_bytes, what)
-        self._map = map_file(self.path)
+        self._map: mmap.mmap | None = map_file(self.path)
         self.nbytes = slots * slot_bytes
         probe = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(probe)  # where the ring is mapped in this process (CUDA registration)
         del probe
         self.free: deque[int] = deque(range(first_slot, first_slot + slots))
-        # One exporter type per ring: its length is the slot size; ``ring`` finds the ring from a batch.
+        # One exporter type per ring: its length is the slot size; ``ring_ref`` finds the ring
+        # from a batch. A weak reference: the ring holds the type, and a strong one back would
+        # make a cycle that keeps a closed ring's mapping alive until the cycle collector runs.
         self._lease_type = type("SlotLease", (ctypes.Array,),
-                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring": self})
+                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)})
 
     def owns(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.slots
@@ -232,12 +234,16 @@ class Ring:
 
     def close(self) -> None:
         """Unmap the ring now (and close its file descriptor) unless a batch still uses it;
-        then it is unmapped when the last such batch dies."""
+        then it is unmapped when the last such batch dies (the ring lets go of its mapping
+        here, so only the batches' exporters hold it)."""
         self.closed = True
+        if self._map is None:
+            return
         try:
             self._map.close()
         except BufferError:
             pass
+        self._map = None
 
     def remove(self) -> None:
         """A retired ring whose slots are all back: its file goes now (its memory once unmapped)."""
@@ -249,14 +255,19 @@ class Ring:
 
     def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:
         """A per-batch object exporting slot ``slot``; ``on_release(slot)`` runs when it dies."""
-        lease = self._lease_type.from_buffer(self._map, (slot - self.first_slot) * self.slot_bytes)
+        lease = self._lease_type.from_buffer(self._mapped(), (slot - self.first_slot) * self.slot_bytes)
         weakref.finalize(lease, on_release, slot)
         return lease
 
     def exporter(self) -> ctypes.Array:
         """An object exporting the whole ring: while it lives the ring stays mapped (a CUDA
         registration holds one, so the memory is never unmapped while registered)."""
-        return (ctypes.c_char * self.nbytes).from_buffer(self._map)
+        return (ctypes.c_char * self.nbytes).from_buffer(self._mapped())
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            raise ValueError(f"ring {self.path} is closed")
+        return self._map
 
 
 def ring_of(array: Any) -> Ring | None:
@@ -266,7 +277,8 @@ def ring_of(array: Any) -> Ring | None:
         base = getattr(base, "base", None)
         if base is None:
             return None
-        ring = getattr(type(base), "ring", None)
+        ref = getattr(type(base), "ring_ref", None)
+        ring = ref() if isinstance(ref, weakref.ref) else None
         if isinstance(ring, Ring):
             return ring
     return None

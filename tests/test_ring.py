@@ -3,12 +3,13 @@ its slot makes the ring grow (a new generation) instead of sending every later b
 that size through the workers' pipes."""
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
 import numpy as np
 import pytest
-from conftest import shm_files
+from conftest import mappings, shm_files
 
 import procpipe
 import procpipe.shm
@@ -97,3 +98,41 @@ def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch
     assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
     assert stats["overflow_batches"] == 30  # every large batch, through the pipes
     assert stats["ring_slot_bytes"] < 4 * 3 * 4096
+
+
+@pytest.fixture
+def no_gc():
+    """The cycle collector off: what is freed must be freed by reference counting alone."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_removed_ring_is_unmapped_when_its_last_user_dies_without_the_cycle_collector(no_gc):
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    ring = procpipe.shm.Ring(files, 0, 4, procpipe.shm.PAGE)
+    released = []
+    lease = ring.lease(2, released.append)
+    batch = np.frombuffer(lease, np.uint8)
+    assert procpipe.shm.ring_of(batch) is ring
+    exporter = ring.exporter()  # (what a CUDA registration holds)
+    ring.remove()  # in use: the mapping is deferred
+    assert mappings(files.prefix) and shm_files(files.prefix) == []
+    del ring, lease, batch
+    assert released == [2] and mappings(files.prefix)  # the exporter still holds it
+    del exporter
+    assert mappings(files.prefix) == []  # before the fix: mapped until gc.collect()
+
+
+def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_cycle_collector(no_gc):
+    loader = procpipe.Loader(range(64), image, batch_size=8, workers=1)
+    prefix = loader.shm_prefix
+    batches = list(loader)
+    loader.close()
+    assert mappings(prefix)  # the batches still read the ring
+    del batches
+    assert mappings(prefix) == []  # while the loader object lives on (before the fix: it held the map)
