@@ -288,21 +288,33 @@ class WorkerRings:
     """A worker's view of the rings: maps each ring file the first time a task names it.
 
     Tasks arrive in the order they were sent, and after the coordinator replaced its ring
-    it names only the new one: mapping a newer ring unmaps the older ones here.
+    it names only the new one: mapping a newer ring unmaps the older ones here. One still
+    exported (a view of it outlived its task, e.g. held by a traceback) is kept and tried
+    again on every later call, so it is unmapped as soon as that view is gone.
     """
 
     def __init__(self, files_prefix: str) -> None:
         self._prefix = files_prefix
         self._maps: dict[int, mmap.mmap] = {}
+        self._newest = -1
 
     def slot(self, ring_id: int, slot: int, slot_bytes: int) -> memoryview:
+        self._newest = max(self._newest, ring_id)
+        if len(self._maps) > 1 or (self._maps and ring_id not in self._maps):
+            self._unmap_older(self._newest)
         ring = self._maps.get(ring_id)
         if ring is None:
-            for old in [i for i in self._maps if i < ring_id]:
-                try:
-                    self._maps[old].close()
-                    del self._maps[old]
-                except BufferError:  # still exported (cannot happen between tasks): keep it
-                    pass
             ring = self._maps[ring_id] = map_file(f"{self._prefix}ring{ring_id}")
         return memoryview(ring)[slot * slot_bytes:(slot + 1) * slot_bytes]
+
+    def _unmap_older(self, ring_id: int) -> None:
+        for old in [i for i in self._maps if i < ring_id]:
+            try:
+                self._maps[old].close()
+            except BufferError:  # still exported: kept, and tried again on the next call
+                continue
+            del self._maps[old]
+
+    def mapped(self) -> list[int]:
+        """The ring generations mapped here."""
+        return sorted(self._maps)

@@ -229,7 +229,6 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         try:
             buffer = rings.slot(ring_id, slot, slot_bytes) if slot >= 0 else None
             batch = produce(spec, scope, epoch, indices, buffer, slot_bytes, status)
-            del buffer
             if batch.skipped:
                 wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
             wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
@@ -239,6 +238,8 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             index = scope.index
             scope.leave()
             wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
+        finally:
+            buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
 
 
 def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: float) -> tuple:

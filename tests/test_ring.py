@@ -136,3 +136,59 @@ def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_
     assert mappings(prefix)  # the batches still read the ring
     del batches
     assert mappings(prefix) == []  # while the loader object lives on (before the fix: it held the map)
+
+
+def _ring_files(prefix, generations, slot_bytes):
+    for g in range(generations):
+        procpipe.shm.create_file(f"{prefix}ring{g}", 2 * slot_bytes, "test ring")
+
+
+def fails_on_5(i):
+    if i == 5:
+        raise ValueError("sample 5")
+    return np.full(16, i, np.uint8)
+
+
+def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc):
+    """The last task on ring 0 fails; the next names ring 1: ring 0 must not stay mapped."""
+    import multiprocess
+    import psutil
+
+    from procpipe import wire
+    from procpipe.shm import PAGE, WorkerRings
+    from procpipe.worker import WorkerSpec, _ParentWatch, _serve
+
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    _ring_files(files.prefix, 2, PAGE)
+    try:
+        ours, theirs = multiprocess.Pipe(duplex=True)
+        for task in [(1, 0, [0], 0, 0, PAGE), (2, 0, [5], 0, 1, PAGE), (3, 0, [1], 1, 0, PAGE), None]:
+            wire.send(ours, task)
+        spec = WorkerSpec(source=range(8), fn=fails_on_5, collate_fn=None, batched=False, seed=0, seed_globals=False)
+        rings = WorkerRings(files.prefix)
+        _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])
+        replies = [wire.recv(ours)[0] for _ in range(3)]
+        assert replies == ["ok", "err", "ok"]
+        assert mappings(files.prefix + "ring0") == []  # before the fix: kept mapped for the worker's life
+        assert rings.mapped() == [1]
+        ours.close()
+        theirs.close()
+    finally:
+        files.remove_all()
+
+
+def test_worker_rings_retry_unmapping_an_old_ring_still_in_use():
+    from procpipe.shm import PAGE, WorkerRings
+
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    _ring_files(files.prefix, 2, PAGE)
+    try:
+        rings = WorkerRings(files.prefix)
+        view = rings.slot(0, 1, PAGE)
+        rings.slot(1, 0, PAGE)
+        assert mappings(files.prefix + "ring0")  # still exported by ``view``: kept
+        view.release()
+        rings.slot(1, 1, PAGE)  # (before the fix: never tried again)
+        assert mappings(files.prefix + "ring0") == [] and rings.mapped() == [1]
+    finally:
+        files.remove_all()
