@@ -200,3 +200,42 @@ def test_facade_device_cuda_is_exact_with_a_busy_consumer():
                 assert torch.equal(x, (y % 256).to(torch.uint8)[:, None, None, None].expand(8, 3, 16, 16))
     finally:
         loader.close()
+
+
+@CUDA
+def test_facade_cuda_ring_has_slots_for_the_transfer_and_close_unmaps_it_without_gc():
+    def ring_slots(**device):
+        loader = DataLoader(Images(), batch_size=8, num_workers=2, persistent_workers=True, **device)
+        try:
+            next(iter(loader))
+            return loader.stats()["ring_slots"]
+        finally:
+            loader.close()
+
+    assert ring_slots(device="cuda") == ring_slots() + ppd.CudaTransfer.SLOTS_HELD
+    gc.disable()  # the ring must go by reference counting alone
+    try:
+        loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)
+        batches = list(loader)
+        prefix = loader._pp_current.shm_prefix
+        assert mappings(prefix)
+        loader.close()  # the transfer's registrations end first, then the ring goes
+        assert mappings(prefix) == []
+        del batches, loader
+    finally:
+        gc.enable()
+
+
+@CUDA
+def test_facade_cuda_iteration_after_close_copies_straight_from_the_ring_again():
+    loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)
+    try:
+        assert len(list(loader)) == 12
+        loader.close()
+        for n, (x, y) in enumerate(loader):  # new workers, a new ring, a new transfer
+            assert torch.equal(x, (y % 256).to(torch.uint8)[:, None, None, None].expand(8, 3, 16, 16))
+            assert torch.equal(y.cpu(), torch.arange(8 * n, 8 * n + 8))
+        assert n == 11
+        assert loader._pp_transfer is not None and loader._pp_transfer.direct_batches > 0  # before: pins stayed None
+    finally:
+        loader.close()

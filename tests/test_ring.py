@@ -192,3 +192,14 @@ def test_worker_rings_retry_unmapping_an_old_ring_still_in_use():
         assert mappings(files.prefix + "ring0") == [] and rings.mapped() == [1]
     finally:
         files.remove_all()
+
+
+def test_stage_slots_give_the_ring_that_many_more_slots():
+    def slots(**extra):
+        with procpipe.Loader(range(64), image, batch_size=8, workers=2, **extra) as loader:
+            next(iter(loader))
+            return loader.stats()["ring_slots"]
+
+    assert slots(stage_slots=3) == slots() + 3
+    with pytest.raises(ValueError, match="stage_slots must be an int >= 0"):
+        procpipe.Loader(range(8), image, stage_slots=-1)
