@@ -432,6 +432,9 @@ class Loader:
             timed_out_tasks: attempts killed after ``task_timeout``.
             ring_slots, ring_slot_bytes: the ring's size (0 before the first batch sized
                 it, and with ``workers=0``).
+            ring_growths, ring_growth_s: larger rings made this epoch because a batch
+                outgrew its slot, and the seconds that took (the coordinator thread
+                creates and populates the new file; no batch is dispatched meanwhile).
             ring_slots_in_use: slots now being filled, queued or held by live batches.
             ring_peak_slots_in_use: the most slots in use at once this epoch.
             ring_occupancy, ring_peak_occupancy: the two above as fractions of ``ring_slots``.

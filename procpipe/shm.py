@@ -83,7 +83,8 @@ def is_large_reservation(needed: int, free: int) -> bool:
 
 
 def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
-    """Say (once per ring) that the ring reserves a lot of ``directory``, and how to lower it."""
+    """Say (once per ring: a grown ring, a new generation, says it again) that the ring
+    reserves a lot of ``directory``, and how to lower it."""
     needed, free = slots * slot_bytes, psutil.disk_usage(directory).free
     if is_large_reservation(needed, free):
         import warnings
@@ -91,7 +92,8 @@ def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
         warnings.warn(
             f"procpipe: the ring reserves {_mib(needed)} of {directory} ({_mib(free)} free): {slots} slots "
             f"of {_mib(slot_bytes)} (a full batch), one for each batch that may be ready or in "
-            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB). "
+            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
+            "plus workers with speculate=, and 3 with device='cuda'). "
             "To lower it: a smaller prefetch, fewer workers, or a smaller batch_size.",
             stacklevel=2,
         )

@@ -75,6 +75,7 @@ def test_ring_grows_when_batches_outgrow_their_slots():
     assert 1 <= stats["overflow_batches"] <= 8
     assert stats["bytes_in_slots"] >= 20 * 4 * 3 * 4096
     assert rings == ["ring1"]  # the retired generation was removed once its slots came back
+    assert stats["ring_growths"] == 1 and stats["ring_growth_s"] > 0  # its cost on the coordinator thread
 
 
 def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch):
@@ -98,6 +99,7 @@ def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch
     assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
     assert stats["overflow_batches"] == 30  # every large batch, through the pipes
     assert stats["ring_slot_bytes"] < 4 * 3 * 4096
+    assert stats["ring_growths"] == 0
 
 
 @pytest.fixture
