@@ -231,6 +231,8 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             batch = produce(spec, scope, epoch, indices, buffer, slot_bytes, status)
             if batch.skipped:
                 wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
+                for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,
+                    error.__traceback__ = None  # which holds the ring view) are let go of now, not at a gc
             wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
         except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
             if isinstance(exc, SystemExit):
