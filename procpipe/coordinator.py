@@ -53,7 +53,7 @@ from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, star
 from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
 from .replies import unreadable_reply
 from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
-from .stats import WorkerCounters, array_bytes, worker_baseline
+from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 from .worker import STARTING
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
@@ -541,7 +541,7 @@ class Coordinator:
                 counters.bytes_inline += nbytes
                 if attempt.slot >= 0:
                     counters.overflow_batches += 1
-                    self._grow_ring(nbytes)
+                    self._grow_ring(nbytes, counters)
             counters.array_bytes += array_bytes(layout)
             epoch.accept(job, layout, lease, len(attempt.skipped or ()))
         else:
@@ -582,14 +582,18 @@ class Coordinator:
             self._retired.remove(old)
             old.remove()
 
-    def _grow_ring(self, nbytes: int) -> None:
+    def _grow_ring(self, nbytes: int, counters: EpochCounters) -> None:
         """A batch of ``nbytes`` did not fit its slot: replace the ring by one whose slots hold
         it with a margin (the old ring is retired, and removed once its slots are back), so
         later batches of that size go through the ring, not the pipes. If ``shm_dir`` has no
-        room for it, the ring stays and such batches stay inline (with a warning)."""
+        room for it, the ring stays and such batches stay inline (with a warning).
+
+        The new file is created and its pages populated here, on the coordinator thread:
+        ``counters`` (``stats()["ring_growths"]``/``["ring_growth_s"]``) records the time."""
         old = self.ring
         if self._grow_failed or nbytes <= old.slot_bytes:
             return
+        started = time.perf_counter()
         try:
             ring = Ring(self.files, old.ring_id + 1, old.slots, round_slot_bytes(nbytes + nbytes // 4),
                         old.first_slot + old.slots)
@@ -597,6 +601,9 @@ class Coordinator:
             self._grow_failed = True
             self._warn_overflow(nbytes, f" A larger ring did not fit: {exc}")
             return
+        finally:
+            counters.ring_growth_s += time.perf_counter() - started
+        counters.ring_growths += 1
         old.retired = True
         self._retired.append(old)
         self.ring = ring

@@ -139,6 +139,9 @@ class Loader:
             (torchvision-style transforms) gets distinct, reproducible values per sample,
             whatever the worker count. With ``workers=0`` the caller's generator states are
             put back after each batch. ``False``: leave them alone (about 20 us per sample).
+        stage_slots: extra ring slots for a stage of the caller's that holds batches while it
+            reads them (e.g. ``procpipe.torch.DataLoader(device=...)``'s CUDA transfer, whose
+            copies read batches straight from their slots); ``device=`` adds its own.
 
     Use it as a context manager, or call ``close()``; an unclosed loader is cleaned up
     when it is garbage collected or when the interpreter exits.
@@ -178,6 +181,7 @@ class Loader:
         shuffle_buffer: int | None = None,
         device_fn: Callable[[Any], Any] | None = None,
         seed_globals: bool = True,
+        stage_slots: int = 0,
     ) -> None:
         validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
@@ -185,6 +189,8 @@ class Loader:
                  task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
                  augment=augment, device=device, device_fn=device_fn)
         validate_epochs(epochs, reshuffle, with_epoch, batches)
+        if isinstance(stage_slots, bool) or not isinstance(stage_slots, int) or stage_slots < 0:
+            raise ValueError(f"stage_slots must be an int >= 0, got {stage_slots!r}")
         auto = resolve_autotune(workers)
         if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
             self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -227,7 +233,8 @@ class Loader:
                                   max_worker_restarts, env, self._start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
                                   speculate=speculate, autotune=auto,
-                                  stage_slots=0 if self._device_stage is None else self._device_stage.slots_held)
+                                  stage_slots=stage_slots + (0 if self._device_stage is None
+                                                             else self._device_stage.slots_held))
             self._coordinator = start_engine(config, self._spec, cache, shm_dir)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
@@ -439,6 +446,9 @@ class Loader:
             timed_out_tasks: attempts killed after ``task_timeout``.
             ring_slots, ring_slot_bytes: the ring's size (0 before the first batch sized
                 it, and with ``workers=0``).
+            ring_growths, ring_growth_s: larger rings made this epoch because a batch
+                outgrew its slot, and the seconds that took (the coordinator thread
+                creates and populates the new file; no batch is dispatched meanwhile).
             ring_slots_in_use: slots now being filled, queued or held by live batches.
             ring_peak_slots_in_use: the most slots in use at once this epoch.
             ring_occupancy, ring_peak_occupancy: the two above as fractions of ``ring_slots``.

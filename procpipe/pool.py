@@ -109,16 +109,18 @@ class Launcher:
             name=f"procpipe-worker-{index}",
             daemon=True,
         )
-        forked = self.ctx.get_start_method() == "fork"
-        if forked:
-            # A forked worker's first garbage collection would walk (and so copy, page by
-            # page) the whole inherited heap: ~12k page faults and 0.1-0.3 s before its
-            # first batch in a process that imported torch. Frozen objects are left out.
+        # A forked worker's first garbage collection would walk (and so copy, page by
+        # page) the whole inherited heap: ~12k page faults and 0.1-0.3 s before its
+        # first batch in a process that imported torch. Frozen objects are left out.
+        # gc.unfreeze() unfreezes everything, so where the user froze objects of their
+        # own (gc.get_freeze_count() > 0) procpipe neither freezes nor unfreezes.
+        freeze = self.ctx.get_start_method() == "fork" and gc.get_freeze_count() == 0
+        if freeze:
             gc.freeze()
         try:
             process.start()
         finally:
-            if forked:
+            if freeze:
                 gc.unfreeze()  # this process collects as before
         _started.add(process)
         child_conn.close()

@@ -67,8 +67,8 @@ def check_capacity(directory: str, needed: int, what: str) -> None:
     if needed > free:
         raise SharedMemoryError(
             f"procpipe needs {_mib(needed)} in {directory} for {what}, but only {_mib(free)} is free. "
-            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, or prefetch + 4*workers + 1 for batches up to 1 MiB); "
-            "in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
+            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
+            "plus workers with speculate=, and 3 with device='cuda'); in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
             "or pass shm_dir='/path/on/a/larger/filesystem'."
         )
 
@@ -83,7 +83,8 @@ def is_large_reservation(needed: int, free: int) -> bool:
 
 
 def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
-    """Say (once per ring) that the ring reserves a lot of ``directory``, and how to lower it."""
+    """Say (once per ring: a grown ring, a new generation, says it again) that the ring
+    reserves a lot of ``directory``, and how to lower it."""
     needed, free = slots * slot_bytes, psutil.disk_usage(directory).free
     if is_large_reservation(needed, free):
         import warnings
@@ -91,7 +92,8 @@ def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
         warnings.warn(
             f"procpipe: the ring reserves {_mib(needed)} of {directory} ({_mib(free)} free): {slots} slots "
             f"of {_mib(slot_bytes)} (a full batch), one for each batch that may be ready or in "
-            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB). "
+            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
+            "plus workers with speculate=, and 3 with device='cuda'). "
             "To lower it: a smaller prefetch, fewer workers, or a smaller batch_size.",
             stacklevel=2,
         )
@@ -212,15 +214,17 @@ class Ring:
         check_capacity(files.directory, slots * slot_bytes, what)
         warn_large_ring(files.directory, slots, slot_bytes)
         create_file(self.path, slots * slot_bytes, what)
-        self._map = map_file(self.path)
+        self._map: mmap.mmap | None = map_file(self.path)
         self.nbytes = slots * slot_bytes
         probe = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(probe)  # where the ring is mapped in this process (CUDA registration)
         del probe
         self.free: deque[int] = deque(range(first_slot, first_slot + slots))
-        # One exporter type per ring: its length is the slot size; ``ring`` finds the ring from a batch.
+        # One exporter type per ring: its length is the slot size; ``ring_ref`` finds the ring
+        # from a batch. A weak reference: the ring holds the type, and a strong one back would
+        # make a cycle that keeps a closed ring's mapping alive until the cycle collector runs.
         self._lease_type = type("SlotLease", (ctypes.Array,),
-                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring": self})
+                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)})
 
     def owns(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.slots
@@ -232,12 +236,16 @@ class Ring:
 
     def close(self) -> None:
         """Unmap the ring now (and close its file descriptor) unless a batch still uses it;
-        then it is unmapped when the last such batch dies."""
+        then it is unmapped when the last such batch dies (the ring lets go of its mapping
+        here, so only the batches' exporters hold it)."""
         self.closed = True
+        if self._map is None:
+            return
         try:
             self._map.close()
         except BufferError:
             pass
+        self._map = None
 
     def remove(self) -> None:
         """A retired ring whose slots are all back: its file goes now (its memory once unmapped)."""
@@ -249,14 +257,19 @@ class Ring:
 
     def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:
         """A per-batch object exporting slot ``slot``; ``on_release(slot)`` runs when it dies."""
-        lease = self._lease_type.from_buffer(self._map, (slot - self.first_slot) * self.slot_bytes)
+        lease = self._lease_type.from_buffer(self._mapped(), (slot - self.first_slot) * self.slot_bytes)
         weakref.finalize(lease, on_release, slot)
         return lease
 
     def exporter(self) -> ctypes.Array:
         """An object exporting the whole ring: while it lives the ring stays mapped (a CUDA
         registration holds one, so the memory is never unmapped while registered)."""
-        return (ctypes.c_char * self.nbytes).from_buffer(self._map)
+        return (ctypes.c_char * self.nbytes).from_buffer(self._mapped())
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            raise ValueError(f"ring {self.path} is closed")
+        return self._map
 
 
 def ring_of(array: Any) -> Ring | None:
@@ -266,7 +279,8 @@ def ring_of(array: Any) -> Ring | None:
         base = getattr(base, "base", None)
         if base is None:
             return None
-        ring = getattr(type(base), "ring", None)
+        ref = getattr(type(base), "ring_ref", None)
+        ring = ref() if isinstance(ref, weakref.ref) else None
         if isinstance(ring, Ring):
             return ring
     return None
@@ -276,21 +290,33 @@ class WorkerRings:
     """A worker's view of the rings: maps each ring file the first time a task names it.
 
     Tasks arrive in the order they were sent, and after the coordinator replaced its ring
-    it names only the new one: mapping a newer ring unmaps the older ones here.
+    it names only the new one: mapping a newer ring unmaps the older ones here. One still
+    exported (a view of it outlived its task, e.g. held by a traceback) is kept and tried
+    again on every later call, so it is unmapped as soon as that view is gone.
     """
 
     def __init__(self, files_prefix: str) -> None:
         self._prefix = files_prefix
         self._maps: dict[int, mmap.mmap] = {}
+        self._newest = -1
 
     def slot(self, ring_id: int, slot: int, slot_bytes: int) -> memoryview:
+        self._newest = max(self._newest, ring_id)
+        if len(self._maps) > 1 or (self._maps and ring_id not in self._maps):
+            self._unmap_older(self._newest)
         ring = self._maps.get(ring_id)
         if ring is None:
-            for old in [i for i in self._maps if i < ring_id]:
-                try:
-                    self._maps[old].close()
-                    del self._maps[old]
-                except BufferError:  # still exported (cannot happen between tasks): keep it
-                    pass
             ring = self._maps[ring_id] = map_file(f"{self._prefix}ring{ring_id}")
         return memoryview(ring)[slot * slot_bytes:(slot + 1) * slot_bytes]
+
+    def _unmap_older(self, ring_id: int) -> None:
+        for old in [i for i in self._maps if i < ring_id]:
+            try:
+                self._maps[old].close()
+            except BufferError:  # still exported: kept, and tried again on the next call
+                continue
+            del self._maps[old]
+
+    def mapped(self) -> list[int]:
+        """The ring generations mapped here."""
+        return sorted(self._maps)

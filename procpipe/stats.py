@@ -46,6 +46,8 @@ class EpochCounters:
     skipped: list = field(default_factory=list)  # indices left out by on_error="skip", in the order met
     speculative_tasks: int = 0  # extra attempts of straggling batches (speculate=...)
     timed_out_tasks: int = 0  # attempts killed after task_timeout
+    ring_growths: int = 0  # new, larger rings made this epoch (a batch outgrew its slot)
+    ring_growth_s: float = 0.0  # coordinator-thread seconds spent making them (file, mapping, page population)
 
 
 _itemsize: dict[str, int] = {}
@@ -116,6 +118,8 @@ def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, con
         "skipped": list(c.skipped),
         "speculative_tasks": c.speculative_tasks,
         "timed_out_tasks": c.timed_out_tasks,
+        "ring_growths": c.ring_growths,
+        "ring_growth_s": c.ring_growth_s,
     }
     if ring is not None:
         in_use = ring.slots - len(ring.free)

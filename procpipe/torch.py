@@ -530,6 +530,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
             worker_env=worker_env,
             batches=None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED),
             seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
+            # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
+            stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )
         self._pp_bulk_collate = _BulkFetch(self._pp_source)
         self._pp_loader: Loader | None = None
@@ -652,14 +654,17 @@ class DataLoader(_tud.DataLoader[_T_co]):
     def close(self) -> None:
         """End the workers and remove the shared memory now (otherwise done when collected),
         those of an epoch still being iterated included."""
+        # The CUDA transfer first (as Loader.close): its registrations of the rings end
+        # before the rings are unmapped. A later iteration makes a new one (direct copies).
+        transfer, self._pp_transfer = self._pp_transfer, None
+        if transfer is not None:
+            transfer.close()
         epoch_loader = self._pp_epoch_loader() if self._pp_epoch_loader is not None else None
         if epoch_loader is not None:
             epoch_loader.close()
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
-        if self._pp_transfer is not None:  # its CUDA registrations of the rings
-            self._pp_transfer.close()
 
     @property
     def worker_pids(self) -> list[int]:

@@ -371,6 +371,7 @@ class CudaTransfer:
     """
 
     MAX_IN_FLIGHT = 2  # copies whose slots are held at once: more waits for the oldest
+    SLOTS_HELD = MAX_IN_FLIGHT + 1  # ring slots a transfer's stage may hold (the ring needs that many more)
 
     def __init__(self, device: torch.device, capacity: int, device_fn: Callable | None = None, seed: int = 0) -> None:
         self.device = device
@@ -607,7 +608,7 @@ class DeviceStage:
         self.seed = seed
         self.transfer = (CudaTransfer(device, prefetch + 2, device_fn, seed) if device.type == "cuda" else None)
         # Ring slots the stage may hold while its copies read them (the ring gets that many more).
-        self.slots_held = CudaTransfer.MAX_IN_FLIGHT + 1 if self.transfer is not None else 0
+        self.slots_held = CudaTransfer.SLOTS_HELD if self.transfer is not None else 0
 
     def __call__(self, it: Iterator[Any]) -> Iterator[Any]:
         transfer = self.transfer

@@ -229,9 +229,10 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         try:
             buffer = rings.slot(ring_id, slot, slot_bytes) if slot >= 0 else None
             batch = produce(spec, scope, epoch, indices, buffer, slot_bytes, status)
-            del buffer
             if batch.skipped:
                 wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
+                for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,
+                    error.__traceback__ = None  # which holds the ring view) are let go of now, not at a gc
             wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
         except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
             if isinstance(exc, SystemExit):
@@ -239,6 +240,8 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             index = scope.index
             scope.leave()
             wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
+        finally:
+            buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
 
 
 def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: float) -> tuple:

@@ -130,16 +130,19 @@ def test_cuda_batches_are_exact_under_slot_reuse_with_a_busy_consumer(ordered, p
 
 @CUDA
 def test_cuda_registration_is_released_and_the_ring_unmapped_on_close():
-    loader = procpipe.Loader(range(64), sample, batch_size=8, workers=2, device="cuda")
-    prefix = loader.shm_prefix
-    batches = list(loader)
-    assert loader.stats()["device"]["registered_rings"] == 1
-    assert torch.equal(batches[3]["x"], expected(batches[3]["y"]))
-    loader.close()
-    assert loader.stats()["device"]["registered_rings"] == 0
-    del loader, batches
-    gc.collect()
-    assert mappings(prefix) == []  # unregistered, then unmapped
+    gc.disable()  # unmapped by reference counting alone, not when the cycle collector happens to run
+    try:
+        loader = procpipe.Loader(range(64), sample, batch_size=8, workers=2, device="cuda")
+        prefix = loader.shm_prefix
+        batches = list(loader)
+        assert loader.stats()["device"]["registered_rings"] == 1
+        assert torch.equal(batches[3]["x"], expected(batches[3]["y"]))
+        loader.close()
+        assert loader.stats()["device"]["registered_rings"] == 0
+        assert mappings(prefix) == []  # unregistered, then unmapped (the loader object still lives)
+        del loader, batches
+    finally:
+        gc.enable()
 
 
 def growing(i):
@@ -195,5 +198,44 @@ def test_facade_device_cuda_is_exact_with_a_busy_consumer():
                 busy(work)
                 assert x.is_cuda and torch.equal(y.cpu(), torch.arange(8 * n, 8 * n + 8))
                 assert torch.equal(x, (y % 256).to(torch.uint8)[:, None, None, None].expand(8, 3, 16, 16))
+    finally:
+        loader.close()
+
+
+@CUDA
+def test_facade_cuda_ring_has_slots_for_the_transfer_and_close_unmaps_it_without_gc():
+    def ring_slots(**device):
+        loader = DataLoader(Images(), batch_size=8, num_workers=2, persistent_workers=True, **device)
+        try:
+            next(iter(loader))
+            return loader.stats()["ring_slots"]
+        finally:
+            loader.close()
+
+    assert ring_slots(device="cuda") == ring_slots() + ppd.CudaTransfer.SLOTS_HELD
+    gc.disable()  # the ring must go by reference counting alone
+    try:
+        loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)
+        batches = list(loader)
+        prefix = loader._pp_current.shm_prefix
+        assert mappings(prefix)
+        loader.close()  # the transfer's registrations end first, then the ring goes
+        assert mappings(prefix) == []
+        del batches, loader
+    finally:
+        gc.enable()
+
+
+@CUDA
+def test_facade_cuda_iteration_after_close_copies_straight_from_the_ring_again():
+    loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)
+    try:
+        assert len(list(loader)) == 12
+        loader.close()
+        for n, (x, y) in enumerate(loader):  # new workers, a new ring, a new transfer
+            assert torch.equal(x, (y % 256).to(torch.uint8)[:, None, None, None].expand(8, 3, 16, 16))
+            assert torch.equal(y.cpu(), torch.arange(8 * n, 8 * n + 8))
+        assert n == 11
+        assert loader._pp_transfer is not None and loader._pp_transfer.direct_batches > 0  # before: pins stayed None
     finally:
         loader.close()

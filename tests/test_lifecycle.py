@@ -275,3 +275,16 @@ def test_sigkilled_parent_leaves_no_workers_and_no_files(tmp_path, start_method)
         wait_until(lambda: not shm_files(prefix), 15, f"removal of {prefix}* after the parent was killed")
     finally:
         child.close()
+
+
+def test_starting_forked_workers_leaves_the_users_gc_freeze_alone():
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()  # the user's own (e.g. a server that froze its preloaded state)
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > frozen_before
+        with Loader(range(16), square, batch_size=4, workers=2, start_method="fork") as loader:
+            assert sum(len(b["y"]) for b in loader) == 16
+        assert gc.get_freeze_count() == frozen  # before the fix: 0 (gc.unfreeze() after each start)
+    finally:
+        gc.unfreeze()

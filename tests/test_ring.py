@@ -3,12 +3,13 @@ its slot makes the ring grow (a new generation) instead of sending every later b
 that size through the workers' pipes."""
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 
 import numpy as np
 import pytest
-from conftest import shm_files
+from conftest import mappings, shm_files
 
 import procpipe
 import procpipe.shm
@@ -74,6 +75,7 @@ def test_ring_grows_when_batches_outgrow_their_slots():
     assert 1 <= stats["overflow_batches"] <= 8
     assert stats["bytes_in_slots"] >= 20 * 4 * 3 * 4096
     assert rings == ["ring1"]  # the retired generation was removed once its slots came back
+    assert stats["ring_growths"] == 1 and stats["ring_growth_s"] > 0  # its cost on the coordinator thread
 
 
 def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch):
@@ -97,3 +99,114 @@ def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch
     assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
     assert stats["overflow_batches"] == 30  # every large batch, through the pipes
     assert stats["ring_slot_bytes"] < 4 * 3 * 4096
+    assert stats["ring_growths"] == 0
+
+
+@pytest.fixture
+def no_gc():
+    """The cycle collector off: what is freed must be freed by reference counting alone."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_a_removed_ring_is_unmapped_when_its_last_user_dies_without_the_cycle_collector(no_gc):
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    ring = procpipe.shm.Ring(files, 0, 4, procpipe.shm.PAGE)
+    released = []
+    lease = ring.lease(2, released.append)
+    batch = np.frombuffer(lease, np.uint8)
+    assert procpipe.shm.ring_of(batch) is ring
+    exporter = ring.exporter()  # (what a CUDA registration holds)
+    ring.remove()  # in use: the mapping is deferred
+    assert mappings(files.prefix) and shm_files(files.prefix) == []
+    del ring, lease, batch
+    assert released == [2] and mappings(files.prefix)  # the exporter still holds it
+    del exporter
+    assert mappings(files.prefix) == []  # before the fix: mapped until gc.collect()
+
+
+def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_cycle_collector(no_gc):
+    loader = procpipe.Loader(range(64), image, batch_size=8, workers=1)
+    prefix = loader.shm_prefix
+    batches = list(loader)
+    loader.close()
+    assert mappings(prefix)  # the batches still read the ring
+    del batches
+    assert mappings(prefix) == []  # while the loader object lives on (before the fix: it held the map)
+
+
+def _ring_files(prefix, generations, slot_bytes):
+    for g in range(generations):
+        procpipe.shm.create_file(f"{prefix}ring{g}", 2 * slot_bytes, "test ring")
+
+
+def fails_on_5(i):
+    if i == 5:
+        raise ValueError("sample 5")
+    return np.full(16, i, np.uint8)
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["failed", "skipped-sample"])
+def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
+    """The last task on ring 0 fails (or skips a sample, whose traceback holds the task's
+    frame); the next names ring 1: ring 0 must not stay mapped."""
+    import multiprocess
+    import psutil
+
+    from procpipe import wire
+    from procpipe.shm import PAGE, WorkerRings
+    from procpipe.worker import WorkerSpec, _ParentWatch, _serve
+
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    _ring_files(files.prefix, 2, PAGE)
+    try:
+        ours, theirs = multiprocess.Pipe(duplex=True)
+        for task in [(1, 0, [0], 0, 0, PAGE), (2, 0, [4, 5], 0, 1, PAGE), (3, 0, [1], 1, 0, PAGE), None]:
+            wire.send(ours, task)
+        spec = WorkerSpec(source=range(8), fn=fails_on_5, collate_fn=None, batched=True, seed=0, seed_globals=False,
+                          skip=skip)
+        rings = WorkerRings(files.prefix)
+        _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])
+        replies = []
+        while ours.poll(0):
+            replies.append(wire.recv(ours)[0])
+        assert replies == (["ok", "skip", "ok", "ok"] if skip else ["ok", "err", "ok"])
+        assert mappings(files.prefix + "ring0") == []  # before the fix: kept mapped for the worker's life
+        assert rings.mapped() == [1]
+        ours.close()
+        theirs.close()
+    finally:
+        files.remove_all()
+
+
+def test_worker_rings_retry_unmapping_an_old_ring_still_in_use():
+    from procpipe.shm import PAGE, WorkerRings
+
+    files = procpipe.shm.SharedFiles("/dev/shm")
+    _ring_files(files.prefix, 2, PAGE)
+    try:
+        rings = WorkerRings(files.prefix)
+        view = rings.slot(0, 1, PAGE)
+        rings.slot(1, 0, PAGE)
+        assert mappings(files.prefix + "ring0")  # still exported by ``view``: kept
+        view.release()
+        rings.slot(1, 1, PAGE)  # (before the fix: never tried again)
+        assert mappings(files.prefix + "ring0") == [] and rings.mapped() == [1]
+    finally:
+        files.remove_all()
+
+
+def test_stage_slots_give_the_ring_that_many_more_slots():
+    def slots(**extra):
+        with procpipe.Loader(range(64), image, batch_size=8, workers=2, **extra) as loader:
+            next(iter(loader))
+            return loader.stats()["ring_slots"]
+
+    assert slots(stage_slots=3) == slots() + 3
+    with pytest.raises(ValueError, match="stage_slots must be an int >= 0"):
+        procpipe.Loader(range(8), image, stage_slots=-1)
