@@ -199,22 +199,27 @@ def run_transfer(opts: argparse.Namespace, limit: float | None) -> list[dict[str
                "gbs": torch_gbs, **t}
         rows.append(row)
         torch_cpu = cpu_line(t)
-        # procpipe: batches arrive on the GPU
-        dataset = TransferDataset(TRANSFER_BATCH * (warm + pp_count))
-        with procpipe.Loader(dataset, batch_size=TRANSFER_BATCH, workers=workers, device="cuda") as pp:
-            with Watch(pp) as watch:
-                t = timed(iter(pp), warm, pp_count, lambda b: None, watch.start)
-                extra = watch.stop()
-        pp_gbs = pp_count * batch_bytes / t["wall_s"] / 1e9
-        rows.append({"section": "transfer", "workers": workers, "engine": "procpipe device=cuda", "gbs": pp_gbs,
-                     **t, "overflow_warnings": len(watch.warnings), **extra})
-        print(f"transfer, {workers} workers: torch DataLoader pin_memory {torch_gbs:.1f} GB/s "
-              f"(wait {100 * row['wait_fraction']:.0f} %) | procpipe device=cuda {pp_gbs:.1f} GB/s "
-              f"(wait {100 * t['wait_fraction']:.0f} %), {pp_gbs / torch_gbs:.1f}x torch"
-              + (f", {100 * pp_gbs / limit:.0f} % of the pinned-copy limit" if limit else "")
-              + f" | overflow warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, "
-              f"inline bytes {extra['inline_bytes']}, device {extra['device']}")
-        print(f"  torch {torch_cpu.strip()}\n  procpipe {cpu_line(t).strip()}")
+        # procpipe: batches arrive on the GPU. Twice: with the default per-sample reseeding of
+        # the global generators (~15-20 us a sample with torch imported), and without it
+        # (seed_globals=False: this workload draws no random numbers).
+        for seed_globals in (True, False):
+            dataset = TransferDataset(TRANSFER_BATCH * (warm + pp_count))
+            with procpipe.Loader(dataset, batch_size=TRANSFER_BATCH, workers=workers, device="cuda",
+                                 seed_globals=seed_globals) as pp:
+                with Watch(pp) as watch:
+                    t = timed(iter(pp), warm, pp_count, lambda b: None, watch.start)
+                    extra = watch.stop()
+            pp_gbs = pp_count * batch_bytes / t["wall_s"] / 1e9
+            engine = "procpipe device=cuda" + ("" if seed_globals else " seed_globals=False")
+            rows.append({"section": "transfer", "workers": workers, "engine": engine, "gbs": pp_gbs,
+                         **t, "overflow_warnings": len(watch.warnings), **extra})
+            print(f"transfer, {workers} workers: torch DataLoader pin_memory {torch_gbs:.1f} GB/s "
+                  f"(wait {100 * row['wait_fraction']:.0f} %) | {engine} {pp_gbs:.1f} GB/s "
+                  f"(wait {100 * t['wait_fraction']:.0f} %), {pp_gbs / torch_gbs:.1f}x torch"
+                  + (f", {100 * pp_gbs / limit:.0f} % of the pinned-copy limit" if limit else "")
+                  + f" | overflow warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, "
+                  f"inline bytes {extra['inline_bytes']}, device {extra['device']}")
+            print(f"  torch {torch_cpu.strip()}\n  procpipe {cpu_line(t).strip()}")
     return rows
 
 
