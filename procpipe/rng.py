@@ -6,7 +6,8 @@ schedule, or how often a batch had to be re-run after a crash or for a straggler
 
 The process's *global* generators (Python's ``random``, ``np.random`` and, if the process
 has imported it, torch's) are seeded the same way before every sample (``SampleScope``
-with ``seed_globals``), so existing code that draws from them, torchvision-style transforms
+with ``seed_globals``), and before a batch's ``collate_fn`` and ``batch_fn`` from the batch's
+first index, so existing code that draws from them, torchvision-style transforms
 included, gets different values per sample and the same values on every run. In the calling
 process (``workers=0``, the cache's first sample) their state is put back after each batch:
 the caller's own draws are not disturbed.
@@ -30,6 +31,8 @@ _DEVICE_KEY = 5  # batch_rng(), inside device_fn (keyed by the batch's position 
 
 _current = threading.local()
 _MASK64 = (1 << 64) - 1
+# In a batch's global seed, where a sample's has its index (no index or shard is this large).
+_COLLATION_MARK = _MASK64
 
 
 def mix_seed(*values: int) -> int:
@@ -133,6 +136,19 @@ class SampleScope:
         index = self.index
         keys = index if isinstance(index, tuple) else (index,)
         seed_global_generators(mix_seed(self.seed, self.epoch, *keys))
+
+    def collating(self, epoch: int, first: int | tuple[int, ...]) -> None:
+        """The samples are done; the batch whose first index (or record key) is ``first`` is
+        collated next. With ``seed_globals`` the global generators are seeded for it from
+        ``(seed, epoch, first)`` (apart from every sample's seed), so draws in ``collate_fn`` and
+        ``batch_fn`` are the same in a worker and in the calling process; ``leave`` ends it."""
+        self.index = None
+        _current.scope = None
+        if self.seed_globals:
+            if self.restore_globals and self._saved is None:
+                self._saved = _global_states()
+            keys = first if isinstance(first, tuple) else (first,)
+            seed_global_generators(mix_seed(self.seed, epoch, _COLLATION_MARK, *keys))
 
     def leave(self) -> None:
         self.index = None
