@@ -35,9 +35,17 @@ _MASK64 = (1 << 64) - 1
 _COLLATION_MARK = _MASK64
 
 
+_MIX_START = 0x243F6A8885A308D3
+
+
 def mix_seed(*values: int) -> int:
     """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
-    x = 0x243F6A8885A308D3
+    return _mix_on(_MIX_START, values)
+
+
+def _mix_on(x: int, values: tuple[int, ...]) -> int:
+    """``mix_seed`` of some values, then ``values``: ``x`` is ``mix_seed`` of the former (the
+    steps are sequential, so a common prefix, e.g. ``(seed, epoch)``, is mixed once)."""
     for v in values:
         x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
         x ^= x >> 30
@@ -54,9 +62,17 @@ def _torch_generator() -> Any:
     return getattr(torch, "default_generator", None)
 
 
+# ``random.seed(n)`` for an int n is the C seeding of the module's instance, then ``gauss_next
+# = None``: called directly, without ``Random.seed``'s Python-level type checks (once per sample).
+_RANDOM = random.seed.__self__
+_C_SEED = random.Random.__mro__[1].seed
+
+
 def seed_global_generators(seed: int) -> None:
-    """Seed ``random``, ``np.random`` and (if imported) torch's default generator from ``seed``."""
-    random.seed(seed)
+    """Seed ``random``, ``np.random`` and (if imported) torch's default generator from ``seed``
+    (exactly as ``random.seed(seed)`` and ``np.random.seed(seed & 0xFFFFFFFF)`` would)."""
+    _C_SEED(_RANDOM, seed)
+    _RANDOM.gauss_next = None
     np.random.seed(seed & 0xFFFFFFFF)
     generator = _torch_generator()
     if generator is not None:
@@ -109,7 +125,7 @@ class SampleScope:
     ``enter`` and put back by ``leave``.
     """
 
-    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved")
+    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved", "_mixed")
 
     def __init__(self, seed: int, seed_globals: bool = False, restore_globals: bool = False) -> None:
         self.seed = seed
@@ -119,6 +135,14 @@ class SampleScope:
         self.seed_globals = seed_globals
         self.restore_globals = restore_globals
         self._saved: tuple[Any, Any, Any, Any] | None = None
+        self._mixed = (-1, 0)  # (epoch, mix_seed(seed, epoch)): the part of every global seed shared by an epoch
+
+    def _epoch_mix(self, epoch: int) -> int:
+        mixed_epoch, mixed = self._mixed
+        if mixed_epoch != epoch:
+            mixed = mix_seed(self.seed, epoch)
+            self._mixed = (epoch, mixed)
+        return mixed
 
     def enter(self, epoch: int, index: int | tuple[int, ...]) -> None:
         self.epoch = epoch
@@ -135,7 +159,7 @@ class SampleScope:
         set-up code re-seeded them)."""
         index = self.index
         keys = index if isinstance(index, tuple) else (index,)
-        seed_global_generators(mix_seed(self.seed, self.epoch, *keys))
+        seed_global_generators(_mix_on(self._epoch_mix(self.epoch), keys))  # mix_seed(seed, epoch, *keys)
 
     def collating(self, epoch: int, first: int | tuple[int, ...]) -> None:
         """The samples are done; the batch whose first index (or record key) is ``first`` is
@@ -148,7 +172,7 @@ class SampleScope:
             if self.restore_globals and self._saved is None:
                 self._saved = _global_states()
             keys = first if isinstance(first, tuple) else (first,)
-            seed_global_generators(mix_seed(self.seed, epoch, _COLLATION_MARK, *keys))
+            seed_global_generators(_mix_on(self._epoch_mix(epoch), (_COLLATION_MARK, *keys)))
 
     def leave(self) -> None:
         self.index = None

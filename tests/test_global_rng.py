@@ -122,3 +122,25 @@ def test_streaming_torch_tensor_batches_span_blocks():
         if expected is not None:
             assert got == expected
         expected = got
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**32 + 5, 2**64 - 1])
+def test_the_per_sample_seeding_is_random_seed_and_np_random_seed(seed):
+    """seed_global_generators calls the seeding below random.seed directly (speed): same states,
+    the gauss cache included; a SampleScope's seed is mix_seed(seed, epoch, index)."""
+    from procpipe.rng import SampleScope, mix_seed, seed_global_generators
+
+    random.gauss(0, 1)  # leaves a cached gaussian, which seeding must clear
+    np.random.normal()
+    seed_global_generators(seed)
+    got = (random.getstate(), random.gauss(0, 1), np.random.normal(), np.random.randint(1 << 30))
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    assert got == (random.getstate(), random.gauss(0, 1), np.random.normal(), np.random.randint(1 << 30))
+    scope = SampleScope(seed, seed_globals=True)
+    for epoch, index in [(0, 3), (0, 4), (2, 3), (2, (1, 7))]:
+        scope.enter(epoch, index)
+        got = random.getrandbits(64)
+        random.seed(mix_seed(seed, epoch, *(index if isinstance(index, tuple) else (index,))))
+        assert got == random.getrandbits(64)
+    scope.leave()
