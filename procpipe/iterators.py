@@ -259,7 +259,8 @@ class InlineIterator(EpochIterator):
             scope.leave()
             if isinstance(exc, SystemExit):
                 raise
-            if skips is not None and isinstance(exc, Exception):  # a sample failure would have been skipped: collation failed
+            # on_error="skip": a sample's Exception would have been skipped, so collation failed
+            if skips is not None and isinstance(exc, Exception):
                 if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
                     return None, indices
                 exc.add_note(skips.note())
