@@ -427,8 +427,14 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     return result
 
 
+def _first_scope(spec: Any) -> SampleScope:
+    """The scope the first sample is computed in: the global generators seeded as a worker
+    seeds them for epoch 0 (the sample is cached), and the caller's states put back after."""
+    return SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
+
+
 def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
-    scope = SampleScope(spec.seed)
+    scope = _first_scope(spec)
     error: Exception | None = None
     for index in range(min(length, _FIRST_SAMPLE_TRIES if spec.skip else 1)):
         scope.enter(0, index)
@@ -453,7 +459,7 @@ def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
 
 def _first_stream_sample(spec: Any) -> tuple[int, Any]:
     """A streaming source's first record, through ``fn``: ``(cache index, sample)``."""
-    scope = SampleScope(spec.seed)
+    scope = _first_scope(spec)
     index, key, record = spec.source.first_record(scope)
     scope.enter(0, key)
     try:

@@ -254,10 +254,13 @@ class InlineIterator(EpochIterator):
         skips, scope = self._skips, self._scope
         try:
             batch = produce(self._loader._spec, scope, self._number, indices, None, 0)
-        except Exception as exc:
+        except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
             index = scope.index
             scope.leave()
-            if skips is not None:  # a sample failure would have been skipped: collation failed
+            if isinstance(exc, SystemExit):
+                raise
+            # on_error="skip": a sample's Exception would have been skipped, so collation failed
+            if skips is not None and isinstance(exc, Exception):
                 if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
                     return None, indices
                 exc.add_note(skips.note())

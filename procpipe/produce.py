@@ -93,21 +93,25 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
             continue
         samples.append(sample)
         kept.append(index)
-    scope.leave()
     if status is not None:
         status[1] = -1
-    if not samples:
-        return Produced(None, 0, False, kept, skipped)
-    if not spec.batched:
-        layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
-    elif spec.batch_fn is not None:
+    if not samples or not spec.batched or (spec.batch_fn is None and spec.collate_fn is None):
+        scope.leave()  # no user code runs on the batch
+        if not samples:
+            return Produced(None, 0, False, kept, skipped)
+        if not spec.batched:
+            layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
+        else:
+            layout, nbytes, in_slot = collate.layout_batch(samples, kept, buffer, capacity)
+        return Produced(layout, nbytes, in_slot, kept, skipped)
+    scope.collating(epoch, indices[0])  # draws in collate_fn / batch_fn: the same with or without workers
+    if spec.batch_fn is not None:
         batch = run_batch_fn(spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept),
                              summarize_indices(indices))
-        layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
-    elif spec.collate_fn is not None:
-        layout, nbytes, in_slot = collate.layout_value(spec.collate_fn(samples), buffer, capacity)
     else:
-        layout, nbytes, in_slot = collate.layout_batch(samples, kept, buffer, capacity)
+        batch = spec.collate_fn(samples)
+    scope.leave()
+    layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     return Produced(layout, nbytes, in_slot, kept, skipped)
 
 

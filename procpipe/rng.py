@@ -6,7 +6,8 @@ schedule, or how often a batch had to be re-run after a crash or for a straggler
 
 The process's *global* generators (Python's ``random``, ``np.random`` and, if the process
 has imported it, torch's) are seeded the same way before every sample (``SampleScope``
-with ``seed_globals``), so existing code that draws from them, torchvision-style transforms
+with ``seed_globals``), and before a batch's ``collate_fn`` and ``batch_fn`` from the batch's
+first index, so existing code that draws from them, torchvision-style transforms
 included, gets different values per sample and the same values on every run. In the calling
 process (``workers=0``, the cache's first sample) their state is put back after each batch:
 the caller's own draws are not disturbed.
@@ -30,11 +31,21 @@ _DEVICE_KEY = 5  # batch_rng(), inside device_fn (keyed by the batch's position 
 
 _current = threading.local()
 _MASK64 = (1 << 64) - 1
+# In a batch's global seed, where a sample's has its index (no index or shard is this large).
+_COLLATION_MARK = _MASK64
+
+
+_MIX_START = 0x243F6A8885A308D3
 
 
 def mix_seed(*values: int) -> int:
     """A well-spread 64-bit seed from a few ints (splitmix64 steps)."""
-    x = 0x243F6A8885A308D3
+    return _mix_on(_MIX_START, values)
+
+
+def _mix_on(x: int, values: tuple[int, ...]) -> int:
+    """``mix_seed`` of some values, then ``values``: ``x`` is ``mix_seed`` of the former (the
+    steps are sequential, so a common prefix, e.g. ``(seed, epoch)``, is mixed once)."""
     for v in values:
         x = (x ^ (v & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
         x ^= x >> 30
@@ -51,9 +62,17 @@ def _torch_generator() -> Any:
     return getattr(torch, "default_generator", None)
 
 
+# ``random.seed(n)`` for an int n is the C seeding of the module's instance, then ``gauss_next
+# = None``: called directly, without ``Random.seed``'s Python-level type checks (once per sample).
+_RANDOM = random.seed.__self__
+_C_SEED = random.Random.__mro__[1].seed
+
+
 def seed_global_generators(seed: int) -> None:
-    """Seed ``random``, ``np.random`` and (if imported) torch's default generator from ``seed``."""
-    random.seed(seed)
+    """Seed ``random``, ``np.random`` and (if imported) torch's default generator from ``seed``
+    (exactly as ``random.seed(seed)`` and ``np.random.seed(seed & 0xFFFFFFFF)`` would)."""
+    _C_SEED(_RANDOM, seed)
+    _RANDOM.gauss_next = None
     np.random.seed(seed & 0xFFFFFFFF)
     generator = _torch_generator()
     if generator is not None:
@@ -106,7 +125,7 @@ class SampleScope:
     ``enter`` and put back by ``leave``.
     """
 
-    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved")
+    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved", "_mixed")
 
     def __init__(self, seed: int, seed_globals: bool = False, restore_globals: bool = False) -> None:
         self.seed = seed
@@ -116,6 +135,14 @@ class SampleScope:
         self.seed_globals = seed_globals
         self.restore_globals = restore_globals
         self._saved: tuple[Any, Any, Any, Any] | None = None
+        self._mixed = (-1, 0)  # (epoch, mix_seed(seed, epoch)): the part of every global seed shared by an epoch
+
+    def _epoch_mix(self, epoch: int) -> int:
+        mixed_epoch, mixed = self._mixed
+        if mixed_epoch != epoch:
+            mixed = mix_seed(self.seed, epoch)
+            self._mixed = (epoch, mixed)
+        return mixed
 
     def enter(self, epoch: int, index: int | tuple[int, ...]) -> None:
         self.epoch = epoch
@@ -132,7 +159,20 @@ class SampleScope:
         set-up code re-seeded them)."""
         index = self.index
         keys = index if isinstance(index, tuple) else (index,)
-        seed_global_generators(mix_seed(self.seed, self.epoch, *keys))
+        seed_global_generators(_mix_on(self._epoch_mix(self.epoch), keys))  # mix_seed(seed, epoch, *keys)
+
+    def collating(self, epoch: int, first: int | tuple[int, ...]) -> None:
+        """The samples are done; the batch whose first index (or record key) is ``first`` is
+        collated next. With ``seed_globals`` the global generators are seeded for it from
+        ``(seed, epoch, first)`` (apart from every sample's seed), so draws in ``collate_fn`` and
+        ``batch_fn`` are the same in a worker and in the calling process; ``leave`` ends it."""
+        self.index = None
+        _current.scope = None
+        if self.seed_globals:
+            if self.restore_globals and self._saved is None:
+                self._saved = _global_states()
+            keys = first if isinstance(first, tuple) else (first,)
+            seed_global_generators(_mix_on(self._epoch_mix(epoch), (_COLLATION_MARK, *keys)))
 
     def leave(self) -> None:
         self.index = None

@@ -11,6 +11,7 @@ buffer copies its records out of their slots (``_own``).
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -211,6 +212,9 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
     first = nodes[0]
     if first[0] in (ARRAY, INLINE):
         values = [collate.build(_rows(node, a, b), lease) for node, lease, a, b in pieces]
+        tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # a block of tensors means torch is imported
+        if tensor is not None and all(isinstance(v, tensor) for v in values):
+            return [INLINE, _join_tensors(values, path)]
         if all(isinstance(v, np.ndarray) for v in values):
             kinds = {(v.dtype, v.shape[1:]) for v in values}  # the dtype itself: .str drops a structure's fields
             if len(kinds) > 1:
@@ -237,6 +241,20 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
         raise _join_error(path, "sequences of different types or lengths")
     return [SEQ, first[1], [_join([(node[2][i], lease, a, b) for node, lease, a, b in pieces], path + (i,))
                             for i in range(len(first[2]))]]
+
+
+def _join_tensors(values: list, path: tuple) -> Any:
+    """Stacked torch tensors of several blocks as one tensor (joined through numpy views,
+    as collation stacks them: dtypes numpy lacks travel as same-width integers)."""
+    from ..tensors import numpy_tensor, tensor_numpy
+
+    arrays = [tensor_numpy(v) for v in values]
+    kinds = {(v.dtype, v.shape[1:]) for v in values}
+    if len(kinds) > 1:
+        raise _join_error(path, "tensors of " + " and ".join(
+            f"shape {('N',) + tuple(s)} dtype {d}" for d, s in sorted(kinds, key=str)))
+    joined = np.concatenate([a for a, _ in arrays], dtype=arrays[0][0].dtype)
+    return numpy_tensor(joined, arrays[0][1])
 
 
 def _join_error(path: tuple, what: str) -> CollateError:

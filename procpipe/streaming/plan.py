@@ -258,8 +258,10 @@ class InlineStream:
         scope = self._scope
         try:
             produced = produce(self._spec, scope, epoch.number, job.indices, None, 0)
-        except Exception as exc:
+        except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
             scope.leave()
+            if isinstance(exc, SystemExit):
+                raise
             exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.indices} "
                          f"(epoch {epoch.number}).")
             raise

@@ -190,8 +190,9 @@ class Shards:
             return Produced([SEQ, tuple, [[INLINE, (read, 0, failed)], [INLINE, None]]], 0, buffer is not None, [],
                             skipped)
         if mode == CHUNKS:
-            batches = [self._chunk(spec, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
+            batches = [self._chunk(spec, scope, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
                        for i in range(0, len(samples), batch_size)]
+            scope.leave()
             layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
         else:
             try:
@@ -335,10 +336,11 @@ class Shards:
             return self.cache_index(key), key, record
         raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
-    def _chunk(self, spec: Any, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
+    def _chunk(self, spec: Any, scope: SampleScope, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
         """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
-        ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` seeded from the
-        chunk's first record."""
+        ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` and the global
+        generators (``scope.collating``) seeded from the chunk's first record."""
+        scope.collating(epoch, keys[0])
         try:
             batch = collate_privately(spec.collate_fn, samples, keys)
         except Exception as exc:
