@@ -9,6 +9,7 @@ the ratio B / A (above 1.0: B is slower).
 
     python bench/ab.py --base HEAD~3             # the working tree (B) against a commit (A)
     python bench/ab.py --a /path/old --b /path/new --reps 7 --workloads tiny1,stream
+    python bench/ab.py --base 085bc36 --b-options '{"seed_globals": false}'   # B's Loader gets these too
 
 Workloads (only the public API, so any version runs them):
 
@@ -41,22 +42,25 @@ WORKLOADS = ("tiny1", "tiny64", "stream", "transfer")
 WARMUP_BATCHES = 50
 
 
-def _epoch(name: str) -> float:
-    """Run one epoch of ``name`` with the procpipe first on sys.path; seconds per batch."""
+def _epoch(name: str, options: str = "{}") -> float:
+    """Run one epoch of ``name`` with the procpipe first on sys.path; seconds per batch.
+    ``options``: JSON of extra ``Loader`` keyword arguments (for options only one tree has)."""
     import numpy as np
 
     import procpipe
 
+    extra = json.loads(options)
+
     if name == "tiny1":
-        loader = procpipe.Loader(range(6_000), batch_size=1, workers=2)
+        loader = procpipe.Loader(range(6_000), batch_size=1, workers=2, **extra)
     elif name == "tiny64":
-        loader = procpipe.Loader(range(64 * 3_000), batch_size=64, workers=2)
+        loader = procpipe.Loader(range(64 * 3_000), batch_size=64, workers=2, **extra)
     elif name == "stream":
         loader = procpipe.Loader(procpipe.Shards(list(range(8)), _read_ints, cycle_length=4),
-                                 batch_size=64, workers=2)
+                                 batch_size=64, workers=2, **extra)
     elif name == "transfer":
         image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
-        loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, workers=2)
+        loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, workers=2, **extra)
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     with loader:
@@ -86,12 +90,12 @@ def _export(rev: str) -> str:
     return out
 
 
-def _one(tree: str, name: str) -> float:
+def _one(tree: str, name: str, options: str) -> float:
     """One epoch in a fresh interpreter importing procpipe from ``tree``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import ab; "
-            "print(ab._epoch(sys.argv[2]))")
-    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), name],
+            "print(ab._epoch(sys.argv[2], sys.argv[3]))")
+    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), name, options],
                             env=env, cwd=tree, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"{name} under {tree} failed:\n{result.stderr[-2000:]}")
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", help="git revision for tree A (exported to a temporary folder)")
     parser.add_argument("--a", help="source tree A (instead of --base)")
     parser.add_argument("--b", default=str(REPO), help="source tree B (default: this working tree)")
+    parser.add_argument("--a-options", default="{}", help="JSON: extra Loader arguments for tree A")
+    parser.add_argument("--b-options", default="{}", help="JSON: extra Loader arguments for tree B")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--json", help="write the raw times here")
@@ -125,12 +131,12 @@ def _compare(args: argparse.Namespace, tree_a: str) -> None:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
     times: dict[str, dict[str, list[float]]] = {n: {"A": [], "B": []} for n in names}
     for rep in range(args.reps):
-        order = (("A", tree_a), ("B", args.b)) if rep % 2 == 0 else (("B", args.b), ("A", tree_a))
+        a, b = ("A", tree_a, args.a_options), ("B", args.b, args.b_options)
         for name in names:
-            for label, tree in order:
-                times[name][label].append(_one(tree, name))
+            for label, tree, options in ((a, b) if rep % 2 == 0 else (b, a)):
+                times[name][label].append(_one(tree, name, options))
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
-    print(f"A = {args.base or tree_a}\nB = {args.b}\n")
+    print(f"A = {args.base or tree_a} {args.a_options}\nB = {args.b} {args.b_options}\n")
     print(f"{'workload':<10} {'A us/batch':>12} {'B us/batch':>12} {'B/A':>6}   spread A / B")
     for name in names:
         a, b = times[name]["A"], times[name]["B"]
