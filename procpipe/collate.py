@@ -38,7 +38,7 @@ def _path_str(path: tuple) -> str:
     return "sample" + "".join(f"[{p!r}]" for p in path)
 
 
-def _tensor_type() -> type | None:
+def tensor_type() -> type | None:
     """``torch.Tensor`` if this process has imported torch (procpipe never imports it for this)."""
     return getattr(sys.modules.get("torch"), "Tensor", None)
 
@@ -96,7 +96,7 @@ class _Planner:
             return self._stack_arrays(values, path, indices)
         if isinstance(first, _NUMBER_TYPES) and not isinstance(first, (str, bytes)):
             return self._stack_numbers(values, path, indices)
-        tensor = _tensor_type()
+        tensor = tensor_type()
         if tensor is not None and isinstance(first, tensor):
             return self._stack_tensors(values, path, indices, tensor)
         return [INLINE, list(values)]
@@ -116,7 +116,7 @@ class _Planner:
             arrays.append(array)
             dtypes.add(dtype_name(dtype))
         if len(dtypes) > 1:
-            raise CollateError(f"cannot stack {_path_str(path)} for indices {list(indices)}: the tensors have "
+            raise CollateError(f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: the tensors have "
                                f"different dtypes ({sorted(dtypes)}); cast them in fn.")
         node = self._stack_arrays(arrays, path, indices)
         node.append(dtypes.pop())
@@ -162,7 +162,7 @@ class _Planner:
             return [DICT, keys, [self.pack(value[k]) for k in keys]]
         if isinstance(value, (tuple, list)):
             return [SEQ, _seq_type(value), [self.pack(v) for v in value]]
-        tensor = _tensor_type()
+        tensor = tensor_type()
         if tensor is not None and isinstance(value, tensor):
             from .tensors import dtype_name, tensor_numpy
 

@@ -150,16 +150,13 @@ class SampleScope:
         self.rng = None  # created lazily: most pipelines never ask for one
         _current.scope = self
         if self.seed_globals:
-            if self.restore_globals and self._saved is None:
-                self._saved = _global_states()
+            self._save_globals()
             self.reseed_globals()
 
     def reseed_globals(self) -> None:
         """Seed the global generators for the current sample (again: e.g. after a worker's
         set-up code re-seeded them)."""
-        index = self.index
-        keys = index if isinstance(index, tuple) else (index,)
-        seed_global_generators(_mix_on(self._epoch_mix(self.epoch), keys))  # mix_seed(seed, epoch, *keys)
+        self._seed_globals(self.epoch, self.index)
 
     def collating(self, epoch: int, first: int | tuple[int, ...]) -> None:
         """The samples are done; the batch whose first index (or record key) is ``first`` is
@@ -169,10 +166,18 @@ class SampleScope:
         self.index = None
         _current.scope = None
         if self.seed_globals:
-            if self.restore_globals and self._saved is None:
-                self._saved = _global_states()
-            keys = first if isinstance(first, tuple) else (first,)
-            seed_global_generators(_mix_on(self._epoch_mix(epoch), (_COLLATION_MARK, *keys)))
+            self._save_globals()
+            self._seed_globals(epoch, first, (_COLLATION_MARK,))
+
+    def _save_globals(self) -> None:
+        """In the calling process, keep the caller's generator states (once, until ``leave``)."""
+        if self.restore_globals and self._saved is None:
+            self._saved = _global_states()
+
+    def _seed_globals(self, epoch: int, key: int | tuple[int, ...], mark: tuple[int, ...] = ()) -> None:
+        """Seed the global generators from ``mix_seed(seed, epoch, *mark, *key)``."""
+        keys = key if isinstance(key, tuple) else (key,)
+        seed_global_generators(_mix_on(self._epoch_mix(epoch), (*mark, *keys)))
 
     def leave(self) -> None:
         self.index = None

@@ -11,7 +11,6 @@ buffer copies its records out of their slots (``_own``).
 from __future__ import annotations
 
 import math
-import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -212,7 +211,7 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
     first = nodes[0]
     if first[0] in (ARRAY, INLINE):
         values = [collate.build(_rows(node, a, b), lease) for node, lease, a, b in pieces]
-        tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # a block of tensors means torch is imported
+        tensor = collate.tensor_type()  # a block of tensors means torch is imported
         if tensor is not None and all(isinstance(v, tensor) for v in values):
             return [INLINE, _join_tensors(values, path)]
         if all(isinstance(v, np.ndarray) for v in values):
