@@ -210,10 +210,8 @@ class Loader:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
-        self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed))
-        self._spec.skip = on_error == "skip"
-        self._spec.batch_fn, self._spec.augment = batch_fn, augment
-        self._spec.seed_globals = bool(seed_globals)
+        self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
+                                batch_fn=batch_fn, augment=augment, seed_globals=bool(seed_globals))
         self._max_skipped = max_skipped
         self._resume: Resume | None = None  # from load_state_dict
         self._workers = workers
