@@ -18,6 +18,7 @@ from typing import Any
 
 from .autotune import resolve as resolve_autotune
 from .cache import open_cache
+from .checks import check_int
 from .coordinator import Coordinator, EngineConfig
 from .epochs import Epoch
 from .iterators import EpochIterator, InlineIterator
@@ -189,8 +190,7 @@ class Loader:
                  task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
                  augment=augment, device=device, device_fn=device_fn)
         validate_epochs(epochs, reshuffle, with_epoch, batches)
-        if isinstance(stage_slots, bool) or not isinstance(stage_slots, int) or stage_slots < 0:
-            raise ValueError(f"stage_slots must be an int >= 0, got {stage_slots!r}")
+        check_int("stage_slots", stage_slots, 0)
         auto = resolve_autotune(workers)
         if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
             self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
