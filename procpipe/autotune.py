@@ -236,7 +236,9 @@ class Meter:
         cpu = runq = 0.0
         seen: dict[int, tuple[float, float]] = {}
         for w in workers:
-            pid = w.process.pid
+            pid = w.pid
+            if pid is None:  # not a process of this machine
+                continue
             now = schedstat_seconds(pid)
             if now is None:
                 try:

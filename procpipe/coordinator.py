@@ -45,16 +45,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from . import wire
+from .attempts import Attempt
 from .autotune import Meter, Tuner, memory_room, ring_workers
-from .epochs import Attempt, EmptyBatch, Epoch, Failure, Job, Stream
+from .epochs import EmptyBatch, Epoch, Failure, Job, Stream
 from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
-from .faults import SkipBudget, death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
-from .pool import Launcher, Watchdog, WorkerHandle, sample_memory, stop_all
-from .replies import unreadable_reply
-from .shm import Ring, SharedFiles, create_file, map_file, round_slot_bytes
+from .faults import death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
+from .messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from .pool import Watchdog, WorkerLink, WorkerPool
+from .shm import Ring, SharedFiles, round_slot_bytes
+from .skips import SkipBudget
 from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
-from .worker import STARTING
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
@@ -86,10 +86,11 @@ class EngineConfig:
 
 
 class Coordinator:
-    """Starts the workers and runs the dispatch/reply loop in a daemon thread."""
+    """Starts the workers (through ``pool``) and runs the dispatch/reply loop in a daemon thread."""
 
-    def __init__(self, config: EngineConfig, ctx: Any, spec: Any, files: SharedFiles) -> None:
+    def __init__(self, config: EngineConfig, pool: WorkerPool, files: SharedFiles) -> None:
         self.config = config
+        self.pool = pool
         self.files = files
         self.owner = os.getpid()  # the only process that may stop the workers or remove the files
         self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
@@ -107,10 +108,12 @@ class Coordinator:
         self.ring: Ring | None = None  # the current ring (the latest generation)
         self._retired: list[Ring] = []  # earlier generations some of whose slots are still in use
         self._grow_failed = False  # a larger ring did not fit in shm_dir: overflows stay inline
-        if config.slot_bytes is not None:
+        self._sized = False  # the ring was made (or the pool admitted the batch size)
+        if config.slot_bytes is not None and pool.uses_ring:
+            self._sized = True
             self._make_ring(config.slot_bytes)
         self.stream: Stream | None = None
-        self.workers: list[WorkerHandle] = []
+        self.workers: list[WorkerLink] = []
         self.worker_counters: list[WorkerCounters] = []
         self._attempts: dict[int, Attempt] = {}
         self._next_attempt_id = 0
@@ -123,16 +126,11 @@ class Coordinator:
         self._closing = False
         self._shut_down = False
         self.starved = False  # read by the consumer: wake me when capacity frees up
-        status_path = files.path("status")
-        create_file(status_path, 16 * self.capacity, "the workers' status words")
-        self._status_map = map_file(status_path)
-        self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._launcher = Launcher(ctx, spec, files.prefix, config.worker_env)
         for i in range(config.workers):
             self.worker_counters.append(WorkerCounters())
             self.workers.append(self._start_worker(i))
@@ -187,13 +185,12 @@ class Coordinator:
         self._shutdown_workers()
 
     # ---------------------------------------------------------------- workers
-    def _start_worker(self, index: int) -> WorkerHandle:
+    def _start_worker(self, index: int) -> WorkerLink:
         """Start worker ``index``; the selector then reports its replies and its death."""
-        self._status[2 * index] = STARTING  # the worker clears it once started (worker.py)
-        handle = self._launcher.start(index, self.worker_counters[index])
-        self._selector.register(handle.conn.fileno(), selectors.EVENT_READ, (self._on_readable, handle))
-        self._selector.register(handle.process.sentinel, selectors.EVENT_READ, (self._on_exit, handle))
-        return handle
+        link = self.pool.start(index, self.worker_counters[index])
+        self._selector.register(link.reply_fd(), selectors.EVENT_READ, (self._on_readable, link))
+        self._selector.register(link.exit_fd(), selectors.EVENT_READ, (self._on_exit, link))
+        return link
 
     def _add_worker(self) -> bool:
         """Autotune: start one more worker, at the lowest free index; False if none is free."""
@@ -247,10 +244,11 @@ class Coordinator:
             return
         self._shut_down = True
         workers, self.workers = self.workers, []
-        stop_all(workers)
-        self.files.remove_all()
-        self._status.release()
-        self._status_map.close()  # an mmap holds a file descriptor until closed
+        try:
+            self.pool.stop(workers)
+        finally:
+            self.pool.close()
+            self.files.remove_all()
         for ring in [self.ring, *self._retired]:
             if ring is not None:
                 ring.close()
@@ -302,7 +300,7 @@ class Coordinator:
             now = time.monotonic()
             if now - self._last_health >= _HEALTH_INTERVAL_S:
                 self._last_health = now
-                sample_memory(self.workers)
+                self.pool.sample_memory(self.workers)
 
     def _apply(self, command: str, *args: Any) -> None:
         if command == "start":
@@ -333,7 +331,7 @@ class Coordinator:
         epoch.counters.worker_base = worker_baseline(self.worker_counters)
         self._restarts_this_epoch = 0
 
-    def _idle_worker(self) -> WorkerHandle | None:
+    def _idle_worker(self) -> WorkerLink | None:
         """The healthy worker with the fewest tasks, if it can take one more."""
         best = None
         for w in self.workers:
@@ -383,7 +381,7 @@ class Coordinator:
                 epoch = stream.fresh()
                 slot = self.take_slot(epoch)
                 if slot is None:
-                    if outstanding >= self.n_workers:
+                    if outstanding >= self.n_workers and self.pool.uses_ring:
                         return
                     # No free slot: before the ring exists (the first batches size it), or
                     # when the consumer holds every slot (e.g. list(loader)). Inline keeps
@@ -393,7 +391,7 @@ class Coordinator:
             self.send(worker, job, slot)
         self.starved = False
 
-    def send(self, worker: WorkerHandle, job: Job, slot: int) -> None:
+    def send(self, worker: WorkerLink, job: Job, slot: int) -> None:
         """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
         ``slot`` (from ``take_slot``; -1: none). Coordinator thread: here, and in an epoch
         that dispatches its own jobs (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
@@ -402,7 +400,8 @@ class Coordinator:
             self._release(slot)
             slot = self.take_slot(job.epoch)
             slot = -1 if slot is None else slot
-        attempt = Attempt(self._next_attempt_id, job, worker, slot, None if worker.tasks else time.perf_counter())
+        started = None if worker.tasks or not worker.ready else time.perf_counter()  # else: when it starts it
+        attempt = Attempt(self._next_attempt_id, job, worker, slot, started)
         self._next_attempt_id += 1
         self._attempts[attempt.id] = attempt
         worker.tasks[attempt.id] = attempt
@@ -413,17 +412,16 @@ class Coordinator:
         # Never a blocking write (a large task to a worker busy in a slow sample would stall
         # the loop): what its pipe does not take now is written when it becomes writable.
         # A worker that is dying drops it; its sentinel fires and the task is redone.
-        worker.outbox.put((attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
+        worker.put(Task(attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
         self._flush(worker)
 
-    def _flush(self, worker: WorkerHandle) -> None:
-        """Write what ``worker``'s pipe takes now; while some is left, the selector watches for room."""
-        outbox = worker.outbox
-        waiting = not outbox.flush()
+    def _flush(self, worker: WorkerLink) -> None:
+        """Send what ``worker``'s channel takes now; while some is left, the selector watches for room."""
+        waiting = not worker.flush()
         if waiting and not worker.writing:
-            self._selector.register(outbox.fileno(), selectors.EVENT_WRITE, (self._flush, worker))
+            self._selector.register(worker.write_fd(), selectors.EVENT_WRITE, (self._flush, worker))
         elif not waiting and worker.writing:
-            self._selector.unregister(outbox.fileno())
+            self._selector.unregister(worker.write_fd())
         worker.writing = waiting
 
     # ---------------------------------------------------------------- stragglers
@@ -448,59 +446,38 @@ class Coordinator:
                 self.send(target, job, slot)
 
     # ---------------------------------------------------------------- replies
-    def _on_readable(self, worker: WorkerHandle) -> None:
-        """The selector saw a reply: read it, and any others already waiting."""
-        if worker.conn.closed:  # its death was handled earlier in the same select() round
-            return
-        if not self._read_waiting(worker, first=True):
-            self._selector.unregister(worker.conn.fileno())  # death is handled by the sentinel
-
-    def _read_waiting(self, worker: WorkerHandle, first: bool = False) -> bool:
-        """Handle the replies waiting on the pipe (``first``: one is); False once the pipe is closed.
-
-        Only reading the pipe is guarded: an OSError while handling a reply (e.g. creating the
-        ring) is the coordinator's failure, not a closed pipe, and must reach the consumer.
-        """
-        while True:
+    def _on_readable(self, worker: WorkerLink) -> None:
+        """The selector saw replies: handle every one waiting."""
+        replies = worker.read()
+        if replies is None:  # the channel is closed: its death is handled by exit_fd
             try:
-                if not (first or worker.conn.poll()):
-                    return True
-                data = worker.conn.recv_bytes()
-            except (EOFError, OSError):
-                return False
-            first = False
-            self._on_reply(worker, data)
-
-    def _on_reply(self, worker: WorkerHandle, data: bytes) -> None:
-        """One reply's bytes. One that does not unpickle here (a sample's ``__reduce__`` that
-        fails in this process) becomes the error of its batch instead of stopping this thread."""
-        try:
-            message = wire.decode(data)
-        except Exception as exc:  # noqa: BLE001 - user objects' unpickling: anything can be raised
-            attempt = next(iter(worker.tasks.values()), None)  # a worker replies to its tasks in order
-            if attempt is None:
-                return
-            left_out = {info[0] for info in attempt.skipped or ()}
-            kept = [i for i in attempt.job.indices if i not in left_out]
-            message = unreadable_reply(attempt.id, worker.index, data, exc, kept)
-        self._on_message(worker, message)
-
-    def _on_message(self, worker: WorkerHandle, message: tuple) -> None:
-        kind = message[0]
-        if kind == "fatal":
-            worker.fatal = message[1]
+                self._selector.unregister(worker.reply_fd())
+            except (KeyError, ValueError):
+                pass  # its death was handled earlier in this select() round
             return
-        if kind == "skip":
-            attempt = self._attempts.get(message[1])
+        for reply in replies:
+            self._on_message(worker, reply)
+
+    def _on_message(self, worker: WorkerLink, message: Reply) -> None:
+        if isinstance(message, WorkerReady):
+            worker.ready = True
+            if worker.tasks:  # its first task starts now, not when its process was started
+                next(iter(worker.tasks.values())).started = time.perf_counter()
+            return
+        if isinstance(message, WorkerFatal):
+            worker.fatal = message.traceback
+            return
+        if isinstance(message, SamplesSkipped):
+            attempt = self._attempts.get(message.task_id)
             if attempt is not None:
-                attempt.skipped = message[2]
+                attempt.skipped = message.samples
             return
-        attempt = self._attempts.pop(message[1], None)
-        worker.tasks.pop(message[1], None)
+        attempt = self._attempts.pop(message.task_id, None)
+        worker.tasks.pop(message.task_id, None)
         if worker.retiring:
             worker.stop_if_idle()
             self._flush(worker)
-        busy = message[-1]
+        busy = message.busy_s
         worker.counters.tasks += 1
         worker.counters.busy_s += busy
         if self._watching:
@@ -517,41 +494,47 @@ class Coordinator:
             self._release_unused(attempt.slot)  # a lost race, or a cancelled epoch
             return
         job.done = True
-        if kind == "ok":
-            _, _, layout, nbytes, in_slot, _ = message
-            if attempt.skipped and not skip_or_fail(epoch, job, worker, attempt.skipped, None):
-                self._release_unused(attempt.slot)
-                return
-            if layout is None:  # every sample was skipped
-                self._release_unused(attempt.slot)
-                epoch.drop()
-                epoch.deliver(job.seq, EmptyBatch)
-                return
-            if self.ring is None:
-                slot_bytes = epoch.ring_slot_bytes(layout, nbytes, job, len(attempt.skipped or ()))
-                if slot_bytes is not None:
-                    self._make_ring_or_fail(slot_bytes)
-            counters = epoch.counters
-            if in_slot:
-                lease = self._ring_of(attempt.slot).lease(attempt.slot, self._release)
-                counters.bytes_in_slots += nbytes
-            else:
-                self._release_unused(attempt.slot)
-                lease = None
-                counters.bytes_inline += nbytes
-                if attempt.slot >= 0:
-                    counters.overflow_batches += 1
-                    self._grow_ring(nbytes, counters)
-            counters.array_bytes += array_bytes(layout)
-            epoch.accept(job, layout, lease, len(attempt.skipped or ()))
+        if isinstance(message, BatchDone):
+            self._on_batch(worker, attempt, message)
+            return
+        self._release_unused(attempt.slot)
+        error = message.error
+        if epoch.skips is None:
+            epoch.deliver(job.seq, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
+        elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
+            epoch.drop()
+            epoch.deliver(job.seq, EmptyBatch)
+
+    def _on_batch(self, worker: WorkerLink, attempt: Attempt, done: BatchDone) -> None:
+        """A batch arrived for a job still waiting for it: deliver it (or its skips, or its error)."""
+        job, epoch = attempt.job, attempt.job.epoch
+        layout, nbytes = done.layout, done.nbytes
+        skipped = len(attempt.skipped or ())
+        if attempt.skipped and not skip_or_fail(epoch, job, worker, attempt.skipped, None):
+            self._release_unused(attempt.slot)
+            return
+        if layout is None:  # every sample was skipped
+            self._release_unused(attempt.slot)
+            epoch.drop()
+            epoch.deliver(job.seq, EmptyBatch)
+            return
+        if self.ring is None and not self._sized:
+            slot_bytes = epoch.ring_slot_bytes(layout, nbytes, job, skipped)
+            if slot_bytes is not None:
+                self._size_for(slot_bytes)
+        counters = epoch.counters
+        if done.in_slot:
+            lease = self._ring_of(attempt.slot).lease(attempt.slot, self._release)
+            counters.bytes_in_slots += nbytes
         else:
             self._release_unused(attempt.slot)
-            error = message[2:7]
-            if epoch.skips is None:
-                epoch.deliver(job.seq, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
-            elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
-                epoch.drop()
-                epoch.deliver(job.seq, EmptyBatch)
+            lease = None
+            counters.bytes_inline += nbytes
+            if attempt.slot >= 0:
+                counters.overflow_batches += 1
+                self._grow_ring(nbytes, counters)
+        counters.array_bytes += array_bytes(layout)
+        epoch.accept(job, layout, lease, skipped)
 
     def _release_unused(self, slot: int) -> None:
         if slot >= 0:
@@ -628,9 +611,15 @@ class Coordinator:
         slots = self.config.prefetch + self.tasks_per_worker * workers + 1 + self.spare_slots + self.config.stage_slots
         self.ring = Ring(self.files, 0, slots, slot_bytes)
 
-    def _make_ring_or_fail(self, nbytes: int) -> None:
+    def _size_for(self, batch_bytes: int) -> None:
+        """The first batch tells the size of a full one: make the ring (a pool whose workers
+        write into it), or let the pool check that the batches in flight fit (a remote one)."""
+        self._sized = True
         try:
-            self._make_ring(nbytes)
+            if self.pool.uses_ring:
+                self._make_ring(batch_bytes)
+            else:
+                self.pool.admit(batch_bytes, self.max_outstanding)
         except BaseException as exc:
             self._broken = exc
             raise
@@ -654,20 +643,19 @@ class Coordinator:
             stream.fail(exc)
 
     # ---------------------------------------------------------------- deaths
-    def _on_exit(self, worker: WorkerHandle) -> None:
+    def _on_exit(self, worker: WorkerLink) -> None:
         """A worker died (or was killed): re-run what it held, and replace it."""
-        self._selector.unregister(worker.process.sentinel)
+        self._selector.unregister(worker.exit_fd())
         try:
-            self._selector.unregister(worker.conn.fileno())
+            self._selector.unregister(worker.reply_fd())
         except (KeyError, ValueError):
             pass
-        self._on_readable_quietly(worker)
-        worker.process.join(0.1)
+        for reply in worker.read() or ():  # replies sent before it died: finished work is not redone
+            self._on_message(worker, reply)
         if worker.writing:
-            self._selector.unregister(worker.outbox.fileno())
+            self._selector.unregister(worker.write_fd())
             worker.writing = False
-        worker.outbox.close()
-        worker.conn.close()
+        worker.reap()
         lost = list(worker.tasks.values())
         for attempt in lost:
             self._attempts.pop(attempt.id, None)
@@ -675,12 +663,13 @@ class Coordinator:
         if self._closing:
             return
         if worker.retiring:  # autotune retired it: it leaves for good
-            self._meter.forget(worker.process.pid)
+            self._meter.forget(worker.pid)
             if worker in self.workers:
                 self.workers.remove(worker)
             if not lost:
                 return
-        stuck_on = self._stuck_index(worker, worker.killed_for or (lost[0] if lost else None))
+        killed_for = worker.killed_for or (lost[0] if lost else None)
+        stuck_on = None if killed_for is None else worker.stuck_on(killed_for)
         stream = self.stream
         if stream is not None:
             counters = stream.current_counters()
@@ -718,30 +707,26 @@ class Coordinator:
             self._broken = exc
             self._fail(exc)
             return
-        if self._status[2 * worker.index] == STARTING and (worker.process.exitcode or 0) > 0:
+        if worker.failed_to_start():
             # It failed before reaching any user code: restarting would fail the same way.
             self._broken = WorkerError(startup_message(worker, self.config.start_method))
             self._fail(self._broken)
             return
-        if worker.killed_for is None:  # it died by itself: that counts against the budget
+        if worker.killed_for is None and worker.counts_as_restart:  # it died by itself: that counts
             if self._restarts_this_epoch >= self.config.max_worker_restarts:
                 self._fail(WorkerError(death_message(worker, lost, stuck_on, self.config.max_worker_restarts)))
                 worker.dead = True  # no restart (a crash loop must not spin between epochs)
                 return
             self._restarts_this_epoch += 1
         worker.counters.restarts += 1
-        self.workers[self.workers.index(worker)] = self._start_worker(worker.index)
-
-    def _stuck_index(self, worker: WorkerHandle, attempt: Attempt | None) -> int | None:
-        """The index a dead worker was loading for ``attempt`` when it died, if known (-1: collating)."""
-        if attempt is None:
-            return None
-        task_id, index = self._status[2 * worker.index], self._status[2 * worker.index + 1]
-        return index if task_id == attempt.id else None
-
-    def _on_readable_quietly(self, worker: WorkerHandle) -> None:
-        """Read replies a worker sent before it died, so finished work is not redone."""
-        self._read_waiting(worker)
+        try:
+            replacement = self._start_worker(worker.index)
+        except BaseException as exc:  # a pool that cannot replace it (a remote pool past its budget)
+            worker.dead = True
+            self._broken = exc
+            self._fail(exc)
+            return
+        self.workers[self.workers.index(worker)] = replacement
 
 
 def _drain(fd: int) -> None:

@@ -2,8 +2,8 @@
 
 One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or endless
 (``Loader(epochs=...)``). Each ``Epoch`` is a list of batches; each batch is a ``Job``, and
-each time a job is sent to a worker is an ``Attempt`` (normally one; more when a worker
-dies, straggles or times out, see coordinator.py). The coordinator thread takes jobs from
+each time a job is sent to a worker is an ``Attempt`` (attempts.py: normally one; more when a
+worker dies, straggles or times out, see coordinator.py). The coordinator thread takes jobs from
 the stream, turns the replies into batches, and hands them to ``Epoch.deliver``, which
 passes them through the epoch's reassembly (reassembly.py) into the stream's queue,
 ``out``, that the consumer's iterator reads (iterators.py). A streaming source with
@@ -32,8 +32,7 @@ from .reassembly import Ordered, Progress, Sloppy
 from .stats import EpochCounters
 
 if TYPE_CHECKING:
-    from .faults import SkipBudget
-    from .pool import WorkerHandle
+    from .skips import SkipBudget
 
 
 def iteration_over(cancelled: str | None) -> None:
@@ -79,7 +78,7 @@ class Job:
     epoch: Epoch  # the epoch this job belongs to
     seq: int  # position of the batch in the epoch
     indices: list[int]
-    attempts: list[Attempt] = field(default_factory=list)  # live ones (sent, no reply yet)
+    attempts: list = field(default_factory=list)  # the engine's live Attempts of it (attempts.py)
     done: bool = False  # an attempt replied; later replies are discarded
     timeouts: int = 0  # attempts killed after task_timeout
     slot: int = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
@@ -87,18 +86,6 @@ class Job:
     @property
     def gen(self) -> int:
         return self.epoch.gen
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One run of a job on one worker, into its own slot (-1: arrays come back inline)."""
-
-    id: int
-    job: Job
-    worker: WorkerHandle
-    slot: int
-    started: float | None  # when the worker began it; None while queued behind another task
-    skipped: list | None = None  # samples the worker left out (on_error="skip")
 
 
 @dataclass(eq=False)

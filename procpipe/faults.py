@@ -14,7 +14,6 @@ what to do about it (``timeout_message``, ``death_message``, ``startup_message``
 from __future__ import annotations
 
 import logging
-import math
 import signal
 from typing import TYPE_CHECKING
 
@@ -23,57 +22,32 @@ import psutil
 
 from .epochs import Failure
 from .errors import RemoteTraceback, WorkerError, summarize_indices
-from .stats import EpochCounters
+from .messages import ErrorInfo
+from .skips import SkipBudget
 
 if TYPE_CHECKING:
-    from .epochs import Attempt, Epoch, Job
-    from .pool import WorkerHandle
+    from .attempts import Attempt
+    from .epochs import Epoch, Job
+    from .pool import WorkerLink
 
 logger = logging.getLogger("procpipe")
 
-
-class SkipBudget:
-    """``on_error="skip"`` for one epoch: logs each skip, records it, enforces ``max_skipped``.
-
-    ``max_skipped`` is a count (int) or a fraction of the epoch's ``samples`` (float, rounded
-    up). ``whole_batches``: a batch that failed as a whole (collation; for a streaming source,
-    its shard's iterator) may be skipped too; a stream cannot, since its shard cannot be read
-    past the error (the epoch would end that shard short).
-    """
-
-    def __init__(self, max_skipped: int | float, samples: int, counters: EpochCounters,
-                 whole_batches: bool = True) -> None:
-        if isinstance(max_skipped, float):
-            max_skipped = math.ceil(max_skipped * samples)
-        self.limit = max_skipped
-        self.counters = counters
-        self.whole_batches = whole_batches
-
-    def add(self, indices: list[int], what: str, error: str) -> bool:
-        """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
-        self.counters.skipped.extend(indices)
-        logger.warning("procpipe skipped %s (epoch %d): %s", what, self.counters.epoch, error)
-        return len(self.counters.skipped) <= self.limit
-
-    def note(self) -> str:
-        return (f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
-                f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
-                f"({self.limit}); this error is raised instead of being skipped.")
+__all__ = ["SkipBudget", "death_message", "rebuild_error", "skip_or_fail", "startup_message", "timeout_message"]
 
 
-def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tuple],
-                 batch_error: tuple | None) -> bool:
+def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[ErrorInfo],
+                 batch_error: ErrorInfo | None) -> bool:
     """on_error="skip": log and count what the batch left out; past the budget, fail the epoch.
 
-    ``samples``: ``(index, ...)`` of each sample the worker left out; ``batch_error``: why
-    the rest of the batch failed (collation), or None. Returns False if the epoch failed.
+    ``samples``: each sample the worker left out; ``batch_error``: why the rest of the batch
+    failed (collation), or None. Returns False if the epoch failed.
     """
     skips = epoch.skips
     within = True
     for info in samples:
-        within = skips.add([info[0]], f"index {info[0]} (batch {job.seq}, worker {worker.index})",
-                           f"{info[2]}: {info[3]}")
-        logger.debug("procpipe: the worker's traceback for index %s:\n%s", info[0], info[4])
+        within = skips.add([info.index], f"index {info.index} (batch {job.seq}, worker {worker.index})",
+                           f"{info.type_name}: {info.message}")
+        logger.debug("procpipe: the worker's traceback for index %s:\n%s", info.index, info.traceback)
         if not within:
             error = info
             break
@@ -85,12 +59,12 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tup
         epoch.deliver(job.seq, Failure(exc))
         return False
     if within and batch_error is not None:
-        left = {info[0] for info in samples}
+        left = {info.index for info in samples}
         rest = [i for i in job.indices if i not in left]
-        where = "collating it" if batch_error[0] is None else f"loading index {batch_error[0]}"
+        where = "collating it" if batch_error.index is None else f"loading index {batch_error.index}"
         within = skips.add(rest, f"batch {job.seq} ({summarize_indices(rest)}, worker {worker.index})",
-                           f"{where} failed: {batch_error[2]}: {batch_error[3]}")
-        logger.debug("procpipe: the worker's traceback for batch %s:\n%s", job.seq, batch_error[4])
+                           f"{where} failed: {batch_error.type_name}: {batch_error.message}")
+        logger.debug("procpipe: the worker's traceback for batch %s:\n%s", job.seq, batch_error.traceback)
         error = batch_error
     if within:
         return True
@@ -100,25 +74,21 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerHandle, samples: list[tup
     return False
 
 
-def rebuild_error(error: tuple, worker: WorkerHandle, job: Job, epoch: int) -> BaseException:
-    """The worker's exception, with its original type when it unpickles, plus where it happened.
-
-    ``error``: ``(index, exc_bytes, type_name, message, traceback)`` as the worker sent it.
-    """
-    index, exc_bytes, type_name, text, tb = error
+def rebuild_error(error: ErrorInfo, worker: WorkerLink, job: Job, epoch: int) -> BaseException:
+    """The worker's exception, with its original type when it unpickles, plus where it happened."""
     exc: BaseException | None = None
-    if exc_bytes is not None:
+    if error.exc_bytes is not None:
         try:
-            exc = dill.loads(exc_bytes)
+            exc = dill.loads(error.exc_bytes)
         except Exception:
             exc = None
     if not isinstance(exc, BaseException):
-        exc = WorkerError(f"{type_name}: {text}")
-    where = (f"while loading index {index}" if index is not None
+        exc = WorkerError(f"{error.type_name}: {error.message}")
+    where = (f"while loading index {error.index}" if error.index is not None
              else f"while collating {summarize_indices(job.indices)}")
     exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
                  "the worker's traceback is shown above.")
-    exc.__cause__ = RemoteTraceback(tb)
+    exc.__cause__ = RemoteTraceback(error.traceback)
     return exc
 
 
@@ -137,8 +107,8 @@ def timeout_message(job: Job, index: int | None, timeout: float | None, epoch: i
             "an endless loop in fn), or raise task_timeout if it legitimately takes that long.")
 
 
-def death_message(worker: WorkerHandle, lost: list[Attempt], index: int | None, budget: int) -> str:
-    code = worker.process.exitcode
+def death_message(worker: WorkerLink, lost: list[Attempt], index: int | None, budget: int) -> str:
+    code = worker.exitcode
     if code is not None and code < 0:
         try:
             how = f"was killed by signal {signal.Signals(-code).name}"
@@ -157,15 +127,15 @@ def death_message(worker: WorkerHandle, lost: list[Attempt], index: int | None, 
         cause = "a crash in native code (a C extension used by the dataset or fn)"
     else:
         cause = "user code ended the process (os._exit, sys.exit, or a library calling exit)"
-    return (f"procpipe worker {worker.index} (pid {worker.process.pid}) {how}{_where(index)}, holding "
+    return (f"procpipe {worker.describe()} {how}{_where(index)}, holding "
             f"{summarize_indices(indices)}; workers have already been restarted {budget} times this epoch "
             f"(max_worker_restarts={budget}). Likely cause: {cause}.")
 
 
-def startup_message(worker: WorkerHandle, start_method: str) -> str:
+def startup_message(worker: WorkerLink, start_method: str) -> str:
     """A worker whose process exited with an error while starting, before it loaded the dataset."""
-    message = (f"procpipe worker {worker.index} (pid {worker.process.pid}) exited with code "
-               f"{worker.process.exitcode} while its process was starting, before it loaded the dataset or "
+    message = (f"procpipe {worker.describe()} exited with code "
+               f"{worker.exitcode} while its process was starting, before it loaded the dataset or "
                f"ran any of your code; its traceback was printed on stderr.")
     if start_method != "fork":
         message += (f" With start_method={start_method!r} a worker is a fresh process that unpickles the "

@@ -381,7 +381,7 @@ class Loader:
         """Process ids of the live workers (empty for ``workers=0`` or once closed)."""
         if self._coordinator is None or self._closed:
             return []
-        return [w.process.pid for w in self._coordinator.workers]
+        return [w.pid for w in self._coordinator.workers if w.pid is not None]
 
     @property
     def worker_processes(self) -> list[Any]:
@@ -390,7 +390,7 @@ class Loader:
         procpipe starts, restarts and stops them: do not terminate them yourself."""
         if self._coordinator is None or self._closed:
             return []
-        return [w.process for w in self._coordinator.workers]
+        return [w.process for w in self._coordinator.workers if w.process is not None]
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
@@ -486,7 +486,7 @@ class Loader:
         pids: list[int | None] = [None] * len(counters)
         for w in list(coordinator.workers):
             if w.index < len(pids):
-                pids[w.index] = w.process.pid
+                pids[w.index] = w.pid
         out = snapshot(
             self._last_counters, workers=coordinator.n_workers if coordinator.tuner is not None else self._workers,
             running=running, consumed=epoch.consumed if epoch is not None else None, ring=coordinator.ring,

@@ -4,7 +4,7 @@ Replies are pickled in the worker and unpickled by the coordinator thread. A sam
 pickle in the worker and still fail to unpickle here (a ``__reduce__`` whose call fails,
 a ``__setstate__`` that raises, a class the main process cannot import). Such a reply
 must not stop the coordinator (its loop would die and the loader with it): it becomes
-the error of its batch, an ``err`` reply as the worker would have sent
+the error of its batch, a ``BatchFailed`` reply as the worker would have sent
 (``unreadable_reply``), so the usual path names the batch, skips it with
 ``on_error="skip"``, and the next epoch works.
 
@@ -23,6 +23,7 @@ from typing import Any
 import dill
 
 from . import collate
+from .messages import BatchDone, BatchFailed, ErrorInfo
 
 
 class _Unreadable:
@@ -81,14 +82,14 @@ def unreadable_index(data: bytes, kept: list[int]) -> int | None:
         message = _Diagnose(io.BytesIO(data)).load()
     except Exception:  # noqa: BLE001 - the diagnosis is best effort
         return None
-    if not (isinstance(message, tuple) and len(message) > 2 and message[0] == "ok"):
+    if not isinstance(message, BatchDone):
         return None
-    position = _position(message[2], len(kept))
+    position = _position(message.layout, len(kept))
     return None if position is None else kept[position]
 
 
-def unreadable_reply(task_id: int, worker: int, data: bytes, exc: Exception, kept: list[int]) -> tuple:
-    """The ``err`` reply (worker.py's format) that stands for a reply to task ``task_id``
+def unreadable_reply(task_id: int, worker: int, data: bytes, exc: Exception, kept: list[int]) -> BatchFailed:
+    """The ``BatchFailed`` reply that stands for a reply to task ``task_id``
     that raised ``exc`` when unpickled: ``exc``, with a note saying what happened."""
     index = unreadable_index(data, kept)
     what = f"index {index}" if index is not None else f"one of indices {kept}"
@@ -100,4 +101,5 @@ def unreadable_reply(task_id: int, worker: int, data: bytes, exc: Exception, kep
     except Exception:  # noqa: BLE001 - then the error is rebuilt from its type name and message
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return ("err", task_id, index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb, 0.0)
+    return BatchFailed(task_id, ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}",
+                                          str(exc), tb), 0.0)

@@ -16,22 +16,41 @@ from typing import Any
 
 from .cache import open_cache
 from .coordinator import Coordinator, EngineConfig
+from .pool import LocalPool
 from .shm import SharedFiles, check_capacity, create_file
 from .start_method import context as start_context
 from .worker import WorkerSpec, dump_spec
 
 
-def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str) -> Coordinator:
-    """The coordinator of a loader with workers, its workers started (sets ``spec.cache``)."""
+def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str, backend: Any = None) -> Coordinator:
+    """The coordinator of a loader with workers, its workers started (sets ``spec.cache``).
+
+    ``backend``: None for worker processes on this machine (``LocalPool``), or a remote
+    backend (``procpipe.ray.Backend``) whose ``pool(spec, config, files, cache)`` makes the pool.
+    """
     files = SharedFiles(shm_dir)
+    pool = None
     try:
-        ctx = context(config.start_method, config.worker_env, files)
-        spec.cache = open_cache(spec, cache, files, shm_dir)  # runs the first sample here
-        shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
-        return Coordinator(config, ctx, shipped, files)
+        if backend is None:
+            pool = local_pool(config, spec, cache, files)
+        else:
+            pool = backend.pool(spec, config, files, cache)
+        return Coordinator(config, pool, files)
     except BaseException:
+        if pool is not None:
+            pool.close()
         files.remove_all()
         raise
+
+
+def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles) -> LocalPool:
+    """Worker processes on this machine: the start method's context, the cache (which runs the
+    first sample here), and the user's objects shipped to them."""
+    capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
+    ctx = context(config.start_method, config.worker_env, files)
+    spec.cache = open_cache(spec, cache, files, files.directory)
+    shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
+    return LocalPool(ctx, shipped, files, config.worker_env, capacity)
 
 
 def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:

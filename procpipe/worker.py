@@ -5,13 +5,9 @@ A worker receives small task tuples on its own pipe, produces every sample of th
 names, and replies with the batch's layout (a few hundred bytes). Nothing large is
 pickled unless the batch does not fit its slot.
 
-Messages in: ``(task_id, epoch, indices, ring_id, slot, slot_bytes)``, ``slot = -1``
-meaning "no slot: send the arrays inline"; ``None`` means stop.
-Messages out: ``("ok", task_id, layout, nbytes, in_slot, busy_s)`` (``layout`` None: every
-sample of the batch was skipped), ``("err", task_id, index, exc_bytes, type_name, message,
-traceback, busy_s)``, ``("skip", task_id, [(index, exc_bytes, type_name, message,
-traceback), ...])`` before the ``ok`` of a batch some samples of which were left out
-(``on_error="skip"``), ``("fatal", traceback)`` when the worker cannot start at all.
+Messages (messages.py): in, a ``Task`` (``slot = -1`` meaning "no slot: send the arrays
+inline") or ``STOP``; out, per task, ``SamplesSkipped`` (``on_error="skip"``) before a
+``BatchDone``, or a ``BatchFailed``; ``WorkerFatal`` when the worker cannot start at all.
 
 Each worker also keeps two int64s in the loader's ``status`` file up to date: the task id
 and the index it is loading (-1 between samples), so that when a worker dies or is killed
@@ -37,6 +33,7 @@ from typing import Any, Callable
 import dill
 
 from . import wire
+from .messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .produce import produce
 from .rng import SampleScope
 from .shm import WorkerRings, map_file, open_owned
@@ -190,10 +187,11 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
         try:
             loaded = _load_spec(spec)
         except BaseException:
-            wire.send(conn, ("fatal", traceback.format_exc()))
+            wire.send(conn, WorkerFatal(traceback.format_exc()))
             return
         status = _status_view(files_prefix, worker_id)
         status[0] = -1  # started: no longer STARTING
+        wire.send(conn, WorkerReady(os.getpid()))
         _serve(conn, loaded, WorkerRings(files_prefix), parent, status)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
@@ -221,39 +219,46 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             if parent.gone():
                 return
         task = wire.recv(conn)
-        if task is None:
+        if task is STOP:
             return
-        task_id, epoch, indices, ring_id, slot, slot_bytes = task
-        started = time.perf_counter()
-        status[0] = task_id
-        try:
-            buffer = rings.slot(ring_id, slot, slot_bytes) if slot >= 0 else None
-            batch = produce(spec, scope, epoch, indices, buffer, slot_bytes, status)
-            if batch.skipped:
-                wire.send(conn, ("skip", task_id, [_error_info(i, exc) for i, exc in batch.skipped]))
-                for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,
-                    error.__traceback__ = None  # which holds the ring view) are let go of now, not at a gc
-            wire.send(conn, ("ok", task_id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started))
-        except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
-            if isinstance(exc, SystemExit):
-                raise  # sys.exit() in fn, or SIGTERM (_raise_exit): the worker ends
-            index = scope.index
-            scope.leave()
-            wire.send(conn, _error_reply(task_id, index, exc, time.perf_counter() - started))
-        finally:
-            buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
+        wire.send(conn, run_task(spec, scope, rings, task, status, lambda reply: wire.send(conn, reply)))
 
 
-def _error_reply(task_id: int, index: int | None, exc: BaseException, busy: float) -> tuple:
-    return ("err", task_id, *_error_info(index, exc), busy)
+def run_task(spec: WorkerSpec, scope: SampleScope, rings: WorkerRings, task: Task, status: Any,
+             send_skipped: Callable[[SamplesSkipped], None]) -> BatchDone | BatchFailed:
+    """One task, start to end: its batch in its slot (or inline), or the error of user code.
+
+    ``send_skipped`` receives the samples left out (``on_error="skip"``)
+    before the reply is returned. A ``SystemExit`` (``sys.exit()`` in ``fn``, or SIGTERM)
+    propagates: the worker ends.
+    """
+    started = time.perf_counter()
+    status[0] = task.id
+    buffer = None
+    try:
+        buffer = rings.slot(task.ring_id, task.slot, task.slot_bytes) if task.slot >= 0 else None
+        batch = produce(spec, scope, task.epoch, task.indices, buffer, task.slot_bytes, status)
+        if batch.skipped:
+            send_skipped(SamplesSkipped(task.id, [_error_info(i, exc) for i, exc in batch.skipped]))
+            for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,
+                error.__traceback__ = None  # which holds the ring view) are let go of now, not at a gc
+        return BatchDone(task.id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started)
+    except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
+        if isinstance(exc, SystemExit):
+            raise  # sys.exit() in fn, or SIGTERM (_raise_exit): the worker ends
+        index = scope.index
+        scope.leave()
+        return BatchFailed(task.id, _error_info(index, exc), time.perf_counter() - started)
+    finally:
+        buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
 
 
-def _error_info(index: int | None, exc: BaseException) -> tuple:
-    """``(index, exc_bytes, type_name, message, traceback)``: an exception, as faults.rebuild_error rebuilds it."""
+def _error_info(index: int | None, exc: BaseException) -> ErrorInfo:
+    """An exception, as faults.rebuild_error rebuilds it."""
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)
+    return ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)
 

@@ -499,12 +499,20 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
     from types import SimpleNamespace
 
     from procpipe.coordinator import Coordinator
+    from procpipe.pool import LocalWorker
+    from procpipe.stats import WorkerCounters
 
     ours, theirs = multiprocess.Pipe()
+    link = LocalWorker(0, SimpleNamespace(pid=1), ours, WorkerCounters(), [-1, -1])
     theirs.close()
+    link.outbox.close()
     ours.close()
+    assert link.read() is None  # a closed channel, not an error
+
+    def unregister(fd):
+        raise KeyError(fd)  # already unregistered by the death handler
+
     handled = []
-    coordinator = SimpleNamespace(_on_message=lambda *a: handled.append(a),
-                                  _selector=SimpleNamespace(unregister=lambda *a: handled.append(a)))
-    Coordinator._on_readable(coordinator, SimpleNamespace(conn=ours))
+    coordinator = SimpleNamespace(_on_message=lambda *a: handled.append(a), _selector=SimpleNamespace(unregister=unregister))
+    Coordinator._on_readable(coordinator, link)
     assert handled == []

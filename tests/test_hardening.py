@@ -303,7 +303,7 @@ def test_worker_env_of_one_loader_does_not_leak_into_the_next(tmp_path):
 
 
 def fake_worker(exitcode, rss):
-    return SimpleNamespace(index=0, process=SimpleNamespace(exitcode=exitcode, pid=123),
+    return SimpleNamespace(index=0, exitcode=exitcode, describe=lambda: "worker 0 (pid 123)",
                            counters=SimpleNamespace(rss_bytes=rss))
 
 

@@ -1,0 +1,25 @@
+"""``Attempt``: one run of a batch (a ``Job``, epochs.py) on one worker.
+
+A job normally has one attempt; it gets another when its worker dies, straggles
+(``speculate``) or is killed after ``task_timeout`` (coordinator.py). Each attempt has its
+own ring slot, so a late reply of a lost race never writes into a slot someone reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .epochs import Job
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One run of a job on one worker, into its own slot (-1: arrays come back inline)."""
+
+    id: int
+    job: Job
+    worker: Any  # the pool.WorkerLink running it
+    slot: int
+    started: float | None  # when the worker began it; None while queued behind another task
+    skipped: list | None = None  # ErrorInfo of the samples the worker left out (on_error="skip")

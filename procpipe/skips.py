@@ -1,0 +1,41 @@
+"""``on_error="skip"``: the budget of samples an epoch may leave out.
+
+Shared by the coordinator (faults.py), ``workers=0`` (iterators.py) and streaming epochs.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from .stats import EpochCounters
+
+logger = logging.getLogger("procpipe")
+
+
+class SkipBudget:
+    """``on_error="skip"`` for one epoch: logs each skip, records it, enforces ``max_skipped``.
+
+    ``max_skipped`` is a count (int) or a fraction of the epoch's ``samples`` (float, rounded
+    up). ``whole_batches``: a batch that failed as a whole (collation; for a streaming source,
+    its shard's iterator) may be skipped too; a stream cannot, since its shard cannot be read
+    past the error (the epoch would end that shard short).
+    """
+
+    def __init__(self, max_skipped: int | float, samples: int, counters: EpochCounters,
+                 whole_batches: bool = True) -> None:
+        if isinstance(max_skipped, float):
+            max_skipped = math.ceil(max_skipped * samples)
+        self.limit = max_skipped
+        self.counters = counters
+        self.whole_batches = whole_batches
+
+    def add(self, indices: list[int], what: str, error: str) -> bool:
+        """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
+        self.counters.skipped.extend(indices)
+        logger.warning("procpipe skipped %s (epoch %d): %s", what, self.counters.epoch, error)
+        return len(self.counters.skipped) <= self.limit
+
+    def note(self) -> str:
+        return (f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
+                f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
+                f"({self.limit}); this error is raised instead of being skipped.")
