@@ -27,6 +27,8 @@ Helpers, importable from the tests (``from conftest import wait_until, ...``):
 - ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot;
   ``mappings(prefix)``: address ranges where files with that prefix are mapped in this process.
 - ``leaves(batch)``: the leaves of a batch tree.
+- ``assert_running(loader)`` -> ``(pids, prefix)``, then ``assert_cleaned(pids, prefix)``: a loader's
+  workers and files exist while it runs / are all gone after cleanup (with a deadline).
 - ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout;
   ``python_env()``: the environment for a ``subprocess.Popen`` of your own.
 
@@ -52,6 +54,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")  # before any test module import
 
 SHM_DIR = "/dev/shm"
 LEAK_DEADLINE_S = 15.0
+START_METHODS = ("fork", "forkserver", "spawn")  # every start method a test suite runs under
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main")
 
@@ -190,6 +193,24 @@ def mappings(prefix: str) -> list[tuple[int, int]]:
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 ranges.append((start, end))
     return ranges
+
+
+# --------------------------------------------------------------------------- a loader's processes and files
+def assert_running(loader: Any) -> tuple[list[int], str]:
+    """Check that ``loader`` runs its workers (live descendants of this process) and has its
+    shared-memory files; returns ``(worker pids, shm prefix)`` for ``assert_cleaned``."""
+    pids = loader.worker_pids
+    assert len(pids) == loader._workers and len(set(pids)) == len(pids)
+    assert set(pids) <= descendants(), "workers are not live descendants of this process"
+    assert shm_files(loader.shm_prefix), "no shared-memory file while the loader runs"
+    return pids, loader.shm_prefix
+
+
+def assert_cleaned(pids: Iterable[int], prefix: str, timeout: float = 15.0) -> None:
+    """Wait until none of ``pids`` runs and no file with ``prefix`` exists, or fail."""
+    survivors = wait_gone(pids, timeout)
+    assert survivors == [], f"workers {survivors} still running {timeout} s after cleanup"
+    wait_until(lambda: not shm_files(prefix), timeout, f"removal of {prefix}*")
 
 
 # --------------------------------------------------------------------------- subprocesses

@@ -238,28 +238,6 @@ def test_bad_arguments_fail_at_construction(kwargs, error, pattern):
     assert descendants(include_infrastructure=False) == before, "a worker was started before validation"
 
 
-class GeneratorSource:
-    def __init__(self):
-        self.stream = (i for i in range(10))
-
-    def __len__(self):
-        return 10
-
-    def __getitem__(self, i):
-        return i
-
-
-def test_unpicklable_source_raises_clear_type_error():
-    before = our_shm_files()
-    with pytest.raises(TypeError, match=r"could not serialize the source.*generator") as info:
-        Loader(GeneratorSource(), batch_size=2, workers=1, start_method="forkserver")
-    assert "start_method='fork'" in str(info.value)
-    assert our_shm_files() == before
-    # the suggested fix works: fork ships nothing
-    with Loader(GeneratorSource(), batch_size=5, workers=1, start_method="fork") as loader:
-        assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
-
-
 def test_unpicklable_fn_raises_clear_type_error():
     stream = (i for i in range(10))
     with pytest.raises(TypeError, match=r"could not serialize .*fn"):

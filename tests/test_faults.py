@@ -1,11 +1,8 @@
 """Fault tolerance: worker deaths, skipped samples, stragglers, exact resume, process hygiene.
 
-Faults are injected deterministically: ``Faulty`` (the loader's ``fn``) acts on chosen
-indices, and only on the *first attempt* at each when asked to, using an ``O_EXCL``
-marker file in ``tmp_path`` (a re-run of the batch, in whichever worker, then succeeds).
-Every epoch is checked for exactly-once delivery and for values equal to an in-process
-(``workers=0``) reference: values include a draw from ``sample_rng()``, so a re-run that
-changed the randomness would be caught.
+Faults are injected deterministically by ``faultkit.Faulty`` (the loader's ``fn``; see
+faultkit.py, shared with test_start_methods.py). Every epoch is checked for exactly-once
+delivery and for values equal to an in-process (``workers=0``) reference.
 """
 from __future__ import annotations
 
@@ -17,109 +14,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
-import numpy as np
 import psutil
 import pytest
 from conftest import our_shm_files, python_env, shm_files, wait_gone, wait_until
+from faultkit import BS, N, CrashWhileFlag, FailingCollate, Faulty, check_epoch, reference, take
 
-from procpipe import Loader, TaskTimeoutError, WorkerError, sample_rng
+from procpipe import Loader, TaskTimeoutError, WorkerError
 from procpipe.reassembly import Ordered, Progress, Sloppy
-
-N, BS = 48, 4  # 12 batches per epoch
-
-
-class Faulty:
-    """``fn``: returns ``(index, [index, index**2, a sample_rng() draw])``; misbehaves on ``plan``.
-
-    ``plan`` maps an index to an action: ``"exit"`` (``os._exit(7)``), ``"sigkill"``,
-    ``"segv"`` (SIGSEGV, as a crash in native code would), ``"raise"`` (ValueError),
-    ``("sleep", seconds)``, or ``("wait", path)`` (block until ``path`` exists). With
-    ``once=True`` an action happens only on the first attempt at that index in the
-    loader's life (a marker file in ``marks``). ``delay`` is slept on every sample.
-    """
-
-    def __init__(self, marks=None, plan=None, once=True, delay=0.0):
-        self.marks, self.plan, self.once, self.delay = str(marks) if marks else None, plan or {}, once, delay
-
-    def _first_attempt(self, i):
-        if not self.once:
-            return True
-        try:
-            os.close(os.open(os.path.join(self.marks, f"attempted-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except FileExistsError:
-            return False
-
-    def __call__(self, i):
-        value = np.array([i, i * i, sample_rng().integers(1 << 40)], np.int64)
-        if self.delay:
-            time.sleep(self.delay)
-        action = self.plan.get(i)
-        if action is not None and self._first_attempt(i):
-            if action == "exit":
-                os._exit(7)
-            elif action == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif action == "segv":
-                os.kill(os.getpid(), signal.SIGSEGV)
-            elif action == "raise":
-                raise ValueError(f"bad sample {i}")
-            elif action[0] == "sleep":
-                time.sleep(action[1])
-            elif action[0] == "wait":
-                while not os.path.exists(action[1]):
-                    time.sleep(0.005)
-        return np.int64(i), value
-
-
-class CrashWhileFlag(Faulty):
-    """Dies (``action``) on index 5 at every attempt while the file ``flag`` exists."""
-
-    def __init__(self, flag, action):
-        super().__init__(once=False)
-        self.flag, self.action = str(flag), action
-
-    def __call__(self, i):
-        self.plan = {5: self.action} if os.path.exists(self.flag) else {}
-        return super().__call__(i)
-
-
-class FailingCollate:
-    """``collate_fn`` that fails for the batch holding index ``bad``."""
-
-    def __init__(self, bad):
-        self.bad = bad
-
-    def __call__(self, samples):
-        if any(int(s[0]) == self.bad for s in samples):
-            raise RuntimeError(f"cannot collate the batch of {self.bad}")
-        return np.array([s[0] for s in samples]), np.stack([s[1] for s in samples])
-
-
-def reference(epoch, n=N, bs=BS, shuffle=False, seed=0):
-    """``[(indices, values), ...]`` of one epoch, computed in this process."""
-    with Loader(list(range(n)), Faulty(), batch_size=bs, workers=0, shuffle=shuffle, seed=seed) as loader:
-        loader.set_epoch(epoch)
-        return [(idx.tolist(), vals.copy()) for idx, vals in loader]
-
-
-def take(batch):
-    idx, vals = batch
-    return idx.tolist(), vals.copy()
-
-
-def check_epoch(got, ref, ordered, skipped=()):
-    """Exactly once, correct values; in reference order if ``ordered``."""
-    ref_values = {i: v for idx, vals in ref for i, v in zip(idx, vals)}
-    indices = [i for idx, _ in got for i in idx]
-    assert sorted(indices) == sorted(set(ref_values) - set(skipped)), "not every index exactly once"
-    for idx, vals in got:
-        for i, v in zip(idx, vals):
-            np.testing.assert_array_equal(v, ref_values[i], err_msg=f"wrong value for index {i}")
-    if ordered and not skipped:
-        assert [idx for idx, _ in got] == [idx for idx, _ in ref]
 
 
 def spread(seed, count, n=N):

@@ -1,4 +1,7 @@
-"""Lifecycle: close, context manager, early exit, consumer errors, Ctrl-C, GC, a killed parent.
+"""Lifecycle: batches kept past close, consumer errors, Ctrl-C, GC, a killed parent.
+
+Clean epochs, ``close`` (twice), the context manager, early exit and a new ``iter()``
+mid-epoch are in test_start_methods.py, run under every start method.
 
 Every test checks the process table (psutil) and the shared-memory files, not only that
 calls return; waits are polls with a deadline, never bare sleeps.
@@ -16,7 +19,8 @@ import textwrap
 import numpy as np
 import psutil
 import pytest
-from conftest import descendants, python_env, shm_files, wait_gone, wait_until
+from conftest import (START_METHODS, assert_cleaned, assert_running, descendants, python_env, shm_files, wait_gone,
+                      wait_until)
 
 from procpipe import Loader
 
@@ -30,41 +34,6 @@ def square(i):
 
 def firsts(batches):
     return [b["x"][:, 0].tolist() for b in batches]
-
-
-def assert_running(loader):
-    pids = loader.worker_pids
-    assert len(pids) == loader._workers and len(set(pids)) == len(pids)
-    assert set(pids) <= descendants(), "workers are not live descendants of this process"
-    assert shm_files(loader.shm_prefix), "no shared-memory file while the loader runs"
-    return pids, loader.shm_prefix
-
-
-def assert_cleaned(pids, prefix, timeout=15.0):
-    survivors = wait_gone(pids, timeout)
-    assert survivors == [], f"workers {survivors} still running {timeout} s after cleanup"
-    wait_until(lambda: not shm_files(prefix), timeout, f"removal of {prefix}*")
-
-
-def test_close_twice_ends_workers_and_removes_files():
-    loader = Loader(list(range(N)), square, batch_size=BS, workers=2)
-    pids, prefix = assert_running(loader)
-    assert firsts(loader) == EXPECTED
-    loader.close()
-    assert shm_files(prefix) == [], "close() returned before removing the files"
-    assert_cleaned(pids, prefix)
-    loader.close()
-    assert loader.worker_pids == []
-    with pytest.raises(RuntimeError, match="closed"):
-        iter(loader)
-
-
-def test_context_manager_cleans_up():
-    with Loader(list(range(N)), square, batch_size=BS, workers=2) as loader:
-        pids, prefix = assert_running(loader)
-        assert firsts(loader) == EXPECTED
-    assert shm_files(prefix) == []
-    assert_cleaned(pids, prefix)
 
 
 def test_batches_stay_valid_after_close():
@@ -86,34 +55,6 @@ def test_workers_persist_across_epochs():
             assert loader.worker_pids == pids
             assert [psutil.Process(p).create_time() for p in pids] == started
         assert set(pids) <= descendants()
-
-
-def _slots_free(loader):
-    ring = loader._coordinator.ring
-    return ring is not None and len(ring.free) == ring.slots
-
-
-def test_early_break_then_full_epochs():
-    with Loader(list(range(N)), square, batch_size=BS, workers=2, prefetch=2) as loader:
-        pids, prefix = assert_running(loader)
-        held = None
-        for n, batch in enumerate(loader):
-            if n == 1:
-                held = batch
-            if n == 3:
-                break
-        for _ in range(3):  # break again and again: no slot may leak
-            for n, batch in enumerate(loader):
-                if n == 2:
-                    break
-        del batch
-        assert firsts(loader) == EXPECTED
-        assert firsts(loader) == EXPECTED
-        assert firsts([held]) == [EXPECTED[1]]
-        del held
-        wait_until(lambda: _slots_free(loader), 10, "every ring slot back on the free list")
-        assert loader.worker_pids == pids
-    assert_cleaned(pids, prefix)
 
 
 class ConsumerBug(Exception):
@@ -261,7 +202,7 @@ def test_interpreter_exit_without_close_cleans_up(tmp_path):
         child.close()
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+@pytest.mark.parametrize("start_method", START_METHODS)
 def test_sigkilled_parent_leaves_no_workers_and_no_files(tmp_path, start_method):
     child, prefix, pids = _start(tmp_path, "bare", start_method)
     try:
