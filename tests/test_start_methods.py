@@ -204,14 +204,8 @@ class SlowToLoad(list):
         return _load_slowly, (list(self),)
 
 
-_START_UP_COUNTED = pytest.mark.xfail(
-    raises=TaskTimeoutError, strict=True, reason="the watchdog counts a worker's start-up (unpickling the dataset) as its first "
-    "task's running time: every attempt at batch 0 times out and the epoch ends in TaskTimeoutError")
-
-
-@pytest.mark.parametrize("method", [m if m == "fork" else pytest.param(m, marks=_START_UP_COUNTED)
-                                    for m in START_METHODS])
 def test_a_slow_worker_start_is_not_a_task_timeout(method):
+    """A task's time counts from the worker's WorkerReady (dataset loaded), not from its process start."""
     with Loader(SlowToLoad(range(16)), batch_size=4, workers=2, start_method=method, task_timeout=1.0) as loader:
         assert [b.tolist() for b in loader] == [list(range(k, k + 4)) for k in range(0, 16, 4)]
         assert loader.stats()["timed_out_tasks"] == 0
