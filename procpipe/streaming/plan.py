@@ -20,6 +20,7 @@ import numpy as np
 from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
 from ..produce import produce
 from ..rng import SampleScope, shuffle_rng
+from .batching import BatchingConfig
 from .epoch import StreamEpoch
 from ..checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
@@ -82,6 +83,7 @@ class StreamPlan:
         else:
             self.mode = STACK
         self.source = shards.configured(self.block_length, self.mode, batch_size)
+        self.batching = BatchingConfig(self.mode, batch_size, self.drop_last, collate_fn, shuffle_buffer, self.seed)
 
     def __len__(self) -> int:
         """Batches per epoch, from ``Shards(lengths=...)`` (``TypeError`` without them, or when
