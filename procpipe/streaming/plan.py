@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
+from ..iteration import IterationContext
 from ..produce import produce
 from ..rng import SampleScope, shuffle_rng
 from .batching import BatchingConfig
@@ -189,14 +190,14 @@ class InlineStream:
     ``ordered``). The Loader uses it like its own epoch iterators.
     """
 
-    def __init__(self, loader: Any, number: int, done: dict | None = None, until: int | None = None,
+    def __init__(self, context: IterationContext, number: int, done: dict | None = None, until: int | None = None,
                  ahead: dict[int, dict] | None = None) -> None:
-        plan: StreamPlan = loader._sampler
-        self._loader = loader
+        plan: StreamPlan = context.sampler
+        self._standing = context.standing
         self._coordinator = None
-        self._spec = loader._spec
+        self._spec = context.spec
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
-        self._with_epoch = loader._with_epoch
+        self._with_epoch = context.with_epoch
         self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         self._stream.open(self._stream.first)
         self._epoch = self._stream.first
@@ -205,8 +206,8 @@ class InlineStream:
         self._done = False
         self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
-        loader._last_counters = self._epoch.counters
-        self._epoch_set = loader._epoch = number + 1
+        self._standing.counters = self._epoch.counters
+        self._epoch_set = self._standing.advance(None, number + 1)
 
     def __iter__(self) -> InlineStream:
         return self
@@ -237,7 +238,7 @@ class InlineStream:
                     for number in [n for n in stream.opened if n < epoch.number]:
                         del stream.opened[number]  # past (resume_point starts at this epoch): let it go
                     self._epoch, self.number = epoch, epoch.number
-                    self._loader._last_counters = epoch.counters
+                    self._standing.counters = epoch.counters
                     self._move_epoch(epoch.number + 1)
                 return (epoch.number, batch) if self._with_epoch else batch
             if isinstance(item, EpochEnd):
@@ -282,8 +283,7 @@ class InlineStream:
 
     def _move_epoch(self, epoch: int) -> None:
         """Move ``loader.epoch`` along, unless the user chose one with ``set_epoch`` meanwhile."""
-        if self._loader._epoch == self._epoch_set:
-            self._loader._epoch = self._epoch_set = epoch
+        self._epoch_set = self._standing.advance(self._epoch_set, epoch)
 
     def _stop(self) -> None:
         self._done = True
@@ -292,7 +292,23 @@ class InlineStream:
 
     def owns_epoch(self) -> bool:
         """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
-        return self._loader._epoch == self._epoch_set
+        return self._standing.set_by(self._epoch_set)
+
+    @property
+    def cancelled(self) -> str | None:
+        """Why this iteration was cancelled early (a new ``iter()``, ``load_state_dict``, ``close``),
+        or None; a stage reading the iterator in another thread (torch_device.py) stops on it."""
+        return self._cancelled
+
+    @property
+    def running(self) -> bool:
+        """Not exhausted, failed or cancelled yet (``Loader.stats()["running"]``)."""
+        return not self._done
+
+    @property
+    def consumed(self) -> int:
+        """Batches the consumer has taken of the epoch it is in."""
+        return self._epoch.consumed
 
     def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
         """As ``iterators.EpochIterator.resume_point``: the epochs come in order, so the oldest one the
