@@ -276,6 +276,19 @@ def test_no_layer_imports_upward() -> None:
                     f"{', '.join(LAYERS)}):\n" + "\n".join(report), pytrace=False)
 
 
+def test_architecture_md_shows_the_same_layers() -> None:
+    """ARCHITECTURE.md's layer table is this one: ``| layer | `module`, ... | why |`` rows, in order."""
+    text = (PACKAGE_DIR.parent / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    shown: dict[str, tuple[str, ...]] = {}
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0] in LAYERS:
+            shown[cells[0]] = tuple(name.strip().strip("`") for name in cells[1].split(","))
+    assert list(shown.items()) == list(LAYERS.items()), (
+        "ARCHITECTURE.md's layer table (section 'Layers') and LAYERS in tests/test_architecture.py differ")
+
+
 # --------------------------------------------------------------------------- 3. privates
 def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
