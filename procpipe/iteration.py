@@ -6,6 +6,8 @@ every iterator it makes (``iterators.EpochIterator``, ``iterators.InlineIterator
 ``streaming.InlineStream``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
+``LoaderIterator`` is what the Loader asks of an iterator in return (``resume_point``,
+``owns_epoch``, ``cancel``, ``running``...), and the part of it the three share.
 """
 from __future__ import annotations
 
@@ -47,6 +49,54 @@ class Standing:
         """``epoch`` is still what the caller set last (``mine``): its iteration decides where
         the loader stands (``Loader.state_dict``)."""
         return mine is not None and self.epoch == mine
+
+
+class LoaderIterator:
+    """What the Loader asks of each of its epoch iterators, and the part they all share.
+
+    A subclass sets ``_standing`` (its context's), ``_done`` and ``_cancelled`` (why it was
+    cancelled: a new ``iter()``, ``load_state_dict``, ``close``), calls ``_set_epoch`` as its
+    consumer enters epochs, and implements ``resume_point``, ``cancel`` and ``consumed``.
+    """
+
+    _standing: Standing
+    _done: bool  # set by each subclass (no class default: a half-built iterator's __del__ looks for it)
+    _cancelled: str | None
+    _epoch_set: int | None = None  # what this iteration set ``_standing.epoch`` to last (None: nothing yet)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
+        self._epoch_set = self._standing.advance(self._epoch_set, epoch)
+
+    def owns_epoch(self) -> bool:
+        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
+        return self._standing.set_by(self._epoch_set)
+
+    @property
+    def cancelled(self) -> str | None:
+        """Why this iteration was cancelled early, or None; a stage reading the iterator in
+        another thread (torch_device.py) stops on it."""
+        return self._cancelled
+
+    @property
+    def running(self) -> bool:
+        """Not exhausted, failed or cancelled yet (``Loader.stats()["running"]``)."""
+        return not self._done
+
+    @property
+    def consumed(self) -> int | None:
+        """Batches the consumer has taken of the epoch it is in (``Loader.stats()``); None when
+        every batch produced was returned (``workers=0``: the counters say how many)."""
+        raise NotImplementedError
+
+    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+        """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
+        exactly; None once every batch of it was returned."""
+        raise NotImplementedError
+
+    def cancel(self, why: str) -> None:
+        """End this iteration early (``why`` is what its next ``next()`` says)."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from . import collate
 from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
 from .errors import summarize_indices
 from .faults import SkipBudget
-from .iteration import IterationContext
+from .iteration import IterationContext, LoaderIterator
 from .produce import produce
 from .reassembly import Progress
 from .rng import SampleScope
@@ -36,7 +36,7 @@ _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
 
 
-class EpochIterator:
+class EpochIterator(LoaderIterator):
     """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
 
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
@@ -49,7 +49,6 @@ class EpochIterator:
     def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
                  until: int | None = None, ahead: dict[int, frozenset] | None = None) -> None:
         self._standing = context.standing
-        self._epoch_set: int | None = None  # what this iteration last set standing.epoch to
         self._coordinator = context.coordinator
         self.number = number
         self._with_epoch = context.with_epoch
@@ -71,28 +70,8 @@ class EpochIterator:
     def __iter__(self) -> EpochIterator:
         return self
 
-    def _set_epoch(self, epoch: int) -> None:
-        """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
-        self._epoch_set = self._standing.advance(self._epoch_set, epoch)
-
-    def owns_epoch(self) -> bool:
-        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
-        return self._standing.set_by(self._epoch_set)
-
-    @property
-    def cancelled(self) -> str | None:
-        """Why this iteration was cancelled early (a new ``iter()``, ``load_state_dict``, ``close``),
-        or None; a stage reading the iterator in another thread (torch_device.py) stops on it."""
-        return self._cancelled
-
-    @property
-    def running(self) -> bool:
-        """Not exhausted, failed or cancelled yet (``Loader.stats()["running"]``)."""
-        return not self._done
-
     @property
     def consumed(self) -> int | None:
-        """Batches the consumer has taken of the epoch it is in (``Loader.stats()``)."""
         return self._epoch.consumed
 
     def __next__(self) -> Any:
@@ -201,7 +180,6 @@ class InlineIterator(EpochIterator):
                  until: int | None = None, ahead: dict[int, frozenset] | None = None) -> None:
         self._context = context
         self._standing = context.standing
-        self._epoch_set = None
         self._coordinator = None
         self._with_epoch = context.with_epoch
         self._until = until
@@ -293,7 +271,6 @@ class InlineIterator(EpochIterator):
 
     @property
     def consumed(self) -> None:
-        """None: with ``workers=0`` every batch produced was returned (the counters say how many)."""
         return None
 
     def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:

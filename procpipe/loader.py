@@ -21,7 +21,7 @@ from .cache import open_cache
 from .checks import check_int
 from .coordinator import Coordinator, EngineConfig
 from .epochs import Epoch
-from .iteration import IterationContext
+from .iteration import IterationContext, LoaderIterator
 from .iterators import EpochIterator, InlineIterator
 from .resume import Resume, load_state, save_state
 from .sampler import ExplicitBatches, Sampler
@@ -218,7 +218,7 @@ class Loader:
         self._epochs = epochs
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
-        self._active: EpochIterator | None = None
+        self._active: LoaderIterator | None = None
         self._closed = False
         self._coordinator: Coordinator | None = None
         if auto is not None or workers > 0:
@@ -261,7 +261,7 @@ class Loader:
             done, ahead, until = resume.done, resume.ahead, resume.until_or(until)
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: EpochIterator = inline(self._context, epoch, done, until, ahead)
+            it: LoaderIterator = inline(self._context, epoch, done, until, ahead)
         else:
             it = EpochIterator(self._context, epoch, done, until, ahead)
         self._active = it

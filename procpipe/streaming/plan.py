@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
-from ..iteration import IterationContext
+from ..iteration import IterationContext, LoaderIterator
 from ..produce import produce
 from ..rng import SampleScope, shuffle_rng
 from .batching import BatchingConfig
@@ -182,7 +182,7 @@ class StreamPlan:
 
 
 # ---------------------------------------------------------------------- workers=0
-class InlineStream:
+class InlineStream(LoaderIterator):
     """``workers=0`` for a streaming source: the same ``Stream`` and epochs as with workers,
     driven in the calling thread: each time the stream's queue is empty, the block the
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
@@ -207,7 +207,7 @@ class InlineStream:
         self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
         self._standing.counters = self._epoch.counters
-        self._epoch_set = self._standing.advance(None, number + 1)
+        self._set_epoch(number + 1)
 
     def __iter__(self) -> InlineStream:
         return self
@@ -239,7 +239,7 @@ class InlineStream:
                         del stream.opened[number]  # past (resume_point starts at this epoch): let it go
                     self._epoch, self.number = epoch, epoch.number
                     self._standing.counters = epoch.counters
-                    self._move_epoch(epoch.number + 1)
+                    self._set_epoch(epoch.number + 1)
                 return (epoch.number, batch) if self._with_epoch else batch
             if isinstance(item, EpochEnd):
                 item.epoch.counters.ended = time.perf_counter()
@@ -247,7 +247,7 @@ class InlineStream:
             self._stop()
             if item is EndOfEpoch:
                 self._complete = True
-                self._move_epoch(stream.until if stream.until is not None else stream.next_number)
+                self._set_epoch(stream.until if stream.until is not None else stream.next_number)
                 raise StopIteration
             raise item.exc  # a Failure
 
@@ -281,33 +281,13 @@ class InlineStream:
         else:
             epoch.accept(job, produced.layout, None, 0)
 
-    def _move_epoch(self, epoch: int) -> None:
-        """Move ``loader.epoch`` along, unless the user chose one with ``set_epoch`` meanwhile."""
-        self._epoch_set = self._standing.advance(self._epoch_set, epoch)
-
     def _stop(self) -> None:
         self._done = True
         self._stream.finish()
         self._spec.source.close_readers()
 
-    def owns_epoch(self) -> bool:
-        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
-        return self._standing.set_by(self._epoch_set)
-
-    @property
-    def cancelled(self) -> str | None:
-        """Why this iteration was cancelled early (a new ``iter()``, ``load_state_dict``, ``close``),
-        or None; a stage reading the iterator in another thread (torch_device.py) stops on it."""
-        return self._cancelled
-
-    @property
-    def running(self) -> bool:
-        """Not exhausted, failed or cancelled yet (``Loader.stats()["running"]``)."""
-        return not self._done
-
     @property
     def consumed(self) -> int:
-        """Batches the consumer has taken of the epoch it is in."""
         return self._epoch.consumed
 
     def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
