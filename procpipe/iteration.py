@@ -54,7 +54,7 @@ class Standing:
 class LoaderIterator:
     """What the Loader asks of each of its epoch iterators, and the part they all share.
 
-    A subclass sets ``_standing`` (its context's), ``_done`` and ``_cancelled`` (why it was
+    A subclass calls ``_attach`` first, sets ``_done`` and ``_cancelled`` (why it was
     cancelled: a new ``iter()``, ``load_state_dict``, ``close``), calls ``_set_epoch`` as its
     consumer enters epochs, and implements ``resume_point``, ``cancel`` and ``consumed``.
     """
@@ -63,6 +63,12 @@ class LoaderIterator:
     _done: bool  # set by each subclass (no class default: a half-built iterator's __del__ looks for it)
     _cancelled: str | None
     _epoch_set: int | None = None  # what this iteration set ``_standing.epoch`` to last (None: nothing yet)
+
+    def _attach(self, context: IterationContext, owner: object) -> None:
+        """Take the context's ``Standing``, and hold ``owner`` (the Loader): an iteration keeps
+        its Loader, hence its engine, alive, so that ``for batch in Loader(...)`` works."""
+        self._standing = context.standing
+        self._owner = owner
 
     def _set_epoch(self, epoch: int) -> None:
         """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""

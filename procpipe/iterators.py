@@ -47,8 +47,8 @@ class EpochIterator(LoaderIterator):
     """
 
     def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
-                 until: int | None = None, ahead: dict[int, frozenset] | None = None) -> None:
-        self._standing = context.standing
+                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+        self._attach(context, owner)
         self._coordinator = context.coordinator
         self.number = number
         self._with_epoch = context.with_epoch
@@ -177,9 +177,9 @@ class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
     def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
-                 until: int | None = None, ahead: dict[int, frozenset] | None = None) -> None:
+                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+        self._attach(context, owner)
         self._context = context
-        self._standing = context.standing
         self._coordinator = None
         self._with_epoch = context.with_epoch
         self._until = until

@@ -261,9 +261,9 @@ class Loader:
             done, ahead, until = resume.done, resume.ahead, resume.until_or(until)
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: LoaderIterator = inline(self._context, epoch, done, until, ahead)
+            it: LoaderIterator = inline(self._context, epoch, done, until, ahead, owner=self)
         else:
-            it = EpochIterator(self._context, epoch, done, until, ahead)
+            it = EpochIterator(self._context, epoch, done, until, ahead, owner=self)
         self._active = it
         if self._device_stage is not None:
             return self._device_stage(it)

@@ -191,9 +191,9 @@ class InlineStream(LoaderIterator):
     """
 
     def __init__(self, context: IterationContext, number: int, done: dict | None = None, until: int | None = None,
-                 ahead: dict[int, dict] | None = None) -> None:
+                 ahead: dict[int, dict] | None = None, *, owner: object = None) -> None:
         plan: StreamPlan = context.sampler
-        self._standing = context.standing
+        self._attach(context, owner)
         self._coordinator = None
         self._spec = context.spec
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
