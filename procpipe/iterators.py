@@ -9,8 +9,10 @@ With ``workers=0``, ``InlineIterator`` produces each batch in ``next()`` with th
 sampler, sample scope and collation, so the results are identical. (A streaming source
 with ``workers=0`` uses ``streaming.InlineStream`` instead.)
 
-Both keep ``loader.epoch`` and ``loader.stats()`` current and say where to resume
-(``resume_point``, for ``Loader.state_dict``).
+Both are given what they need by the Loader (an ``iteration.IterationContext``, built
+once), keep where the loader stands current (``iteration.Standing``: ``loader.epoch`` and
+the counters ``loader.stats()`` shows) and say where to resume (``resume_point``, for
+``Loader.state_dict``).
 """
 from __future__ import annotations
 
@@ -18,25 +20,23 @@ import itertools
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import collate
 from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
 from .errors import summarize_indices
 from .faults import SkipBudget
+from .iteration import IterationContext, LoaderIterator
 from .produce import produce
 from .reassembly import Progress
 from .rng import SampleScope
 from .stats import EpochCounters, array_bytes
 
-if TYPE_CHECKING:
-    from .loader import Loader
-
 _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
 
 
-class EpochIterator:
+class EpochIterator(LoaderIterator):
     """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
 
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
@@ -46,14 +46,14 @@ class EpochIterator:
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
-    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
-                 ahead: dict[int, frozenset] | None = None) -> None:
-        self._loader = loader
-        self._coordinator = loader._coordinator
+    def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
+                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+        self._attach(context, owner)
+        self._coordinator = context.coordinator
         self.number = number
-        self._with_epoch = loader._with_epoch
-        self._stream = Stream(next(_generations), loader._sampler, number, until, loader._ordered,
-                              loader._sampler.batches(number), done, ahead)
+        self._with_epoch = context.with_epoch
+        self._stream = Stream(next(_generations), context.sampler, number, until, context.ordered,
+                              context.sampler.batches(number), done, ahead)
         self._epoch = self._stream.first  # the epoch the consumer is in
         self.batch_count = len(self._epoch.batches)
         self._low = number
@@ -63,22 +63,16 @@ class EpochIterator:
         self._cancelled: str | None = None
         self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
         self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
-        loader._last_counters = self._epoch.counters
+        self._standing.counters = self._epoch.counters
         self._set_epoch(number + 1)
         self._coordinator.submit("start", self._stream)
 
     def __iter__(self) -> EpochIterator:
         return self
 
-    def _set_epoch(self, epoch: int) -> None:
-        """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
-        loader = self._loader
-        if getattr(self, "_epoch_set", None) in (None, loader._epoch):
-            loader._epoch = self._epoch_set = epoch
-
-    def owns_epoch(self) -> bool:
-        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
-        return self._loader._epoch == getattr(self, "_epoch_set", None)
+    @property
+    def consumed(self) -> int | None:
+        return self._epoch.consumed
 
     def __next__(self) -> Any:
         # Threads sharing the iterator take batches in turn, and each sees its end: the
@@ -136,7 +130,7 @@ class EpochIterator:
         self.number = epoch.number
         self._epoch = epoch
         self.batch_count = len(epoch.batches)
-        self._loader._last_counters = epoch.counters
+        self._standing.counters = epoch.counters
         self._set_epoch(epoch.number + 1)
 
     def _epoch_end(self, epoch: Epoch) -> None:
@@ -182,29 +176,31 @@ class EpochIterator:
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, loader: Loader, number: int, done: frozenset = frozenset(), until: int | None = None,
-                 ahead: dict[int, frozenset] | None = None) -> None:
-        self._loader = loader
+    def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
+                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+        self._attach(context, owner)
+        self._context = context
         self._coordinator = None
-        self._with_epoch = loader._with_epoch
+        self._with_epoch = context.with_epoch
         self._until = until
         self._ahead = dict(ahead or {})
-        self._scope = SampleScope(loader._spec.seed, seed_globals=loader._spec.seed_globals, restore_globals=True)
+        self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
         self._done = False
         self._complete = False
         self._cancelled = None
         self._failed = None
         self._lock = threading.Lock()
-        self._open(number, loader._sampler.batches(number), done, time.perf_counter())
+        self._open(number, context.sampler.batches(number), done, time.perf_counter())
 
     def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
-        loader = self._loader
+        context = self._context
         self._number = self.number = number
         self.batch_count = len(batches)
         self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
         self._progress = Progress(done)
-        self._counters = loader._last_counters = EpochCounters(epoch=number, started=started)
-        self._skips = SkipBudget(loader._max_skipped, sum(map(len, batches)), self._counters) if loader._spec.skip else None
+        self._counters = self._standing.counters = EpochCounters(epoch=number, started=started)
+        self._skips = (SkipBudget(context.max_skipped, sum(map(len, batches)), self._counters)
+                       if context.spec.skip else None)
         self._set_epoch(number + 1)
 
     def _next(self) -> Any:
@@ -221,7 +217,7 @@ class InlineIterator(EpochIterator):
                     self._done = self._complete = True
                     raise StopIteration
                 try:
-                    batches = self._loader._sampler.batches(following)
+                    batches = self._context.sampler.batches(following)
                 except Exception as exc:
                     self._done, self._failed = True, exc
                     raise
@@ -253,7 +249,7 @@ class InlineIterator(EpochIterator):
         """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
         skips, scope = self._skips, self._scope
         try:
-            batch = produce(self._loader._spec, scope, self._number, indices, None, 0)
+            batch = produce(self._context.spec, scope, self._number, indices, None, 0)
         except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
             index = scope.index
             scope.leave()
@@ -272,6 +268,10 @@ class InlineIterator(EpochIterator):
                 exc.add_note(skips.note())
                 raise exc
         return batch.layout, batch.kept
+
+    @property
+    def consumed(self) -> None:
+        return None
 
     def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
         if self._complete:

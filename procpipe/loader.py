@@ -21,13 +21,13 @@ from .cache import open_cache
 from .checks import check_int
 from .coordinator import Coordinator, EngineConfig
 from .epochs import Epoch
+from .iteration import IterationContext, LoaderIterator
 from .iterators import EpochIterator, InlineIterator
 from .resume import Resume, load_state, save_state
 from .sampler import ExplicitBatches, Sampler
 from .start import start_engine
 from .start_method import resolve as resolve_start_method
 from .streaming import InlineStream, Shards, StreamPlan
-from .stats import EpochCounters
 from .validate import validate, validate_epochs
 from .worker import WorkerSpec
 
@@ -212,16 +212,13 @@ class Loader:
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
                                 batch_fn=batch_fn, augment=augment, seed_globals=bool(seed_globals))
-        self._max_skipped = max_skipped
         self._resume: Resume | None = None  # from load_state_dict
         self._workers = workers
         self._start_method = resolve_start_method(start_method)  # once: its restarted workers start the same way
         self._epochs = epochs
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
-        self._epoch = 0
-        self._active: EpochIterator | None = None
-        self._last_counters: EpochCounters | None = None
+        self._active: LoaderIterator | None = None
         self._closed = False
         self._coordinator: Coordinator | None = None
         if auto is not None or workers > 0:
@@ -237,6 +234,10 @@ class Loader:
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
         self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)
+        # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
+        self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
+                                         self._coordinator)
+        self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
     def __len__(self) -> int:
@@ -252,17 +253,17 @@ class Loader:
                                "its workers serve that process only: create a new Loader here")
         if self._active is not None:
             self._active.cancel("a new iteration over the loader started")
-        epoch = self._epoch
-        self._epoch += 1
+        epoch = self._standing.epoch
+        self._standing.epoch += 1
         resume, self._resume = self._resume, None
         done, ahead, until = frozenset(), {}, self._default_until(epoch)
         if resume is not None and resume.epoch == epoch:
             done, ahead, until = resume.done, resume.ahead, resume.until_or(until)
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: EpochIterator = inline(self, epoch, done, until, ahead)
+            it: LoaderIterator = inline(self._context, epoch, done, until, ahead, owner=self)
         else:
-            it = EpochIterator(self, epoch, done, until, ahead)
+            it = EpochIterator(self._context, epoch, done, until, ahead, owner=self)
         self._active = it
         if self._device_stage is not None:
             return self._device_stage(it)
@@ -272,7 +273,7 @@ class Loader:
     def epoch(self) -> int:
         """The epoch number the next ``iter(loader)`` will start with (during an iteration over
         several epochs: the one after the epoch of the last batch returned)."""
-        return self._epoch
+        return self._standing.epoch
 
     def _default_until(self, start: int) -> int | None:
         return None if self._epochs is None else start + self._epochs
@@ -281,7 +282,7 @@ class Loader:
         """Choose the epoch number of the next iteration (its shuffle order and sample seeds)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch = epoch
+        self._standing.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands, to resume exactly there: a small JSON-serializable dict.
@@ -315,7 +316,7 @@ class Loader:
         """``(epoch, what was returned of it, of later epochs, until)``: what ``state_dict`` saves,
         what was returned in the form ``Epoch.consumer_progress()`` gives."""
         epoch_class = getattr(self._sampler, "epoch_class", Epoch)
-        epoch, done, ahead = self._epoch, epoch_class.unopened_progress(None), {}
+        epoch, done, ahead = self._standing.epoch, epoch_class.unopened_progress(None), {}
         until = self._default_until(epoch)
         active, resume = self._active, self._resume
         if resume is not None and resume.epoch == epoch:
@@ -340,7 +341,7 @@ class Loader:
         if self._active is not None:
             self._active.cancel("load_state_dict() was called")
             self._active = None
-        self._epoch = resume.epoch
+        self._standing.epoch = resume.epoch
         self._resume = resume
 
     def close(self) -> None:
@@ -474,22 +475,21 @@ class Loader:
         from .stats import snapshot
 
         active = self._active
-        running = active is not None and not active._done
+        running = active is not None and active.running
         coordinator = self._coordinator
         if coordinator is None:
-            out = snapshot(self._last_counters, workers=0, running=running, consumed=None)
+            out = snapshot(self._standing.counters, workers=0, running=running, consumed=None)
             out["autotune"] = None
             out["device"] = None if self._device_stage is None else self._device_stage.info()
             return out
-        epoch = getattr(active, "_epoch", None)
         counters = list(coordinator.worker_counters)
         pids: list[int | None] = [None] * len(counters)
         for w in list(coordinator.workers):
             if w.index < len(pids):
                 pids[w.index] = w.pid
         out = snapshot(
-            self._last_counters, workers=coordinator.n_workers if coordinator.tuner is not None else self._workers,
-            running=running, consumed=epoch.consumed if epoch is not None else None, ring=coordinator.ring,
+            self._standing.counters, workers=coordinator.n_workers if coordinator.tuner is not None else self._workers,
+            running=running, consumed=None if active is None else active.consumed, ring=coordinator.ring,
             worker_counters=counters, pids=pids,
         )
         out["autotune"] = coordinator.autotune_info()

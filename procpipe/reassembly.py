@@ -44,6 +44,11 @@ class Ordered:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def drop_waiting(self) -> None:
+        """Forget the batches held back for an earlier one: they will never be released (the
+        epoch was cancelled, or a failure ended it), and each holds a ring slot's views."""
+        self._waiting.clear()
+
 
 class Sloppy:
     """Releases each ``(seq, item)`` as soon as it arrives ("first finished, first out")."""
@@ -59,6 +64,9 @@ class Sloppy:
 
     def __len__(self) -> int:
         return 0
+
+    def drop_waiting(self) -> None:
+        """Nothing is ever held back here (see ``Ordered.drop_waiting``)."""
 
 
 class Progress:

@@ -98,7 +98,7 @@ def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: th
                     out.put(item, timeout=_ABANDON_CHECK_S)
                     break
                 except queue.Full:  # the consumer is busy, or gone: a new epoch or close() cancelled ours
-                    if stop.is_set() or getattr(source, "_cancelled", None):
+                    if stop.is_set() or getattr(source, "cancelled", None):
                         return
             del item
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer, raised there
@@ -141,7 +141,7 @@ class Stage:
         self._pending = False
         if item is _End:
             self._finished = True
-            iteration_over(getattr(self._source, "_cancelled", None))
+            iteration_over(getattr(self._source, "cancelled", None))
         if isinstance(item, _Raised):
             self._finished = item.final
             raise item.exc
@@ -161,7 +161,7 @@ class Stage:
                 return self._queue.get(timeout=1.0)
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
-                    if getattr(self._source, "_cancelled", None):
+                    if getattr(self._source, "cancelled", None):
                         return _End  # abandoned: a new epoch or close() cancelled the epoch under us
                     return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly"))
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +25,18 @@ from ..produce import collate_privately
 from ..rng import buffer_rng
 from .shards import CHUNKS, STACK, Block, RecordKey
 
-if TYPE_CHECKING:
-    from .plan import StreamPlan
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """The settings ``Output`` batches with, fixed for a loader (``StreamPlan.batching`` builds
+    it once; a plain record of settings, so batching needs nothing from the plan above it)."""
+
+    mode: str  # shards.STACK, CHUNKS or RECORDS
+    batch_size: int | None
+    drop_last: bool
+    collate_fn: Callable | None
+    shuffle_buffer: int | None  # records in the shuffle buffer; None: no shuffle buffer
+    seed: int  # with shuffle_buffer: the buffer's draws come from (seed, epoch)
 
 
 class Output:
@@ -46,18 +58,18 @@ class Output:
       order. Records out of the buffer are batched here (default collation, or collate_fn).
     """
 
-    def __init__(self, plan: StreamPlan, epoch: int) -> None:
-        self.mode = plan.mode
-        self.batch_size = plan.batch_size
-        self.drop_last = plan.drop_last
-        self.collate_fn = plan.collate_fn
-        self.capacity = plan.shuffle_buffer
+    def __init__(self, config: BatchingConfig, epoch: int) -> None:
+        self.mode = config.mode
+        self.batch_size = config.batch_size
+        self.drop_last = config.drop_last
+        self.collate_fn = config.collate_fn
+        self.capacity = config.shuffle_buffer
         self.parts: deque[list] = deque()  # STACK: [layout, lease, start row, stop row, shard, records] not yet batched
         self.pending = 0
         self.dropped: list[tuple[int, int, int]] = []  # records drop_last left out since the last item
         self.buffer: list[tuple[RecordKey, Any]] = []  # shuffle buffer
         self.batch: list[tuple[RecordKey, Any]] = []  # records out of the buffer, not yet a batch
-        self.rng = buffer_rng(plan.seed, epoch) if plan.shuffle_buffer is not None else None
+        self.rng = buffer_rng(config.seed, epoch) if config.shuffle_buffer is not None else None
         self.draws = np.empty(0)
         self.drawn = 0
 

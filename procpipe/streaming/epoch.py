@@ -103,7 +103,7 @@ class StreamEpoch(Epoch):
         self.ended = 0  # shards whose last block has arrived
         self.completed = 0  # shards whose every block has been used
         self.in_flight = 0
-        self.output = Output(plan, self.number)
+        self.output = Output(plan.batching, self.number)
         self.interleave = self.resume.cursor  # ordered: the coordinator's own copy
         if self.interleave is not None:
             self._resume_at_cursor()

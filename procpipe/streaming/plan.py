@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
+from ..iteration import IterationContext, LoaderIterator
 from ..produce import produce
 from ..rng import SampleScope, shuffle_rng
+from .batching import BatchingConfig
 from .epoch import StreamEpoch
 from ..checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
@@ -82,6 +84,7 @@ class StreamPlan:
         else:
             self.mode = STACK
         self.source = shards.configured(self.block_length, self.mode, batch_size)
+        self.batching = BatchingConfig(self.mode, batch_size, self.drop_last, collate_fn, shuffle_buffer, self.seed)
 
     def __len__(self) -> int:
         """Batches per epoch, from ``Shards(lengths=...)`` (``TypeError`` without them, or when
@@ -179,7 +182,7 @@ class StreamPlan:
 
 
 # ---------------------------------------------------------------------- workers=0
-class InlineStream:
+class InlineStream(LoaderIterator):
     """``workers=0`` for a streaming source: the same ``Stream`` and epochs as with workers,
     driven in the calling thread: each time the stream's queue is empty, the block the
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
@@ -187,14 +190,14 @@ class InlineStream:
     ``ordered``). The Loader uses it like its own epoch iterators.
     """
 
-    def __init__(self, loader: Any, number: int, done: dict | None = None, until: int | None = None,
-                 ahead: dict[int, dict] | None = None) -> None:
-        plan: StreamPlan = loader._sampler
-        self._loader = loader
+    def __init__(self, context: IterationContext, number: int, done: dict | None = None, until: int | None = None,
+                 ahead: dict[int, dict] | None = None, *, owner: object = None) -> None:
+        plan: StreamPlan = context.sampler
+        self._attach(context, owner)
         self._coordinator = None
-        self._spec = loader._spec
+        self._spec = context.spec
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
-        self._with_epoch = loader._with_epoch
+        self._with_epoch = context.with_epoch
         self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         self._stream.open(self._stream.first)
         self._epoch = self._stream.first
@@ -203,8 +206,8 @@ class InlineStream:
         self._done = False
         self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
-        loader._last_counters = self._epoch.counters
-        self._epoch_set = loader._epoch = number + 1
+        self._standing.counters = self._epoch.counters
+        self._set_epoch(number + 1)
 
     def __iter__(self) -> InlineStream:
         return self
@@ -235,8 +238,8 @@ class InlineStream:
                     for number in [n for n in stream.opened if n < epoch.number]:
                         del stream.opened[number]  # past (resume_point starts at this epoch): let it go
                     self._epoch, self.number = epoch, epoch.number
-                    self._loader._last_counters = epoch.counters
-                    self._move_epoch(epoch.number + 1)
+                    self._standing.counters = epoch.counters
+                    self._set_epoch(epoch.number + 1)
                 return (epoch.number, batch) if self._with_epoch else batch
             if isinstance(item, EpochEnd):
                 item.epoch.counters.ended = time.perf_counter()
@@ -244,7 +247,7 @@ class InlineStream:
             self._stop()
             if item is EndOfEpoch:
                 self._complete = True
-                self._move_epoch(stream.until if stream.until is not None else stream.next_number)
+                self._set_epoch(stream.until if stream.until is not None else stream.next_number)
                 raise StopIteration
             raise item.exc  # a Failure
 
@@ -278,19 +281,14 @@ class InlineStream:
         else:
             epoch.accept(job, produced.layout, None, 0)
 
-    def _move_epoch(self, epoch: int) -> None:
-        """Move ``loader.epoch`` along, unless the user chose one with ``set_epoch`` meanwhile."""
-        if self._loader._epoch == self._epoch_set:
-            self._loader._epoch = self._epoch_set = epoch
-
     def _stop(self) -> None:
         self._done = True
         self._stream.finish()
         self._spec.source.close_readers()
 
-    def owns_epoch(self) -> bool:
-        """``loader.epoch`` is still what this iteration made it (for ``state_dict``)."""
-        return self._loader._epoch == self._epoch_set
+    @property
+    def consumed(self) -> int:
+        return self._epoch.consumed
 
     def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
         """As ``iterators.EpochIterator.resume_point``: the epochs come in order, so the oldest one the
