@@ -220,9 +220,7 @@ class Epoch:
 
     def finish(self) -> None:
         self.finished = True
-        waiting = getattr(self.reassembly, "_waiting", None)
-        if waiting:  # batches that will never be delivered (cancelled, or behind a failure)
-            waiting.clear()
+        self.reassembly.drop_waiting()  # batches that will never be delivered (cancelled, or behind a failure)
         redo, self.redo = self.redo, deque()
         for job in redo:
             if job.slot >= 0 and self.on_drop is not None:

@@ -25,7 +25,7 @@ from typing import Any
 from . import collate
 from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
 from .errors import summarize_indices
-from .faults import SkipBudget
+from .skips import SkipBudget
 from .iteration import IterationContext, LoaderIterator
 from .produce import produce
 from .reassembly import Progress

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..epochs import EmptyBatch, Epoch, Failure, Job
-from ..faults import SkipBudget
+from ..skips import SkipBudget
 from ..reassembly import Progress
 from .batching import Output
 from .order import StreamProgress
