@@ -242,6 +242,17 @@ def count_arrays(node: list) -> int:
 _dtype_cache: dict[str | np.dtype, np.dtype] = {}
 
 
+def inline(node: list, buffer: Any) -> list:
+    """The same layout with each array leaf replaced by its array (a view of ``buffer``), carried
+    inline: for a reply that leaves the machine (procpipe.ray), whose slot the receiver cannot map."""
+    kind = node[0]
+    if kind == ARRAY:
+        return [INLINE, build(node, buffer)]
+    if kind == INLINE:
+        return node
+    return [kind, node[1], [inline(child, buffer) for child in node[2]]]
+
+
 def build(node: list, buffer: Any | None) -> Any:
     """Turn a layout back into a batch; array leaves become views of ``buffer``."""
     kind = node[0]

@@ -28,7 +28,7 @@ from .sampler import ExplicitBatches, Sampler
 from .start import start_engine
 from .start_method import resolve as resolve_start_method
 from .streaming import InlineStream, Shards, StreamPlan
-from .validate import validate, validate_epochs
+from .validate import validate, validate_backend, validate_epochs
 from .worker import WorkerSpec
 
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -140,6 +140,9 @@ class Loader:
             (torchvision-style transforms) gets distinct, reproducible values per sample,
             whatever the worker count. With ``workers=0`` the caller's generator states are
             put back after each batch. ``False``: leave them alone (about 20 us per sample).
+        backend: None (default): worker processes on this machine. ``procpipe.ray.Backend(...)``:
+            the workers run on a Ray cluster (``workers`` per node); see README.md, "Beyond one
+            machine: Ray". Every other argument keeps its meaning.
         stage_slots: extra ring slots for a stage of the caller's that holds batches while it
             reads them (e.g. ``procpipe.torch.DataLoader(device=...)``'s CUDA transfer, whose
             copies read batches straight from their slots); ``device=`` adds its own.
@@ -183,6 +186,7 @@ class Loader:
         device_fn: Callable[[Any], Any] | None = None,
         seed_globals: bool = True,
         stage_slots: int = 0,
+        backend: Any = None,
     ) -> None:
         validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
@@ -190,6 +194,7 @@ class Loader:
                  task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
                  augment=augment, device=device, device_fn=device_fn)
         validate_epochs(epochs, reshuffle, with_epoch, batches)
+        validate_backend(backend, workers)
         check_int("stage_slots", stage_slots, 0)
         auto = resolve_autotune(workers)
         if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
@@ -224,13 +229,16 @@ class Loader:
         if auto is not None or workers > 0:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
-            config = EngineConfig(workers if auto is None else auto.first, self._ordered, prefetch, slot_bytes,
+            engine_workers = workers if auto is None else auto.first
+            if backend is not None:  # workers= is per node: the coordinator sees them all
+                engine_workers = backend.lanes(workers)
+            config = EngineConfig(engine_workers, self._ordered, prefetch, slot_bytes,
                                   max_worker_restarts, env, self._start_method,
                                   on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
                                   speculate=speculate, autotune=auto,
                                   stage_slots=stage_slots + (0 if self._device_stage is None
                                                              else self._device_stage.slots_held))
-            self._coordinator = start_engine(config, self._spec, cache, shm_dir)  # sets self._spec.cache
+            self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
         self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)

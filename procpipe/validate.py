@@ -101,3 +101,15 @@ def validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) 
     if batches is not None and not reshuffle:
         raise ValueError("batches=... decides every epoch's batches itself: reshuffle does not apply "
                          "(return the same batches for every epoch from the callable instead)")
+
+
+def validate_backend(backend: Any, workers: Any) -> None:
+    """``backend``: None, or a remote backend (``procpipe.ray.Backend``) with a fixed worker count."""
+    if backend is None:
+        return
+    if not (callable(getattr(backend, "pool", None)) and callable(getattr(backend, "lanes", None))):
+        raise TypeError(f"backend must be None or a procpipe.ray.Backend(...), got {backend!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"with backend={type(backend).__name__}(...), workers is the number of worker processes per "
+                         f"node and must be an int >= 1 (workers=0 and workers='auto' run on this machine), got "
+                         f"{workers!r}")

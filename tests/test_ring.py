@@ -159,6 +159,7 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
     import psutil
 
     from procpipe import wire
+    from procpipe.messages import STOP, Task
     from procpipe.shm import PAGE, WorkerRings
     from procpipe.worker import WorkerSpec, _ParentWatch, _serve
 
@@ -166,7 +167,7 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
     _ring_files(files.prefix, 2, PAGE)
     try:
         ours, theirs = multiprocess.Pipe(duplex=True)
-        for task in [(1, 0, [0], 0, 0, PAGE), (2, 0, [4, 5], 0, 1, PAGE), (3, 0, [1], 1, 0, PAGE), None]:
+        for task in [Task(1, 0, [0], 0, 0, PAGE), Task(2, 0, [4, 5], 0, 1, PAGE), Task(3, 0, [1], 1, 0, PAGE), STOP]:
             wire.send(ours, task)
         spec = WorkerSpec(source=range(8), fn=fails_on_5, collate_fn=None, batched=True, seed=0, seed_globals=False,
                           skip=skip)
@@ -174,8 +175,9 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
         _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])
         replies = []
         while ours.poll(0):
-            replies.append(wire.recv(ours)[0])
-        assert replies == (["ok", "skip", "ok", "ok"] if skip else ["ok", "err", "ok"])
+            replies.append(type(wire.recv(ours)).__name__)
+        assert replies == (["BatchDone", "SamplesSkipped", "BatchDone", "BatchDone"] if skip
+                           else ["BatchDone", "BatchFailed", "BatchDone"])
         assert mappings(files.prefix + "ring0") == []  # before the fix: kept mapped for the worker's life
         assert rings.mapped() == [1]
         ours.close()
