@@ -475,6 +475,9 @@ class Loader:
                 ``contended``, ``changes``, and ``trace``: ``[time_s, workers,
                 batches_per_s, wait_fraction]`` per control interval (the last 2000),
                 over the loader's life.
+            backend: None for workers on this machine; with ``backend=procpipe.ray.Backend(...)``,
+                ``agents`` (node id, pid, ready, alive), ``restarts`` (agents replaced) and
+                ``events``: ``(seconds since start, "lost" | "replacing" | "ready", agent, detail)``.
             device: None without ``device=``; else, over the loader's life,
                 ``direct_batches`` (copied straight from the CUDA-registered ring),
                 ``staged_batches`` (through a pinned staging buffer: a ring that could
@@ -488,6 +491,7 @@ class Loader:
         if coordinator is None:
             out = snapshot(self._standing.counters, workers=0, running=running, consumed=None)
             out["autotune"] = None
+            out["backend"] = None
             out["device"] = None if self._device_stage is None else self._device_stage.info()
             return out
         counters = list(coordinator.worker_counters)
@@ -501,6 +505,7 @@ class Loader:
             worker_counters=counters, pids=pids,
         )
         out["autotune"] = coordinator.autotune_info()
+        out["backend"] = coordinator.pool.info()
         out["device"] = None if self._device_stage is None else self._device_stage.info()
         return out
 

@@ -190,6 +190,10 @@ class WorkerPool(ABC):
     def close(self) -> None:
         """Release what the pool itself holds (after ``stop``)."""
 
+    def info(self) -> dict[str, Any] | None:
+        """``stats()["backend"]``: None for local workers; a remote pool describes its agents."""
+        return None
+
 
 class LocalWorker(WorkerLink):
     """A worker process on this machine, with a duplex pipe to it."""

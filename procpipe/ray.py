@@ -467,6 +467,8 @@ class RayPool(WorkerPool):
         self.generations = 0
         self.links: dict[int, RemoteWorker] = {}  # lane index -> its live link
         self.doomed: deque[Any] = deque()  # handles of lost agents, for the monitor to kill
+        self.born = time.monotonic()
+        self.events: deque[tuple] = deque(maxlen=1000)  # (t, "lost" / "replacing" / "ready", agent, detail)
         self.closed = False
         self._actor = ray.remote(Agent).options  # (a class per pool: ray.remote wraps it)
         try:
@@ -527,6 +529,7 @@ class RayPool(WorkerPool):
                     "this loader. Check the nodes' health (`ray status`, the raylet logs), or raise "
                     "Backend(max_node_restarts=...).")
             self.restarts += 1
+            self._event("replacing", number)
             replacement = self._start_agent(number, (agent.generation + 1) if agent else 0)
             self.agents[number] = replacement
             return replacement
@@ -535,6 +538,7 @@ class RayPool(WorkerPool):
         """``agent`` answered: its lanes' tasks now run (their time counts from here)."""
         with self.lock:
             agent.node_id, agent.pid, agent.ready = node_id, pid, True
+            self._event("ready", agent.number, node_id)
             lanes = [link for link in self.links.values() if link.agent is agent]
         for link in lanes:
             link.deliver([WorkerReady(pid)])
@@ -546,6 +550,7 @@ class RayPool(WorkerPool):
                 return
             agent.alive = False
             agent.lost_why = why
+            self._event("lost", agent.number, why)
             lanes = [link for link in self.links.values() if link.agent is agent]
         for link in lanes:
             link.end(agent_lost=True)
@@ -629,6 +634,19 @@ class RayPool(WorkerPool):
                 f"flight ({needed / 2**20:.0f} MiB), but this node's Ray object store holds "
                 f"{store / 2**20:.0f} MiB (80 % usable before Ray spills to disk). Use a smaller batch_size or "
                 "prefetch, fewer workers or nodes, or start Ray with a larger --object-store-memory.")
+
+    def info(self) -> dict[str, Any]:
+        """``stats()["backend"]``: the agents now (node, pid, started), agents replaced so far,
+        and the events of agent losses and starts, ``(seconds since the pool started, what,
+        agent number, detail)``, in order."""
+        with self.lock:
+            agents = [None if a is None else {"number": a.number, "node": a.node_id, "pid": a.pid, "ready": a.ready,
+                                              "alive": a.alive} for a in self.agents]
+            return {"kind": "ray", "nodes": self.backend.nodes, "workers_per_node": self.workers, "agents": agents,
+                    "restarts": self.restarts, "events": list(self.events)}
+
+    def _event(self, what: str, number: int, detail: str = "") -> None:
+        self.events.append((round(time.monotonic() - self.born, 4), what, number, detail))
 
     def close(self) -> None:
         self.closed = True

@@ -192,6 +192,9 @@ def test_a_lost_agent_changes_nothing(cluster, how):
         got += list(it)
         assert as_lists(got) == expected  # every batch once, in order, the same values
         assert pool.restarts == 1 and pool.agents[0] is not victim
+        backend_info = loader.stats()["backend"]
+        assert backend_info["restarts"] == 1
+        assert [what for _, what, number, _ in backend_info["events"] if number == 0][-3:] == ["lost", "replacing", "ready"]
     if how == "node removed":
         cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE)  # for the tests after this one
         cluster.wait_for_nodes(timeout=120)
