@@ -14,7 +14,7 @@ The stream opens the next epoch as soon as every batch of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
 reassembly, counters and progress, and all of them feed one queue, tagged with their
 epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch,
-``EndOfEpoch`` after the stream, and a ``Failure`` that ends it. A batch whose user code
+``EndOfStream`` after the stream, and a ``Failure`` that ends it. A batch whose user code
 raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
 the iteration goes on with the next batch (as torch's DataLoader does).
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import collate
-from .reassembly import Ordered, Progress, Sloppy
+from .reassembly import Ordered, Progress, ResumePoint, Sloppy
 from .stats import EpochCounters
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def iteration_over(cancelled: str | None) -> None:
     raise StopIteration
 
 
-class EndOfEpoch:
+class EndOfStream:
     """Queue marker: the iteration is over: every batch of every epoch of the stream has been delivered."""
 
 
@@ -237,7 +237,7 @@ class Stream:
     dispatched (``fresh``), so workers go on across the boundary instead of draining.
     Every epoch keeps its own reassembly, counters and progress; their batches go into
     one queue, ``out``, as ``(epoch, position, batch)`` tuples, each epoch followed by an
-    ``EpochEnd`` marker and the stream by ``EndOfEpoch``. An ordered stream holds a later
+    ``EpochEnd`` marker and the stream by ``EndOfStream``. An ordered stream holds a later
     epoch's items back until every earlier epoch is out (order by epoch, then position);
     a sloppy one does not. A ``Failure`` ends the stream (in order, when ordered).
 
@@ -325,7 +325,7 @@ class Stream:
                 return epoch
         return None
 
-    def resume_point(self, low: int) -> tuple[int, Any, dict[int, Any], int | None] | None:
+    def resume_point(self, low: int) -> ResumePoint | None:
         """Where the consumer stands (consumer thread), to resume exactly there: ``(epoch, what it
         has had of it, {later epoch: what it has had of it}, until)``, each in the form of
         ``Epoch.consumer_progress()``; None once it has had everything. ``low``: the oldest
@@ -351,7 +351,7 @@ class Stream:
                 p, _ = progress(n)
                 if p:
                     ahead[n] = p
-        return low, done, ahead, until
+        return ResumePoint(low, done, ahead, until)
 
     def current_counters(self) -> EpochCounters | None:
         """Counters of the oldest open epoch, else the last opened (where a worker death is counted)."""
@@ -392,7 +392,7 @@ class Stream:
     def _maybe_end(self) -> None:
         if not self.finished and not self.epochs and self.exhausted:
             self.finished = True
-            self.out.put(EndOfEpoch)
+            self.out.put(EndOfStream)
 
     def fail_at(self, epoch: Epoch, failure: Failure) -> None:
         """``epoch`` failed: raise in the consumer once the epochs before it are out (ordered)."""
@@ -425,7 +425,7 @@ class Stream:
         Queued items reference their epoch, which references this stream, which holds the
         queue: a cycle that would keep those batches, and their ring slots, alive until the
         cyclic garbage collector runs. Dropping them returns the slots now. A reader still
-        blocked on the queue (a device stage thread) gets ``EndOfEpoch``.
+        blocked on the queue (a device stage thread) gets ``EndOfStream``.
         """
         self.finish()
         while True:
@@ -433,5 +433,5 @@ class Stream:
                 self.out.get_nowait()
             except queue.Empty:
                 break
-        self.out.put(EndOfEpoch)
+        self.out.put(EndOfStream)
 

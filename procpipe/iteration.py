@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .reassembly import ResumePoint
     from .coordinator import Coordinator
     from .stats import EpochCounters
     from .worker import WorkerSpec
@@ -95,7 +96,7 @@ class LoaderIterator:
         every batch produced was returned (``workers=0``: the counters say how many)."""
         raise NotImplementedError
 
-    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+    def resume_point(self) -> ResumePoint | None:
         """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
         exactly; None once every batch of it was returned."""
         raise NotImplementedError

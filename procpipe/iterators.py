@@ -23,12 +23,12 @@ import time
 from typing import Any
 
 from . import collate
-from .epochs import EndOfEpoch, Epoch, EpochEnd, Failure, Stream, iteration_over
+from .epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
 from .errors import summarize_indices
 from .skips import SkipBudget
 from .iteration import IterationContext, LoaderIterator
 from .produce import produce
-from .reassembly import Progress
+from .reassembly import Progress, ResumePoint
 from .rng import SampleScope
 from .stats import EpochCounters, array_bytes
 
@@ -42,7 +42,7 @@ class EpochIterator(LoaderIterator):
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
 
     Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
-    last batch, ``EndOfEpoch`` the stream's. ``number`` is the latest epoch the consumer
+    last batch, ``EndOfStream`` the stream's. ``number`` is the latest epoch the consumer
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
@@ -113,7 +113,7 @@ class EpochIterator(LoaderIterator):
             self._epoch.counters.wait_s += now - started
             stream.wait_s += now - started
             self._done = True
-            if item is EndOfEpoch:
+            if item is EndOfStream:
                 self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
                 # Cancelled (iter() or close() from another thread or a signal handler) while
                 # this next() waited: the iteration ended early, so it must say so.
@@ -154,7 +154,7 @@ class EpochIterator(LoaderIterator):
                 if not self._coordinator.is_alive():
                     return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
-    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+    def resume_point(self) -> ResumePoint | None:
         """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
         exactly (see ``Stream.resume_point``); None once every batch of it was returned."""
         if self._complete:
@@ -166,7 +166,7 @@ class EpochIterator(LoaderIterator):
             self._cancelled = why  # before _done: a next() in another thread that sees _done sees why
             self._done = True
             self._coordinator.submit("cancel", self._stream.gen)
-            self._stream.out.put(EndOfEpoch)  # wakes a reader blocked in another thread (device stage)
+            self._stream.out.put(EndOfStream)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
@@ -273,7 +273,7 @@ class InlineIterator(EpochIterator):
     def consumed(self) -> None:
         return None
 
-    def resume_point(self) -> tuple[int, Progress, dict[int, Progress], int | None] | None:
+    def resume_point(self) -> ResumePoint | None:
         if self._complete:
             return None
         low, done, until = self._number, Progress(self._progress), self._until
@@ -283,7 +283,7 @@ class InlineIterator(EpochIterator):
                 return None
             done = Progress(self._ahead.get(low, ()))
         ahead = {n: Progress(v) for n, v in sorted(self._ahead.items()) if n > low and v}
-        return low, done, ahead, until
+        return ResumePoint(low, done, ahead, until)
 
     def cancel(self, why: str) -> None:
         if not self._done:  # like the workers' iterator: a superseded epoch says so

@@ -23,6 +23,7 @@ from .coordinator import Coordinator, EngineConfig
 from .epochs import Epoch
 from .iteration import IterationContext, LoaderIterator
 from .iterators import EpochIterator, InlineIterator
+from .reassembly import ResumePoint
 from .resume import Resume, load_state, save_state
 from .sampler import ExplicitBatches, Sampler
 from .start import start_engine
@@ -320,7 +321,7 @@ class Loader:
         """
         return save_state(self._sampler, *self._position())
 
-    def _position(self) -> tuple[int, Any, dict[int, Any], int | None]:
+    def _position(self) -> ResumePoint:
         """``(epoch, what was returned of it, of later epochs, until)``: what ``state_dict`` saves,
         what was returned in the form ``Epoch.consumer_progress()`` gives."""
         epoch_class = getattr(self._sampler, "epoch_class", Epoch)
@@ -335,7 +336,7 @@ class Loader:
             point = active.resume_point()
             if point is not None:
                 epoch, done, ahead, until = point
-        return epoch, done, ahead, until
+        return ResumePoint(epoch, done, ahead, until)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next ``iter()`` continues that epoch where it stood.

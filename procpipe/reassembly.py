@@ -14,7 +14,7 @@ what ``Loader.state_dict()`` saves.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class Ordered:
@@ -101,3 +101,18 @@ class Progress:
     def __iter__(self):
         yield from range(self.below)
         yield from sorted(self.beyond)
+
+
+class ResumePoint(NamedTuple):
+    """Where the consumer stands, to resume exactly there (``Loader.state_dict``).
+
+    ``done``: what it has had of ``epoch``; ``ahead``: of later epochs (an ordered stream
+    can have batches of the next epoch while this one still waits); both in the form an
+    epoch's ``consumer_progress()`` gives. ``until``: the epoch the iteration stops before
+    (None: endless).
+    """
+
+    epoch: int
+    done: Any
+    ahead: dict[int, Any]
+    until: int | None

@@ -48,11 +48,15 @@ def to_torch(batch: Any) -> Any:
     """Every numpy array (numeric or bool) of ``batch`` as a tensor sharing its memory.
 
     Containers (dict, list, tuple, namedtuple) keep their type; other leaves (strings,
-    objects, arrays of str) are left as they are. This is ``Loader(device="cpu")``.
+    objects, arrays of str) are left as they are. This is ``Loader(device="cpu")``. A
+    read-only array (one that arrived through Ray's object store, procpipe.ray) is copied:
+    a tensor cannot be read-only, and writing into the store's memory would corrupt it.
     """
     kind = type(batch)
     if kind is np.ndarray:
-        return torch.from_numpy(batch) if batch.dtype.kind in "biufc" else batch
+        if batch.dtype.kind not in "biufc":
+            return batch
+        return torch.from_numpy(batch if batch.flags.writeable else batch.copy())
     if kind is dict:
         return {k: to_torch(v) for k, v in batch.items()}
     if kind is list:

@@ -310,3 +310,17 @@ def test_a_backend_needs_a_worker_count(workers):
 def test_importing_procpipe_does_not_import_ray():
     done = run_python(["-c", "import sys, procpipe; print('ray' in sys.modules)"])
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_device_stage_takes_batches_from_the_object_store(cluster):
+    torch = pytest.importorskip("torch", reason="device= needs torch")
+    with Loader(range(N), sample, batch_size=4, workers=0) as local:
+        expected = as_lists(local)
+    import warnings
+
+    with Loader(range(N), sample, batch_size=4, workers=1, device="cpu",
+                backend=procpipe.ray.Backend(nodes=1)) as loader, warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns on a tensor over read-only (object store) memory
+        got = list(loader)
+    assert all(isinstance(b["x"], torch.Tensor) for b in got)
+    assert [{k: v.tolist() for k, v in b.items()} for b in got] == expected

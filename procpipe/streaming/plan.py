@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..epochs import EmptyBatch, EndOfEpoch, EpochEnd, Stream, iteration_over
+from ..epochs import EmptyBatch, EndOfStream, EpochEnd, Stream, iteration_over
 from ..iteration import IterationContext, LoaderIterator
 from ..produce import produce
+from ..reassembly import ResumePoint
 from ..rng import SampleScope, shuffle_rng
 from .batching import BatchingConfig
 from .epoch import StreamEpoch
@@ -245,7 +246,7 @@ class InlineStream(LoaderIterator):
                 item.epoch.counters.ended = time.perf_counter()
                 continue
             self._stop()
-            if item is EndOfEpoch:
+            if item is EndOfStream:
                 self._complete = True
                 self._set_epoch(stream.until if stream.until is not None else stream.next_number)
                 raise StopIteration
@@ -290,7 +291,7 @@ class InlineStream(LoaderIterator):
     def consumed(self) -> int:
         return self._epoch.consumed
 
-    def resume_point(self) -> tuple[int, Any, dict[int, Any], int | None] | None:
+    def resume_point(self) -> ResumePoint | None:
         """As ``iterators.EpochIterator.resume_point``: the epochs come in order, so the oldest one the
         consumer is not past is the one it is in."""
         if self._complete:
