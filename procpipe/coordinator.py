@@ -335,12 +335,15 @@ class Coordinator:
         """The healthy worker with the fewest tasks, if it can take one more."""
         best = None
         for w in self.workers:
-            if (w.fatal or w.stalled or w.killed_for or w.dead or w.retiring
-                    or len(w.tasks) >= self.tasks_per_worker):
+            if not w.usable or w.stalled or len(w.tasks) >= self.tasks_per_worker:
                 continue
             if best is None or len(w.tasks) < len(best.tasks):
                 best = w
         return best
+
+    def has_free_slot(self) -> bool:
+        """A ring slot is free now (``epochs.Dispatcher``)."""
+        return self.ring is not None and bool(self.ring.free)
 
     def take_slot(self, epoch: Epoch) -> int | None:
         """A free ring slot for a task of ``epoch``, or None: no ring yet, or every slot is in

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import collate
 from .reassembly import Ordered, Progress, ResumePoint, Sloppy
@@ -40,6 +40,25 @@ def iteration_over(cancelled: str | None) -> None:
     if cancelled:
         raise RuntimeError(f"this epoch's iterator was ended early: {cancelled}")
     raise StopIteration
+
+
+class Dispatcher(Protocol):
+    """What an epoch that dispatches its own jobs (``Epoch.pins_workers``: a streaming epoch,
+    which sends each block to the worker reading its shard) may use of the engine. The
+    coordinator is one; an epoch never reads more of it than this."""
+
+    tasks_per_worker: int  # tasks a worker may hold at once
+    max_outstanding: int  # batches dispatched and not yet consumed, at most
+    workers: list  # the engine's WorkerLinks: ``index``, ``tasks``, ``usable``, ``retiring``
+
+    def has_free_slot(self) -> bool:
+        """A ring slot is free now (a block may go into the ring rather than the pipe)."""
+
+    def take_slot(self, epoch: Epoch) -> int | None:
+        """A free ring slot for a task of ``epoch`` (None: none)."""
+
+    def send(self, worker: Any, job: Job, slot: int) -> None:
+        """Send ``job`` to ``worker`` into ``slot`` (-1: inline)."""
 
 
 class EndOfStream:

@@ -94,6 +94,11 @@ class WorkerLink(ABC):
         """Neither straggling, nor killed, nor dead: a batch it runs needs no copy elsewhere."""
         return not (self.stalled or self.killed_for or self.dead)
 
+    @property
+    def usable(self) -> bool:
+        """It may be given new tasks (it may be busy): not failed to start, killed, dead or retiring."""
+        return not (self.fatal or self.killed_for or self.dead or self.retiring)
+
     def stop_if_idle(self) -> None:
         """A retiring worker with nothing left to run is told to stop (once)."""
         if self.retiring and not self.tasks and not self.stop_sent:

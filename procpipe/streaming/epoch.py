@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..epochs import EmptyBatch, Epoch, Failure, Job
+from ..epochs import Dispatcher, EmptyBatch, Epoch, Failure, Job
 from ..skips import SkipBudget
 from ..reassembly import Progress
 from .batching import Output
@@ -131,11 +131,11 @@ class StreamEpoch(Epoch):
         raise TypeError("a streaming epoch dispatches its own blocks (StreamEpoch.dispatch)")
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, co: Any) -> bool:
+    def dispatch(self, co: Dispatcher) -> bool:
         """Send every block that can go now; True if it stopped for want of a slot or of consumption.
 
-        ``co`` is the Coordinator: its ``workers``, ``ring``, ``tasks_per_worker`` and
-        ``max_outstanding`` are read here, and its ``take_slot`` and ``send`` do the dispatching.
+        ``co`` is the engine's side of dispatching (``epochs.Dispatcher``: the coordinator):
+        its workers, its bounds, and its ``take_slot`` and ``send``.
         """
         if self.finished:
             return False
@@ -148,7 +148,7 @@ class StreamEpoch(Epoch):
         while not self.finished:
             outstanding = sum(e.delivered - e.consumed + (0 if e.finished else e.in_flight + len(e.waiting))
                               for e in stream_epochs)
-            no_slot = co.ring is None or not co.ring.free
+            no_slot = not co.has_free_slot()
             best = best_key = None
             for state in self.states.values():
                 if state.redo:
@@ -229,7 +229,7 @@ class StreamEpoch(Epoch):
         self.jobs[seq] = job
         return job
 
-    def _worker(self, state: _Shard, co: Any) -> Any:
+    def _worker(self, state: _Shard, co: Dispatcher) -> Any:
         """The worker reading ``state``'s shard (assigned on first use: the one with the fewest open shards)."""
         workers = co.workers
         if state.worker is not None:
@@ -237,14 +237,14 @@ class StreamEpoch(Epoch):
                 if w.index == state.worker:
                     if w.retiring:
                         break  # autotune is retiring it: the shard moves
-                    return None if (w.fatal or w.killed_for or w.dead) else w
+                    return w if w.usable else None
         # First block, or its worker is gone: the least loaded worker takes the shard (if it is
         # not the shard's first block, that worker opens the shard again and skips ahead).
         load = {w.index: 0 for w in workers}
         for other in self.states.values():
             if other.worker in load and other.end is None:
                 load[other.worker] += 1
-        usable = [w for w in workers if not (w.fatal or w.killed_for or w.dead or w.retiring)]
+        usable = [w for w in workers if w.usable]
         if not usable:
             return None
         chosen = min(usable, key=lambda w: (load[w.index], len(w.tasks), w.index))
