@@ -22,7 +22,7 @@ from ..skips import SkipBudget
 from ..reassembly import Progress
 from .batching import Output
 from .order import StreamProgress
-from .shards import Block
+from .shards import Block, split_block_layout
 
 
 @dataclass(eq=False)
@@ -255,7 +255,7 @@ class StreamEpoch(Epoch):
     def ring_slot_bytes(self, layout: list, nbytes: int, job: Any, skipped: int) -> int | None:
         """Size the ring from the first block holding records: scaled up to a full block if it
         held fewer (a shard's short last block, or records skipped after a resume)."""
-        kept = layout[2][0][1][1]
+        kept = split_block_layout(layout)[0].kept
         if not kept:
             return None
         return math.ceil(nbytes * self.block_length / kept) if kept < self.block_length else nbytes
@@ -264,7 +264,8 @@ class StreamEpoch(Epoch):
         """A block's records arrived (``lease``: its ring slot, or None when inline)."""
         if self.jobs.pop(job.seq, None) is None or self.finished:
             return
-        (read, _, failed), inner = layout[2][0][1], layout[2][1]
+        info, inner = split_block_layout(layout)
+        read, failed = info.read, info.failed
         records = job.indices.kept(read)
         if failed:  # on_error="skip" left these out
             records = [r for r in records if r not in failed]

@@ -16,7 +16,7 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import collate
 from ..collate import INLINE, SEQ
@@ -51,6 +51,26 @@ class RecordKey(tuple):
 
     def __repr__(self) -> str:
         return f"(shard {self[0]}, record {self[1]})"
+
+
+class BlockRead(NamedTuple):
+    """What reading one block found: sent with the block's layout (``block_layout``)."""
+
+    read: int  # records read from the shard (fewer than block_length: the shard ended)
+    kept: int  # records the block holds (read, less those received before a resume)
+    failed: tuple  # records on_error="skip" left out
+
+
+def block_layout(info: BlockRead, inner: list) -> list:
+    """A block's reply layout (collate.py's format): ``info`` travels inline beside the layout
+    of its records, so the coordinator learns both from the one reply."""
+    return [SEQ, tuple, [[INLINE, tuple(info)], inner]]
+
+
+def split_block_layout(layout: list) -> tuple[BlockRead, list]:
+    """``block_layout``'s inverse: the ``BlockRead`` and the records' own layout."""
+    info, inner = layout[2]
+    return BlockRead(*info[1]), inner
 
 
 class Block:
@@ -170,11 +190,11 @@ class Shards:
                       capacity: int, status: Any | None = None) -> Produced:
         """Read ``block``, run ``fn`` on each record, collate into ``buffer`` (see ``produce.produce``).
 
-        The layout is ``[SEQ, tuple, [[INLINE, (read, kept)], inner]]``: the number of
-        records read (fewer than ``block_length`` means the shard has ended), how many of
-        them the block holds (all but ``block.skip``), and the block's own layout of those
-        (by mode: a stacked batch, a list of batches, or a list of records; ``[INLINE,
-        None]`` if none is kept). A block with no record at all has no layout (``None``).
+        The layout is a block layout (``block_layout``): a ``BlockRead`` (records read, fewer
+        than ``block_length`` meaning the shard has ended; how many of them the block holds,
+        all but ``block.skip``; the records ``on_error="skip"`` left out), and the block's own
+        layout of those (by mode: a stacked batch, a list of batches, or a list of records;
+        ``[INLINE, None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
         _, mode, batch_size = self._config
         skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
@@ -187,7 +207,7 @@ class Shards:
         if not read:
             return Produced(None, 0, False, [], [])
         if not samples:  # every record read was received before a resume
-            return Produced([SEQ, tuple, [[INLINE, (read, 0, failed)], [INLINE, None]]], 0, buffer is not None, [],
+            return Produced(block_layout(BlockRead(read, 0, failed), [INLINE, None]), 0, buffer is not None, [],
                             skipped)
         if mode == CHUNKS:
             batches = [self._chunk(spec, scope, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
@@ -203,7 +223,7 @@ class Shards:
             except Exception as exc:
                 exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
                 raise
-        return Produced([SEQ, tuple, [[INLINE, (read, len(samples), failed)], layout]], nbytes, in_slot, keys, skipped)
+        return Produced(block_layout(BlockRead(read, len(samples), failed), layout), nbytes, in_slot, keys, skipped)
 
     def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None,
               skipped: list) -> tuple[list[RecordKey], list[Any], int]:
