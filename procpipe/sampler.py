@@ -19,6 +19,22 @@ import numpy as np
 from .rng import shuffle_rng
 
 
+def epoch_order(n: int, epoch: int, shuffle: bool, seed: int, reshuffle: bool, shard: tuple[int, int] | None,
+                pad_to: int | None = None) -> np.ndarray:
+    """The one definition of an epoch's order, for samples (``Sampler``) and for shards
+    (``streaming.StreamPlan``): ``range(n)``, permuted from ``(seed, epoch)`` (epoch 0's
+    permutation every epoch without ``reshuffle``), then this rank's part with
+    ``shard=(rank, world)``: positions ``rank, rank + world, ...``, after padding the order
+    to ``pad_to`` by repeating its first entries (``DistributedSampler``'s equal lengths)."""
+    order = shuffle_rng(seed, epoch if reshuffle else 0).permutation(n) if shuffle else np.arange(n)
+    if shard is not None:
+        rank, world = shard
+        if pad_to is not None:
+            order = np.resize(order, pad_to)  # resize pads by repeating
+        order = order[rank::world]
+    return order
+
+
 @dataclass(frozen=True)
 class Sampler:
     """Splits ``range(length)`` into the batches of each epoch.
@@ -58,14 +74,8 @@ class Sampler:
         return -(-self.count // self.step)
 
     def order(self, epoch: int) -> np.ndarray:
-        if self.shuffle:
-            order = shuffle_rng(self.seed, epoch if self.reshuffle else 0).permutation(self.length)
-        else:
-            order = np.arange(self.length)
-        if self.shard is not None:
-            rank, world = self.shard
-            order = np.resize(order, self.count * world)[rank::world]  # resize pads by repeating
-        return order
+        return epoch_order(self.length, epoch, self.shuffle, self.seed, self.reshuffle, self.shard,
+                           pad_to=None if self.shard is None else self.count * self.shard[1])
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of ``epoch``, in delivery order."""

@@ -324,3 +324,13 @@ def test_a_device_stage_takes_batches_from_the_object_store(cluster):
         got = list(loader)
     assert all(isinstance(b["x"], torch.Tensor) for b in got)
     assert [{k: v.tolist() for k, v in b.items()} for b in got] == expected
+
+
+def big(i):
+    return np.zeros(10 * 2**20, np.uint8)  # 10 MiB a sample: 40 MiB a batch
+
+
+def test_batches_in_flight_that_do_not_fit_the_object_store_fail_early_with_the_fix(cluster):
+    with Loader(range(16), big, batch_size=4, workers=1, backend=procpipe.ray.Backend(nodes=2)) as loader:
+        with pytest.raises(procpipe.ray.ObjectStoreError, match="object store holds 100 MiB.*smaller batch_size"):
+            list(loader)

@@ -21,7 +21,8 @@ from ..epochs import EmptyBatch, EndOfStream, EpochEnd, Stream, iteration_over
 from ..iteration import IterationContext, LoaderIterator
 from ..produce import produce
 from ..reassembly import ResumePoint
-from ..rng import SampleScope, shuffle_rng
+from ..rng import SampleScope
+from ..sampler import epoch_order
 from .batching import BatchingConfig
 from .epoch import StreamEpoch
 from ..checks import check_int, is_count
@@ -119,15 +120,8 @@ class StreamPlan:
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
-        n = len(self.shards.shards)
-        if self.shuffle:
-            order = shuffle_rng(self.seed, epoch if self.reshuffle else 0).permutation(n)
-        else:
-            order = np.arange(n)
-        if self.shard is not None:
-            rank, world = self.shard
-            order = order[rank::world]
-        return order.tolist()
+        return epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle,
+                           self.shard).tolist()
 
     def settings(self) -> dict[str, Any]:
         """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
