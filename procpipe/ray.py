@@ -668,23 +668,12 @@ class RayPool(WorkerPool):
                     continue
                 if not agent.ready:  # a replacement, starting: ask where it runs (its answer: started)
                     if agent.ping_sent is None:
-                        try:
-                            pending[agent.handle.node.remote()] = agent
-                        except Exception as exc:  # noqa: BLE001
-                            self._lose(agent, f"{type(exc).__name__}: {exc}")
-                            continue
-                        agent.ping_sent = now
+                        self._ask(agent, "node", pending, now)
                     elif now - agent.started > self.backend.start_timeout:
                         self._lose(agent, f"it did not start within start_timeout={self.backend.start_timeout} s: "
                                           "no node had room for it")
-                    continue
-                if agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
-                    try:
-                        pending[agent.handle.ping.remote()] = agent
-                    except Exception as exc:  # noqa: BLE001
-                        self._lose(agent, f"{type(exc).__name__}: {exc}")
-                        continue
-                    agent.ping_sent = now
+                elif agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
+                    self._ask(agent, "ping", pending, now)
                 elif agent.ping_sent is not None and now - agent.ping_sent > timeout:
                     self._lose(agent, f"no heartbeat for {timeout} s (node_timeout)")
             for ref in [r for r, a in pending.items() if not a.alive]:
@@ -705,6 +694,16 @@ class RayPool(WorkerPool):
                     self._started(agent, *answer)
                 agent.ping_sent = None
                 agent.pong_at = time.monotonic()
+
+
+    def _ask(self, agent: _AgentSlot, method: str, pending: dict[Any, _AgentSlot], now: float) -> None:
+        """Call ``agent.<method>()`` (``node`` or ``ping``); its answer is awaited in ``pending``."""
+        try:
+            pending[getattr(agent.handle, method).remote()] = agent
+        except Exception as exc:  # noqa: BLE001 - the actor handle is dead already
+            self._lose(agent, f"{type(exc).__name__}: {exc}")
+            return
+        agent.ping_sent = now
 
 
 def _kill(handle: Any) -> None:
