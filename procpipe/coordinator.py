@@ -93,11 +93,12 @@ class Coordinator:
         self.pool = pool
         self.files = files
         self.owner = os.getpid()  # the only process that may stop the workers or remove the files
-        self.tasks_per_worker = TASKS_PER_WORKER  # deepened once the first batch shows it is small
+        # deepened once the first batch shows it is small; a remote pool asks for its own depth
+        self.tasks_per_worker = pool.tasks_per_worker or TASKS_PER_WORKER
         self.n_workers = config.workers  # workers given tasks (autotune changes it; retiring ones excluded)
         # The most workers at once: status words and worker indices are sized for it.
         self.capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
-        self.max_outstanding = config.prefetch + TASKS_PER_WORKER * config.workers
+        self.max_outstanding = config.prefetch + self.tasks_per_worker * config.workers
         # Speculative attempts need slots of their own, beyond those of the batches in flight.
         self.spare_slots = config.workers if config.speculate is not None else 0
         self.tuner: Tuner | None = None

@@ -176,6 +176,7 @@ class WorkerPool(ABC):
     """Starts and stops worker links; the coordinator decides how many and which index."""
 
     uses_ring: bool = True  # workers write batches into the coordinator's ring (same machine)
+    tasks_per_worker: int | None = None  # tasks a worker holds at once; None: the coordinator's choice
 
     @abstractmethod
     def start(self, index: int, counters: WorkerCounters) -> WorkerLink:
@@ -296,8 +297,10 @@ class LocalPool(WorkerPool):
     ``capacity``: the most workers at once (their status words are sized for it).
     """
 
-    def __init__(self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int) -> None:
+    def __init__(self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int,
+                 own_session: bool = False) -> None:
         self.ctx = ctx
+        self.own_session = own_session  # each worker in a session of its own (worker.worker_main)
         self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.prefix = files.prefix  # of the loader's shared files
         self.env = env  # worker_env: set on top of this process's environment in each worker
@@ -313,7 +316,8 @@ class LocalPool(WorkerPool):
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
-            args=(index, child_conn, self.spec, self.prefix, *self.parent, {**os.environ, **self.env}),
+            args=(index, child_conn, self.spec, self.prefix, *self.parent, {**os.environ, **self.env},
+                  self.own_session),
             name=f"procpipe-worker-{index}",
             daemon=True,
         )

@@ -178,7 +178,7 @@ class Agent:
         self.files = SharedFiles(shm_dir)
         spec = dill.loads(spec_bytes)
         config = EngineConfig(workers, True, 0, None, 0, env, start_method)
-        self.pool = local_pool(config, spec, cache, self.files)
+        self.pool = local_pool(config, spec, cache, self.files, own_session=True)
         self.lanes = [_Lane(self.pool.start(i, WorkerCounters())) for i in range(workers)]
         self.rings: list[Any] = []  # the current ring last; older ones until their slots are back
         self.ring_lock = threading.Lock()
@@ -452,6 +452,9 @@ class RayPool(WorkerPool):
     """``nodes`` agents of ``workers`` lanes each; the coordinator's WorkerPool for a Ray cluster."""
 
     uses_ring = False  # batches come through Ray's object store, not the coordinator's ring
+    # A round trip through Ray takes milliseconds: a lane holds more tasks, so that its worker
+    # never waits for the next one (they wait in the agent, in order; none in the object store).
+    tasks_per_worker = 4
 
     def __init__(self, backend: Backend, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any,
                  shm_dir: str) -> None:

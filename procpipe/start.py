@@ -43,14 +43,16 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
         raise
 
 
-def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles) -> LocalPool:
+def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles,
+               own_session: bool = False) -> LocalPool:
     """Worker processes on this machine: the start method's context, the cache (which runs the
-    first sample here), and the user's objects shipped to them."""
+    first sample here), and the user's objects shipped to them (``own_session``: see
+    ``worker.worker_main``)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
     ctx = context(config.start_method, config.worker_env, files)
     spec.cache = open_cache(spec, cache, files, files.directory)
     shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
-    return LocalPool(ctx, shipped, files, config.worker_env, capacity)
+    return LocalPool(ctx, shipped, files, config.worker_env, capacity, own_session)
 
 
 def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:

@@ -170,11 +170,19 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 
 def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
-                parent_pid: int, parent_started: float, env: dict[str, str]) -> None:
-    """Entry point of a worker process; ``env`` is its whole environment (pool.Launcher)."""
+                parent_pid: int, parent_started: float, env: dict[str, str], own_session: bool = False) -> None:
+    """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
+
+    ``own_session``: start a session of its own, out of its parent's process group. A Ray
+    agent's workers need it: Ray kills a dead actor's whole process group at once, and a
+    worker killed so could not remove its agent's files; in a session of its own it sees the
+    agent gone, removes them, and exits (procpipe.ray)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
-    _die_with_parent()
+    if own_session:  # (and no death signal from its parent process: Ray kills an agent's forkserver
+        os.setsid()  # before the agent itself; the watch below follows the agent)
+    else:
+        _die_with_parent()
     # The whole environment, not an update: a forkserver keeps the environment it started
     # with (the first loader's worker_env), which must not leak into another loader's workers.
     os.environ.clear()
