@@ -132,9 +132,16 @@ class Coordinator:
         os.set_blocking(self._wake_w, False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        for i in range(config.workers):
-            self.worker_counters.append(WorkerCounters())
-            self.workers.append(self._start_worker(i))
+        try:
+            for i in range(config.workers):
+                self.worker_counters.append(WorkerCounters())
+                self.workers.append(self._start_worker(i))
+        except BaseException:  # (the caller removes the files and closes the pool)
+            self.pool.stop(self.workers)
+            self._selector.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            raise
         self._last_health = 0.0
         self._thread = threading.Thread(target=self._run, name="procpipe-coordinator", daemon=True)
         self._thread.start()
@@ -312,7 +319,11 @@ class Coordinator:
             stream.open(stream.first)
             for i, w in enumerate(self.workers):
                 if w.dead:  # it died past the previous epoch's budget: a fresh start
-                    self.workers[i] = self._start_worker(w.index)
+                    try:
+                        self.workers[i] = self._start_worker(w.index)
+                    except Exception as exc:  # a remote pool past its budget (NodeLostError)
+                        self._broken = exc
+                        break
             if self._broken is not None:
                 self._fail(self._broken)
         elif command == "cancel":
@@ -343,8 +354,9 @@ class Coordinator:
         return best
 
     def has_free_slot(self) -> bool:
-        """A ring slot is free now (``epochs.Dispatcher``)."""
-        return self.ring is not None and bool(self.ring.free)
+        """A task may go now without waiting for a slot (``epochs.Dispatcher``): a ring slot is
+        free, or the pool's workers do not write into the ring (a remote pool)."""
+        return not self.pool.uses_ring or (self.ring is not None and bool(self.ring.free))
 
     def take_slot(self, epoch: Epoch) -> int | None:
         """A free ring slot for a task of ``epoch``, or None: no ring yet, or every slot is in
@@ -471,6 +483,8 @@ class Coordinator:
         if isinstance(message, WorkerFatal):
             worker.fatal = message.traceback
             return
+        if not isinstance(message, (BatchDone, BatchFailed)):
+            return  # (a pool's own message, e.g. a remote pool's WorkerLost, never reaches here)
         if isinstance(message, SamplesSkipped):
             attempt = self._attempts.get(message.task_id)
             if attempt is not None:

@@ -40,6 +40,7 @@ few seconds. Import this module only where Ray is installed (``pip install procp
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -49,14 +50,17 @@ from typing import Any
 
 import ray
 
-from .messages import STOP, BatchDone, Reply, Task, WorkerFatal, WorkerLost, WorkerReady
+from .messages import STOP, BatchDone, BatchFailed, ErrorInfo, Reply, Task, WorkerFatal, WorkerLost, WorkerReady
 from .pool import WorkerLink, WorkerPool
 from .stats import WorkerCounters
 
 __all__ = ["Backend", "NodeLostError", "ObjectStoreError", "RayPool"]
 
+logger = logging.getLogger("procpipe")
+
 _CALL_TIMEOUT_S = 10.0  # a control call to an agent (close, ping) that takes longer is given up on
 _PING_EVERY_S = 1.0  # heartbeat period
+_CLOSE_WAIT_S = 3.0  # close(): how long the agents get to stop their workers before they are killed
 _START_FAILED = "loading the dataset and functions, or starting its worker processes, failed on its node"
 
 
@@ -168,7 +172,7 @@ class Agent:
     """
 
     def __init__(self, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any, shm_dir: str,
-                 start_method: str) -> None:
+                 start_method: str, start_timeout: float) -> None:
         import dill
 
         from .coordinator import EngineConfig
@@ -179,15 +183,59 @@ class Agent:
         spec = dill.loads(spec_bytes)
         config = EngineConfig(workers, True, 0, None, 0, env, start_method)
         self.pool = local_pool(config, spec, cache, self.files, own_session=True)
+        self.start_timeout = start_timeout
         self.lanes = [_Lane(self.pool.start(i, WorkerCounters())) for i in range(workers)]
+        for lane in self.lanes:  # an agent that answers has every worker ready: tasks' time runs from there
+            self._wait_ready(lane.link)
         self.rings: list[Any] = []  # the current ring last; older ones until their slots are back
         self.ring_lock = threading.Lock()
         self.slots = 2 * workers + 2  # each lane's running batch, and the one Ray is still sending
         self.closed = False
 
-    def node(self) -> tuple[str, int]:
-        """(Ray node id, pid): where this agent runs; answering it means the agent is up."""
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+    def _wait_ready(self, link: Any) -> None:
+        """Wait until a new worker process has loaded the dataset and functions (``WorkerReady``)."""
+        from multiprocess.connection import wait
+
+        from . import wire
+        from .messages import WorkerReady
+
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            ready = wait([link.conn, link.process.sentinel], 1.0)
+            if link.conn in ready:
+                try:
+                    reply = wire.decode(link.conn.recv_bytes())
+                except (EOFError, OSError):
+                    break
+                if isinstance(reply, WorkerReady):
+                    return
+                if isinstance(reply, WorkerFatal):
+                    raise RuntimeError(f"a procpipe worker on this node could not load the dataset, fn or "
+                                       f"collate_fn:\n{reply.traceback}")
+            elif link.process.sentinel in ready:
+                break
+        raise RuntimeError(f"a procpipe worker on this node did not start (exit code {link.exitcode}) within "
+                           f"start_timeout={self.start_timeout} s; its traceback, if any, is in the node's Ray logs")
+
+    def _restart(self, lane: _Lane, lane_index: int, generation: int, task_id: int) -> WorkerLost:
+        """The lane's process died (or was killed): a new one, ready, before the death is reported."""
+        link = lane.link
+        index = link.stuck_on(_AttemptId(task_id))
+        link.process.join(1.0)
+        code = link.exitcode
+        link.reap()
+        lane.lost_up_to = generation
+        lane.link = self.pool.start(lane_index, WorkerCounters())
+        try:
+            self._wait_ready(lane.link)
+        except RuntimeError:
+            pass  # its first task will find it dead and report that
+        return WorkerLost(task_id, code, index)
+
+    def node(self) -> tuple[str, int, str]:
+        """(Ray node id, pid, files prefix): where this agent runs and what it created there;
+        answering it means the agent and its workers are up."""
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self.files.prefix
 
     def ping(self) -> bool:
         return not self.closed
@@ -236,13 +284,7 @@ class Agent:
                     raise EOFError
         except (EOFError, OSError):  # the worker process died: restart it, and say so
             self._release(ring, slot)
-            index = link.stuck_on(_AttemptId(task.id))
-            link.process.join(1.0)
-            code = link.exitcode
-            link.reap()
-            lane.lost_up_to = generation
-            lane.link = self.pool.start(lane_index, WorkerCounters())
-            return skipped, WorkerLost(task.id, code, index)
+            return skipped, self._restart(lane, lane_index, generation, task.id)
         if isinstance(reply, WorkerFatal):
             self._release(ring, slot)
             return skipped, reply
@@ -289,9 +331,18 @@ class Agent:
             if current is not None:
                 current.retired = True
 
-    def kill_lane(self, lane_index: int) -> None:
-        """``task_timeout`` on the trainer: end this lane's process (its running call answers WorkerLost)."""
-        self.lanes[lane_index].link.kill()
+    def kill_lane(self, lane_index: int, generation: int) -> WorkerLost | None:
+        """``task_timeout`` on the trainer: end this lane's process now. A call running on it
+        answers ``WorkerLost`` (and restarts it); if none was (the task had just finished),
+        this call restarts it and answers ``WorkerLost`` itself, so the trainer always learns."""
+        lane = self.lanes[lane_index]
+        lane.link.kill()
+        with lane.turn:  # (after a running call has handled the death)
+            if generation <= lane.lost_up_to or generation < lane.generation:
+                return None  # reported already, or a newer link uses the lane
+            lost = self._restart(lane, lane_index, generation, -1)
+            lane.turn.notify_all()
+            return lost
 
     def close(self) -> None:
         """Stop the worker processes and remove every file of this agent."""
@@ -404,22 +455,26 @@ class RemoteWorker(WorkerLink):
 
     # ---- called from Ray's callback thread, or the pool's monitor
     def deliver(self, replies: list[Reply]) -> None:
+        """Replies from the agent (Ray's callback thread). A ``WorkerLost`` is not a reply the
+        coordinator reads: it ends the lane (what the process was loading is kept for
+        ``stuck_on``), after the replies that came before it."""
         with self.lock:
             if self.closed or self.ended:
                 return  # a late reply of a lane already given up: its tasks were re-queued
-            self.inbox.extend(replies)
-            _poke(self._reply_w)
-            if any(isinstance(r, WorkerLost) for r in replies):
-                self._end(next(r for r in replies if isinstance(r, WorkerLost)))
+            lost = next((r for r in replies if isinstance(r, WorkerLost)), None)
+            self.inbox.extend(r for r in replies if not isinstance(r, WorkerLost))
+            if lost is not None:
+                self.lost_code = lost.exitcode
+                self.lost_index[lost.task_id] = lost.index
+                self._end()
             elif any(isinstance(r, WorkerFatal) for r in replies):
-                self._end(None)
+                self._end()
+            else:
+                _poke(self._reply_w)
 
-    def _end(self, lost: WorkerLost | None) -> None:
-        if lost is not None:
-            self.lost_code = lost.exitcode
-            self.lost_index[lost.task_id] = lost.index
-            self.inbox = deque(r for r in self.inbox if not isinstance(r, WorkerLost))
+    def _end(self) -> None:
         self.ended = True
+        _poke(self._reply_w)  # (the replies before the end are read first: _on_exit reads them)
         _poke(self._exit_w)
 
     def end(self, agent_lost: bool = False) -> None:
@@ -428,7 +483,7 @@ class RemoteWorker(WorkerLink):
             if self.closed or self.ended:
                 return
             self.agent_lost = agent_lost
-            self._end(None)
+            self._end()
 
 
 @dataclass(eq=False)
@@ -440,6 +495,7 @@ class _AgentSlot:
     generation: int  # how many agents held this number before it
     node_id: str = ""
     pid: int | None = None
+    files_prefix: str = ""  # of the files it created on its node
     alive: bool = True
     ready: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -474,6 +530,7 @@ class RayPool(WorkerPool):
         self.events: deque[tuple] = deque(maxlen=1000)  # (t, "lost" / "replacing" / "ready", agent, detail)
         self.closed = False
         self._actor = ray.remote(Agent).options  # (a class per pool: ray.remote wraps it)
+        self.store_bytes = _local_object_store()  # read here: admit() runs on the coordinator thread
         try:
             for number in range(backend.nodes):
                 self.agents[number] = self._start_agent(number, 0)
@@ -492,7 +549,7 @@ class RayPool(WorkerPool):
                                        max_task_retries=0, max_concurrency=self.workers * 8 + 8,
                                        scheduling_strategy="SPREAD")  # agents on different nodes where they fit
         handle = self._actor(**options).remote(self.spec_ref, self.workers, self.env, self.cache, self.shm_dir,
-                                               backend.start_method)
+                                               backend.start_method, backend.start_timeout)
         return _AgentSlot(number, handle, generation)
 
     def _wait_ready(self, agents: list[_AgentSlot]) -> None:
@@ -502,10 +559,10 @@ class RayPool(WorkerPool):
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.backend.start_timeout)
         for ref in ready:
             try:
-                node_id, pid = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                answer = ray.get(ref, timeout=_CALL_TIMEOUT_S)
             except ray.exceptions.RayError as exc:
                 raise RuntimeError(f"procpipe: a Ray agent could not start ({_START_FAILED}): {exc}") from exc
-            self._started(refs[ref], node_id, pid)
+            self._started(refs[ref], *answer)
         if pending:
             backend = self.backend
             cpus = self.workers if backend.cpus_per_node is None else backend.cpus_per_node
@@ -537,10 +594,10 @@ class RayPool(WorkerPool):
             self.agents[number] = replacement
             return replacement
 
-    def _started(self, agent: _AgentSlot, node_id: str, pid: int) -> None:
+    def _started(self, agent: _AgentSlot, node_id: str, pid: int, prefix: str) -> None:
         """``agent`` answered: its lanes' tasks now run (their time counts from here)."""
         with self.lock:
-            agent.node_id, agent.pid, agent.ready = node_id, pid, True
+            agent.node_id, agent.pid, agent.files_prefix, agent.ready = node_id, pid, prefix, True
             self._event("ready", agent.number, node_id)
             lanes = [link for link in self.links.values() if link.agent is agent]
         for link in lanes:
@@ -562,8 +619,8 @@ class RayPool(WorkerPool):
     # ---- WorkerPool
     def start(self, index: int, counters: WorkerCounters) -> RemoteWorker:
         number, lane = divmod(index, self.workers)
-        agent = self._agent(number)
-        with self.lock:
+        with self.lock:  # (one section: a loss of the agent either sees this link or comes before it)
+            agent = self._agent(number)
             self.generations += 1
             link = RemoteWorker(index, counters, self, agent, lane, self.generations)
             link.ready = agent.ready  # else its WorkerReady comes when the agent answers (_started)
@@ -577,27 +634,47 @@ class RayPool(WorkerPool):
         try:
             ref = agent.handle.run.remote(link.lane, link.generation, seq, task)
         except Exception as exc:  # noqa: BLE001 - the actor handle is dead already
-            self._lose(agent, f"{type(exc).__name__}: {exc}")
+            self._lost(link, exc)
             return
 
         def done(future: Any) -> None:
             try:
                 skipped, reply = future.result()
-            except ray.exceptions.RayTaskError as exc:  # procpipe's agent code raised: not recoverable
-                link.deliver([WorkerFatal(f"the Ray agent failed running a task: {exc}")])
+            except ray.exceptions.RayTaskError as exc:  # the agent could not run or return this batch
+                link.deliver([_batch_error(task, exc)])
                 return
             except BaseException as exc:  # noqa: BLE001 - actor died, node lost, object lost...
-                self._lose(agent, f"{type(exc).__name__}: {exc}")
+                self._lost(link, exc)
                 return
             link.deliver([*skipped, reply])
 
         ref.future().add_done_callback(done)
 
+    def _lost(self, link: RemoteWorker, exc: BaseException) -> None:
+        """A call to ``link``'s agent failed with a Ray error: the agent is lost, and so is the lane
+        (even if the agent was declared lost before this link was made)."""
+        self._lose(link.agent, f"{type(exc).__name__}: {exc}")
+        link.end(agent_lost=True)
+
     def kill_lane(self, link: RemoteWorker) -> None:
+        """``task_timeout``: the agent ends the lane's process; its answer (a ``WorkerLost``,
+        unless a running task reported the death already) ends the link."""
         try:
-            link.agent.handle.kill_lane.remote(link.lane)
+            ref = link.agent.handle.kill_lane.remote(link.lane, link.generation)
         except Exception as exc:  # noqa: BLE001
-            self._lose(link.agent, f"{type(exc).__name__}: {exc}")
+            self._lost(link, exc)
+            return
+
+        def done(future: Any) -> None:
+            try:
+                lost = future.result()
+            except BaseException as exc:  # noqa: BLE001 - actor died, node lost...
+                self._lost(link, exc)
+                return
+            if lost is not None:
+                link.deliver([lost])
+
+        ref.future().add_done_callback(done)
 
     def stop(self, links: list[WorkerLink]) -> None:
         self.closed = True
@@ -608,8 +685,8 @@ class RayPool(WorkerPool):
                 refs.append(agent.handle.close.remote())
             except Exception:  # noqa: BLE001 - already gone
                 pass
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=_CALL_TIMEOUT_S)
+        if refs:  # (bounded: the coordinator's close() waits a few seconds for all of this)
+            ray.wait(refs, num_returns=len(refs), timeout=_CLOSE_WAIT_S)
         self._kill_all()
         for link in links:
             if isinstance(link, RemoteWorker):
@@ -625,11 +702,7 @@ class RayPool(WorkerPool):
 
     def admit(self, batch_bytes: int, in_flight: int) -> None:
         """Fail early if the batches in flight would not fit the object store of this node."""
-        try:
-            me = ray.get_runtime_context().get_node_id()
-            store = next(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["NodeID"] == me)
-        except Exception:  # noqa: BLE001 - cannot tell: go on
-            return
+        store = self.store_bytes
         needed = batch_bytes * (in_flight + 1)
         if store and needed > store * 0.8:
             raise ObjectStoreError(
@@ -644,7 +717,7 @@ class RayPool(WorkerPool):
         agent number, detail)``, in order."""
         with self.lock:
             agents = [None if a is None else {"number": a.number, "node": a.node_id, "pid": a.pid, "ready": a.ready,
-                                              "alive": a.alive} for a in self.agents]
+                                              "alive": a.alive, "files": a.files_prefix} for a in self.agents]
             return {"kind": "ray", "nodes": self.backend.nodes, "workers_per_node": self.workers, "agents": agents,
                     "restarts": self.restarts, "events": list(self.events)}
 
@@ -660,44 +733,51 @@ class RayPool(WorkerPool):
     def _watch(self) -> None:
         """Ping every agent about once a second; one silent for ``node_timeout`` seconds is lost.
         Also kills the agents declared lost (a silent one may still be running somewhere)."""
-        timeout = self.backend.node_timeout
         pending: dict[Any, _AgentSlot] = {}
         while not self.closed:
-            while self.doomed:
-                _kill(self.doomed.popleft())
-            now = time.monotonic()
-            for agent in list(self.agents):
-                if agent is None or not agent.alive:
-                    continue
-                if not agent.ready:  # a replacement, starting: ask where it runs (its answer: started)
-                    if agent.ping_sent is None:
-                        self._ask(agent, "node", pending, now)
-                    elif now - agent.started > self.backend.start_timeout:
-                        self._lose(agent, f"it did not start within start_timeout={self.backend.start_timeout} s: "
-                                          "no node had room for it")
-                elif agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
-                    self._ask(agent, "ping", pending, now)
-                elif agent.ping_sent is not None and now - agent.ping_sent > timeout:
-                    self._lose(agent, f"no heartbeat for {timeout} s (node_timeout)")
-            for ref in [r for r, a in pending.items() if not a.alive]:
-                del pending[ref]
-            if not pending:
-                time.sleep(_PING_EVERY_S / 2)
-                continue
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_PING_EVERY_S / 2)
-            for ref in ready:
-                agent = pending.pop(ref)
-                try:
-                    answer = ray.get(ref, timeout=_CALL_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 - actor died, node lost, or it could not start
-                    why = f"{type(exc).__name__}: {exc}"
-                    self._lose(agent, why if agent.ready else f"{_START_FAILED}: {why}")
-                    continue
-                if not agent.ready:
-                    self._started(agent, *answer)
-                agent.ping_sent = None
-                agent.pong_at = time.monotonic()
+            try:
+                self._watch_once(pending)
+            except Exception:  # noqa: BLE001 - the monitor must outlive any one failure (it logs, goes on)
+                logger.exception("procpipe.ray: the agent monitor failed one round; it goes on")
+                time.sleep(_PING_EVERY_S)
 
+    def _watch_once(self, pending: dict[Any, _AgentSlot]) -> None:
+        """One round of ``_watch``."""
+        timeout = self.backend.node_timeout
+        while self.doomed:
+            _kill(self.doomed.popleft())
+        now = time.monotonic()
+        for agent in list(self.agents):
+            if agent is None or not agent.alive:
+                continue
+            if not agent.ready:  # a replacement, starting: ask where it runs (its answer: started)
+                if agent.ping_sent is None:
+                    self._ask(agent, "node", pending, now)
+                elif now - agent.started > self.backend.start_timeout:
+                    self._lose(agent, f"it did not start within start_timeout={self.backend.start_timeout} s: "
+                                      "no node had room for it")
+            elif agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
+                self._ask(agent, "ping", pending, now)
+            elif agent.ping_sent is not None and now - agent.ping_sent > timeout:
+                self._lose(agent, f"no heartbeat for {timeout} s (node_timeout)")
+        for ref in [r for r, a in pending.items() if not a.alive]:
+            del pending[ref]
+        if not pending:
+            time.sleep(_PING_EVERY_S / 2)
+            return
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=_PING_EVERY_S / 2)
+        for ref in ready:
+            agent = pending.pop(ref)
+            try:
+                answer = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - actor died, node lost, or it could not start
+                why = f"{type(exc).__name__}: {exc}"
+                self._lose(agent, why if agent.ready else f"{_START_FAILED}: {why}")
+                continue
+            if not agent.ready:
+                self._started(agent, *answer)
+            agent.ping_sent = None
+            agent.pong_at = time.monotonic()
 
     def _ask(self, agent: _AgentSlot, method: str, pending: dict[Any, _AgentSlot], now: float) -> None:
         """Call ``agent.<method>()`` (``node`` or ``ping``); its answer is awaited in ``pending``."""
@@ -709,11 +789,31 @@ class RayPool(WorkerPool):
         agent.ping_sent = now
 
 
+def _batch_error(task: Task, exc: BaseException) -> BatchFailed:
+    """The error of a batch the agent could not run or send back (``RayTaskError``): raised in
+    the batch's place, as a reply that does not unpickle is locally."""
+    import traceback
+
+    text = (f"the Ray agent could not run or return the batch of task {task.id} (a sample Ray cannot "
+            f"serialize, or a failure in procpipe's agent): {exc}")
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return BatchFailed(task.id, ErrorInfo(None, None, "builtins.RuntimeError", text, tb), 0.0)
+
+
 def _kill(handle: Any) -> None:
     try:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+
+
+def _local_object_store() -> int:
+    """Bytes of this node's Ray object store (0: unknown)."""
+    try:
+        me = ray.get_runtime_context().get_node_id()
+        return int(next(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["NodeID"] == me))
+    except Exception:  # noqa: BLE001 - cannot tell: admit() then checks nothing
+        return 0
 
 
 def _pipe() -> tuple[int, int]:

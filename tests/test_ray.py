@@ -100,21 +100,22 @@ def by_record(batches):
 
 
 def agent_processes(loader):
-    """The agents' processes and every procpipe worker under them (this machine is every node)."""
-    pool = loader._coordinator.pool
-    pids = [a.pid for a in pool.agents if a is not None and a.alive]
+    """The agents' files prefixes, and their processes with every procpipe worker under them
+    (this machine is every node)."""
+    agents = [a for a in loader.stats()["backend"]["agents"] if a is not None and a["alive"]]
     procs = []
-    for pid in pids:
-        p = psutil.Process(pid)
+    for agent in agents:
+        p = psutil.Process(agent["pid"])
         procs += [p, *p.children(recursive=True)]
-    return pids, procs
+    return [a["files"] for a in agents], procs
 
 
-def assert_agents_cleaned(pids, procs, timeout=30):
+def assert_agents_cleaned(prefixes, procs, timeout=30):
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"agent processes left: {alive}"
-    left = [f for pid in pids for f in glob.glob(f"/dev/shm/procpipe-{pid}-*")]
+    assert all(prefixes)
+    left = [f for prefix in prefixes for f in glob.glob(prefix + "*")]
     assert not left, f"agent files left: {left}"
 
 
@@ -126,8 +127,8 @@ def test_same_batches_as_workers_0_over_two_epochs(cluster, kind, ordered):
     with make(kind, workers=0, epochs=2, ordered=ordered) as local:
         expected = as_lists(local)
     with make(kind, workers=1, epochs=2, ordered=ordered, backend=procpipe.ray.Backend(nodes=2)) as loader:
-        pids, procs = agent_processes(loader)
-        assert len(pids) == 2 and len({a.node_id for a in loader._coordinator.pool.agents}) == 2  # two nodes
+        prefixes, procs = agent_processes(loader)
+        assert len(prefixes) == 2 and len({a.node_id for a in loader._coordinator.pool.agents}) == 2  # two nodes
         got = as_lists(loader)
     if ordered:
         assert got == expected
@@ -135,7 +136,7 @@ def test_same_batches_as_workers_0_over_two_epochs(cluster, kind, ordered):
         assert sorted(got, key=key) == sorted(expected, key=key)
     else:  # a sloppy stream batches records as their blocks arrive: the same records, the same values
         assert by_record(got) == by_record(expected)
-    assert_agents_cleaned(pids, procs)
+    assert_agents_cleaned(prefixes, procs)
     assert our_shm_files() == files_before
 
 
@@ -192,6 +193,9 @@ def test_a_lost_agent_changes_nothing(cluster, how):
         got += list(it)
         assert as_lists(got) == expected  # every batch once, in order, the same values
         assert pool.restarts == 1 and pool.agents[0] is not victim
+        # the lost agent's workers saw it gone, removed its files and exited (Ray kills its process group)
+        assert victim.files_prefix
+        wait_until(lambda: not glob.glob(victim.files_prefix + "*"), 30, "the lost agent's files removed")
         backend_info = loader.stats()["backend"]
         assert backend_info["restarts"] == 1
         assert [what for _, what, number, _ in backend_info["events"] if number == 0][-3:] == ["lost", "replacing", "ready"]
@@ -261,13 +265,14 @@ CLUSTER_SHUTDOWN_SCRIPT = textwrap.dedent("""
                              backend=procpipe.ray.Backend(nodes=2))
     it = iter(loader)
     next(it)
-    pids = [a.pid for a in loader._coordinator.pool.agents]
+    agents = loader.stats()["backend"]["agents"]
+    pids, prefixes = [a["pid"] for a in agents], [a["files"] for a in agents]
     procs = [q for pid in pids for q in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]]
     for node in list(c.worker_nodes):  # the cluster goes away under a running loader, never closed
         c.remove_node(node, allow_graceful=False)
     gone, alive = psutil.wait_procs(procs, timeout=30)
     alive = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    files = [f for pid in pids for f in glob.glob(f"/dev/shm/procpipe-{pid}-*")]
+    files = [f for prefix in prefixes for f in glob.glob(prefix + "*")]
     print("RESULT", json.dumps({"workers": len(procs) - len(pids), "alive": alive, "files": files}), flush=True)
     ray.shutdown()
     c.shutdown()
@@ -334,3 +339,65 @@ def test_batches_in_flight_that_do_not_fit_the_object_store_fail_early_with_the_
     with Loader(range(16), big, batch_size=4, workers=1, backend=procpipe.ray.Backend(nodes=2)) as loader:
         with pytest.raises(procpipe.ray.ObjectStoreError, match="object store holds 100 MiB.*smaller batch_size"):
             list(loader)
+
+
+class Hangs:
+    """``sample``, except that index ``at`` hangs on its first attempt (a marker file)."""
+
+    def __init__(self, marks, at):
+        self.marks, self.at = str(marks), at
+
+    def __call__(self, i):
+        if i == self.at:
+            try:
+                os.close(os.open(os.path.join(self.marks, "hung"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                import time
+
+                time.sleep(600)
+            except FileExistsError:
+                pass
+        return sample(i)
+
+
+def test_task_timeout_kills_a_hung_remote_worker_and_reruns_its_batch(cluster, tmp_path):
+    with Loader(range(N), sample, batch_size=4, workers=0) as local:
+        expected = as_lists(local)
+    with Loader(range(N), Hangs(tmp_path, 21), batch_size=4, workers=1, task_timeout=3.0,
+                backend=procpipe.ray.Backend(nodes=2)) as loader:
+        assert as_lists(loader) == expected
+        assert loader.stats()["timed_out_tasks"] == 1
+
+
+def test_a_lane_killed_while_idle_is_replaced(cluster):
+    """A task_timeout kill can land just after the task finished: the lane's process dies idle.
+    The agent must still report it, or the lane would never be used nor replaced again."""
+    with Loader(range(N), sample, batch_size=4, workers=0, epochs=2) as local:
+        expected = as_lists(local)
+    with Loader(range(N), sample, batch_size=4, workers=1, backend=procpipe.ray.Backend(nodes=1)) as loader:
+        first = as_lists(loader)
+        pool = loader._coordinator.pool
+        link = pool.links[0]
+        pool.kill_lane(link)  # what the watchdog does, on a lane with nothing running
+        wait_until(lambda: link.ended, 30, "the idle lane's death reported")
+        assert first + as_lists(loader) == expected  # the next epoch runs on its replacement
+
+
+def _load_slowly(items):
+    import time
+
+    time.sleep(2.0)  # longer than task_timeout below
+    return SlowToLoad(items)
+
+
+class SlowToLoad(list):
+    """A dataset whose unpickling (in each worker) takes 2 s."""
+
+    def __reduce__(self):
+        return _load_slowly, (list(self),)
+
+
+def test_a_slow_worker_start_on_a_node_is_not_a_task_timeout(cluster):
+    with Loader(SlowToLoad(range(16)), batch_size=4, workers=1, task_timeout=1.5,
+                backend=procpipe.ray.Backend(nodes=1)) as loader:
+        assert [b.tolist() for b in loader] == [list(range(k, k + 4)) for k in range(0, 16, 4)]
+        assert loader.stats()["timed_out_tasks"] == 0
