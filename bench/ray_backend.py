@@ -268,6 +268,8 @@ def recover_once(engine: str, sizes: Sizes, out: Recovery) -> None:
 
 def recovery(sizes: Sizes, reps: int) -> dict[str, Recovery]:
     out = {engine: Recovery() for engine in ENGINES}
+    print("  recovery: Ray's raylet reports each agent killed here ('A worker died or was killed'): expected",
+          flush=True)
     for rep in range(reps):
         for engine in alternate(rep):
             recover_once(engine, sizes, out[engine])
