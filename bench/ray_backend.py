@@ -21,7 +21,7 @@ tiny1      the same with batches of 1 int
            (these three: a warm loader, after a warm-up epoch; each timed epoch from its 5th
            batch to its end, so the epoch's start-up is left out)
 first      seconds from ``Loader(...)`` to the first batch, a fresh loader each time
-recovery   ``Backend(nodes=2, node_timeout=5)`` on a ~10 ms-per-batch workload: after a few
+recovery   ``Backend(nodes=2, node_timeout=5, start_timeout=30)``, ~10 ms batches: after a few
            batches an agent process is SIGKILLed, or (another row) its node is removed
            (``remove_node(allow_graceful=False)``) and a new node added at once, as an
            autoscaler would; from ``stats()["backend"]["events"]``:
@@ -310,6 +310,20 @@ ROWS: list[tuple[str, str, str, Callable[[float, float], float]]] = [
 ]
 
 
+MEANING = """\
+What these figures mean: every Ray node here is a set of processes on this same machine ({cpus} CPUs),
+sharing its cores with the training process, the raylets and each other; the network is loopback.
+The ray column is the overhead of Ray's actor calls and object store per batch, not a cluster's
+throughput: on a real cluster each node adds its own CPUs, and batches cross a real network.
+'ray cost' is how many times worse ray is than local (time ratio; for GB/s, local / ray).
+Recovery: 'lost' = the agent's death seen (the error), 'ready' = its replacement answered,
+'epoch done' = the last batch of the epoch delivered. A silent node (no error) is declared lost
+after node_timeout (5 s here); neither fault here is silent: Ray reports a killed agent at once
+and a removed node within a few seconds. A removed node's replacement needs a node with room: one
+is added at once (about 4 s, in 'ready' and 'epoch done'), and Ray may first place the replacement
+on the removed node, until its health check declares that node dead."""
+
+
 def report(results: dict[str, dict[str, Series]], rec: dict[str, Recovery], reps: int, sizes: Sizes) -> None:
     w = 36
     print()
@@ -330,14 +344,7 @@ def report(results: dict[str, dict[str, Series]], rec: dict[str, Recovery], reps
         for why in r.failures:
             print(f"  {'':{w - 2}} an epoch FAILED: {why}")
     print()
-    print("What these figures mean: every Ray node here is a set of processes on this same machine "
-          f"({os.cpu_count()} CPUs),\nsharing its cores with the training process, the raylets and each other; "
-          "the network is loopback.\nThe ray column is the overhead of Ray's actor calls and object store "
-          "per batch, not a cluster's\nthroughput: on a real cluster each node adds its own CPUs, and batches "
-          "cross a real network.\n'ray cost' is how many times worse ray is than local (time ratio; for GB/s, "
-          "local / ray).\nRecovery: 'lost' = the agent's death seen (the error), 'ready' = its replacement "
-          "answered,\n'epoch done' = the last batch of the epoch delivered; a silent node (no error) "
-          "is declared lost\nafter node_timeout (5 s here); neither fault here is silent (both raise errors at once). A removed\nnode's replacement needs a node with room: one is added at once (about 4 s, in 'ready' and 'epoch done'),\nand Ray may first place the replacement on the removed node, until its health check declares it dead.")
+    print(MEANING.format(cpus=os.cpu_count()))
 
 
 def main(argv: list[str] | None = None) -> int:

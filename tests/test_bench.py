@@ -215,7 +215,8 @@ def test_ray_backend_bench_quick_run():
     """bench/ray_backend.py --quick --reps 1 end to end (about 45 s: it starts a local cluster; the
     node-removal row, ~20 s more, is left to the bench's own runs)."""
     pytest.importorskip("ray", reason="the Ray bench needs ray (pip install procpipe[ray])")
-    proc = run_python(["bench/ray_backend.py", "--quick", "--reps", "1", "--faults", "worker,agent"], cwd=REPO_ROOT, timeout=300)
+    proc = run_python(["bench/ray_backend.py", "--quick", "--reps", "1", "--faults", "worker,agent"],
+                      cwd=REPO_ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     for label in ("transfer, GB/s", "tiny64, us per batch", "tiny1, us per batch", "time to first batch, s"):
