@@ -208,3 +208,23 @@ def test_default_worker_counts_and_workload_names():
     many = sweep.default_worker_counts(16)
     assert many[:9] == list(range(9)) and 16 in many and many[-1] == 32
     assert resolve("cpu,tiny") == ["cpu", "tiny1", "tiny64"] and resolve(None) == list(WORKLOADS)
+
+
+@pytest.mark.timeout_s(330)
+def test_ray_backend_bench_quick_run():
+    """bench/ray_backend.py --quick --reps 1 end to end (about 45 s: it starts a local cluster; the
+    node-removal row, ~20 s more, is left to the bench's own runs)."""
+    pytest.importorskip("ray", reason="the Ray bench needs ray (pip install procpipe[ray])")
+    proc = run_python(["bench/ray_backend.py", "--quick", "--reps", "1", "--faults", "worker,agent"],
+                      cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for label in ("transfer, GB/s", "tiny64, us per batch", "tiny1, us per batch", "time to first batch, s"):
+        row = next((line for line in out.splitlines() if line.startswith(label)), None)
+        assert row is not None, out
+        assert row.count("[") == 2 and row.rstrip().endswith("x"), row  # both engines measured, and their ratio
+    ray_row = next(line for line in out.splitlines() if line.startswith("ray (an agent process killed)"))
+    assert ray_row.count("[") == 3 and ray_row.rstrip().endswith("yes (1/1)"), ray_row  # lost, ready, done; once
+    local_row = next(line for line in out.splitlines() if line.startswith("local (a worker process killed)"))
+    assert local_row.rstrip().endswith("yes (1/1)"), local_row
+    assert "not a cluster's" in out and "a node removed" not in out

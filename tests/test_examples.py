@@ -92,3 +92,19 @@ def test_resume_after_preemption():
 def test_jpeg_training():
     out = run_example("jpeg_training.py")  # CPU, small: device_fn augments on the CPU device
     assert "device=cpu" in out and "images/s" in out and "overflow batches: 0" in out
+
+
+@pytest.mark.timeout_s(330)
+def test_ray_cluster():
+    pytest.importorskip("ray", reason="the example needs ray (pip install procpipe[ray])")
+    result = run_python([os.path.join(EXAMPLES, "ray_cluster.py")], timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0, f"ray_cluster.py failed:\n{result.stdout}\n{result.stderr}"
+    out = result.stdout
+    assert "local cluster: a head (0 CPUs) and 2 nodes of 1 CPU" in out
+    for epoch in range(2):
+        assert f"epoch {epoch}: 20 batches, " in out
+    assert "keys ['features', 'id', 'label'], features float32 (16, 8)" in out
+    assert "agents: 2 on 2 nodes" in out and out.count("ready True") == 2
+    assert "state_dict after 5 batches of epoch 2; the cluster then gave 15 more" in out
+    assert "resumed on a local loader (workers=2): 15 batches, identical to the cluster's: yes" in out
+    assert out.rstrip().endswith("closed: loaders, agents and cluster")
