@@ -317,13 +317,9 @@ class Coordinator:
             stream = self.stream = args[0]
             stream.on_open = self._on_open
             stream.open(stream.first)
-            for i, w in enumerate(self.workers):
+            for w in list(self.workers):
                 if w.dead:  # it died past the previous epoch's budget: a fresh start
-                    try:
-                        self.workers[i] = self._start_worker(w.index)
-                    except Exception as exc:  # a remote pool past its budget (NodeLostError)
-                        self._broken = exc
-                        break
+                    self._replace(w)
             if self._broken is not None:
                 self._fail(self._broken)
         elif command == "cancel":
@@ -737,14 +733,24 @@ class Coordinator:
                 return
             self._restarts_this_epoch += 1
         worker.counters.restarts += 1
+        self._replace(worker)
+
+    def _replace(self, worker: WorkerLink) -> None:
+        """Start ``worker``'s replacement. A pool that cannot (a remote pool past its budget of
+        lost nodes) leaves it dead: the others go on with its work, and the next epoch tries
+        again; only when no worker is left does the error end the iteration."""
         try:
-            replacement = self._start_worker(worker.index)
-        except BaseException as exc:  # a pool that cannot replace it (a remote pool past its budget)
+            self.workers[self.workers.index(worker)] = self._start_worker(worker.index)
+        except Exception as exc:  # noqa: BLE001 - the pool's verdict, given to the user below
             worker.dead = True
+            if any(w.usable for w in self.workers):
+                import logging
+
+                logging.getLogger("procpipe").warning("procpipe: %s could not be replaced (%s); the other "
+                                                      "workers take its batches", worker.describe(), exc)
+                return
             self._broken = exc
             self._fail(exc)
-            return
-        self.workers[self.workers.index(worker)] = replacement
 
 
 def _drain(fd: int) -> None:

@@ -453,6 +453,12 @@ class RemoteWorker(WorkerLink):
     def counts_as_restart(self) -> bool:
         return not self.agent_lost  # a lost agent counts against max_node_restarts instead
 
+    @property
+    def usable(self) -> bool:
+        """Given tasks only once its agent runs: tasks sent to an agent still starting would wait
+        for it in Ray's queue (seconds) while the other agents could run them."""
+        return self.ready and super().usable
+
     # ---- called from Ray's callback thread, or the pool's monitor
     def deliver(self, replies: list[Reply]) -> None:
         """Replies from the agent (Ray's callback thread). A ``WorkerLost`` is not a reply the
@@ -714,11 +720,11 @@ class RayPool(WorkerPool):
     def info(self) -> dict[str, Any]:
         """``stats()["backend"]``: the agents now (node, pid, started), agents replaced so far,
         and the events of agent losses and starts, ``(seconds since the pool started, what,
-        agent number, detail)``, in order."""
+        agent number, detail)``, in order; ``started``: when the pool started (``time.monotonic()``)."""
         with self.lock:
             agents = [None if a is None else {"number": a.number, "node": a.node_id, "pid": a.pid, "ready": a.ready,
                                               "alive": a.alive, "files": a.files_prefix} for a in self.agents]
-            return {"kind": "ray", "nodes": self.backend.nodes, "workers_per_node": self.workers, "agents": agents,
+            return {"kind": "ray", "started": self.born, "nodes": self.backend.nodes, "workers_per_node": self.workers, "agents": agents,
                     "restarts": self.restarts, "events": list(self.events)}
 
     def _event(self, what: str, number: int, detail: str = "") -> None:
