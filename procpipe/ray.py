@@ -60,6 +60,7 @@ logger = logging.getLogger("procpipe")
 
 _CALL_TIMEOUT_S = 10.0  # a control call to an agent (close, ping) that takes longer is given up on
 _PING_EVERY_S = 1.0  # heartbeat period
+_NODES_EVERY_S = 2.0  # how often the monitor reads the cluster's nodes
 _CLOSE_WAIT_S = 3.0  # close(): how long the agents get to stop their workers before they are killed
 _START_FAILED = "loading the dataset and functions, or starting its worker processes, failed on its node"
 
@@ -532,6 +533,8 @@ class RayPool(WorkerPool):
         self.generations = 0
         self.links: dict[int, RemoteWorker] = {}  # lane index -> its live link
         self.doomed: deque[Any] = deque()  # handles of lost agents, for the monitor to kill
+        self.node_table: list[tuple[str, dict]] = []  # (node id, total resources) of alive nodes: the monitor's
+        self.node_table_at = 0.0
         self.born = time.monotonic()
         self.events: deque[tuple] = deque(maxlen=1000)  # (t, "lost" / "replacing" / "ready", agent, detail)
         self.closed = False
@@ -548,12 +551,19 @@ class RayPool(WorkerPool):
         self._monitor.start()
 
     # ---- agents
-    def _start_agent(self, number: int, generation: int) -> _AgentSlot:
+    def _start_agent(self, number: int, generation: int, lost_on: str = "") -> _AgentSlot:
+        """A new agent (not waited for). ``lost_on``: the node its predecessor was lost on, which
+        Ray may still count as alive for seconds: the replacement goes elsewhere if it can."""
         backend = self.backend
         cpus = self.workers if backend.cpus_per_node is None else backend.cpus_per_node
         options: dict[str, Any] = dict(num_cpus=cpus, resources=dict(backend.resources or {}), max_restarts=0,
                                        max_task_retries=0, max_concurrency=self.workers * 8 + 8,
                                        scheduling_strategy="SPREAD")  # agents on different nodes where they fit
+        target = self._spare_node(cpus, lost_on) if lost_on else None
+        if target is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(target, soft=True)
         handle = self._actor(**options).remote(self.spec_ref, self.workers, self.env, self.cache, self.shm_dir,
                                                backend.start_method, backend.start_timeout)
         return _AgentSlot(number, handle, generation)
@@ -578,6 +588,16 @@ class RayPool(WorkerPool):
                 f"one node; the cluster has {ray.available_resources()} available. Add nodes, lower "
                 "Backend(nodes=...) or cpus_per_node, or raise start_timeout.")
 
+    def _spare_node(self, cpus: float, lost_on: str) -> str | None:
+        """A node (from the monitor's last look) with room for an agent, other than ``lost_on``
+        and those of the live agents; None: let Ray choose."""
+        used = {a.node_id for a in self.agents if a is not None and a.alive} | {lost_on}
+        needs = {"CPU": cpus, **(self.backend.resources or {})}
+        for node_id, resources in self.node_table:
+            if node_id not in used and all(resources.get(k, 0) >= v for k, v in needs.items()):
+                return node_id
+        return None
+
     def _agent(self, number: int) -> _AgentSlot:
         """Agent ``number``, replaced first if it was lost (counted against max_node_restarts).
 
@@ -596,7 +616,8 @@ class RayPool(WorkerPool):
                     "Backend(max_node_restarts=...).")
             self.restarts += 1
             self._event("replacing", number)
-            replacement = self._start_agent(number, (agent.generation + 1) if agent else 0)
+            replacement = self._start_agent(number, (agent.generation + 1) if agent else 0,
+                                            agent.node_id if agent else "")
             self.agents[number] = replacement
             return replacement
 
@@ -753,6 +774,9 @@ class RayPool(WorkerPool):
         while self.doomed:
             _kill(self.doomed.popleft())
         now = time.monotonic()
+        if now - self.node_table_at >= _NODES_EVERY_S:  # where replacements may go (read here, not
+            self.node_table_at = now                   # on the coordinator thread)
+            self.node_table = [(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes() if n.get("Alive")]
         for agent in list(self.agents):
             if agent is None or not agent.alive:
                 continue
