@@ -319,7 +319,7 @@ class Coordinator:
             stream.open(stream.first)
             for w in list(self.workers):
                 if w.dead:  # it died past the previous epoch's budget: a fresh start
-                    self._replace(w)
+                    self._start_replacement(w)
             if self._broken is not None:
                 self._fail(self._broken)
         elif command == "cancel":
@@ -733,9 +733,9 @@ class Coordinator:
                 return
             self._restarts_this_epoch += 1
         worker.counters.restarts += 1
-        self._replace(worker)
+        self._start_replacement(worker)
 
-    def _replace(self, worker: WorkerLink) -> None:
+    def _start_replacement(self, worker: WorkerLink) -> None:
         """Start ``worker``'s replacement. A pool that cannot (a remote pool past its budget of
         lost nodes) leaves it dead: the others go on with its work, and the next epoch tries
         again; only when no worker is left does the error end the iteration."""
