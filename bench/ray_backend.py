@@ -274,7 +274,10 @@ def recover_once(fault: str, sizes: Sizes, out: Recovery, cluster: Any) -> None:
         done = time.perf_counter()
         out.done.values.append(done - killed)
         out.exactly_once.append(sorted(seen) == list(range(len(source))))
-        if clock is not None:
+        if clock is not None:  # the epoch does not wait for the replacement (the other agent ran the lost
+            deadline = time.monotonic() + 40  # one's batches): it is awaited here, to time it
+            while clock.first("ready", 0, killed) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
             clock.close()
             for what, series in (("lost", out.lost), ("ready", out.ready)):
                 at = clock.first(what, 0, killed)
@@ -317,11 +320,11 @@ The ray column is the overhead of Ray's actor calls and object store per batch, 
 throughput: on a real cluster each node adds its own CPUs, and batches cross a real network.
 'ray cost' is how many times worse ray is than local (time ratio; for GB/s, local / ray).
 Recovery: 'lost' = the agent's death seen (the error), 'ready' = its replacement answered,
-'epoch done' = the last batch of the epoch delivered. A silent node (no error) is declared lost
+'epoch done' = the last batch of the epoch delivered (the epoch does not wait for the
+replacement: the lost agent's batches are re-run at once by the other agent). A silent node (no error) is declared lost
 after node_timeout (5 s here); neither fault here is silent: Ray reports a killed agent at once
 and a removed node within a few seconds. A removed node's replacement needs a node with room: one
-is added at once (about 4 s, in 'ready' and 'epoch done'), and Ray may first place the replacement
-on the removed node, until its health check declares that node dead."""
+is added at once (about 4 s, in 'ready'); the replacement goes to a node other than the one lost."""
 
 
 def report(results: dict[str, dict[str, Series]], rec: dict[str, Recovery], reps: int, sizes: Sizes) -> None:

@@ -479,13 +479,13 @@ class Coordinator:
         if isinstance(message, WorkerFatal):
             worker.fatal = message.traceback
             return
-        if not isinstance(message, (BatchDone, BatchFailed)):
-            return  # (a pool's own message, e.g. a remote pool's WorkerLost, never reaches here)
         if isinstance(message, SamplesSkipped):
             attempt = self._attempts.get(message.task_id)
             if attempt is not None:
                 attempt.skipped = message.samples
             return
+        if not isinstance(message, (BatchDone, BatchFailed)):
+            return  # (a pool's own message, e.g. a remote pool's WorkerLost, never reaches here)
         attempt = self._attempts.pop(message.task_id, None)
         worker.tasks.pop(message.task_id, None)
         if worker.retiring:
