@@ -89,3 +89,6 @@ class WorkerLost(NamedTuple):
 
 
 Reply = BatchDone | BatchFailed | SamplesSkipped | WorkerReady | WorkerFatal | WorkerLost
+
+# Every message the wire carries (wire.py sends each as a plain tuple tagged with its index here).
+WIRE_TYPES = (Task, BatchDone, BatchFailed, SamplesSkipped, WorkerReady, WorkerFatal, WorkerLost)

@@ -22,7 +22,7 @@ from typing import Any
 
 import dill
 
-from . import collate
+from . import collate, wire
 from .messages import BatchDone, BatchFailed, ErrorInfo
 
 
@@ -79,7 +79,7 @@ def unreadable_index(data: bytes, kept: list[int]) -> int | None:
     if len(kept) == 1:
         return kept[0]
     try:
-        message = _Diagnose(io.BytesIO(data)).load()
+        message = wire.from_wire(_Diagnose(io.BytesIO(data)).load())
     except Exception:  # noqa: BLE001 - the diagnosis is best effort
         return None
     if not isinstance(message, BatchDone):

@@ -355,29 +355,31 @@ def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
     import multiprocess
 
     from procpipe import wire
+    from procpipe.messages import STOP, Task
 
     ours, theirs = multiprocess.Pipe(duplex=True)
     outbox = wire.Outbox(ours)
     try:
-        messages = [(k, list(range(k * 50_000, (k + 1) * 50_000))) for k in range(6)]  # ~250 KB each
+        messages = [Task(k, 0, list(range(k * 50_000, (k + 1) * 50_000)), 0, -1, 0) for k in range(6)]  # ~250 KB each
         for m in messages:
             outbox.put(m)
         started = time.monotonic()
         assert outbox.flush() is False  # the peer reads nothing: the socket fills, flush returns
         assert time.monotonic() - started < 30
         outbox.drop_unsent()  # keeps the message partly written, drops those not begun
-        outbox.put("stop")
+        outbox.put(STOP)
         got = []
         while True:
             outbox.flush()
             if theirs.poll(5):
                 got.append(wire.recv(theirs))
-                if got[-1] == "stop":
+                if got[-1] is STOP:
                     break
             else:
                 pytest.fail("the peer never received the rest")
         # Whole messages, in order: those written before the drop (the last one finished), then "stop".
-        assert got[-1] == "stop" and got[:-1] == messages[:len(got) - 1] and 1 <= len(got) - 1 < len(messages)
+        assert got[-1] is STOP and got[:-1] == messages[:len(got) - 1] and 1 <= len(got) - 1 < len(messages)
+        assert all(type(m) is Task for m in got[:-1])
         assert not outbox.pending
     finally:
         outbox.close()
