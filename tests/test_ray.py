@@ -209,6 +209,26 @@ def test_a_lost_agent_changes_nothing(cluster, how):
         cluster.wait_for_nodes(timeout=120)
 
 
+def test_a_silent_agent_is_declared_lost_after_node_timeout(cluster):
+    """An agent that stops answering without any error (SIGSTOP: as a node cut off the network)
+    is lost after node_timeout; its batches run elsewhere, every index once."""
+    with Loader(range(N), sample, batch_size=4, workers=0) as local:
+        expected = as_lists(local)
+    backend = procpipe.ray.Backend(nodes=2, node_timeout=3.0)
+    with Loader(range(N), Slow(), batch_size=4, workers=1, backend=backend) as loader:
+        it = iter(loader)
+        got = [next(it)]
+        silent = loader._coordinator.pool.agents[0]
+        os.kill(silent.pid, signal.SIGSTOP)
+        try:
+            got += list(it)
+        finally:
+            os.kill(silent.pid, signal.SIGCONT)  # (killed by the pool meanwhile; harmless if gone)
+        assert as_lists(got) == expected
+        lost = [detail for _, what, number, detail in loader.stats()["backend"]["events"] if what == "lost"]
+        assert lost and "node_timeout" in lost[0]
+
+
 def test_past_max_node_restarts_the_epoch_fails_with_the_fix(cluster):
     backend = procpipe.ray.Backend(nodes=1, max_node_restarts=0, node_timeout=5.0)
     with Loader(range(N), Slow(), batch_size=4, workers=1, backend=backend) as loader:
