@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if not faults or any(f not in FAULTS for f in faults):
         parser.error(f"--faults: choose from {', '.join(FAULTS)}, got {args.faults!r}")
     try:
-        import ray  # noqa: F401
+        import ray
     except ImportError:
         print("this bench needs ray: pip install procpipe[ray]", file=sys.stderr)
         return 2
@@ -375,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     cluster = start_cluster(2)
     print(f"  cluster up in {time.perf_counter() - started:.0f} s", flush=True)
     results = {name: {engine: Series() for engine in ENGINES} for name, *_ in ROWS}
-    import ray
-
     try:
         steady_state(sizes, args.reps, results)
         first_batch(args.reps, results)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import sys
 import textwrap
 
 import numpy as np

@@ -26,7 +26,7 @@ import pytest
 from conftest import START_METHODS, assert_cleaned, assert_running, our_shm_files, shm_files, wait_until
 from faultkit import BS, N, CrashWhileFlag, Faulty, check_epoch, reference, take
 
-from procpipe import Loader, TaskTimeoutError, WorkerError
+from procpipe import Loader, WorkerError
 
 # The recovery case's timeout: above the start-up of a replacement worker, which the
 # watchdog counts as task time (see test_a_slow_worker_start_is_not_a_task_timeout).

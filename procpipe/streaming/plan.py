@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 
 from ..epochs import EmptyBatch, EndOfStream, EpochEnd, Stream, iteration_over
 from ..iteration import IterationContext, LoaderIterator
