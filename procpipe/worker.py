@@ -188,7 +188,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     os.environ.clear()
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
-    pipe_closed = False
+    pipe_closed = terminated = False
     threading.Thread(target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch",
                      daemon=True).start()
     try:
@@ -203,10 +203,16 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
         _serve(conn, loaded, WorkerRings(files_prefix), parent, status)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
+    except SystemExit as exc:
+        # SIGTERM: most often the death signal of a loader that was killed (PR_SET_PDEATHSIG),
+        # sent while it is still exiting. The watch thread removes its files then, but it is a
+        # daemon: this thread's exit would cut it short (some files removed, not all).
+        terminated = exc.code == 128 + signal.SIGTERM
+        raise
     finally:
-        # A loader that was killed closes our pipe while it is still exiting (not yet a
-        # zombie): give its death a moment before deciding whether it is gone.
-        if parent.wait(timeout=_EXIT_GRACE_S if pipe_closed else 0.0):
+        # A loader that was killed closes our pipe (or signals us) while it is still exiting
+        # (not yet a zombie): give its death a moment before deciding whether it is gone.
+        if parent.wait(timeout=_EXIT_GRACE_S if pipe_closed or terminated else 0.0):
             # The loader was killed before it could clean up: remove its shared files.
             _remove_files(files_prefix)
 
