@@ -37,6 +37,7 @@ sized for the most workers the tuner may use.
 """
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import threading
@@ -55,6 +56,8 @@ from .pool import Watchdog, WorkerLink, WorkerPool
 from .shm import Ring, SharedFiles, round_slot_bytes
 from .skips import SkipBudget
 from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
+
+logger = logging.getLogger("procpipe")
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
@@ -744,10 +747,8 @@ class Coordinator:
         except Exception as exc:  # noqa: BLE001 - the pool's verdict, given to the user below
             worker.dead = True
             if any(w.usable for w in self.workers):
-                import logging
-
-                logging.getLogger("procpipe").warning("procpipe: %s could not be replaced (%s); the other "
-                                                      "workers take its batches", worker.describe(), exc)
+                logger.warning("procpipe: %s could not be replaced (%s); the other "
+                               "workers take its batches", worker.describe(), exc)
                 return
             self._broken = exc
             self._fail(exc)

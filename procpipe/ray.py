@@ -193,28 +193,38 @@ class Agent:
         self.slots = 2 * workers + 2  # each lane's running batch, and the one Ray is still sending
         self.closed = False
 
-    def _wait_ready(self, link: Any) -> None:
-        """Wait until a new worker process has loaded the dataset and functions (``WorkerReady``)."""
+    @staticmethod
+    def _next_reply(link: Any, timeout: float) -> Any:
+        """The worker's next message, or None after ``timeout`` seconds; ``EOFError`` once it died."""
         from multiprocess.connection import wait
 
         from . import wire
+
+        ready = wait([link.conn, link.process.sentinel], timeout)
+        if link.conn in ready:
+            try:
+                return wire.decode(link.conn.recv_bytes())
+            except OSError as exc:
+                raise EOFError from exc
+        if link.process.sentinel in ready:
+            raise EOFError
+        return None
+
+    def _wait_ready(self, link: Any) -> None:
+        """Wait until a new worker process has loaded the dataset and functions (``WorkerReady``)."""
         from .messages import WorkerReady
 
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
-            ready = wait([link.conn, link.process.sentinel], 1.0)
-            if link.conn in ready:
-                try:
-                    reply = wire.decode(link.conn.recv_bytes())
-                except (EOFError, OSError):
-                    break
-                if isinstance(reply, WorkerReady):
-                    return
-                if isinstance(reply, WorkerFatal):
-                    raise RuntimeError(f"a procpipe worker on this node could not load the dataset, fn or "
-                                       f"collate_fn:\n{reply.traceback}")
-            elif link.process.sentinel in ready:
+            try:
+                reply = self._next_reply(link, 1.0)
+            except EOFError:
                 break
+            if isinstance(reply, WorkerReady):
+                return
+            if isinstance(reply, WorkerFatal):
+                raise RuntimeError(f"a procpipe worker on this node could not load the dataset, fn or "
+                                   f"collate_fn:\n{reply.traceback}")
         raise RuntimeError(f"a procpipe worker on this node did not start (exit code {link.exitcode}) within "
                            f"start_timeout={self.start_timeout} s; its traceback, if any, is in the node's Ray logs")
 
@@ -258,8 +268,6 @@ class Agent:
                 lane.turn.notify_all()
 
     def _run(self, lane: _Lane, lane_index: int, generation: int, task: Task) -> tuple[list, Reply]:
-        from multiprocess.connection import wait
-
         from . import wire
         from .messages import SamplesSkipped, WorkerReady
 
@@ -272,17 +280,11 @@ class Agent:
         try:
             wire.send(link.conn, sent)
             while True:
-                ready = wait([link.conn, link.process.sentinel], 1.0)
-                if link.conn in ready:
-                    reply = wire.decode(link.conn.recv_bytes())
-                    if isinstance(reply, WorkerReady):
-                        continue
-                    if isinstance(reply, SamplesSkipped):
-                        skipped.append(reply)
-                        continue
+                reply = self._next_reply(link, 1.0)
+                if isinstance(reply, SamplesSkipped):
+                    skipped.append(reply)
+                elif reply is not None and not isinstance(reply, WorkerReady):
                     break
-                if link.process.sentinel in ready:
-                    raise EOFError
         except (EOFError, OSError):  # the worker process died: restart it, and say so
             self._release(ring, slot)
             return skipped, self._restart(lane, lane_index, generation, task.id)
@@ -499,7 +501,6 @@ class _AgentSlot:
 
     number: int
     handle: Any
-    generation: int  # how many agents held this number before it
     node_id: str = ""
     pid: int | None = None
     files_prefix: str = ""  # of the files it created on its node
@@ -542,7 +543,7 @@ class RayPool(WorkerPool):
         self.store_bytes = _local_object_store()  # read here: admit() runs on the coordinator thread
         try:
             for number in range(backend.nodes):
-                self.agents[number] = self._start_agent(number, 0)
+                self.agents[number] = self._start_agent(number)
             self._wait_ready(list(self.agents))
         except BaseException:
             self._kill_all()
@@ -551,7 +552,7 @@ class RayPool(WorkerPool):
         self._monitor.start()
 
     # ---- agents
-    def _start_agent(self, number: int, generation: int, lost_on: str = "") -> _AgentSlot:
+    def _start_agent(self, number: int, lost_on: str = "") -> _AgentSlot:
         """A new agent (not waited for). ``lost_on``: the node its predecessor was lost on, which
         Ray may still count as alive for seconds: the replacement goes elsewhere if it can."""
         backend = self.backend
@@ -566,7 +567,7 @@ class RayPool(WorkerPool):
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(target, soft=True)
         handle = self._actor(**options).remote(self.spec_ref, self.workers, self.env, self.cache, self.shm_dir,
                                                backend.start_method, backend.start_timeout)
-        return _AgentSlot(number, handle, generation)
+        return _AgentSlot(number, handle)
 
     def _wait_ready(self, agents: list[_AgentSlot]) -> None:
         """Wait (at most ``start_timeout``) for the agents to answer: Ray found them a node,
@@ -616,8 +617,7 @@ class RayPool(WorkerPool):
                     "Backend(max_node_restarts=...).")
             self.restarts += 1
             self._event("replacing", number)
-            replacement = self._start_agent(number, (agent.generation + 1) if agent else 0,
-                                            agent.node_id if agent else "")
+            replacement = self._start_agent(number, agent.node_id if agent else "")
             self.agents[number] = replacement
             return replacement
 

@@ -22,6 +22,28 @@ from procpipe import Loader, sample_rng
 N, BS = 48, 4  # 12 batches per epoch
 
 
+def first_attempt(marks, name):
+    """True the first time it is called with ``name`` in directory ``marks`` (in any process),
+    False afterwards: an ``O_EXCL`` marker file."""
+    try:
+        os.close(os.open(os.path.join(str(marks), name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _load_slowly(items):
+    time.sleep(2.0)  # longer than the task_timeout of the tests that use it
+    return SlowToLoad(items)
+
+
+class SlowToLoad(list):
+    """A list whose unpickling (in each worker) takes 2 s, as a dataset that opens an index on load would."""
+
+    def __reduce__(self):
+        return _load_slowly, (list(self),)
+
+
 class Faulty:
     """``fn``: returns ``(index, [index, index**2, a sample_rng() draw])``; misbehaves on ``plan``.
 
@@ -36,13 +58,7 @@ class Faulty:
         self.marks, self.plan, self.once, self.delay = str(marks) if marks else None, plan or {}, once, delay
 
     def _first_attempt(self, i):
-        if not self.once:
-            return True
-        try:
-            os.close(os.open(os.path.join(self.marks, f"attempted-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except FileExistsError:
-            return False
+        return not self.once or first_attempt(self.marks, f"attempted-{i}")
 
     def __call__(self, i):
         value = np.array([i, i * i, sample_rng().integers(1 << 40)], np.int64)

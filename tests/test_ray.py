@@ -15,12 +15,14 @@ import glob
 import os
 import signal
 import textwrap
+import time
 
 import numpy as np
 import psutil
 import pytest
 
 from conftest import REPO_ROOT, our_shm_files, run_python, wait_until
+from faultkit import SlowToLoad, first_attempt
 
 ray = pytest.importorskip("ray", reason="the Ray backend's tests need ray (pip install procpipe[ray])")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -147,12 +149,8 @@ class DieOnce:
         self.marks, self.at = str(marks), at
 
     def __call__(self, i):
-        if i == self.at:
-            try:
-                os.close(os.open(os.path.join(self.marks, "died"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                os._exit(9)
-            except FileExistsError:
-                pass
+        if i == self.at and first_attempt(self.marks, "died"):
+            os._exit(9)
         return sample(i)
 
 
@@ -168,8 +166,6 @@ def test_a_worker_process_dying_in_an_agent_is_rerun(cluster, tmp_path):
 
 class Slow:
     def __call__(self, i):
-        import time
-
         time.sleep(0.02)
         return sample(i)
 
@@ -385,14 +381,8 @@ class Hangs:
         self.marks, self.at = str(marks), at
 
     def __call__(self, i):
-        if i == self.at:
-            try:
-                os.close(os.open(os.path.join(self.marks, "hung"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                import time
-
-                time.sleep(600)
-            except FileExistsError:
-                pass
+        if i == self.at and first_attempt(self.marks, "hung"):
+            time.sleep(600)
         return sample(i)
 
 
@@ -417,20 +407,6 @@ def test_a_lane_killed_while_idle_is_replaced(cluster):
         pool.kill_lane(link)  # what the watchdog does, on a lane with nothing running
         wait_until(lambda: link.ended, 30, "the idle lane's death reported")
         assert first + as_lists(loader) == expected  # the next epoch runs on its replacement
-
-
-def _load_slowly(items):
-    import time
-
-    time.sleep(2.0)  # longer than task_timeout below
-    return SlowToLoad(items)
-
-
-class SlowToLoad(list):
-    """A dataset whose unpickling (in each worker) takes 2 s."""
-
-    def __reduce__(self):
-        return _load_slowly, (list(self),)
 
 
 def test_a_slow_worker_start_on_a_node_is_not_a_task_timeout(cluster):

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 from conftest import START_METHODS, assert_cleaned, assert_running, our_shm_files, shm_files, wait_until
-from faultkit import BS, N, CrashWhileFlag, Faulty, check_epoch, reference, take
+from faultkit import BS, N, CrashWhileFlag, Faulty, SlowToLoad, check_epoch, reference, take
 
 from procpipe import Loader, WorkerError
 
@@ -190,18 +189,6 @@ def test_task_timeout_kills_a_hung_worker_and_reruns_its_batch(method, tmp_path)
         assert len(set(loader.worker_pids) - set(pids)) == 1, "the hung worker was not replaced"
         check_epoch([take(b) for b in loader], reference(1), ordered=True)
     check_epoch(got, reference(0), ordered=True)
-
-
-def _load_slowly(items):
-    time.sleep(1.5)  # longer than task_timeout below
-    return SlowToLoad(items)
-
-
-class SlowToLoad(list):
-    """A list whose unpickling takes 1.5 s, as a dataset that opens an index on load would."""
-
-    def __reduce__(self):
-        return _load_slowly, (list(self),)
 
 
 def test_a_slow_worker_start_is_not_a_task_timeout(method):
