@@ -152,7 +152,10 @@ class EpochIterator(LoaderIterator):
                 return out.get(timeout=_CONSUMER_POLL_S)
             except queue.Empty:
                 if not self._coordinator.is_alive():
-                    return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
+                    try:  # what it put last, between the wait's timeout and this look (its failure)
+                        return out.get_nowait()
+                    except queue.Empty:
+                        return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
     def resume_point(self) -> ResumePoint | None:
         """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
