@@ -48,13 +48,13 @@ from typing import Any
 
 from .attempts import Attempt
 from .autotune import Meter, Tuner, memory_room, ring_workers
-from .epochs import EmptyBatch, Epoch, Failure, Job, Stream
+from .epochs import Epoch, Job, Stream
+from .plans import EMPTY, Failure, Loaded, Offer
 from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
 from .faults import death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .pool import Watchdog, WorkerLink, WorkerPool
 from .shm import Ring, SharedFiles, round_slot_bytes
-from .skips import SkipBudget
 from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 
 logger = logging.getLogger("procpipe")
@@ -337,8 +337,7 @@ class Coordinator:
         """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
         epoch.on_drop = self._release
         if self.config.on_error == "skip":
-            epoch.skips = SkipBudget(self.config.max_skipped, epoch.sample_total(), epoch.counters,
-                                     epoch.skips_batches)
+            epoch.skips = epoch.skip_budget(self.config.max_skipped)
         epoch.counters.worker_base = worker_baseline(self.worker_counters)
         self._restarts_this_epoch = 0
 
@@ -352,16 +351,10 @@ class Coordinator:
                 best = w
         return best
 
-    def has_free_slot(self) -> bool:
-        """A task may go now without waiting for a slot (``epochs.Dispatcher``): a ring slot is
-        free, or the pool's workers do not write into the ring (a remote pool)."""
-        return not self.pool.uses_ring or (self.ring is not None and bool(self.ring.free))
-
     def take_slot(self, epoch: Epoch) -> int | None:
         """A free ring slot for a task of ``epoch``, or None: no ring yet, or every slot is in
         use (the caller may then send the task with slot -1: its arrays come back through the
-        pipe). Coordinator thread: here, and in an epoch that dispatches its own jobs
-        (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
+        pipe)."""
         ring = self.ring
         if ring is None or not ring.free:
             return None
@@ -370,6 +363,10 @@ class Coordinator:
         return slot
 
     def _dispatch(self) -> None:
+        """Send what may go now, for any source kind: the open epochs' plans offer tasks, best
+        first (plans.py); each goes to a worker (its lane's, or the least loaded) with a ring
+        slot. The stream opens the next epoch once the open ones have nothing new, so workers
+        go on across the boundary."""
         stream = self.stream
         if stream is None or stream.finished:
             self.starved = False
@@ -377,39 +374,74 @@ class Coordinator:
         self.starved = True  # published before looking, so a release after the look wakes us
         if self._watching:
             self._speculate()
-        if stream.first.pins_workers:  # a streaming source: each block goes to its shard's worker
+        starved = False
+        while not stream.finished:
             stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
-            self.starved = any([epoch.dispatch(self) for epoch in list(stream.epochs)])
-            return
-        while stream.has_work():  # across epochs: the next epoch opens once this one is all dispatched
-            worker = self._idle_worker()
-            if worker is None:
-                return
-            job = stream.redo_job()
-            if job is not None:
-                slot, job.slot = job.slot, -1
-                job.epoch.counters.redispatched_tasks += 1
+            sent = False
+            for epoch in list(stream.epochs):
+                sent, held_back = self._send_one(stream, epoch)
+                starved = starved or held_back
+                if sent:
+                    break
+            if not sent:
+                break
+        self.starved = starved
+
+    def _send_one(self, stream: Stream, epoch: Epoch) -> tuple[bool, bool]:
+        """Send ``epoch``'s best task that may go now: (sent one, one was held back for want of
+        a slot, a worker or consumption)."""
+        if epoch.finished:
+            return False, False
+        held_back = False
+        for offer in epoch.offers(self.tasks_per_worker):
+            worker = self._worker_for(offer, epoch)
+            if worker is None or len(worker.tasks) >= self.tasks_per_worker:
+                held_back = True
+                continue
+            if offer.retry is not None:
+                job = epoch.take(offer, worker.index)
+                slot, job.slot = job.slot, -1  # it has the slot of its lost attempt
             else:
-                outstanding = stream.issued - stream.consumed - stream.dropped
-                if outstanding >= self.max_outstanding:
-                    return
-                epoch = stream.fresh()
+                if not offer.urgent and stream.outstanding() >= self.max_outstanding:
+                    held_back = True
+                    continue
                 slot = self.take_slot(epoch)
                 if slot is None:
-                    if outstanding >= self.n_workers and self.pool.uses_ring:
-                        return
-                    # No free slot: before the ring exists (the first batches size it), or
-                    # when the consumer holds every slot (e.g. list(loader)). Inline keeps
-                    # the pipeline moving instead of deadlocking.
+                    # No free slot: before the ring exists (the first batches size it), or when
+                    # the consumer holds every slot (e.g. list(loader)). Through the pipe, for
+                    # the task the epoch waits for or an idle worker, keeps the pipeline moving
+                    # instead of deadlocking; a busy worker has work meanwhile.
+                    if self.pool.uses_ring and worker.tasks and not offer.urgent:
+                        held_back = True
+                        continue
                     slot = -1
-                job = epoch.new_job()
+                job = epoch.take(offer, worker.index)
             self.send(worker, job, slot)
-        self.starved = False
+            return True, held_back
+        return False, held_back
+
+    def _worker_for(self, offer: Offer, epoch: Epoch) -> WorkerLink | None:
+        """The worker for ``offer``: its lane's (None while that one cannot take it), else (any
+        worker, a lane not held yet, or its worker gone or retiring) the least loaded healthy one."""
+        if offer.lane is None:
+            return self._idle_worker()
+        if offer.worker is not None:
+            for w in self.workers:
+                if w.index == offer.worker:
+                    if w.retiring:
+                        break  # autotune is retiring it: the lane moves
+                    return w if w.usable else None
+        # The lane's first task, or its worker is gone: the worker with the fewest lanes takes it
+        # (if it is not the lane's first task, that worker opens the shard again and skips ahead).
+        load = epoch.plan.lanes_held()
+        usable = [w for w in self.workers if w.usable]
+        if not usable:
+            return None
+        return min(usable, key=lambda w: (load.get(w.index, 0), len(w.tasks), w.index))
 
     def send(self, worker: WorkerLink, job: Job, slot: int) -> None:
         """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
-        ``slot`` (from ``take_slot``; -1: none). Coordinator thread: here, and in an epoch
-        that dispatches its own jobs (``Epoch.pins_workers``: ``StreamEpoch.dispatch``)."""
+        ``slot`` (from ``take_slot``; -1: none)."""
         ring = self.ring
         if slot >= 0 and not ring.owns(slot):  # a re-run job's slot in a ring since replaced
             self._release(slot)
@@ -427,7 +459,7 @@ class Coordinator:
         # Never a blocking write (a large task to a worker busy in a slow sample would stall
         # the loop): what its pipe does not take now is written when it becomes writable.
         # A worker that is dying drops it; its sentinel fires and the task is redone.
-        worker.put(Task(attempt.id, job.epoch.number, job.indices, ring_id, local, slot_bytes))
+        worker.put(Task(attempt.id, job.epoch.number, job.payload, ring_id, local, slot_bytes))
         self._flush(worker)
 
     def _flush(self, worker: WorkerLink) -> None:
@@ -517,10 +549,9 @@ class Coordinator:
         self._release_unused(attempt.slot)
         error = message.error
         if epoch.skips is None:
-            epoch.deliver(job.seq, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
+            epoch.result(job, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
         elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
-            epoch.drop()
-            epoch.deliver(job.seq, EmptyBatch)
+            epoch.result(job, EMPTY)
 
     def _on_batch(self, worker: WorkerLink, attempt: Attempt, done: BatchDone) -> None:
         """A batch arrived for a job still waiting for it: deliver it (or its skips, or its error)."""
@@ -532,11 +563,10 @@ class Coordinator:
             return
         if layout is None:  # every sample was skipped
             self._release_unused(attempt.slot)
-            epoch.drop()
-            epoch.deliver(job.seq, EmptyBatch)
+            epoch.result(job, EMPTY)
             return
         if self.ring is None and not self._sized:
-            slot_bytes = epoch.ring_slot_bytes(layout, nbytes, job, skipped)
+            slot_bytes = epoch.plan.slot_bytes(job.work, layout, nbytes, skipped)
             if slot_bytes is not None:
                 self._size_for(slot_bytes)
         counters = epoch.counters
@@ -551,7 +581,7 @@ class Coordinator:
                 counters.overflow_batches += 1
                 self._grow_ring(nbytes, counters)
         counters.array_bytes += array_bytes(layout)
-        epoch.accept(job, layout, lease, skipped)
+        epoch.result(job, Loaded(layout, lease, skipped))
 
     def _release_unused(self, slot: int) -> None:
         if slot >= 0:
@@ -612,7 +642,7 @@ class Coordinator:
 
     def _make_ring(self, slot_bytes: int) -> None:
         """Create the ring, its slots sized for a full batch (from the first batch to arrive,
-        ``Epoch.ring_slot_bytes``) or ``Loader(slot_bytes=)``."""
+        its plan's ``slot_bytes``) or ``Loader(slot_bytes=)``."""
         if slot_bytes <= SMALL_BATCH_BYTES:
             self.tasks_per_worker = TASKS_PER_WORKER_SMALL
         self._set_outstanding()
@@ -709,8 +739,8 @@ class Coordinator:
                 timed_out = job
             job.slot = attempt.slot
             redo.append(job)
-        for epoch in {job.epoch: None for job in redo}:
-            epoch.redo.extendleft(sorted((j for j in redo if j.epoch is epoch), key=lambda j: j.seq, reverse=True))
+        for job in redo:
+            job.epoch.lost(job)
         if timed_out is not None:
             self._fail(TaskTimeoutError(timeout_message(timed_out, stuck_on, self.config.task_timeout,
                                                         timed_out.epoch.number), stuck_on))

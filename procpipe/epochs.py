@@ -1,18 +1,20 @@
 """Epochs and streams: what the coordinator and the consumer share about an iteration's batches.
 
 One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or endless
-(``Loader(epochs=...)``). Each ``Epoch`` is a list of batches; each batch is a ``Job``, and
-each time a job is sent to a worker is an ``Attempt`` (attempts.py: normally one; more when a
-worker dies, straggles or times out, see coordinator.py). The coordinator thread takes jobs from
-the stream, turns the replies into batches, and hands them to ``Epoch.deliver``, which
-passes them through the epoch's reassembly (reassembly.py) into the stream's queue,
-``out``, that the consumer's iterator reads (iterators.py). A streaming source with
-``workers=0`` drives the same kind of stream in the consumer's thread
-(streaming.InlineStream).
+(``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (plans.py:
+``IndexPlan`` for indexed sources, ``streaming.ShardPlan`` for shards), which says which
+tasks the epoch holds and what their results become; the ``Epoch`` itself is the same for
+every kind. Each task sent is a ``Job``, and each time a job is sent to a worker is an
+``Attempt`` (attempts.py: normally one; more when a worker dies, straggles or times out,
+see coordinator.py). The coordinator thread takes the plans' offers, turns the replies
+into results and hands them to ``Epoch.result``; the plan turns them into batches in
+their order, which go into the stream's queue, ``out``, that the consumer's iterator
+reads (iterators.py). A streaming source with ``workers=0`` drives the same kind of
+stream in the consumer's thread (streaming.InlineStream).
 
-The stream opens the next epoch as soon as every batch of the open ones has been
+The stream opens the next epoch as soon as every task of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
-reassembly, counters and progress, and all of them feed one queue, tagged with their
+plan, counters and progress, and all of them feed one queue, tagged with their
 epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch,
 ``EndOfStream`` after the stream, and a ``Failure`` that ends it. A batch whose user code
 raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
@@ -25,14 +27,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from . import collate
-from .reassembly import Ordered, Progress, ResumePoint, Sloppy
+from .index_plan import IndexPlan
+from .plans import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Ready, Work
+from .reassembly import ResumePoint
+from .skips import SkipBudget
 from .stats import EpochCounters
 
-if TYPE_CHECKING:
-    from .skips import SkipBudget
+__all__ = ["EMPTY", "EmptyBatch", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
 
 
 def iteration_over(cancelled: str | None) -> None:
@@ -40,25 +43,6 @@ def iteration_over(cancelled: str | None) -> None:
     if cancelled:
         raise RuntimeError(f"this epoch's iterator was ended early: {cancelled}")
     raise StopIteration
-
-
-class Dispatcher(Protocol):
-    """What an epoch that dispatches its own jobs (``Epoch.pins_workers``: a streaming epoch,
-    which sends each block to the worker reading its shard) may use of the engine. The
-    coordinator is one; an epoch never reads more of it than this."""
-
-    tasks_per_worker: int  # tasks a worker may hold at once
-    max_outstanding: int  # batches dispatched and not yet consumed, at most
-    workers: list  # the engine's WorkerLinks: ``index``, ``tasks``, ``usable``, ``retiring``
-
-    def has_free_slot(self) -> bool:
-        """A ring slot is free now (a block may go into the ring rather than the pipe)."""
-
-    def take_slot(self, epoch: Epoch) -> int | None:
-        """A free ring slot for a task of ``epoch`` (None: none)."""
-
-    def send(self, worker: Any, job: Job, slot: int) -> None:
-        """Send ``job`` to ``worker`` into ``slot`` (-1: inline)."""
 
 
 class EndOfStream:
@@ -72,180 +56,170 @@ class EpochEnd:
     epoch: Epoch
 
 
-class EmptyBatch:
-    """Reassembly item: a batch every sample of which was skipped (``on_error="skip"``)."""
-
-
-@dataclass
-class Failure:
-    """Queue item: the epoch ends with this exception, raised in the consumer.
-
-    ``batch_only``: only one batch failed (its user code raised); it is delivered in that
-    batch's place, raised by ``next()``, and the next ``next()`` goes on with the batches
-    after it. Otherwise (a dead engine, a broken sampler, a skip budget overrun) the
-    iteration ends with it.
-    """
-
-    exc: BaseException
-    batch_only: bool = False
-
-
 @dataclass(eq=False)
 class Job:
-    """One batch of an epoch, and the attempts now running it."""
+    """One task of an epoch (its plan's ``Work``), and the attempts now running it."""
 
     epoch: Epoch  # the epoch this job belongs to
-    seq: int  # position of the batch in the epoch
-    indices: list[int]
+    work: Work
     attempts: list = field(default_factory=list)  # the engine's live Attempts of it (attempts.py)
     done: bool = False  # an attempt replied; later replies are discarded
     timeouts: int = 0  # attempts killed after task_timeout
     slot: int = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
 
     @property
+    def seq(self) -> int:
+        """The task's key in its epoch (an indexed source: the batch's position)."""
+        return self.work.key
+
+    @property
+    def payload(self) -> Any:
+        """What the worker reads: a list of indices, or a ``streaming.Block`` (both iterate
+        the keys of the samples they may hold, which messages about a lost task name)."""
+        return self.work.payload
+
+    @property
     def gen(self) -> int:
         return self.epoch.gen
 
 
-@dataclass(eq=False)
 class Epoch:
-    """One pass over the data within a ``Stream``: what is left to do, and what was delivered.
+    """One pass over the data within a ``Stream``, for any source kind: the engine's side of
+    an ``EpochPlan`` (plans.py), which says which tasks the epoch holds and what their
+    results become. This class keeps what is the same for every kind: the jobs sent and
+    their ring slots, the counters, the skip budget, the tasks to run again, and handing
+    the plan's batches to the stream's queue.
 
-    ``done``: positions delivered before a resume (``Loader.load_state_dict``); they are
-    neither loaded nor delivered again.
+    Threads: the coordinator thread dispatches (``offers``, ``take``), reports results
+    (``result``) and losses (``lost``); with ``workers=0`` a streaming source's iterator
+    does the same in the consumer's thread. The consumer calls ``mark_consumed`` and reads
+    ``consumer_progress`` / ``all_consumed`` (``Loader.state_dict``).
     """
 
-    gen: int  # the stream's id (unique per iteration), distinct from the epoch number
-    number: int
-    batches: list[list[int]]
-    ordered: bool
-    done: frozenset = frozenset()
-    stream: Stream | None = None
-    counters: EpochCounters = None  # type: ignore[assignment]
-    next_seq: int = 0  # next batch never dispatched yet
-    redo: deque = field(default_factory=deque)  # jobs to dispatch again (their worker died)
-    issued: int = 0  # distinct batches dispatched
-    consumed: int = 0  # batches the consumer took (written by the consumer thread)
-    dropped: int = 0  # batches that came out empty: every sample skipped (coordinator thread)
-    delivered: int = 0
-    finished: bool = False
-    skips: SkipBudget | None = None  # set by the coordinator with on_error="skip"
-    on_drop: Callable[[int], None] | None = None  # returns the slot of a job that will not run
-    skipped_seqs: list = field(default_factory=list)  # positions that came out empty
-    held: list = field(default_factory=list)  # queue items waiting for earlier epochs (ordered streams)
-
-    def __post_init__(self) -> None:
-        if self.done:
-            self.done = frozenset(s for s in self.done if 0 <= s < len(self.batches))
-        self.reassembly = (Ordered if self.ordered else Sloppy)(self.done)
-        self.counters = EpochCounters(epoch=self.number)
-        self.progress = Progress(self.done)  # what the consumer has had (consumer thread)
-        self.remaining = len(self.batches) - len(self.done)
-        self._skip_done()
-
-    def _skip_done(self) -> None:
-        while self.next_seq in self.done:
-            self.next_seq += 1
+    def __init__(self, gen: int, number: int, plan: EpochPlan, batches: Any, stream: Stream) -> None:
+        self.gen = gen  # the stream's id (unique per iteration), distinct from the epoch number
+        self.number = number
+        self.plan = plan
+        self.batches = batches  # what the sampler gave: batches of indices, or a stream's shard order
+        self.stream = stream
+        self.counters = EpochCounters(epoch=number)
+        self.jobs: dict[int, Job] = {}  # by key: sent, no result used yet
+        self.redo: deque[Job] = deque()  # lost jobs (their worker died), given back to the plan at dispatch
+        self.in_flight = 0  # jobs sent and not answered (those waiting to be re-run included)
+        self.issued = 0  # distinct tasks dispatched
+        self.consumed = 0  # batches the consumer took (written by the consumer thread)
+        self.delivered = 0  # batches put in the stream's queue
+        self.finished = False
+        self.skips: SkipBudget | None = None  # on_error="skip": set when the epoch opens
+        self.on_drop: Callable[[int], None] | None = None  # returns the slot of a job that will not run
+        self.held: list = []  # queue items waiting for earlier epochs (ordered streams)
 
     @property
-    def has_work(self) -> bool:
-        return not self.finished and (bool(self.redo) or self.next_seq < len(self.batches))
+    def ordered(self) -> bool:
+        return self.plan.ordered
 
     @property
     def fresh(self) -> bool:
-        """Batches never dispatched remain."""
-        return not self.finished and self.next_seq < len(self.batches)
+        """Tasks never dispatched may remain."""
+        return not self.finished and not self.plan.exhausted
 
-    def new_job(self) -> Job:
-        seq = self.next_seq
-        self.next_seq += 1
-        self._skip_done()
+    def skip_budget(self, max_skipped: int | float) -> SkipBudget:
+        """``on_error="skip"``'s budget for this epoch (the coordinator's, or ``workers=0``'s)."""
+        return SkipBudget(max_skipped, self.plan.sample_total(), self.counters, self.plan.skips_tasks)
+
+    # ---- dispatch
+    def offers(self, per_lane: int) -> list[Offer]:
+        """The plan's tasks that may go now, best first (lost jobs given back to it first)."""
+        redo = self.redo
+        while redo:
+            job = redo.popleft()
+            if not self.plan.lost(job.work):  # nothing left to do there (a stream read past a shard's end)
+                self._drop(job)
+        return self.plan.offers(per_lane)
+
+    def take(self, offer: Offer, worker: int) -> Job:
+        """``offer`` is sent to worker ``worker``: its job (a retry keeps its job and slot)."""
+        work = self.plan.take(offer, worker)
+        if offer.retry is not None:
+            self.counters.redispatched_tasks += 1
+            return self.jobs[work.key]
+        job = self.jobs[work.key] = Job(self, work)
         self.issued += 1
+        self.in_flight += 1
         self.stream.issued += 1
-        return Job(self, seq, self.batches[seq])
+        return job
 
-    pins_workers = False  # True: ``dispatch(coordinator)`` sends its own jobs (procpipe.streaming)
-    skips_batches = True  # on_error="skip" may leave out a whole batch that failed (collation)
+    def lost(self, job: Job) -> None:
+        """``job``'s worker died before it answered (its slot is in ``job.slot``): run it again."""
+        self.redo.append(job)
 
-    def sample_total(self) -> int:
-        """The epoch's samples (what a fractional ``max_skipped`` is a fraction of)."""
-        return sum(map(len, self.batches))
+    def outstanding(self) -> int:
+        """Tasks in flight and results held back for their turn (their slots are in use)."""
+        return 0 if self.finished else self.in_flight + self.plan.held()
 
-    def ring_slot_bytes(self, layout: list, nbytes: int, job: Job, skipped: int) -> int | None:
-        """Slot size for the ring, from the first batch to arrive (``job``'s, less ``skipped``
-        samples left out, ``nbytes`` bytes laid out as ``layout``); None: this one cannot tell.
+    def _drop(self, job: Job) -> None:
+        self.jobs.pop(job.seq, None)
+        self.in_flight -= 1
+        if job.slot >= 0 and self.on_drop is not None:
+            self.on_drop(job.slot)
+            job.slot = -1
 
-        A short batch (the epoch's last, or one with skipped samples) often arrives first;
-        it must not size the slots, or every full batch after it would overflow: its size
-        is scaled up to the epoch's largest batch, plus each array's alignment padding.
-        """
-        samples = len(job.indices) - skipped
-        full = max(map(len, self.batches), default=samples)
-        if samples <= 0 or samples >= full:
-            return nbytes
-        return -(-nbytes * full // samples) + collate.ALIGN * collate.count_arrays(layout)
+    # ---- results
+    def result(self, job: Job, result: Any) -> None:
+        """``job``'s result: ``plans.Loaded`` (its batch), ``EMPTY`` (every sample skipped) or a
+        ``Failure``; what the plan makes of it goes to the stream's queue."""
+        if self.jobs.pop(job.seq, None) is None or self.finished:
+            return
+        self.in_flight -= 1
+        self._hand_out(self.plan.completed(job.work, result))
 
-    def accept(self, job: Job, layout: list, lease: Any, skipped: int) -> None:
-        """A job's batch arrived (``lease``: its ring slot, None if inline): count and deliver it."""
-        self.counters.batches += 1
-        self.counters.samples += len(job.indices) - skipped
-        self.deliver(job.seq, collate.build(layout, lease))
-
-    def drop(self) -> None:
-        """A batch came out empty (every sample skipped): it will not reach the consumer."""
-        self.dropped += 1
-        self.stream.dropped += 1
-
-    def deliver(self, seq: int, item: Any) -> None:
-        for ready_seq, ready in self.reassembly.add(seq, item):
+    def _hand_out(self, ready: list[Ready]) -> None:
+        counters = self.counters
+        for position, batch, samples in ready:
             if self.finished:
                 return
-            if isinstance(ready, Failure) and not ready.batch_only:
-                self.stream.fail_at(self, ready)
+            if type(batch) is Failure and not batch.batch_only:
+                self.stream.fail_at(self, batch)
+                self.finish()
                 return
-            if ready is EmptyBatch:
-                self.skipped_seqs.append(ready_seq)
-            else:
-                self.stream.emit(self, (self, ready_seq, ready))
+            if batch is EMPTY:
+                continue
+            if type(batch) is not Failure:
+                counters.batches += 1
+                counters.samples += samples
             self.delivered += 1
-            if self.delivered == self.remaining:
-                self.stream.epoch_done(self)
+            self.stream.delivered += 1
+            self.stream.emit(self, (self, position, batch))
+        if not self.finished and self.plan.complete:
+            self.stream.epoch_done(self)
 
-    def done_seqs(self) -> Progress:
-        """Positions the consumer has had, plus those that came out empty (consumer thread)."""
-        done = Progress(self.progress)
-        for seq in list(self.skipped_seqs):
-            done.add(seq)
-        return done
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.plan.finish()
+        for job in [*self.redo, *self.jobs.values()]:  # (a job waiting to be re-run holds its slot)
+            if job.slot >= 0 and not job.attempts and self.on_drop is not None:
+                self.on_drop(job.slot)
+                job.slot = -1
+        self.redo.clear()
+        self.jobs.clear()  # (job -> epoch -> job: no cycle left to wait for the garbage collector)
+        if self.counters.ended is None:
+            self.counters.ended = time.perf_counter()
 
     # ---- the consumer's side (consumer thread): what it has had, for Loader.state_dict()
     def mark_consumed(self, seq: int) -> None:
         """The consumer took the batch at position ``seq``."""
         self.consumed += 1
-        self.progress.add(seq)
+        self.plan.taken(seq)
 
-    def consumer_progress(self) -> Progress:
+    def consumer_progress(self) -> Any:
         """What the consumer has had of this epoch, in the form a resume takes back (``done``)."""
-        return self.done_seqs()
+        return self.plan.state()
 
     def all_consumed(self) -> bool:
         """The consumer has had every batch of this epoch."""
-        return len(self.done_seqs()) >= len(self.batches)
-
-    @classmethod
-    def unopened_progress(cls, resumed: Any) -> Progress:
-        """``consumer_progress()`` of an epoch not opened yet: what a resume said of it (``ahead``), if anything."""
-        return Progress(resumed or ())
-
-    def finish(self) -> None:
-        self.finished = True
-        self.reassembly.drop_waiting()  # batches that will never be delivered (cancelled, or behind a failure)
-        redo, self.redo = self.redo, deque()
-        for job in redo:
-            if job.slot >= 0 and self.on_drop is not None:
-                self.on_drop(job.slot)
-        if self.counters.ended is None:
-            self.counters.ended = time.perf_counter()
+        return self.plan.all_taken()
 
 
 class Stream:
@@ -281,16 +255,20 @@ class Stream:
         self.opened: dict[int, Epoch] = {}
         self.next_number = start + 1  # the next epoch to open
         self.finished = False
-        self.issued = 0  # batches dispatched, all epochs (coordinator thread)
-        self.dropped = 0  # batches that came out empty (coordinator thread)
+        self.issued = 0  # tasks dispatched, all epochs (coordinator thread)
+        self.delivered = 0  # batches put in the queue, all epochs (coordinator thread)
         self.consumed = 0  # batches the consumer took (consumer thread)
         self.wait_s = 0.0  # seconds the consumer waited in next() (consumer thread; autotune reads it)
         self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
         self.last: Epoch | None = None  # the epoch opened last
-        # A streaming source's plan (procpipe.streaming) names its own Epoch class.
-        self.epoch_class = getattr(sampler, "epoch_class", Epoch)
-        self.first = self.epoch_class(gen, start, first_batches, ordered, done, stream=self)
+        # The source kind's per-epoch plan: a streaming source (procpipe.streaming) names its own.
+        self.plan_class: type[EpochPlan] = getattr(sampler, "plan_class", IndexPlan)
+        self.first = self._epoch(start, first_batches, done)
         self.opened[start] = self.first
+
+    def _epoch(self, number: int, batches: Any, done: Any) -> Epoch:
+        plan = self.plan_class(self.sampler, number, batches, self.ordered, done)
+        return Epoch(self.gen, number, plan, batches, self)
 
     @property
     def exhausted(self) -> bool:
@@ -303,19 +281,13 @@ class Stream:
         self.opened[epoch.number] = epoch
         if self.on_open is not None:
             self.on_open(epoch)
-        if not epoch.remaining:  # empty, or resumed at its end
+        if epoch.plan.complete:  # empty, or resumed at its end
             self.epoch_done(epoch)
 
-    def has_work(self) -> bool:
-        if self.finished:
-            return False
-        return any(e.redo for e in self.epochs) or self.fresh() is not None
-
-    def redo_job(self) -> Job | None:
-        for epoch in self.epochs:
-            if epoch.redo and not epoch.finished:
-                return epoch.redo.popleft()
-        return None
+    def outstanding(self) -> int:
+        """Tasks in flight, results held back, and batches in the queue not taken yet: what the
+        coordinator keeps under its ``max_outstanding``."""
+        return self.delivered - self.consumed + sum(e.outstanding() for e in self.epochs)
 
     def fresh(self) -> Epoch | None:
         """The first open epoch with batches never dispatched, opening the next epochs as needed."""
@@ -329,7 +301,7 @@ class Stream:
                 batches = self.sampler.batches(number)
             except Exception as exc:
                 exc.add_note(f"procpipe: raised while computing the batches of epoch {number}")
-                failed = Epoch(self.gen, number, [], self.ordered, stream=self)
+                failed = self._epoch(number, [], None)
                 self.epochs.append(failed)
                 self.fail_at(failed, Failure(exc))
                 return None
@@ -337,8 +309,7 @@ class Stream:
                 self.until = number  # an empty epoch would repeat forever: the stream ends here
                 self._maybe_end()
                 return None
-            epoch = self.epoch_class(self.gen, number, batches, self.ordered, self.ahead.pop(number, frozenset()),
-                                     stream=self)
+            epoch = self._epoch(number, batches, self.ahead.pop(number, None))
             self.open(epoch)
             if epoch.fresh:
                 return epoch
@@ -355,7 +326,7 @@ class Stream:
             epoch = opened.get(n)
             if epoch is not None:
                 return epoch.consumer_progress(), epoch.all_consumed()
-            return self.epoch_class.unopened_progress(self.resumed_ahead.get(n)), False
+            return self.plan_class.unopened_state(self.resumed_ahead.get(n)), False
 
         until = self.until
         done, complete = progress(low)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import dill
 import psutil
 
-from .epochs import Failure
+from .plans import Failure
 from .errors import RemoteTraceback, WorkerError, summarize_indices
 from .messages import ErrorInfo
 from .skips import SkipBudget
@@ -56,11 +56,11 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
         exc.add_note("procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
                      "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
                      "read past it).")
-        epoch.deliver(job.seq, Failure(exc))
+        epoch.result(job, Failure(exc))
         return False
     if within and batch_error is not None:
         left = {info.index for info in samples}
-        rest = [i for i in job.indices if i not in left]
+        rest = [i for i in job.payload if i not in left]
         where = "collating it" if batch_error.index is None else f"loading index {batch_error.index}"
         within = skips.add(rest, f"batch {job.seq} ({summarize_indices(rest)}, worker {worker.index})",
                            f"{where} failed: {batch_error.type_name}: {batch_error.message}")
@@ -70,7 +70,7 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
         return True
     exc = rebuild_error(error, worker, job, epoch.number)
     exc.add_note(skips.note())
-    epoch.deliver(job.seq, Failure(exc))
+    epoch.result(job, Failure(exc))
     return False
 
 
@@ -85,7 +85,7 @@ def rebuild_error(error: ErrorInfo, worker: WorkerLink, job: Job, epoch: int) ->
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{error.type_name}: {error.message}")
     where = (f"while loading index {error.index}" if error.index is not None
-             else f"while collating {summarize_indices(job.indices)}")
+             else f"while collating {summarize_indices(job.payload)}")
     exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
                  "the worker's traceback is shown above.")
     exc.__cause__ = RemoteTraceback(error.traceback)
@@ -101,7 +101,7 @@ def _where(index: int | None) -> str:
 def timeout_message(job: Job, index: int | None, timeout: float | None, epoch: int) -> str:
     stuck = f"index {index}" if index is not None and index >= 0 else (
         "collating the batch" if index is not None else "an unknown sample")
-    return (f"procpipe: batch {job.seq} of epoch {epoch} ({summarize_indices(job.indices)}) was still running after "
+    return (f"procpipe: batch {job.seq} of epoch {epoch} ({summarize_indices(job.payload)}) was still running after "
             f"task_timeout={timeout} s on each of its {job.timeouts} attempts; the worker was stuck on {stuck}. "
             "Each stuck worker was killed and replaced. Fix what blocks that sample (a hung read, a lock, "
             "an endless loop in fn), or raise task_timeout if it legitimately takes that long.")
@@ -116,7 +116,7 @@ def death_message(worker: WorkerLink, lost: list[Attempt], index: int | None, bu
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with code {code}"
-    indices = [i for a in lost for i in a.job.indices]
+    indices = [i for a in lost for i in a.job.payload]
     rss = worker.counters.rss_bytes  # sampled every 0.5 s; 0: not yet sampled in this process
     if code == -signal.SIGKILL:
         last = (f"the worker's last sampled RSS was {rss / 2**20:.0f} MiB" if rss

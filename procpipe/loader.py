@@ -20,7 +20,7 @@ from .autotune import resolve as resolve_autotune
 from .cache import open_cache
 from .checks import check_int
 from .coordinator import Coordinator, EngineConfig
-from .epochs import Epoch
+from .index_plan import IndexPlan
 from .iteration import IterationContext, LoaderIterator
 from .iterators import EpochIterator, InlineIterator
 from .reassembly import ResumePoint
@@ -323,14 +323,14 @@ class Loader:
 
     def _position(self) -> ResumePoint:
         """``(epoch, what was returned of it, of later epochs, until)``: what ``state_dict`` saves,
-        what was returned in the form ``Epoch.consumer_progress()`` gives."""
-        epoch_class = getattr(self._sampler, "epoch_class", Epoch)
-        epoch, done, ahead = self._standing.epoch, epoch_class.unopened_progress(None), {}
+        what was returned in the form its epochs' plans give (``EpochPlan.state()``)."""
+        plan_class = getattr(self._sampler, "plan_class", IndexPlan)
+        epoch, done, ahead = self._standing.epoch, plan_class.unopened_state(None), {}
         until = self._default_until(epoch)
         active, resume = self._active, self._resume
         if resume is not None and resume.epoch == epoch:
-            done = epoch_class.unopened_progress(resume.done)
-            ahead = {n: epoch_class.unopened_progress(v) for n, v in resume.ahead.items()}
+            done = plan_class.unopened_state(resume.done)
+            ahead = {n: plan_class.unopened_state(v) for n, v in resume.ahead.items()}
             until = resume.until_or(until)
         elif active is not None and active.owns_epoch():
             point = active.resume_point()

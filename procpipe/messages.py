@@ -7,7 +7,7 @@ a plain tuple), so the wire stays cheap (wire.py).
 
 Coordinator -> worker:
 
-- ``Task``: load ``indices`` (a list of indices, or a ``procpipe.streaming.Block``) of
+- ``Task``: load ``payload`` (a list of indices, or a ``procpipe.streaming.Block``) of
   epoch ``epoch`` into slot ``slot`` of ring ``ring_id`` (``slot = -1``: no slot, the
   arrays come back in the reply);
 - ``STOP`` (``None``): finish and exit.
@@ -37,7 +37,7 @@ class Task(NamedTuple):
 
     id: int
     epoch: int
-    indices: Any  # list[int], or a procpipe.streaming.Block
+    payload: Any  # list[int], or a procpipe.streaming.Block
     ring_id: int
     slot: int  # -1: no slot, reply inline
     slot_bytes: int

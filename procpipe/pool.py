@@ -265,7 +265,7 @@ class LocalWorker(WorkerLink):
                 skipped = [r for r in replies if isinstance(r, SamplesSkipped) and r.task_id == attempt.id]
                 left_out = {info.index for r in skipped for info in r.samples} | {
                     info.index for info in attempt.skipped or ()}
-                kept = [i for i in attempt.job.indices if i not in left_out]
+                kept = [i for i in attempt.job.payload if i not in left_out]
                 reply = unreadable_reply(attempt.id, self.index, data, exc, kept)
             if isinstance(reply, (BatchDone, BatchFailed)):
                 finished += 1

@@ -274,7 +274,7 @@ class Agent:
         link = lane.link
         ring, slot = self._take_slot()
         local = -1 if ring is None else slot - ring.first_slot
-        sent = Task(task.id, task.epoch, task.indices, -1 if ring is None else ring.ring_id, local,
+        sent = Task(task.id, task.epoch, task.payload, -1 if ring is None else ring.ring_id, local,
                     0 if ring is None else ring.slot_bytes)
         skipped: list = []
         try:

@@ -251,7 +251,7 @@ def run_task(spec: WorkerSpec, scope: SampleScope, rings: WorkerRings, task: Tas
     buffer = None
     try:
         buffer = rings.slot(task.ring_id, task.slot, task.slot_bytes) if task.slot >= 0 else None
-        batch = produce(spec, scope, task.epoch, task.indices, buffer, task.slot_bytes, status)
+        batch = produce(spec, scope, task.epoch, task.payload, buffer, task.slot_bytes, status)
         if batch.skipped:
             send_skipped(SamplesSkipped(task.id, [_error_info(i, exc) for i, exc in batch.skipped]))
             for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,

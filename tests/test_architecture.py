@@ -1,6 +1,7 @@
 """The package's shape, checked from its source text (``ast``; procpipe is never imported).
 
-Three rules, each reporting every offender at once:
+Three rules, each reporting every offender at once (and a fourth, ``test_plans_are_pure``:
+the per-epoch plans import no process, thread or clock API):
 
 1. **No import circles.** Every import of a procpipe module counts: top-level, inside a
    function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
@@ -27,11 +28,13 @@ Why the layers are what they are (bottom to top):
   ring and files (``shm``), collation, RNG, delivery order (``reassembly``), the wire.
 - ``worker``: what runs in a worker process: producing a batch, the cache, the worker loop,
   starting it (``start_method``, ``preload``), and ``Records`` (read by ``fn`` in workers).
-- ``plan``: which work an epoch holds, with no processes: the sampler, ``epochs`` and the
-  streaming source's blocks, interleave, batching and epoch. ``streaming.shards`` and
+- ``plan``: which work an epoch holds, with no processes: the sampler, the plan contract
+  (``plans``) and its two kinds (``index_plan``, ``streaming.shard_plan``), and the
+  streaming source's blocks, interleave and batching. ``streaming.shards`` and
   ``streaming.batching`` use ``produce`` (a block is read and collated the same way in a
   worker and in the loader's process), so ``plan`` sits above ``worker``.
-- ``engine``: the coordinator thread, the worker pool, faults, autotune, starting it all.
+- ``engine``: ``epochs`` (an epoch's jobs, slots and counters around its plan, the stream's
+  queue), the coordinator thread, the worker pool, faults, autotune, starting it all.
 - ``api``: what the user's loop touches: ``Loader``, its iterators, resume, validation, the
   device stage and the streaming plan the Loader drives (``streaming.plan``, and the
   ``streaming`` package that exports it); ``procpipe`` (the package) exports ``Loader``.
@@ -59,8 +62,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "checks", "tensors", "stats", "classref", "rng", "shm", "collate", "reassembly", "wire",
              "messages", "skips"),
     "worker": ("produce", "cache", "records", "preload", "start_method", "worker"),
-    "plan": ("sampler", "epochs", "streaming.shards", "streaming.order", "streaming.batching", "streaming.epoch"),
-    "engine": ("attempts", "pool", "faults", "replies", "autotune", "coordinator", "start"),
+    "plan": ("sampler", "plans", "index_plan", "streaming.shards", "streaming.order", "streaming.batching",
+             "streaming.shard_plan"),
+    "engine": ("epochs", "attempts", "pool", "faults", "replies", "autotune", "coordinator", "start"),
     "api": ("iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan", "streaming", "loader",
             "procpipe"),
     "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray"),
@@ -274,6 +278,28 @@ def test_no_layer_imports_upward() -> None:
     if report:
         pytest.fail("imports from a lower layer to a higher one (LAYERS, bottom to top: "
                     f"{', '.join(LAYERS)}):\n" + "\n".join(report), pytrace=False)
+
+
+#: The per-epoch plans and what they use: pure bookkeeping, run in whichever thread drives
+#: them. They must not start, wait for or talk to anything (issue: "plan/: pure, no processes").
+PURE_PLANS = ("sampler", "plans", "index_plan", "streaming.shard_plan", "streaming.order")
+NOT_PURE = {"os", "threading", "multiprocess", "multiprocessing", "queue", "select", "selectors", "signal",
+            "socket", "subprocess", "time", "concurrent", "asyncio", "psutil"}
+
+
+def test_plans_are_pure() -> None:
+    modules = read_modules()
+    known = set(modules)
+    report = []
+    for short in PURE_PLANS:
+        module = modules[f"{PACKAGE}.{short}"]
+        for tree in ast.walk(module.tree):
+            names = ([a.name for a in tree.names] if isinstance(tree, ast.Import)
+                     else [tree.module or ""] if isinstance(tree, ast.ImportFrom) and not tree.level else [])
+            for name in names:
+                if name.split(".")[0] in NOT_PURE:
+                    report.append(f"{where(module, tree)}: imports {name}")
+    assert known and not report, "a plan module imports a process, thread or clock API:\n" + "\n".join(report)
 
 
 def test_architecture_md_shows_the_same_layers() -> None:

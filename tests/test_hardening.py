@@ -308,7 +308,7 @@ def fake_worker(exitcode, rss):
 
 
 def test_error_messages_summarize_a_large_batch_and_say_when_rss_is_unknown():
-    job = SimpleNamespace(seq=3, indices=list(range(20_000)), timeouts=2)
+    job = SimpleNamespace(seq=3, payload=list(range(20_000)), timeouts=2)
     message = timeout_message(job, 150, 2.0, 0)
     assert len(message) < 1000 and "20000 indices [0, 1, 2" in message and "19999]" in message
     lost = [SimpleNamespace(job=job)]

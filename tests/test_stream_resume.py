@@ -14,7 +14,8 @@ from conftest import wait_until
 from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, summarize
 
 from procpipe import Loader, Shards
-from procpipe.streaming import StreamEpoch
+from procpipe.epochs import Epoch
+from procpipe.streaming import ShardPlan
 
 
 def make(workers, cycle_length=3, block_length=4, shards=SHARDS, open_fn=open_shard, fn=None, **kwargs):
@@ -261,7 +262,8 @@ def test_an_endless_stream_without_workers_keeps_no_finished_epoch():
             if epoch == 60:
                 break
         gc.collect()
-        alive = [o for o in gc.get_objects() if type(o) is StreamEpoch and o.plan.shards is source]
+        alive = [o for o in gc.get_objects()
+                 if type(o) is Epoch and type(o.plan) is ShardPlan and o.plan.config.shards is source]
         assert len(alive) <= 2, sorted(e.number for e in alive)
         state = json.loads(json.dumps(loader.state_dict()))
         assert (state["epoch"], state["until"], state["ahead"]) == (60, None, [])

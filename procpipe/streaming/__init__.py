@@ -21,11 +21,12 @@ collation, leases, the coordinator's loop, worker-death recovery):
   open (the replacement of a dead worker) opens it again and skips the records before
   the block. Re-running a block is therefore safe as long as ``open_fn`` yields the same
   records every time, which is what makes worker deaths and ``task_timeout`` work here.
-- ``StreamEpoch`` stands in for an ``Epoch`` (procpipe/epochs.py: a fixed list of batches):
-  it opens shards as others end (at most ``cycle_length`` at once), picks each block's
-  worker (``dispatch``, called by the coordinator's ``_dispatch``), and turns replies into
-  what the consumer gets (``accept``/``deliver``). Its length is discovered as it goes:
-  the epoch ends when every shard has delivered its last block.
+- ``ShardPlan`` is the per-epoch plan (``procpipe.plans.EpochPlan``) of a stream, where an
+  indexed source has an ``IndexPlan`` (a fixed list of batches): it opens shards as others
+  end (at most ``cycle_length`` at once), offers their blocks, each in its shard's lane
+  (the engine sends it to the worker reading that shard), and turns results into what the
+  consumer gets (``completed``). Its length is discovered as it goes: the epoch ends when
+  every shard has delivered its last block.
 - **Order.** ``ordered=True``: ``Interleave`` replays tf.data's deterministic interleave
   one block at a time (a reorder buffer keyed by ``(shard position, block)``).
   ``ordered=False``: blocks are used as they arrive.
@@ -53,8 +54,8 @@ Modules, in the order a block meets them on the data path:
 
 - ``plan.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,
   block layout, each epoch's shard order) and ``InlineStream`` (``workers=0``).
-- ``epoch.py``: the epoch as the coordinator drives it (``StreamEpoch``, ``BlockJob``):
-  opening shards, dispatching blocks to workers, taking the replies.
+- ``shard_plan.py``: an epoch's plan (``ShardPlan``, ``BlockWork``): opening shards,
+  offering blocks by lane, turning results into batches; pure (no processes).
 - ``shards.py``: the source (``Shards``), a record's identity (``RecordKey``), the task
   (``Block``), and reading a block in any process (``Shards.produce_block``, ``_Reader``).
 - ``order.py``: the order blocks are used in (``Interleave``) and what the consumer has
@@ -62,9 +63,9 @@ Modules, in the order a block meets them on the data path:
 - ``batching.py``: blocks into batches in the loader's process, and the shuffle buffer
   (``Output``).
 """
-from .epoch import StreamEpoch
+from .shard_plan import ShardPlan
 from .order import Interleave, StreamProgress
 from .plan import InlineStream, StreamPlan
 from .shards import Block, RecordKey, Shards
 
-__all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "Shards", "StreamEpoch", "StreamPlan", "StreamProgress"]
+__all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]

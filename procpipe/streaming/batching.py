@@ -1,6 +1,6 @@
 """Blocks into batches, in the loader's process: ``Output`` and its row/join helpers.
 
-Where it sits in the data path: each ``StreamEpoch`` (epoch.py) has an ``Output``, to
+Where it sits in the data path: each ``ShardPlan`` (shard_plan.py) has an ``Output``, to
 which it hands the blocks the coordinator received from the workers, in the order they
 are used (the interleave's when ordered). ``Output`` cuts and joins them into what the
 consumer gets, each item with the record ranges it covers (for ``StreamProgress``,

@@ -1,7 +1,7 @@
 """An epoch's order (``Interleave``) and how far the consumer got in it (``StreamProgress``).
 
 Where it sits in the data path: ``Interleave`` is tf.data's deterministic interleave; an
-ordered ``StreamEpoch`` (epoch.py) keeps one in the coordinator thread and releases the
+ordered ``ShardPlan`` (shard_plan.py) keeps one in the coordinator thread and releases the
 blocks that arrive in its order. ``StreamProgress`` is kept in the consumer's thread,
 from the record ranges of each batch the consumer takes: what ``Loader.state_dict()``
 saves for the epoch and a resumed epoch skips (its cursor is an ``Interleave``, so a

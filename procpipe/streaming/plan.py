@@ -3,9 +3,9 @@
 Where it sits in the data path: when its source is a ``Shards`` (shards.py), the Loader
 (procpipe/loader.py) builds a ``StreamPlan`` where it would build a Sampler. The plan
 checks what streaming does not support, decides how workers lay out blocks, gives each
-epoch's shard order, and names ``StreamEpoch`` (epoch.py) as the class of the epochs
+epoch's shard order, and names ``ShardPlan`` (shard_plan.py) as the plan of the epochs
 the ``Stream`` (procpipe/epochs.py) opens; with workers the coordinator then drives
-those epochs. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
+those epochs like any other. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
 drives the same stream and epochs in the calling thread, reading each block there.
 """
 from __future__ import annotations
@@ -16,14 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 
-from ..epochs import EmptyBatch, EndOfStream, EpochEnd, Stream, iteration_over
+from ..epochs import EndOfStream, EpochEnd, Stream, iteration_over
 from ..iteration import IterationContext, LoaderIterator
+from ..plans import EMPTY, Loaded
 from ..produce import produce
 from ..reassembly import ResumePoint
 from ..rng import SampleScope
 from ..sampler import epoch_order
 from .batching import BatchingConfig
-from .epoch import StreamEpoch
+from .shard_plan import ShardPlan
 from ..checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
 
@@ -33,11 +34,11 @@ class StreamPlan:
 
     Checks what streaming does not support and decides how blocks are laid out.
     ``batches(epoch)`` is the epoch's shard order (the ``Stream`` builds each epoch from it,
-    as ``epoch_class``); ``source`` is the configured copy of the Shards that the workers
+    with ``plan_class``); ``source`` is the configured copy of the Shards that the workers
     (or ``workers=0``) read from.
     """
 
-    epoch_class = StreamEpoch
+    plan_class = ShardPlan
 
     def __init__(self, shards: Shards, *, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
                  reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
@@ -190,6 +191,7 @@ class InlineStream(LoaderIterator):
         self._attach(context, owner)
         self._coordinator = None
         self._spec = context.spec
+        self._max_skipped = context.max_skipped
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
         self._with_epoch = context.with_epoch
         self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
@@ -251,29 +253,30 @@ class InlineStream(LoaderIterator):
         if epoch is None:
             raise RuntimeError("procpipe: internal error: a streaming epoch had nothing left to read "
                                "but did not end")
-        job = epoch.inline_job()
+        # The block the interleave waits for (the stream is ordered): the urgent offer.
+        offer = next((o for o in epoch.offers(1) if o.urgent), None)
+        if offer is None:
+            raise RuntimeError("procpipe: internal error: a streaming epoch waits for no block but did not end")
+        job = epoch.take(offer, -1)
         scope = self._scope
         try:
-            produced = produce(self._spec, scope, epoch.number, job.indices, None, 0)
+            produced = produce(self._spec, scope, epoch.number, job.payload, None, 0)
         except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
             scope.leave()
             if isinstance(exc, SystemExit):
                 raise
-            exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.indices} "
+            exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
                          f"(epoch {epoch.number}).")
             raise
         if produced.skipped:  # on_error="skip": records whose fn or augment raised
             if epoch.skips is None:
-                epoch.skips = epoch.skip_budget(epoch.plan.max_skipped)
+                epoch.skips = epoch.skip_budget(self._max_skipped)
             for key, exc in produced.skipped:
-                if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.indices})",
+                if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.payload})",
                                        f"{type(exc).__name__}: {exc}"):
                     exc.add_note(epoch.skips.note())
                     raise exc
-        if produced.layout is None:
-            epoch.deliver(job.seq, EmptyBatch)
-        else:
-            epoch.accept(job, produced.layout, None, 0)
+        epoch.result(job, EMPTY if produced.layout is None else Loaded(produced.layout, None, 0))
 
     def _stop(self) -> None:
         self._done = True

@@ -3,7 +3,7 @@
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
 ``StreamPlan`` (plan.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
-shipped to every worker. The coordinator sends each worker ``Block`` tasks (epoch.py);
+shipped to every worker. The coordinator sends each worker ``Block`` tasks (shard_plan.py);
 in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
 block to ``Shards.produce_block``, which reads its records from the shard's iterator
 (``_Reader``, kept open between blocks: shard affinity), runs ``fn`` and ``augment`` on
