@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ class Epoch:
         return SkipBudget(max_skipped, self.plan.sample_total(), self.counters, self.plan.skips_tasks)
 
     # ---- dispatch
-    def offers(self, per_lane: int) -> list[Offer]:
+    def offers(self, per_lane: int) -> Sequence[Offer]:
         """The plan's tasks that may go now, best first (lost jobs given back to it first)."""
         redo = self.redo
         while redo:
@@ -153,10 +153,6 @@ class Epoch:
         """``job``'s worker died before it answered (its slot is in ``job.slot``): run it again."""
         self.redo.append(job)
 
-    def outstanding(self) -> int:
-        """Tasks in flight and results held back for their turn (their slots are in use)."""
-        return 0 if self.finished else self.in_flight + self.plan.held()
-
     def _drop(self, job: Job) -> None:
         self.jobs.pop(job.seq, None)
         self.in_flight -= 1
@@ -167,31 +163,29 @@ class Epoch:
     # ---- results
     def result(self, job: Job, result: Any) -> None:
         """``job``'s result: ``plans.Loaded`` (its batch), ``EMPTY`` (every sample skipped) or a
-        ``Failure``; what the plan makes of it goes to the stream's queue."""
-        if self.jobs.pop(job.seq, None) is None or self.finished:
+        ``Failure``; the batches the plan hands out for it go to the stream's queue, in order."""
+        if self.jobs.pop(job.work.key, None) is None or self.finished:
             return
         self.in_flight -= 1
-        self._hand_out(self.plan.completed(job.work, result))
-
-    def _hand_out(self, ready: list[Ready]) -> None:
-        counters = self.counters
-        for position, batch, samples in ready:
+        stream, counters = self.stream, self.counters
+        for position, batch, samples in self.plan.completed(job.work, result):
             if self.finished:
                 return
-            if type(batch) is Failure and not batch.batch_only:
-                self.stream.fail_at(self, batch)
-                self.finish()
-                return
-            if batch is EMPTY:
+            if type(batch) is Failure:
+                if not batch.batch_only:  # the epoch ends with it
+                    stream.fail_at(self, batch)
+                    self.finish()
+                    return
+            elif batch is EMPTY:
                 continue
-            if type(batch) is not Failure:
+            else:
                 counters.batches += 1
                 counters.samples += samples
             self.delivered += 1
-            self.stream.delivered += 1
-            self.stream.emit(self, (self, position, batch))
+            stream.delivered += 1
+            stream.emit(self, (self, position, batch))
         if not self.finished and self.plan.complete:
-            self.stream.epoch_done(self)
+            stream.epoch_done(self)
 
     def finish(self) -> None:
         if self.finished:
@@ -287,7 +281,11 @@ class Stream:
     def outstanding(self) -> int:
         """Tasks in flight, results held back, and batches in the queue not taken yet: what the
         coordinator keeps under its ``max_outstanding``."""
-        return self.delivered - self.consumed + sum(e.outstanding() for e in self.epochs)
+        n = self.delivered - self.consumed
+        for epoch in self.epochs:
+            if not epoch.finished:
+                n += epoch.in_flight + epoch.plan.held()
+        return n
 
     def fresh(self) -> Epoch | None:
         """The first open epoch with batches never dispatched, opening the next epochs as needed."""

@@ -15,7 +15,7 @@ from . import collate
 from .plans import EMPTY, EpochPlan, Loaded, Offer, Ready, Work
 from .reassembly import Ordered, Progress, Sloppy
 
-_FRESH = Offer((1,))  # the next batch never sent (any worker)
+_FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 
 
 class IndexPlan(EpochPlan):
@@ -51,14 +51,15 @@ class IndexPlan(EpochPlan):
     def offers(self, per_lane: int) -> list[Offer]:
         if self._retries:
             return [Offer((0,), retry=self._retries[0][1])]
-        return [] if self._next >= len(self.batches) else [_FRESH]
+        return () if self._next >= len(self.batches) else _FRESH
 
     def take(self, offer: Offer, worker: int) -> Work:
         if offer.retry is not None:
             return self._retries.pop(0)[1]
         seq = self._next
-        self._next += 1
-        self._skip_done()
+        self._next = seq + 1
+        if self._done:
+            self._skip_done()
         return Work(seq, self.batches[seq])
 
     def lost(self, work: Work) -> bool:
@@ -81,15 +82,14 @@ class IndexPlan(EpochPlan):
 
     def completed(self, work: Work, result: Any) -> list[Ready]:
         if type(result) is Loaded:
-            item = (collate.build(result.layout, result.lease), len(work.payload) - result.skipped)
+            ready = Ready(work.key, collate.build(result.layout, result.lease), len(work.payload) - result.skipped)
         else:  # EMPTY, or a Failure
-            item = (result, 0)
-        out = []
-        for seq, (batch, samples) in self.reassembly.add(work.key, item):
-            if batch is EMPTY:
-                self.empty.append(seq)
-            out.append(Ready(seq, batch, samples))
-            self.handed_out += 1
+            ready = Ready(work.key, result, 0)
+        out = [item for _, item in self.reassembly.add(work.key, ready)]
+        self.handed_out += len(out)
+        for item in out:
+            if item.batch is EMPTY:
+                self.empty.append(item.position)
         return out
 
     @property

@@ -27,6 +27,7 @@ payload; a plan never sees a worker, only a worker's index.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -52,7 +53,7 @@ class Failure:
     batch_only: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Work:
     """One task of an epoch, as its plan describes it."""
 
@@ -114,7 +115,7 @@ class EpochPlan:
         """No task will be offered that was never sent: the next epoch may open."""
         raise NotImplementedError
 
-    def offers(self, per_lane: int) -> list[Offer]:
+    def offers(self, per_lane: int) -> Sequence[Offer]:
         """The tasks that may be sent now, best first (``per_lane``: tasks a lane may have in flight)."""
         raise NotImplementedError
 

@@ -149,9 +149,9 @@ def test_a_plan_rebuilt_from_its_state_delivers_exactly_the_rest(name, ordered, 
 def test_an_empty_epoch_is_complete_at_once():
     kind = Kind("shards", True)
     plan = kind.plan_class(kind.config, 0, [], True, None)
-    assert plan.complete and plan.exhausted and plan.offers(PER_LANE) == []
+    assert plan.complete and plan.exhausted and not plan.offers(PER_LANE)
     index = IndexPlan(None, 0, [], False)
-    assert index.complete and index.exhausted and index.offers(PER_LANE) == []
+    assert index.complete and index.exhausted and not index.offers(PER_LANE)
 
 
 def test_a_failed_block_ends_a_stream_epoch_but_a_failed_batch_does_not_end_an_indexed_one():
@@ -160,7 +160,7 @@ def test_a_failed_block_ends_a_stream_epoch_but_a_failed_batch_does_not_end_an_i
     work = plan.take(plan.offers(PER_LANE)[0], 0)
     out = plan.completed(work, Failure(ValueError("bad record"), batch_only=True))
     assert [type(r.batch) for r in out] == [Failure] and not out[0].batch.batch_only
-    assert plan.offers(PER_LANE) == []  # the shard cannot be read past it: nothing more is offered
+    assert not plan.offers(PER_LANE)  # the shard cannot be read past it: nothing more is offered
 
     indexed = Kind("indexed", True)
     plan = indexed.plan()

@@ -41,7 +41,7 @@ class _Shard:
     redo: list = field(default_factory=list)  # tasks to run again (their worker died), by block
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BlockWork(Work):
     """A block of one shard as a task (``payload`` is the ``Block``; ``lane`` the shard's position)."""
 
