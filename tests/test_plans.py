@@ -168,3 +168,15 @@ def test_a_failed_block_ends_a_stream_epoch_but_a_failed_batch_does_not_end_an_i
     out = plan.completed(work, Failure(ValueError("bad sample"), batch_only=True))
     assert [(r.position, r.batch.batch_only) for r in out] == [(0, True)]
     assert plan.offers(PER_LANE)  # the next batches still go
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "sloppy"])
+def test_a_fresh_plan_says_nothing_was_taken(ordered):
+    """A fresh epoch (given no state, or the empty set of positions an indexed resume would
+    give) has nothing to save: ``Loader.state_dict`` right after ``iter()`` must not claim a
+    stream position (an empty interleave cursor would pin a resumed run's order)."""
+    shards = Kind("shards", ordered)
+    for fresh in (None, frozenset()):
+        assert shards.plan(fresh).state() is None
+    indexed = Kind("indexed", ordered)
+    assert len(indexed.plan(frozenset()).state()) == 0

@@ -70,6 +70,7 @@ class ShardPlan(EpochPlan):
     skips_tasks = False  # on_error="skip": a failed block cannot be left out (its shard cannot be read past it)
 
     def __init__(self, config: Any, number: int, order: list[int], ordered: bool, resumed: Any = None) -> None:
+        resumed = resumed or None  # (a fresh epoch may be given an empty set of positions)
         self.config = config
         self.ordered = ordered
         self.block_length = config.block_length
