@@ -61,7 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "worker": ("produce", "cache", "records", "preload", "start_method", "worker"),
     "plan": ("sampler", "epochs", "streaming.shards", "streaming.order", "streaming.batching", "streaming.epoch"),
     "engine": ("attempts", "pool", "faults", "replies", "autotune", "coordinator", "start"),
-    "api": ("iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan", "streaming", "loader",
+    "api": ("nodes", "position", "iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan", "streaming", "loader",
             "procpipe"),
     "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray"),
 }
