@@ -134,13 +134,16 @@ class Stage(Node):
     taken right after each ``next()``, with the batch; the stage's ``get_state()`` is that
     of the batch it returned last (before any: the source's when the stage started). It
     has no state of its own: its state is the source's position, passed through. A source
-    without ``get_state`` (the torch facade's in-process iterable) gives a stage without one.
+    without ``get_state`` (the torch facade's in-process iterable), or ``keep_state=False``
+    (the facade, which has no ``state_dict``: no snapshot per batch), gives a stage without one.
     """
 
     _JOIN_S = 60.0  # the most reset() waits for the old thread to stop
 
-    def __init__(self, source: Iterator, transfer: Callable, depth: int, timeout: float | None = None) -> None:
+    def __init__(self, source: Iterator, transfer: Callable, depth: int, timeout: float | None = None, *,
+                 keep_state: bool = True) -> None:
         self._source = source
+        self._keep_state = keep_state
         self._transfer = transfer
         self._depth = depth
         self._timeout = timeout or None
@@ -148,7 +151,7 @@ class Stage(Node):
 
     def _begin(self) -> None:
         """Start the thread over the source as it stands now."""
-        source_state = getattr(self._source, "get_state", None)
+        source_state = getattr(self._source, "get_state", None) if self._keep_state else None
         self._snapshot = _no_state if source_state is None else source_state
         self._state: dict | None = self._snapshot()  # the source's, for the batches returned so far
         self._queue: queue.Queue = queue.Queue(maxsize=max(self._depth, 1))
@@ -188,7 +191,8 @@ class Stage(Node):
         """The source's state when it gave the batch returned last (the batches held ahead are not
         counted); before any, the source's when the stage started."""
         if self._state is None:
-            raise TypeError(f"this stage's source ({type(self._source).__name__}) has no get_state()")
+            raise TypeError(f"this stage keeps no state (keep_state=False, or its source, a "
+                            f"{type(self._source).__name__}, has no get_state())")
         return self._state
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:

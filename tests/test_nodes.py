@@ -238,3 +238,31 @@ def test_reset_refuses_a_corrupt_position_and_keeps_going():
         assert tagged(next(node)) != first  # the iteration it had goes on
         node.reset(None)  # None: from the start of loader.epoch, as a new iter() would
         assert tagged(next(node))[0] == 1  # the loader stood at epoch 1 (after epoch 0's first batch)
+
+
+def test_cuda_state_dict_does_not_count_prefetched_batches():
+    """The same as the threaded-stage test above, with the real CUDA stage (on a CUDA machine)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    k, prefetch = 3, 3
+
+    def moved(loader):
+        info = loader.stats()["device"]
+        return info["direct_batches"] + info["staged_batches"]
+
+    def host(pair):
+        epoch, batch = pair
+        return int(epoch), [int(x) for x in batch.cpu().reshape(-1)]
+
+    with contextlib.ExitStack() as stack:
+        full = [tagged(p) for p in loader_for(stack, "indexed", 2, True, 0)]
+    with contextlib.ExitStack() as stack:
+        first = loader_for(stack, "indexed", 2, True, 0, device="cuda", prefetch=prefetch)
+        it = iter(first)
+        taken = [host(next(it)) for _ in range(k)]
+        wait_until(lambda: moved(first) >= k + prefetch, 60, "the stage thread to prefetch")
+        state = json.loads(json.dumps(first.state_dict()))
+        second = loader_for(stack, "indexed", 2, True, 0, device="cuda", prefetch=prefetch)
+        second.load_state_dict(state)
+        rest = [host(p) for p in second]
+    assert taken + rest == full, state
