@@ -7,8 +7,10 @@ them), and hands each iteration to an epoch iterator (iterators.py), the object 
 consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N`` epochs, or
 an endless stream with ``epochs=None``); workers persist between iterations. With
 ``workers=0`` everything runs in the calling process through the same sampler, sample
-scope and collation, so results are identical. ``state_dict``/``load_state_dict`` save
-and restore where it stands (resume.py).
+scope and collation, so results are identical. The iterator is a chain of nodes
+(nodes.py: the epoch iterator, then the device stage with ``device=``); ``state_dict`` is
+the root node's ``get_state()`` with the sampler's settings, and ``load_state_dict``
+checks one and leaves it for the next ``iter()`` (resume.py).
 """
 from __future__ import annotations
 

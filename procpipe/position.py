@@ -25,7 +25,6 @@ from .checks import is_count
 from .reassembly import Progress, ResumePoint
 
 LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
-POSITION_KEYS = ("epoch", "done_below", "done", "stream", "ahead", "until")  # what a position may hold
 
 
 class Resume(tuple):

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .position import POSITION_KEYS, Resume, decode_position
+from .position import Resume, decode_position
 from .streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
 
-__all__ = ["Resume", "load_state", "position_of", "save_state"]
+__all__ = ["Resume", "load_state", "save_state"]
 
 
 def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings."""
     return {"version": 1, **position, **_sampler_state(sampler)}
-
-
-def position_of(state: dict[str, Any]) -> dict[str, Any]:
-    """The position part of a saved state (what a node's ``reset`` takes)."""
-    return {key: state[key] for key in POSITION_KEYS if key in state}
 
 
 def load_state(state: Any, sampler: Any) -> Resume:

@@ -14,6 +14,11 @@ Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly
   consumer's stream waits on the event and the tensors are ``record_stream``-ed to it
   (``_Ready``), so ``next()`` costs nothing when the pipeline keeps up.
 
+Both stages are nodes (procpipe/nodes.py) over the epoch iterator: ``Stage`` keeps the
+iterator's ``get_state()`` with each batch its thread takes ahead and reports that of the
+batch it returned last; ``Mapped`` (``"cpu"``) passes the iterator's state through. So
+``Loader.state_dict()`` never counts the batches the stage holds as returned.
+
 ``import procpipe`` never imports this module: ``procpipe.loader`` loads it only when a
 ``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread for its
 ``device=``, ``pin_memory=True`` and ``timeout``.
