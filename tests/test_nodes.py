@@ -106,6 +106,8 @@ for _kind in ("indexed", "shards"):
     NODES[f"inline-{_kind}"] = (lambda s, e, k=_kind: iter(loader_for(s, k, 0, True, e)), True, _kind)
 NODES["stage-over-engine-indexed"] = (
     lambda s, e: stage_over(s, iter(loader_for(s, "indexed", 2, True, e))), True, "indexed")
+NODES["stage-over-engine-shards-sloppy"] = (
+    lambda s, e: stage_over(s, iter(loader_for(s, "shards", 2, False, e))), False, "shards")
 NODES["stage-over-inline-shards"] = (
     lambda s, e: stage_over(s, iter(loader_for(s, "shards", 0, True, e))), True, "shards")
 NODES["mapped-over-inline-indexed"] = (
