@@ -6,13 +6,18 @@ every iterator it makes (``iterators.EpochIterator``, ``iterators.InlineIterator
 ``streaming.InlineStream``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
-``LoaderIterator`` is what the Loader asks of an iterator in return (``resume_point``,
-``owns_epoch``, ``cancel``, ``running``...), and the part of it the three share.
+``LoaderIterator`` is what the Loader asks of an iterator in return (``owns_epoch``,
+``cancel``, ``running``...), and the part of it the three share: each is a source node
+(procpipe/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
+procpipe/position.py) and whose ``reset(state)`` restarts it there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .nodes import Node
+from .position import decode_position, encode_position, start_position
 
 if TYPE_CHECKING:
     from .reassembly import ResumePoint
@@ -52,12 +57,14 @@ class Standing:
         return mine is not None and self.epoch == mine
 
 
-class LoaderIterator:
-    """What the Loader asks of each of its epoch iterators, and the part they all share.
+class LoaderIterator(Node):
+    """What the Loader asks of each of its epoch iterators (source nodes), and the part they all share.
 
-    A subclass calls ``_attach`` first, sets ``_done`` and ``_cancelled`` (why it was
-    cancelled: a new ``iter()``, ``load_state_dict``, ``close``), calls ``_set_epoch`` as its
-    consumer enters epochs, and implements ``resume_point``, ``cancel`` and ``consumed``.
+    A subclass calls ``_attach`` first, then ``reset(state)``; it sets ``_done`` and
+    ``_cancelled`` (why it was cancelled: a new ``iter()``, ``load_state_dict``, ``close``),
+    calls ``_set_epoch`` as its consumer enters epochs, and implements ``_start`` (begin an
+    iteration at a decoded position), ``_halt`` (end the running one quietly, before a
+    reset), ``_point`` and ``_next_start`` (for ``get_state``), ``cancel`` and ``consumed``.
     """
 
     _standing: Standing
@@ -68,8 +75,51 @@ class LoaderIterator:
     def _attach(self, context: IterationContext, owner: object) -> None:
         """Take the context's ``Standing``, and hold ``owner`` (the Loader): an iteration keeps
         its Loader, hence its engine, alive, so that ``for batch in Loader(...)`` works."""
+        self._context = context
         self._standing = context.standing
         self._owner = owner
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        """Restart at ``initial_state`` (a position: ``get_state()``, or the position part of a
+        ``Loader.state_dict()``), or with ``None`` at the start of ``loader.epoch``, as a new
+        ``iter(loader)`` would. Raises ``ValueError`` for a corrupt position (nothing is changed)."""
+        context = self._context
+        if initial_state is None:
+            epoch = self._standing.epoch
+            initial_state = start_position(context.sampler, epoch, context.default_until(epoch))
+        resume = decode_position(initial_state, context.sampler)
+        self._halt()
+        self._epoch_set = None  # this iteration decides where the loader stands, as a new iter() does
+        self._start(resume.epoch, resume.done, resume.until_or(context.default_until(resume.epoch)), resume.ahead)
+
+    def get_state(self) -> dict[str, Any]:
+        """Where the consumer stands, to resume exactly there (the position ``Loader.state_dict``
+        saves). Once every batch was returned: the start of the next iteration (the epoch after
+        this one's last, spanning the loader's ``epochs``), as the Loader's next ``iter()``."""
+        sampler = self._context.sampler
+        point = self._point()
+        if point is None:
+            start = self._next_start()
+            return start_position(sampler, start, self._context.default_until(start))
+        return encode_position(sampler, point)
+
+    def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
+        """Begin the iteration at epoch ``number`` (``done``, ``ahead``: what was returned already,
+        decoded; ``until``: the epoch it stops before, None: never)."""
+        raise NotImplementedError
+
+    def _halt(self) -> None:
+        """End the running iteration, if any, before a ``reset`` starts another."""
+        raise NotImplementedError
+
+    def _point(self) -> ResumePoint | None:
+        """Where the consumer stands, in the form ``Epoch.consumer_progress()`` gives; None once
+        every batch of the iteration was returned."""
+        raise NotImplementedError
+
+    def _next_start(self) -> int:
+        """The epoch the next iteration starts at, once every batch of this one was returned."""
+        raise NotImplementedError
 
     def _set_epoch(self, epoch: int) -> None:
         """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""
@@ -96,11 +146,6 @@ class LoaderIterator:
         every batch produced was returned (``workers=0``: the counters say how many)."""
         raise NotImplementedError
 
-    def resume_point(self) -> ResumePoint | None:
-        """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
-        exactly; None once every batch of it was returned."""
-        raise NotImplementedError
-
     def cancel(self, why: str) -> None:
         """End this iteration early (``why`` is what its next ``next()`` says)."""
         raise NotImplementedError
@@ -112,7 +157,8 @@ class IterationContext:
 
     ``sampler``: the batches of each epoch (``sampler.Sampler``, ``sampler.ExplicitBatches``,
     or ``streaming.StreamPlan``); ``spec``: what the workers run (also used in the calling
-    process with ``workers=0``); ``coordinator``: None with ``workers=0``.
+    process with ``workers=0``); ``coordinator``: None with ``workers=0``; ``epochs``: the
+    epochs one iteration spans (None: endless).
     """
 
     sampler: Any
@@ -121,4 +167,9 @@ class IterationContext:
     with_epoch: bool
     max_skipped: int | float
     coordinator: Coordinator | None
+    epochs: int | None = 1
     standing: Standing = field(default_factory=Standing)
+
+    def default_until(self, start: int) -> int | None:
+        """The epoch an iteration starting at ``start`` stops before, by the loader's ``epochs``."""
+        return None if self.epochs is None else start + self.epochs

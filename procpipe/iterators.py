@@ -11,8 +11,9 @@ with ``workers=0`` uses ``streaming.InlineStream`` instead.)
 
 Both are given what they need by the Loader (an ``iteration.IterationContext``, built
 once), keep where the loader stands current (``iteration.Standing``: ``loader.epoch`` and
-the counters ``loader.stats()`` shows) and say where to resume (``resume_point``, for
-``Loader.state_dict``).
+the counters ``loader.stats()`` shows), and are source nodes (procpipe/nodes.py):
+``get_state()`` says where the consumer stands (``Loader.state_dict``), ``reset(state)``
+restarts there (``load_state_dict`` then ``iter()``).
 """
 from __future__ import annotations
 
@@ -46,12 +47,18 @@ class EpochIterator(LoaderIterator):
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
-    def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
-                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
+                 owner: object = None) -> None:
         self._attach(context, owner)
         self._coordinator = context.coordinator
-        self.number = number
         self._with_epoch = context.with_epoch
+        self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
+        self._done = True  # no iteration yet (reset starts one)
+        self.reset(initial_state)
+
+    def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
+        context = self._context
+        self.number = number
         self._stream = Stream(next(_generations), context.sampler, number, until, context.ordered,
                               context.sampler.batches(number), done, ahead)
         self._epoch = self._stream.first  # the epoch the consumer is in
@@ -62,10 +69,14 @@ class EpochIterator(LoaderIterator):
         self._complete = False  # every batch of the stream was returned
         self._cancelled: str | None = None
         self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
-        self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
         self._standing.counters = self._epoch.counters
         self._set_epoch(number + 1)
         self._coordinator.submit("start", self._stream)
+
+    def _halt(self) -> None:
+        if not self._done:
+            self._done = True
+            self._coordinator.submit("cancel", self._stream.gen)
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -120,7 +131,7 @@ class EpochIterator(LoaderIterator):
                 if self._cancelled:
                     iteration_over(self._cancelled)
                 self._complete = True
-                self._set_epoch(stream.until if stream.until is not None else stream.next_number)
+                self._set_epoch(self._next_start())
                 raise StopIteration
             self._failed = item.exc
             raise item.exc  # a Failure
@@ -157,12 +168,15 @@ class EpochIterator(LoaderIterator):
                     except queue.Empty:
                         return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
-    def resume_point(self) -> ResumePoint | None:
-        """``(epoch, what was returned of it, of later epochs, until)`` to resume this iteration
-        exactly (see ``Stream.resume_point``); None once every batch of it was returned."""
+    def _point(self) -> ResumePoint | None:
+        """See ``Stream.resume_point``: from the oldest epoch the consumer is not past."""
         if self._complete:
             return None
         return self._stream.resume_point(self._low)
+
+    def _next_start(self) -> int:
+        stream = self._stream
+        return stream.until if stream.until is not None else stream.next_number
 
     def cancel(self, why: str) -> None:
         if not self._done:
@@ -179,21 +193,27 @@ class EpochIterator(LoaderIterator):
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, context: IterationContext, number: int, done: frozenset = frozenset(),
-                 until: int | None = None, ahead: dict[int, frozenset] | None = None, *, owner: object = None) -> None:
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
+                 owner: object = None) -> None:
         self._attach(context, owner)
-        self._context = context
         self._coordinator = None
         self._with_epoch = context.with_epoch
+        self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
+        self._lock = threading.Lock()
+        self._done = True  # no iteration yet (reset starts one)
+        self.reset(initial_state)
+
+    def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
         self._until = until
         self._ahead = dict(ahead or {})
-        self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
         self._done = False
         self._complete = False
         self._cancelled = None
         self._failed = None
-        self._lock = threading.Lock()
-        self._open(number, context.sampler.batches(number), done, time.perf_counter())
+        self._open(number, self._context.sampler.batches(number), done, time.perf_counter())
+
+    def _halt(self) -> None:
+        self._done = True
 
     def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
         context = self._context
@@ -276,7 +296,7 @@ class InlineIterator(EpochIterator):
     def consumed(self) -> None:
         return None
 
-    def resume_point(self) -> ResumePoint | None:
+    def _point(self) -> ResumePoint | None:
         if self._complete:
             return None
         low, done, until = self._number, Progress(self._progress), self._until
@@ -287,6 +307,9 @@ class InlineIterator(EpochIterator):
             done = Progress(self._ahead.get(low, ()))
         ahead = {n: Progress(v) for n, v in sorted(self._ahead.items()) if n > low and v}
         return ResumePoint(low, done, ahead, until)
+
+    def _next_start(self) -> int:
+        return self._number + 1
 
     def cancel(self, why: str) -> None:
         if not self._done:  # like the workers' iterator: a superseded epoch says so

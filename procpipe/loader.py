@@ -7,8 +7,10 @@ them), and hands each iteration to an epoch iterator (iterators.py), the object 
 consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N`` epochs, or
 an endless stream with ``epochs=None``); workers persist between iterations. With
 ``workers=0`` everything runs in the calling process through the same sampler, sample
-scope and collation, so results are identical. ``state_dict``/``load_state_dict`` save
-and restore where it stands (resume.py).
+scope and collation, so results are identical. The iterator is a chain of nodes
+(nodes.py: the epoch iterator, then the device stage with ``device=``); ``state_dict`` is
+the root node's ``get_state()`` with the sampler's settings, and ``load_state_dict``
+checks one and leaves it for the next ``iter()`` (resume.py).
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from .autotune import resolve as resolve_autotune
 from .cache import open_cache
 from .checks import check_int
 from .coordinator import Coordinator, EngineConfig
-from .index_plan import IndexPlan
 from .iteration import IterationContext, LoaderIterator
 from .iterators import EpochIterator, InlineIterator
+from .nodes import Node
+from .position import encode_position, start_position
 from .reassembly import ResumePoint
-from .resume import Resume, load_state, save_state
+from .resume import load_state, save_state
 from .sampler import ExplicitBatches, Sampler
 from .start import start_engine
 from .start_method import resolve as resolve_start_method
@@ -218,13 +221,13 @@ class Loader:
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
                                 batch_fn=batch_fn, augment=augment, seed_globals=bool(seed_globals))
-        self._resume: Resume | None = None  # from load_state_dict
+        self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
         self._start_method = resolve_start_method(start_method)  # once: its restarted workers start the same way
-        self._epochs = epochs
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
-        self._active: LoaderIterator | None = None
+        self._active: LoaderIterator | None = None  # the source node of the latest iteration
+        self._root: Node | None = None  # the node the consumer iterates: the source, or a device stage over it
         self._closed = False
         self._coordinator: Coordinator | None = None
         if auto is not None or workers > 0:
@@ -245,7 +248,7 @@ class Loader:
         self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
-                                         self._coordinator)
+                                         self._coordinator, epochs)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -265,27 +268,23 @@ class Loader:
         epoch = self._standing.epoch
         self._standing.epoch += 1
         resume, self._resume = self._resume, None
-        done, ahead, until = frozenset(), {}, self._default_until(epoch)
-        if resume is not None and resume.epoch == epoch:
-            done, ahead, until = resume.done, resume.ahead, resume.until_or(until)
+        if resume is None or resume["epoch"] != epoch:
+            resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: LoaderIterator = inline(self._context, epoch, done, until, ahead, owner=self)
+            it: LoaderIterator = inline(self._context, resume, owner=self)
         else:
-            it = EpochIterator(self._context, epoch, done, until, ahead, owner=self)
-        self._active = it
+            it = EpochIterator(self._context, resume, owner=self)
+        self._active = self._root = it
         if self._device_stage is not None:
-            return self._device_stage(it)
-        return it
+            self._root = self._device_stage(it)
+        return self._root
 
     @property
     def epoch(self) -> int:
         """The epoch number the next ``iter(loader)`` will start with (during an iteration over
         several epochs: the one after the epoch of the last batch returned)."""
         return self._standing.epoch
-
-    def _default_until(self, start: int) -> int | None:
-        return None if self._epochs is None else start + self._epochs
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch number of the next iteration (its shuffle order and sample seeds)."""
@@ -319,24 +318,17 @@ class Loader:
         returned are not returned again, the others are, once; with ``ordered=True`` (and
         no ``shuffle_buffer``) in the very order of the uninterrupted run.
         """
-        return save_state(self._sampler, *self._position())
-
-    def _position(self) -> ResumePoint:
-        """``(epoch, what was returned of it, of later epochs, until)``: what ``state_dict`` saves,
-        what was returned in the form its epochs' plans give (``EpochPlan.state()``)."""
-        plan_class = getattr(self._sampler, "plan_class", IndexPlan)
-        epoch, done, ahead = self._standing.epoch, plan_class.unopened_state(None), {}
-        until = self._default_until(epoch)
-        active, resume = self._active, self._resume
-        if resume is not None and resume.epoch == epoch:
-            done = plan_class.unopened_state(resume.done)
-            ahead = {n: plan_class.unopened_state(v) for n, v in resume.ahead.items()}
-            until = resume.until_or(until)
-        elif active is not None and active.owns_epoch():
-            point = active.resume_point()
-            if point is not None:
-                epoch, done, ahead, until = point
-        return ResumePoint(epoch, done, ahead, until)
+        # Where the loader stands: what load_state_dict left for the next iter(); else the root node's
+        # state while its iteration decides loader.epoch; else the start of loader.epoch.
+        epoch = self._standing.epoch
+        active, root = self._active, self._root
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            position = self._resume
+        elif active is not None and root is not None and active.owns_epoch():
+            position = root.get_state()
+        else:
+            position = start_position(self._sampler, epoch, self._context.default_until(epoch))
+        return save_state(self._sampler, position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next ``iter()`` continues that epoch where it stood.
@@ -349,9 +341,10 @@ class Loader:
         resume = load_state(state, self._sampler)
         if self._active is not None:
             self._active.cancel("load_state_dict() was called")
-            self._active = None
+            self._active = self._root = None
         self._standing.epoch = resume.epoch
-        self._resume = resume
+        self._resume = encode_position(self._sampler, ResumePoint(
+            resume.epoch, resume.done, resume.ahead, resume.until_or(self._context.default_until(resume.epoch))))
 
     def close(self) -> None:
         """End every worker and remove every shared-memory file. Safe to call twice.

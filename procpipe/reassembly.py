@@ -75,6 +75,9 @@ class Progress:
     __slots__ = ("below", "beyond")
 
     def __init__(self, done: Iterable[int] = ()) -> None:
+        if type(done) is Progress:  # a copy, without walking every position below the watermark
+            self.below, self.beyond = done.below, set(done.beyond)
+            return
         self.below = 0
         self.beyond: set[int] = set()
         for seq in done:

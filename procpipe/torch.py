@@ -590,20 +590,21 @@ class DataLoader(_tud.DataLoader[_T_co]):
             self._pp_current = loader
             self._pp_epochs += 1
             epoch = iter(loader)
-        stage: Stage | None = None
+        stage: Stage | None = None  # the facade has no state_dict: its stages keep no state (keep_state=False)
         depth = self._pp_options["prefetch"]
         if self._pp_device is not None:
             if self._pp_transfer is None:
                 self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
             stage = Stage(epoch, lambda b: transfer(b, convert, getattr(epoch, "position", None)), depth,
-                          self.timeout if self.num_workers else None)
+                          self.timeout if self.num_workers else None, keep_state=False)
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-            stage = Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None)
+            stage = Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None,
+                          keep_state=False)
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
-            stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout)
+            stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=False)
         if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
             return _DataLoaderIter(epoch, convert, stage, owned, None, loader, self._IterableDataset_len_called,
                                    self.dataset, self.num_workers > 0)

@@ -14,6 +14,11 @@ Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly
   consumer's stream waits on the event and the tensors are ``record_stream``-ed to it
   (``_Ready``), so ``next()`` costs nothing when the pipeline keeps up.
 
+Both stages are nodes (procpipe/nodes.py) over the epoch iterator: ``Stage`` keeps the
+iterator's ``get_state()`` with each batch its thread takes ahead and reports that of the
+batch it returned last; ``Mapped`` (``"cpu"``) passes the iterator's state through. So
+``Loader.state_dict()`` never counts the batches the stage holds as returned.
+
 ``import procpipe`` never imports this module: ``procpipe.loader`` loads it only when a
 ``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread for its
 ``device=``, ``pin_memory=True`` and ``timeout``.
@@ -33,10 +38,11 @@ import numpy as np
 import torch
 
 from .epochs import iteration_over
+from .nodes import Node
 from .rng import device_scope
 from .shm import ring_of
 
-__all__ = ["CudaTransfer", "DeviceStage", "RingPins", "Stage", "device_stage", "resolve_device", "to_torch"]
+__all__ = ["CudaTransfer", "DeviceStage", "Mapped", "RingPins", "Stage", "device_stage", "resolve_device", "to_torch"]
 
 _ALIGN = 64  # byte alignment of each tensor inside a pinned staging buffer
 _THREAD = threading.local()  # per thread: the CUDA stream a transfer made current there
@@ -81,59 +87,89 @@ class _Raised:
         self.final = final
 
 
+def _no_state() -> None:
+    return None
+
+
 def _stage_main(source: Iterator, transfer: Callable, out: queue.Queue, stop: threading.Event,
-                requests: queue.SimpleQueue | None) -> None:
+                requests: queue.SimpleQueue | None, snapshot: Callable[[], dict | None]) -> None:
+    """The stage's thread: ``(item, state)`` pairs into ``out``, ``state`` being the source's
+    ``get_state()`` right after ``next()`` gave the item (what the consumer will have had once
+    the stage returns it)."""
     try:
         while not stop.is_set():
             if requests is not None and requests.get() is None:
                 return
             try:
                 batch = next(source)
-                item = transfer(batch)
-                del batch  # the ring slot is free once the transfer no longer needs it
             except StopIteration:
-                out.put(_End)
+                out.put((_End, None))
                 return
             except Exception as exc:  # noqa: BLE001 - this batch failed: raised in the consumer, then
-                batch = None  # the next one follows (the source says whether any does)
-                item = _Raised(exc, final=False)
+                item, state = _Raised(exc, final=False), snapshot()  # the next one follows (the source says)
+            else:
+                state = snapshot()
+                try:
+                    item = transfer(batch)
+                except Exception as exc:  # noqa: BLE001 - as above: this batch's error
+                    item = _Raised(exc, final=False)
+                del batch  # the ring slot is free once the transfer no longer needs it
             while True:
                 try:
-                    out.put(item, timeout=_ABANDON_CHECK_S)
+                    out.put((item, state), timeout=_ABANDON_CHECK_S)
                     break
                 except queue.Full:  # the consumer is busy, or gone: a new epoch or close() cancelled ours
                     if stop.is_set() or getattr(source, "cancelled", None):
                         return
             del item
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer, raised there
-        out.put(_Raised(exc))
+        out.put((_Raised(exc), None))
 
 
-class Stage:
-    """A background thread between an epoch iterator and the consumer.
+class Stage(Node):
+    """A background thread between an epoch iterator and the consumer: a node over ``source``.
 
     ``transfer(batch) -> (batch, ready)`` runs in the thread; ``ready()`` (if not None)
     runs in the consumer's thread just before the batch is returned (e.g. to make the
     consumer's CUDA stream wait for the copy). With ``depth=0`` the thread fetches only
     when asked (used for ``timeout``), holding no batch of its own.
+
+    The thread runs ahead of the consumer, so the source's own state counts the batches
+    the stage holds as returned. The thread therefore keeps the source's ``get_state()``,
+    taken right after each ``next()``, with the batch; the stage's ``get_state()`` is that
+    of the batch it returned last (before any: the source's when the stage started). It
+    has no state of its own: its state is the source's position, passed through. A source
+    without ``get_state`` (the torch facade's in-process iterable), or ``keep_state=False``
+    (the facade, which has no ``state_dict``: no snapshot per batch), gives a stage without one.
     """
 
-    def __init__(self, source: Iterator, transfer: Callable, depth: int, timeout: float | None = None) -> None:
+    _JOIN_S = 60.0  # the most reset() waits for the old thread to stop
+
+    def __init__(self, source: Iterator, transfer: Callable, depth: int, timeout: float | None = None, *,
+                 keep_state: bool = True) -> None:
         self._source = source
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self._stop = threading.Event()
-        self._requests: queue.SimpleQueue | None = queue.SimpleQueue() if depth == 0 else None
-        self._pending = False
+        self._keep_state = keep_state
+        self._transfer = transfer
+        self._depth = depth
         self._timeout = timeout or None
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start the thread over the source as it stands now."""
+        source_state = getattr(self._source, "get_state", None) if self._keep_state else None
+        self._snapshot = _no_state if source_state is None else source_state
+        self._state: dict | None = self._snapshot()  # the source's, for the batches returned so far
+        self._queue: queue.Queue = queue.Queue(maxsize=max(self._depth, 1))
+        self._stop = threading.Event()
+        self._requests: queue.SimpleQueue | None = queue.SimpleQueue() if self._depth == 0 else None
+        self._pending = False
         self._finished = False
         self._thread = threading.Thread(
-            target=_stage_main, args=(source, transfer, self._queue, self._stop, self._requests),
+            target=_stage_main, args=(self._source, self._transfer, self._queue, self._stop, self._requests,
+                                      self._snapshot),
             name="procpipe-device-stage", daemon=True,
         )
         self._thread.start()
-
-    def __iter__(self) -> Stage:
-        return self
 
     def __next__(self) -> Any:
         if self._finished:
@@ -141,8 +177,10 @@ class Stage:
         if self._requests is not None and not self._pending:
             self._requests.put(True)
             self._pending = True
-        item = self._get()
+        item, state = self._get()
         self._pending = False
+        if state is not None:
+            self._state = state
         if item is _End:
             self._finished = True
             iteration_over(getattr(self._source, "cancelled", None))
@@ -154,7 +192,26 @@ class Stage:
             ready()
         return batch
 
-    def _get(self) -> Any:
+    def get_state(self) -> dict[str, Any]:
+        """The source's state when it gave the batch returned last (the batches held ahead are not
+        counted); before any, the source's when the stage started."""
+        if self._state is None:
+            raise TypeError(f"this stage keeps no state (keep_state=False, or its source, a "
+                            f"{type(self._source).__name__}, has no get_state())")
+        return self._state
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        """Stop the thread (dropping the batches it holds), reset the source at ``initial_state``,
+        and start again."""
+        self.close()
+        self._thread.join(self._JOIN_S)
+        if self._thread.is_alive():
+            raise RuntimeError(f"procpipe's device stage thread did not stop within {self._JOIN_S:.0f} s "
+                               "(the source's next() has not returned)")
+        self._source.reset(initial_state)
+        self._begin()
+
+    def _get(self) -> tuple[Any, dict | None]:
         if self._timeout is not None:
             try:
                 return self._queue.get(timeout=self._timeout)
@@ -166,8 +223,8 @@ class Stage:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     if getattr(self._source, "cancelled", None):
-                        return _End  # abandoned: a new epoch or close() cancelled the epoch under us
-                    return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly"))
+                        return _End, None  # abandoned: a new epoch or close() cancelled the epoch under us
+                    return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly")), None
 
     def close(self) -> None:
         """Stop the thread; batches it holds are dropped (their slots return to the ring)."""
@@ -193,18 +250,23 @@ class Stage:
             pass
 
 
-class _Mapped:
-    """``fn`` applied to each batch, in the consumer's thread (``device="cpu"``)."""
+class Mapped(Node):
+    """``fn`` applied to each batch of ``source``, in the consumer's thread (``device="cpu"``).
+
+    It has no state of its own: ``get_state``/``reset`` are its source's (passed through)."""
 
     def __init__(self, source: Iterator, fn: Callable) -> None:
         self._source = source
         self._fn = fn
 
-    def __iter__(self) -> _Mapped:
-        return self
-
     def __next__(self) -> Any:
         return self._fn(next(self._source))
+
+    def get_state(self) -> dict[str, Any]:
+        return self._source.get_state()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        self._source.reset(initial_state)
 
 
 # ---- CUDA ------------------------------------------------------------------------------
@@ -619,9 +681,9 @@ class DeviceStage:
         if transfer is None:
             device_fn = self.device_fn
             if device_fn is None:
-                return _Mapped(it, to_torch)
+                return Mapped(it, to_torch)
             count = itertools.count()
-            return _Mapped(it, lambda b: _apply_cpu(device_fn, self.seed, _position(it, count), to_torch(b)))
+            return Mapped(it, lambda b: _apply_cpu(device_fn, self.seed, _position(it, count), to_torch(b)))
         return Stage(it, lambda batch: transfer(batch, to_torch, getattr(it, "position", None)), depth=self.prefetch)
 
     def info(self) -> dict[str, int]:

@@ -65,7 +65,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("sampler", "plans", "index_plan", "streaming.shards", "streaming.order", "streaming.batching",
              "streaming.shard_plan"),
     "engine": ("epochs", "attempts", "pool", "faults", "replies", "autotune", "coordinator", "start"),
-    "api": ("iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan", "streaming", "loader",
+    "api": ("nodes", "position", "iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan",
+            "streaming", "loader",
             "procpipe"),
     "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray"),
 }

@@ -182,18 +182,23 @@ class InlineStream(LoaderIterator):
     driven in the calling thread: each time the stream's queue is empty, the block the
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
     output is identical to that of workers (in the deterministic order, whatever
-    ``ordered``). The Loader uses it like its own epoch iterators.
+    ``ordered``). The Loader uses it like its own epoch iterators: a source node
+    (procpipe/nodes.py) with ``get_state`` / ``reset``.
     """
 
-    def __init__(self, context: IterationContext, number: int, done: dict | None = None, until: int | None = None,
-                 ahead: dict[int, dict] | None = None, *, owner: object = None) -> None:
-        plan: StreamPlan = context.sampler
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
+                 owner: object = None) -> None:
         self._attach(context, owner)
         self._coordinator = None
         self._spec = context.spec
         self._max_skipped = context.max_skipped
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
         self._with_epoch = context.with_epoch
+        self._done = True  # no iteration yet (reset starts one)
+        self.reset(initial_state)
+
+    def _start(self, number: int, done: dict | None, until: int | None, ahead: dict[int, dict]) -> None:
+        plan: StreamPlan = self._context.sampler
         self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         self._stream.open(self._stream.first)
         self._epoch = self._stream.first
@@ -204,6 +209,10 @@ class InlineStream(LoaderIterator):
         self._cancelled: str | None = None
         self._standing.counters = self._epoch.counters
         self._set_epoch(number + 1)
+
+    def _halt(self) -> None:
+        if not self._done:
+            self._stop()
 
     def __iter__(self) -> InlineStream:
         return self
@@ -243,7 +252,7 @@ class InlineStream(LoaderIterator):
             self._stop()
             if item is EndOfStream:
                 self._complete = True
-                self._set_epoch(stream.until if stream.until is not None else stream.next_number)
+                self._set_epoch(self._next_start())
                 raise StopIteration
             raise item.exc  # a Failure
 
@@ -287,12 +296,16 @@ class InlineStream(LoaderIterator):
     def consumed(self) -> int:
         return self._epoch.consumed
 
-    def resume_point(self) -> ResumePoint | None:
-        """As ``iterators.EpochIterator.resume_point``: the epochs come in order, so the oldest one the
-        consumer is not past is the one it is in."""
+    def _point(self) -> ResumePoint | None:
+        """``Stream.resume_point``: the epochs come in order, so the oldest one the consumer is not
+        past is the one it is in."""
         if self._complete:
             return None
         return self._stream.resume_point(self._epoch.number)
+
+    def _next_start(self) -> int:
+        stream = self._stream
+        return stream.until if stream.until is not None else stream.next_number
 
     def cancel(self, why: str) -> None:
         if not self._done:
