@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .index_plan import IndexPlan
-from .plans import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Ready, Work
+from .plans import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Work
 from .reassembly import ResumePoint
 from .skips import SkipBudget
 from .stats import EpochCounters

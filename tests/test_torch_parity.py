@@ -22,7 +22,6 @@ import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
