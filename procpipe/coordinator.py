@@ -49,7 +49,7 @@ from typing import Any
 from .attempts import Attempt
 from .autotune import Meter, Tuner, memory_room, ring_workers
 from .epochs import Epoch, Job, Stream
-from .plans import EMPTY, Failure, Loaded, Offer
+from .plans import EMPTY, Failure, Offer, loaded
 from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
 from .faults import death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
 from .messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
@@ -374,24 +374,31 @@ class Coordinator:
         self.starved = True  # published before looking, so a release after the look wakes us
         if self._watching:
             self._speculate()
+        # Tasks in flight and batches not taken yet, counted once: only this thread adds to it
+        # (the consumer may take batches meanwhile, which only makes the count high).
+        outstanding = stream.outstanding()
         starved = False
         while not stream.finished:
             stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
-            sent = False
+            sent_any = False
             for epoch in list(stream.epochs):
-                sent, held_back = self._send_one(stream, epoch)
-                starved = starved or held_back
-                if sent:
-                    break
-            if not sent:
+                while True:  # the earlier epoch first: its tasks to run again, then its new ones
+                    sent, held_back = self._send_one(stream, epoch, outstanding)
+                    starved = starved or held_back
+                    if sent is None:
+                        break
+                    sent_any = True
+                    if sent:
+                        outstanding += 1
+            if not sent_any:
                 break
         self.starved = starved
 
-    def _send_one(self, stream: Stream, epoch: Epoch) -> tuple[bool, bool]:
-        """Send ``epoch``'s best task that may go now: (sent one, one was held back for want of
-        a slot, a worker or consumption)."""
+    def _send_one(self, stream: Stream, epoch: Epoch, outstanding: int) -> tuple[bool | None, bool]:
+        """Send ``epoch``'s best task that may go now: (None: none went, else whether it was a
+        new one; whether one was held back for want of a slot, a worker or consumption)."""
         if epoch.finished:
-            return False, False
+            return None, False
         held_back = False
         for offer in epoch.offers(self.tasks_per_worker):
             worker = self._worker_for(offer, epoch)
@@ -402,7 +409,7 @@ class Coordinator:
                 job = epoch.take(offer, worker.index)
                 slot, job.slot = job.slot, -1  # it has the slot of its lost attempt
             else:
-                if not offer.urgent and stream.outstanding() >= self.max_outstanding:
+                if not offer.urgent and outstanding >= self.max_outstanding:
                     held_back = True
                     continue
                 slot = self.take_slot(epoch)
@@ -417,8 +424,8 @@ class Coordinator:
                     slot = -1
                 job = epoch.take(offer, worker.index)
             self.send(worker, job, slot)
-            return True, held_back
-        return False, held_back
+            return offer.retry is None, held_back
+        return None, held_back
 
     def _worker_for(self, offer: Offer, epoch: Epoch) -> WorkerLink | None:
         """The worker for ``offer``: its lane's (None while that one cannot take it), else (any
@@ -581,7 +588,7 @@ class Coordinator:
                 counters.overflow_batches += 1
                 self._grow_ring(nbytes, counters)
         counters.array_bytes += array_bytes(layout)
-        epoch.result(job, Loaded(layout, lease, skipped))
+        epoch.result(job, loaded(layout, lease, skipped))
 
     def _release_unused(self, slot: int) -> None:
         if slot >= 0:

@@ -12,7 +12,7 @@ import bisect
 from typing import Any
 
 from . import collate
-from .plans import EMPTY, EpochPlan, Loaded, Offer, Ready, Work
+from .plans import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 from .reassembly import Ordered, Progress, Sloppy
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
@@ -82,10 +82,10 @@ class IndexPlan(EpochPlan):
 
     def completed(self, work: Work, result: Any) -> list[Ready]:
         if type(result) is Loaded:
-            ready = Ready(work.key, collate.build(result.layout, result.lease), len(work.payload) - result.skipped)
+            item = ready(work.key, collate.build(result.layout, result.lease), len(work.payload) - result.skipped)
         else:  # EMPTY, or a Failure
-            ready = Ready(work.key, result, 0)
-        out = [item for _, item in self.reassembly.add(work.key, ready)]
+            item = ready(work.key, result, 0)
+        out = [released for _, released in self.reassembly.add(work.key, item)]
         self.handed_out += len(out)
         for item in out:
             if item.batch is EMPTY:

@@ -97,6 +97,20 @@ class Ready(NamedTuple):
     samples: int = 0
 
 
+_new_tuple = tuple.__new__
+
+
+def loaded(layout: list, lease: Any, skipped: int) -> Loaded:
+    """``Loaded(layout, lease, skipped)``, without NamedTuple's argument handling (once per batch,
+    on the coordinator thread's hot path: 0.3 us instead of 0.7)."""
+    return _new_tuple(Loaded, (layout, lease, skipped))
+
+
+def ready(position: int, batch: Any, samples: int) -> Ready:
+    """``Ready(position, batch, samples)``, built as ``loaded`` is (once per batch)."""
+    return _new_tuple(Ready, (position, batch, samples))
+
+
 class EpochPlan:
     """The contract every source kind's per-epoch plan implements (see the module docstring).
 
