@@ -6,11 +6,11 @@ first-finished first. See README.md for the guarantees.
 """
 from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
                      TaskTimeoutError, WorkerError)
-from .autotune import AutoWorkers
+from .engine.autotune import AutoWorkers
 from .loader import Loader
-from .records import Records
+from .worker.records import Records
 from .streaming import Shards
-from .rng import batch_rng, sample_rng
+from .core.rng import batch_rng, sample_rng
 
 __all__ = [
     "AutoWorkers",

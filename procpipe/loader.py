@@ -18,22 +18,22 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .autotune import resolve as resolve_autotune
-from .cache import open_cache
-from .checks import check_int
-from .coordinator import Coordinator, EngineConfig
-from .iteration import IterationContext, LoaderIterator
-from .iterators import EpochIterator, InlineIterator
-from .nodes import Node
-from .position import encode_position, start_position
-from .reassembly import ResumePoint
-from .resume import load_state, save_state
-from .sampler import ExplicitBatches, Sampler
-from .start import start_engine
-from .start_method import resolve as resolve_start_method
+from .engine.autotune import resolve as resolve_autotune
+from .worker.cache import open_cache
+from .core.checks import check_int
+from .engine.coordinator import Coordinator, EngineConfig
+from .api.iteration import IterationContext, LoaderIterator
+from .api.iterators import EpochIterator, InlineIterator
+from .api.nodes import Node
+from .api.position import encode_position, start_position
+from .core.reassembly import ResumePoint
+from .api.resume import load_state, save_state
+from .plan.sampler import ExplicitBatches, Sampler
+from .engine.start import start_engine
+from .worker.start_method import resolve as resolve_start_method
 from .streaming import InlineStream, Shards, StreamPlan
-from .validate import validate, validate_backend, validate_epochs
-from .worker import WorkerSpec
+from .api.validate import validate, validate_backend, validate_epochs
+from .worker.process import WorkerSpec
 
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -69,7 +69,7 @@ class Loader:
             thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
             ``"forkserver"`` (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
             ``"fork"``. Resolved once, when the loader is created (``loader.start_method``).
-            Workers never import the main script (procpipe.start_method), so
+            Workers never import the main script (procpipe.worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
@@ -92,7 +92,7 @@ class Loader:
             with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
             copied by a background thread through pinned memory on its own CUDA stream.
             Needs torch (imported only when ``device`` is given); see
-            ``procpipe.torch_device`` and README.md, "Device prefetch". The ring is
+            ``procpipe.api.torch_device`` and README.md, "Device prefetch". The ring is
             registered with CUDA (page-locked in place), so batches are copied straight
             from their slots.
         device_fn: optional ``device_fn(batch) -> batch``, run on each batch once it is on
@@ -477,7 +477,7 @@ class Loader:
                 ``staged_batches`` (through a pinned staging buffer: a ring that could
                 not be registered), ``registered_rings`` (now) and ``registrations``.
         """
-        from .stats import snapshot
+        from .core.stats import snapshot
 
         active = self._active
         running = active is not None and active.running
@@ -519,6 +519,6 @@ def _close_engine(coordinator: Coordinator | None) -> None:
 
 
 def _device_stage(device: Any, prefetch: int, device_fn: Callable | None, seed: int) -> Any:
-    from . import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
+    from .api import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
 
     return adapter.device_stage(device, prefetch, device_fn, seed)

@@ -50,9 +50,9 @@ from typing import Any
 
 import ray
 
-from .messages import STOP, BatchDone, BatchFailed, ErrorInfo, Reply, Task, WorkerFatal, WorkerLost, WorkerReady
-from .pool import WorkerLink, WorkerPool
-from .stats import WorkerCounters
+from .core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, Reply, Task, WorkerFatal, WorkerLost, WorkerReady
+from .engine.pool import WorkerLink, WorkerPool
+from .core.stats import WorkerCounters
 
 __all__ = ["Backend", "NodeLostError", "ObjectStoreError", "RayPool"]
 
@@ -129,7 +129,7 @@ class Backend:
 
     def pool(self, spec: Any, config: Any, files: Any, cache: Any) -> RayPool:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents."""
-        from .worker import dump_spec
+        from .worker.process import dump_spec
 
         connect(self.address)
         return RayPool(self, dump_spec(spec), config.workers // self.nodes, dict(config.worker_env), cache,
@@ -176,9 +176,9 @@ class Agent:
                  start_method: str, start_timeout: float) -> None:
         import dill
 
-        from .coordinator import EngineConfig
-        from .shm import SharedFiles
-        from .start import local_pool
+        from .engine.coordinator import EngineConfig
+        from .core.shm import SharedFiles
+        from .engine.start import local_pool
 
         self.files = SharedFiles(shm_dir)
         spec = dill.loads(spec_bytes)
@@ -198,7 +198,7 @@ class Agent:
         """The worker's next message, or None after ``timeout`` seconds; ``EOFError`` once it died."""
         from multiprocess.connection import wait
 
-        from . import wire
+        from .core import wire
 
         ready = wait([link.conn, link.process.sentinel], timeout)
         if link.conn in ready:
@@ -212,7 +212,7 @@ class Agent:
 
     def _wait_ready(self, link: Any) -> None:
         """Wait until a new worker process has loaded the dataset and functions (``WorkerReady``)."""
-        from .messages import WorkerReady
+        from .core.messages import WorkerReady
 
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -268,8 +268,8 @@ class Agent:
                 lane.turn.notify_all()
 
     def _run(self, lane: _Lane, lane_index: int, generation: int, task: Task) -> tuple[list, Reply]:
-        from . import wire
-        from .messages import SamplesSkipped, WorkerReady
+        from .core import wire
+        from .core.messages import SamplesSkipped, WorkerReady
 
         link = lane.link
         ring, slot = self._take_slot()
@@ -293,7 +293,7 @@ class Agent:
             return skipped, reply
         if isinstance(reply, BatchDone) and reply.layout is not None:
             if reply.in_slot:
-                from . import collate
+                from .core import collate
 
                 lease = ring.lease(slot, lambda s: self._release(ring, s))
                 reply = reply._replace(layout=collate.inline(reply.layout, lease), in_slot=False)
@@ -319,7 +319,7 @@ class Agent:
 
     def _grow(self, nbytes: int) -> None:
         """A batch came inline (no ring yet, or it outgrew its slot): a ring that holds it."""
-        from .shm import Ring, round_slot_bytes
+        from .core.shm import Ring, round_slot_bytes
 
         with self.ring_lock:
             current = self.rings[-1] if self.rings else None

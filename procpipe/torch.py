@@ -7,7 +7,7 @@
   import. Tensors produced in the workers travel through the shared-memory ring (never
   pickled) and arrive as tensors sharing memory with it.
 - ``device_stage`` and ``to_torch`` (what ``Loader(device=...)`` uses) live in
-  ``procpipe.torch_device`` and are re-exported here.
+  ``procpipe.api.torch_device`` and are re-exported here.
 
 Where it sits in the data path (coordinator -> worker -> ring slot -> reassembly ->
 prefetch -> consumer): at both ends. Worker side: ``_TorchSource`` turns the dataset's
@@ -15,7 +15,7 @@ samples into numpy (tensors are viewed, not copied) so the core collates them st
 into the ring; a custom ``collate_fn``'s result is pickled *without* its tensors and numpy
 arrays (pickle's persistent ids), which go through the ring instead. Consumer side: the
 batches are rebuilt as zero-copy tensor views, whatever object holds them (dict,
-dataclass, custom batch class...), and handed to ``procpipe.torch_device``'s stage thread
+dataclass, custom batch class...), and handed to ``procpipe.api.torch_device``'s stage thread
 when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one. An ``IterableDataset``
 is read by one replica per worker, each a streaming source (``procpipe.torch_iterable``).
 """
@@ -36,17 +36,17 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
-from . import classref
+from .core import classref
 from .loader import Loader
-from .rng import mix_seed as _mix
-from .rng import reseed_current_sample
-from .tensors import DTYPE_NAMES as _DTYPE_NAMES
-from .tensors import numpy_tensor as _numpy_tensor
-from .tensors import tensor_numpy as _tensor_numpy
-from .torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .core.rng import mix_seed as _mix
+from .core.rng import reseed_current_sample
+from .core.tensors import DTYPE_NAMES as _DTYPE_NAMES
+from .core.tensors import numpy_tensor as _numpy_tensor
+from .core.tensors import tensor_numpy as _tensor_numpy
+from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .torch_iterable import (BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise,
                              sharding_init)
-from .validate import START_METHODS
+from .api.validate import START_METHODS
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
@@ -54,7 +54,7 @@ _MASK64 = (1 << 64) - 1
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
 # --------------------------------------------------------------------------- tensors <-> numpy
-# (procpipe.tensors, shared with the core's collation of tensor samples)
+# (procpipe.core.tensors, shared with the core's collation of tensor samples)
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
@@ -278,7 +278,7 @@ class _TorchSource:
     """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
 
     In a worker, before each sample, the core seeds torch's, numpy's and Python's global
-    generators from ``(seed, epoch, index)`` (``Loader(seed_globals=True)``, procpipe.rng),
+    generators from ``(seed, epoch, index)`` (``Loader(seed_globals=True)``, procpipe.core.rng),
     so augmentation drawn from them is the same whatever ``num_workers`` and however
     batches are scheduled (torch seeds per worker).
     """

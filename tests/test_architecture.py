@@ -22,22 +22,27 @@ the per-epoch plans import no process, thread or clock API):
    names are not checked at all (``other._x`` in a class that sets ``self._x`` is its own
    business), so a reader that happens to define the same private name is not caught.
 
-Why the layers are what they are (bottom to top):
+Why the layers are what they are (bottom to top). Each layer is a folder of the package
+(``core/``, ``worker/``, ``plan/``, ``engine/``, ``api/``), so the table names folders; the
+exceptions are ``errors`` (public exception types, a leaf), the ``streaming`` package (one
+source kind, whose modules span plan and api) and the top-level public modules:
 
-- ``base``: leaves that know nothing of processes or epochs: errors, argument checks, the
-  ring and files (``shm``), collation, RNG, delivery order (``reassembly``), the wire.
-- ``worker``: what runs in a worker process: producing a batch, the cache, the worker loop,
-  starting it (``start_method``, ``preload``), and ``Records`` (read by ``fn`` in workers).
-- ``plan``: which work an epoch holds, with no processes: the sampler, the plan contract
-  (``plans``) and its two kinds (``index_plan``, ``streaming.shard_plan``), and the
-  streaming source's blocks, interleave and batching. ``streaming.shards`` and
+- ``base`` (``core/``, ``errors``): leaves that know nothing of processes or epochs: argument
+  checks, the ring and files (``shm``), collation, RNG, delivery order (``reassembly``), the wire.
+- ``worker`` (``worker/``): what runs in a worker process: the process's loop, producing a
+  batch, the cache, starting it (``start_method``, ``preload``), and ``Records`` (read by
+  ``fn`` in workers).
+- ``plan`` (``plan/``): which work an epoch holds, with no processes: the sampler, the plan
+  contract (``plan.base``) and its two kinds (``plan.index``, ``streaming.shard_plan``), and
+  the streaming source's blocks, interleave and batching. ``streaming.shards`` and
   ``streaming.batching`` use ``produce`` (a block is read and collated the same way in a
   worker and in the loader's process), so ``plan`` sits above ``worker``.
-- ``engine``: ``epochs`` (an epoch's jobs, slots and counters around its plan, the stream's
-  queue), the coordinator thread, the worker pool, faults, autotune, starting it all.
-- ``api``: what the user's loop touches: ``Loader``, its iterators, resume, validation, the
-  device stage and the streaming plan the Loader drives (``streaming.plan``, and the
-  ``streaming`` package that exports it); ``procpipe`` (the package) exports ``Loader``.
+- ``engine`` (``engine/``): ``epochs`` (an epoch's jobs, slots and counters around its plan,
+  the stream's queue), the coordinator thread, the worker pool, faults, autotune, starting it all.
+- ``api`` (``api/``, ``loader``): what the user's loop touches: ``Loader``, the consumer-side
+  nodes (its iterators, the device stage), positions and resume, validation, and the
+  streaming plan the Loader drives (``streaming.plan``, and the ``streaming`` package that
+  exports it); ``procpipe`` (the package) exports ``Loader``.
 - ``adapters``: built on the public API and never imported by it: the torch facade, Keras,
   the bench tools, Ray.
 
@@ -59,15 +64,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 #: layer name -> modules (without the ``procpipe.`` prefix; ``procpipe`` is the package
 #: itself, ``bench.*`` the package ``bench`` and every module under it), bottom to top.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "checks", "tensors", "stats", "classref", "rng", "shm", "collate", "reassembly", "wire",
-             "messages", "skips"),
-    "worker": ("produce", "cache", "records", "preload", "start_method", "worker"),
-    "plan": ("sampler", "plans", "index_plan", "streaming.shards", "streaming.order", "streaming.batching",
-             "streaming.shard_plan"),
-    "engine": ("epochs", "attempts", "pool", "faults", "replies", "autotune", "coordinator", "start"),
-    "api": ("nodes", "position", "iteration", "iterators", "torch_device", "resume", "validate", "streaming.plan",
-            "streaming", "loader",
-            "procpipe"),
+    "base": ("errors", "core.*"),
+    "worker": ("worker.*",),
+    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan"),
+    "engine": ("engine.*",),
+    "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
     "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray"),
 }
 
@@ -283,7 +284,7 @@ def test_no_layer_imports_upward() -> None:
 
 #: The per-epoch plans and what they use: pure bookkeeping, run in whichever thread drives
 #: them. They must not start, wait for or talk to anything (issue: "plan/: pure, no processes").
-PURE_PLANS = ("sampler", "plans", "index_plan", "streaming.shard_plan", "streaming.order")
+PURE_PLANS = ("plan.sampler", "plan.base", "plan.index", "streaming.shard_plan", "streaming.order")
 NOT_PURE = {"os", "threading", "multiprocess", "multiprocessing", "queue", "select", "selectors", "signal",
             "socket", "subprocess", "time", "concurrent", "asyncio", "psutil"}
 

@@ -1,4 +1,4 @@
-"""The user's classes come back from the workers as the very class objects (procpipe/classref.py).
+"""The user's classes come back from the workers as the very class objects (procpipe/core/classref.py).
 
 pickle names a class by ``module.__qualname__``; a class made by a factory inside another class
 (``Outer.Row = namedtuple("Row", ...)``) or the worker's by-value copy of a ``__main__`` class
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from conftest import run_python
 
-from procpipe import Loader, classref
+from procpipe import Loader
+from procpipe.core import classref
 
 
 class Holder:

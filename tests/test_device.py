@@ -12,7 +12,7 @@ import torch.utils.data as tud
 from conftest import mappings
 
 import procpipe
-import procpipe.torch_device as ppd
+import procpipe.api.torch_device as ppd
 from procpipe.torch import DataLoader
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

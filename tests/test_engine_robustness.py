@@ -354,8 +354,8 @@ def test_a_reply_that_does_not_unpickle_is_skipped_with_on_error_skip(tmp_path):
 def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
     import multiprocess
 
-    from procpipe import wire
-    from procpipe.messages import STOP, Task
+    from procpipe.core import wire
+    from procpipe.core.messages import STOP, Task
 
     ours, theirs = multiprocess.Pipe(duplex=True)
     outbox = wire.Outbox(ours)

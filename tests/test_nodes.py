@@ -1,4 +1,4 @@
-"""The consumer side as nodes (procpipe/nodes.py): one save/load test over every node kind.
+"""The consumer side as nodes (procpipe/api/nodes.py): one save/load test over every node kind.
 
 torchdata's ``run_test_save_load_state`` idea: ``check_save_load`` iterates ``k`` items of a
 node, takes ``get_state()`` (through JSON), resets a FRESH node of the same kind with it and
@@ -31,7 +31,7 @@ from procpipe import Loader, Shards
 
 torch = pytest.importorskip("torch")
 from procpipe import torch_device  # noqa: E402  (needs torch)
-from procpipe.torch_device import Mapped, Stage  # noqa: E402
+from procpipe.api.torch_device import Mapped, Stage  # noqa: E402
 
 EPOCHS = 2
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)

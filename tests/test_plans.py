@@ -16,13 +16,13 @@ import json
 import numpy as np
 import pytest
 
-from procpipe.index_plan import IndexPlan
-from procpipe.plans import EMPTY, EpochPlan, Failure, Loaded
-from procpipe.produce import produce
-from procpipe.rng import SampleScope
-from procpipe.sampler import Sampler
+from procpipe.plan.index import IndexPlan
+from procpipe.plan.base import EMPTY, EpochPlan, Failure, Loaded
+from procpipe.worker.produce import produce
+from procpipe.core.rng import SampleScope
+from procpipe.plan.sampler import Sampler
 from procpipe.streaming import Shards, StreamPlan
-from procpipe.worker import WorkerSpec
+from procpipe.worker.process import WorkerSpec
 
 WORKERS = 3
 PER_LANE = 2

@@ -14,7 +14,7 @@ from conftest import wait_until
 from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, summarize
 
 from procpipe import Loader, Shards
-from procpipe.epochs import Epoch
+from procpipe.engine.epochs import Epoch
 from procpipe.streaming import ShardPlan
 
 

@@ -25,7 +25,7 @@ from batch_compare import assert_batches_equal
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.torch_device as ppd
+import procpipe.api.torch_device as ppd
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..autotune import CONTENDED, schedstat_seconds
+from ..engine.autotune import CONTENDED, schedstat_seconds
 
 MiB = 2**20
 

@@ -21,7 +21,7 @@ collation, leases, the coordinator's loop, worker-death recovery):
   open (the replacement of a dead worker) opens it again and skips the records before
   the block. Re-running a block is therefore safe as long as ``open_fn`` yields the same
   records every time, which is what makes worker deaths and ``task_timeout`` work here.
-- ``ShardPlan`` is the per-epoch plan (``procpipe.plans.EpochPlan``) of a stream, where an
+- ``ShardPlan`` is the per-epoch plan (``procpipe.plan.base.EpochPlan``) of a stream, where an
   indexed source has an ``IndexPlan`` (a fixed list of batches): it opens shards as others
   end (at most ``cycle_length`` at once), offers their blocks, each in its shard's lane
   (the engine sends it to the worker reading that shard), and turns results into what the

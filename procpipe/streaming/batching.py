@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import collate
-from ..collate import ARRAY, DICT, INLINE, SEQ
+from ..core import collate
+from ..core.collate import ARRAY, DICT, INLINE, SEQ
 from ..errors import CollateError
-from ..produce import collate_privately
-from ..rng import buffer_rng
+from ..worker.produce import collate_privately
+from ..core.rng import buffer_rng
 from .shards import CHUNKS, STACK, Block, RecordKey
 
 
@@ -257,7 +257,7 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
 def _join_tensors(values: list, path: tuple) -> Any:
     """Stacked torch tensors of several blocks as one tensor (joined through numpy views,
     as collation stacks them: dtypes numpy lacks travel as same-width integers)."""
-    from ..tensors import numpy_tensor, tensor_numpy
+    from ..core.tensors import numpy_tensor, tensor_numpy
 
     arrays = [tensor_numpy(v) for v in values]
     kinds = {(v.dtype, v.shape[1:]) for v in values}

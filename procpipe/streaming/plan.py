@@ -4,7 +4,7 @@ Where it sits in the data path: when its source is a ``Shards`` (shards.py), the
 (procpipe/loader.py) builds a ``StreamPlan`` where it would build a Sampler. The plan
 checks what streaming does not support, decides how workers lay out blocks, gives each
 epoch's shard order, and names ``ShardPlan`` (shard_plan.py) as the plan of the epochs
-the ``Stream`` (procpipe/epochs.py) opens; with workers the coordinator then drives
+the ``Stream`` (procpipe/engine/epochs.py) opens; with workers the coordinator then drives
 those epochs like any other. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
 drives the same stream and epochs in the calling thread, reading each block there.
 """
@@ -16,16 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-from ..epochs import EndOfStream, EpochEnd, Stream, iteration_over
-from ..iteration import IterationContext, LoaderIterator
-from ..plans import EMPTY, Loaded
-from ..produce import produce
-from ..reassembly import ResumePoint
-from ..rng import SampleScope
-from ..sampler import epoch_order
+from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
+from ..api.iteration import IterationContext, LoaderIterator
+from ..plan.base import EMPTY, Loaded
+from ..worker.produce import produce
+from ..core.reassembly import ResumePoint
+from ..core.rng import SampleScope
+from ..plan.sampler import epoch_order
 from .batching import BatchingConfig
 from .shard_plan import ShardPlan
-from ..checks import check_int, is_count
+from ..core.checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
 
 
@@ -183,7 +183,7 @@ class InlineStream(LoaderIterator):
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
     output is identical to that of workers (in the deterministic order, whatever
     ``ordered``). The Loader uses it like its own epoch iterators: a source node
-    (procpipe/nodes.py) with ``get_state`` / ``reset``.
+    (procpipe/api/nodes.py) with ``get_state`` / ``reset``.
     """
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,

@@ -1,6 +1,6 @@
 """The plan of one epoch of a streaming source: ``ShardPlan`` (``plans.EpochPlan``'s contract).
 
-Where it sits in the data path: the ``Stream`` of an iteration (procpipe/epochs.py)
+Where it sits in the data path: the ``Stream`` of an iteration (procpipe/engine/epochs.py)
 makes one per epoch, named by ``StreamPlan`` (plan.py) as its ``plan_class``; the
 engine's ``Epoch`` drives it like any plan. It opens shards (at most ``cycle_length`` at
 once), offers their ``Block`` tasks (shards.py), each in the lane of its shard so that
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plans import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
-from ..reassembly import Progress
+from ..plan.base import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
+from ..core.reassembly import Progress
 from .batching import Output
 from .order import StreamProgress
 from .shards import Block, split_block_layout

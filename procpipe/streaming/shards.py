@@ -18,12 +18,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from .. import collate
-from ..collate import INLINE, SEQ
-from ..produce import Produced, collate_privately, run_batch_fn
-from ..checks import check_int, is_count
+from ..core import collate
+from ..core.collate import INLINE, SEQ
+from ..worker.produce import Produced, collate_privately, run_batch_fn
+from ..core.checks import check_int, is_count
 from ..errors import ShardLengthError
-from ..rng import SampleScope
+from ..core.rng import SampleScope
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)

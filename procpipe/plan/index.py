@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from . import collate
-from .plans import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
-from .reassembly import Ordered, Progress, Sloppy
+from ..core import collate
+from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
+from ..core.reassembly import Ordered, Progress, Sloppy
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 

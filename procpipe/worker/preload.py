@@ -8,8 +8,8 @@ skipped: the worker will import it itself (and report the error) if it really ne
 import importlib
 import os
 
-import procpipe.worker  # noqa: F401  (the worker's own code and numpy)
-from procpipe.shm import open_owned
+import procpipe.worker.process  # noqa: F401  (the worker's own code and numpy)
+from procpipe.core.shm import open_owned
 
 
 def _preload(path: str) -> None:

@@ -49,13 +49,13 @@ from typing import Any
 from .attempts import Attempt
 from .autotune import Meter, Tuner, memory_room, ring_workers
 from .epochs import Epoch, Job, Stream
-from .plans import EMPTY, Failure, Offer, loaded
-from .errors import SharedMemoryError, TaskTimeoutError, WorkerError
+from ..plan.base import EMPTY, Failure, Offer, loaded
+from ..errors import SharedMemoryError, TaskTimeoutError, WorkerError
 from .faults import death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
-from .messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from ..core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .pool import Watchdog, WorkerLink, WorkerPool
-from .shm import Ring, SharedFiles, round_slot_bytes
-from .stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
+from ..core.shm import Ring, SharedFiles, round_slot_bytes
+from ..core.stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 
 logger = logging.getLogger("procpipe")
 

@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import dill
 
-from . import wire
-from .messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from ..core import wire
+from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .produce import produce
-from .rng import SampleScope
-from .shm import WorkerRings, map_file, open_owned
+from ..core.rng import SampleScope
+from ..core.shm import WorkerRings, map_file, open_owned
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -56,7 +56,7 @@ class WorkerSpec:
     skip: bool = False  # on_error="skip": leave a failing sample out instead of failing the batch
     batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
     augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
-    cache: Any = None  # a procpipe.cache.Cache: fn's output per index, computed once
+    cache: Any = None  # a procpipe.worker.cache.Cache: fn's output per index, computed once
     seed_globals: bool = True  # seed random/np.random/torch per sample (rng.SampleScope)
 
 
@@ -133,7 +133,7 @@ class _ParentWatch:
 
 def _remove_files(files_prefix: str) -> None:
     from .cache import remove_orphan
-    from .shm import SharedFiles
+    from ..core.shm import SharedFiles
 
     remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
     SharedFiles.from_prefix(files_prefix).remove_all()

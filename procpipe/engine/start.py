@@ -14,12 +14,12 @@ import os
 import sys
 from typing import Any
 
-from .cache import open_cache
+from ..worker.cache import open_cache
 from .coordinator import Coordinator, EngineConfig
 from .pool import LocalPool
-from .shm import SharedFiles, check_capacity, create_file
-from .start_method import context as start_context
-from .worker import WorkerSpec, dump_spec
+from ..core.shm import SharedFiles, check_capacity, create_file
+from ..worker.start_method import context as start_context
+from ..worker.process import WorkerSpec, dump_spec
 
 
 def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str, backend: Any = None) -> Coordinator:
@@ -59,7 +59,7 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
     """The multiprocess context; a forkserver preloads what the parent has imported, once."""
     ctx = start_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["procpipe.preload"])
+        ctx.set_forkserver_preload(["procpipe.worker.preload"])
         # The forkserver process inherits the environment when it starts: start it with
         # the workers' settings so libraries it preloads (numpy's BLAS) see them. The
         # module list goes in a file (it can be too long for an environment variable);

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import collate
-from .errors import summarize_indices
-from .rng import BatchScope, SampleScope, no_sample_rng
+from ..core import collate
+from ..errors import summarize_indices
+from ..core.rng import BatchScope, SampleScope, no_sample_rng
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "

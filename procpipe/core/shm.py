@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from .errors import SharedMemoryError
+from ..errors import SharedMemoryError
 
 PAGE = mmap.PAGESIZE
 

@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .index_plan import IndexPlan
-from .plans import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Work
-from .reassembly import ResumePoint
-from .skips import SkipBudget
-from .stats import EpochCounters
+from ..plan.index import IndexPlan
+from ..plan.base import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Work
+from ..core.reassembly import ResumePoint
+from ..core.skips import SkipBudget
+from ..core.stats import EpochCounters
 
 __all__ = ["EMPTY", "EmptyBatch", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
 

@@ -11,7 +11,7 @@ with ``workers=0`` uses ``streaming.InlineStream`` instead.)
 
 Both are given what they need by the Loader (an ``iteration.IterationContext``, built
 once), keep where the loader stands current (``iteration.Standing``: ``loader.epoch`` and
-the counters ``loader.stats()`` shows), and are source nodes (procpipe/nodes.py):
+the counters ``loader.stats()`` shows), and are source nodes (procpipe/api/nodes.py):
 ``get_state()`` says where the consumer stands (``Loader.state_dict``), ``reset(state)``
 restarts there (``load_state_dict`` then ``iter()``).
 """
@@ -23,15 +23,15 @@ import threading
 import time
 from typing import Any
 
-from . import collate
-from .epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
-from .errors import summarize_indices
-from .skips import SkipBudget
+from ..core import collate
+from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
+from ..errors import summarize_indices
+from ..core.skips import SkipBudget
 from .iteration import IterationContext, LoaderIterator
-from .produce import produce
-from .reassembly import Progress, ResumePoint
-from .rng import SampleScope
-from .stats import EpochCounters, array_bytes
+from ..worker.produce import produce
+from ..core.reassembly import Progress, ResumePoint
+from ..core.rng import SampleScope
+from ..core.stats import EpochCounters, array_bytes
 
 _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import dill
 import psutil
 
-from .plans import Failure
-from .errors import RemoteTraceback, WorkerError, summarize_indices
-from .messages import ErrorInfo
-from .skips import SkipBudget
+from ..plan.base import Failure
+from ..errors import RemoteTraceback, WorkerError, summarize_indices
+from ..core.messages import ErrorInfo
+from ..core.skips import SkipBudget
 
 if TYPE_CHECKING:
     from .attempts import Attempt

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CacheError, SharedMemoryError
-from .rng import SampleScope, no_sample_rng
-from .shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned
+from ..errors import CacheError, SharedMemoryError
+from ..core.rng import SampleScope, no_sample_rng
+from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned
 
 MEMORY = "memory"
 ALIGN = 64

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .autotune import resolve as resolve_autotune
-from .cache import validate as validate_cache
-from .checks import check_int, is_count
-from .shm import check_private_dir
-from .streaming import Shards
+from ..engine.autotune import resolve as resolve_autotune
+from ..worker.cache import validate as validate_cache
+from ..core.checks import check_int, is_count
+from ..core.shm import check_private_dir
+from ..streaming import Shards
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
 

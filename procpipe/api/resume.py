@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .position import Resume, decode_position
-from .streaming import StreamPlan
+from ..streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
 

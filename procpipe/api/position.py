@@ -1,7 +1,7 @@
 """Where a consumer stands in an iteration, as a small JSON-serializable dict: encoded and checked.
 
 A *position* is what ``Loader.state_dict()`` saves besides the sampler's settings, and
-what every consumer-side node (``procpipe.nodes``) returns from ``get_state()`` and takes
+what every consumer-side node (``procpipe.api.nodes``) returns from ``get_state()`` and takes
 back in ``reset()``: ``epoch`` (to resume), what was returned of it, of later epochs
 (``ahead``), and ``until`` (the epoch the iteration stops before; ``None``: never). What
 was returned of an indexable source's epoch is a set of batch positions (``done_below``
@@ -21,8 +21,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from .checks import is_count
-from .reassembly import Progress, ResumePoint
+from ..core.checks import is_count
+from ..core.reassembly import Progress, ResumePoint
 
 LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
 

@@ -1,6 +1,6 @@
 """torch tensors <-> numpy arrays, for moving tensors through the ring (needs torch).
 
-Imported only where a tensor is met (``procpipe.collate``, when a sample holds one) or by
+Imported only where a tensor is met (``procpipe.core.collate``, when a sample holds one) or by
 ``procpipe.torch``; never by ``import procpipe``. A CPU tensor is viewed as a numpy array
 (no copy); dtypes numpy has no equivalent for (bfloat16, float8...) travel as
 same-width integers and are viewed back on arrival.

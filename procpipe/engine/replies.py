@@ -22,8 +22,8 @@ from typing import Any
 
 import dill
 
-from . import collate, wire
-from .messages import BatchDone, BatchFailed, ErrorInfo
+from ..core import collate, wire
+from ..core.messages import BatchDone, BatchFailed, ErrorInfo
 
 
 class _Unreadable:

@@ -13,7 +13,7 @@ Layout nodes are short lists, cheap to pickle:
   the ``np.dtype`` itself (structured and subarray dtypes, whose ``.str`` is only ``'|V8'``);
   ``[ARRAY, dtype, shape, offset, torch_dtype]`` for a stack of torch tensors, given back
   as a tensor (sharing the slot's memory; ``torch_dtype`` names a dtype numpy lacks, ""
-  if none: procpipe.tensors);
+  if none: procpipe.core.tensors);
 - ``[INLINE, value]``: a value carried in the message (objects, or arrays that did not
   fit their slot);
 - ``[DICT, keys, children]``, ``[SEQ, type, children]``: containers.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CollateError, summarize_indices
+from ..errors import CollateError, summarize_indices
 
 ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
 ALIGN = 64  # every array starts on a cache line

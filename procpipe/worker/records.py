@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .shm import open_new_file
+from ..core.shm import open_new_file
 
 MAGIC = b"PPRECS01"
 _ALIGN = 64

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 import psutil
 from multiprocess.connection import wait as wait_ready
 
-from . import wire
-from .messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
+from ..core import wire
+from ..core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
 from .replies import unreadable_reply
-from .shm import SharedFiles, create_file, map_file
-from .stats import WorkerCounters
-from .worker import STARTING, worker_main
+from ..core.shm import SharedFiles, create_file, map_file
+from ..core.stats import WorkerCounters
+from ..worker.process import STARTING, worker_main
 
 if TYPE_CHECKING:
     from .attempts import Attempt

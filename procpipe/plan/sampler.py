@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .rng import shuffle_rng
+from ..core.rng import shuffle_rng
 
 
 def epoch_order(n: int, epoch: int, shuffle: bool, seed: int, reshuffle: bool, shard: tuple[int, int] | None,

@@ -59,7 +59,7 @@ from typing import Any
 
 import psutil
 
-from .checks import check_int
+from ..core.checks import check_int
 
 GROW_WAIT = 0.05  # consumer wait fraction above which more workers are tried
 GAIN = 0.05  # a new worker must raise throughput by this fraction to stay

@@ -14,7 +14,7 @@ Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly
   consumer's stream waits on the event and the tensors are ``record_stream``-ed to it
   (``_Ready``), so ``next()`` costs nothing when the pipeline keeps up.
 
-Both stages are nodes (procpipe/nodes.py) over the epoch iterator: ``Stage`` keeps the
+Both stages are nodes (procpipe/api/nodes.py) over the epoch iterator: ``Stage`` keeps the
 iterator's ``get_state()`` with each batch its thread takes ahead and reports that of the
 batch it returned last; ``Mapped`` (``"cpu"``) passes the iterator's state through. So
 ``Loader.state_dict()`` never counts the batches the stage holds as returned.
@@ -37,10 +37,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .epochs import iteration_over
+from ..engine.epochs import iteration_over
 from .nodes import Node
-from .rng import device_scope
-from .shm import ring_of
+from ..core.rng import device_scope
+from ..core.shm import ring_of
 
 __all__ = ["CudaTransfer", "DeviceStage", "Mapped", "RingPins", "Stage", "device_stage", "resolve_device", "to_torch"]
 
@@ -351,7 +351,7 @@ class _Ready:
 class _Pinned(NamedTuple):
     """A ring registered with CUDA (page-locked in place): copies read it at full speed."""
 
-    ring: Any  # procpipe.shm.Ring
+    ring: Any  # procpipe.core.shm.Ring
     exporter: Any  # keeps the ring mapped while registered (see Ring.exporter)
     host: torch.Tensor  # a uint8 tensor over the whole ring
 

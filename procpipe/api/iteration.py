@@ -8,8 +8,8 @@ the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts wit
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
 ``LoaderIterator`` is what the Loader asks of an iterator in return (``owns_epoch``,
 ``cancel``, ``running``...), and the part of it the three share: each is a source node
-(procpipe/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
-procpipe/position.py) and whose ``reset(state)`` restarts it there.
+(procpipe/api/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
+procpipe/api/position.py) and whose ``reset(state)`` restarts it there.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from .nodes import Node
 from .position import decode_position, encode_position, start_position
 
 if TYPE_CHECKING:
-    from .reassembly import ResumePoint
-    from .coordinator import Coordinator
-    from .stats import EpochCounters
-    from .worker import WorkerSpec
+    from ..core.reassembly import ResumePoint
+    from ..engine.coordinator import Coordinator
+    from ..core.stats import EpochCounters
+    from ..worker.process import WorkerSpec
 
 
 class Standing:
