@@ -30,7 +30,7 @@ from conftest import wait_until
 from procpipe import Loader, Shards
 
 torch = pytest.importorskip("torch")
-from procpipe import torch_device  # noqa: E402  (needs torch)
+from procpipe.api import torch_device  # noqa: E402  (needs torch)
 from procpipe.api.torch_device import Mapped, Stage  # noqa: E402
 
 EPOCHS = 2

@@ -1,4 +1,4 @@
-"""The per-epoch plans, driven through their contract alone (``plans.EpochPlan``), with no
+"""The per-epoch plans, driven through their contract alone (``plan.base.EpochPlan``), with no
 engine, no process and no thread: a small simulated engine sends offers to made-up workers,
 finishes tasks in a random order, loses some (their worker "died") and lets the consumer
 take batches, for both source kinds (``IndexPlan``, ``ShardPlan``) with the same code.

@@ -364,7 +364,7 @@ class Coordinator:
 
     def _dispatch(self) -> None:
         """Send what may go now, for any source kind: the open epochs' plans offer tasks, best
-        first (plans.py); each goes to a worker (its lane's, or the least loaded) with a ring
+        first (plan/base.py); each goes to a worker (its lane's, or the least loaded) with a ring
         slot. The stream opens the next epoch once the open ones have nothing new, so workers
         go on across the boundary."""
         stream = self.stream

@@ -1,7 +1,7 @@
 """Epochs and streams: what the coordinator and the consumer share about an iteration's batches.
 
 One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or endless
-(``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (plans.py:
+(``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (plan/base.py:
 ``IndexPlan`` for indexed sources, ``streaming.ShardPlan`` for shards), which says which
 tasks the epoch holds and what their results become; the ``Epoch`` itself is the same for
 every kind. Each task sent is a ``Job``, and each time a job is sent to a worker is an
@@ -85,7 +85,7 @@ class Job:
 
 class Epoch:
     """One pass over the data within a ``Stream``, for any source kind: the engine's side of
-    an ``EpochPlan`` (plans.py), which says which tasks the epoch holds and what their
+    an ``EpochPlan`` (plan/base.py), which says which tasks the epoch holds and what their
     results become. This class keeps what is the same for every kind: the jobs sent and
     their ring slots, the counters, the skip budget, the tasks to run again, and handing
     the plan's batches to the stream's queue.

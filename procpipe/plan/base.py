@@ -2,7 +2,7 @@
 processes, no threads, no ring, no engine.
 
 A source kind gives, for each epoch, an ``EpochPlan``: an indexed source (``len`` +
-``__getitem__``) an ``IndexPlan`` (index_plan.py: a fixed list of batches of indices), a
+``__getitem__``) an ``IndexPlan`` (plan/index.py: a fixed list of batches of indices), a
 stream (``procpipe.Shards``) a ``ShardPlan`` (streaming/shard_plan.py: blocks of shards,
 interleaved, whose number is learnt as the shards end). The engine's ``Epoch``
 (epochs.py) holds one and drives it the same way for both, from the coordinator thread

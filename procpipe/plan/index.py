@@ -4,7 +4,7 @@ The epoch is a fixed list of batches of indices (sampler.py); each batch is one 
 keyed by its position. Results pass through the epoch's reassembly (reassembly.py:
 ``Ordered`` or ``Sloppy``), which hands each position out once. What the consumer has had
 is a set of positions (``Progress``); a resumed epoch leaves those out. The contract is
-``plans.EpochPlan``'s.
+``plan.base.EpochPlan``'s.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The plan of one epoch of a streaming source: ``ShardPlan`` (``plans.EpochPlan``'s contract).
+"""The plan of one epoch of a streaming source: ``ShardPlan`` (``plan.base.EpochPlan``'s contract).
 
 Where it sits in the data path: the ``Stream`` of an iteration (procpipe/engine/epochs.py)
 makes one per epoch, named by ``StreamPlan`` (plan.py) as its ``plan_class``; the
