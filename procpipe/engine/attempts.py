@@ -6,20 +6,23 @@ own ring slot, so a late reply of a lost race never writes into a slot someone r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .epochs import Job
 
 
-@dataclass(eq=False)
 class Attempt:
-    """One run of a job on one worker, into its own slot (-1: arrays come back inline)."""
+    """One run of a job on one worker, into its own slot (-1: arrays come back inline).
 
-    id: int
-    job: Job
-    worker: Any  # the pool.WorkerLink running it
-    slot: int
-    started: float | None  # when the worker began it; None while queued behind another task
-    skipped: list | None = None  # ErrorInfo of the samples the worker left out (on_error="skip")
+    A plain slotted class: one is made per batch, on the coordinator's hot path."""
+
+    __slots__ = ("id", "job", "worker", "slot", "started", "skipped")
+
+    def __init__(self, id: int, job: Job, worker: Any, slot: int, started: float | None) -> None:
+        self.id = id
+        self.job = job
+        self.worker = worker  # the pool.WorkerLink running it
+        self.slot = slot
+        self.started = started  # when the worker began it; None while queued behind another task
+        self.skipped: list | None = None  # ErrorInfo of the samples the worker left out (on_error="skip")

@@ -58,6 +58,7 @@ from ..core.shm import Ring, SharedFiles, round_slot_bytes
 from ..core.stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 
 logger = logging.getLogger("procpipe")
+_new_tuple = tuple.__new__  # a Task without NamedTuple's argument handling (one per batch)
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
@@ -379,18 +380,17 @@ class Coordinator:
         outstanding = stream.outstanding()
         starved = False
         while not stream.finished:
-            stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
-            sent_any = False
+            last = stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
             for epoch in list(stream.epochs):
                 while True:  # the earlier epoch first: its tasks to run again, then its new ones
                     sent, held_back = self._send_one(stream, epoch, outstanding)
                     starved = starved or held_back
                     if sent is None:
                         break
-                    sent_any = True
                     if sent:
                         outstanding += 1
-            if not sent_any:
+            # Again only if the epoch that had new tasks has sent them all: the next one may open.
+            if last is None or last.fresh or held_back:
                 break
         self.starved = starved
 
@@ -401,7 +401,7 @@ class Coordinator:
             return None, False
         held_back = False
         for offer in epoch.offers(self.tasks_per_worker):
-            worker = self._worker_for(offer, epoch)
+            worker = self._idle_worker() if offer.lane is None else self._worker_for(offer, epoch)
             if worker is None or len(worker.tasks) >= self.tasks_per_worker:
                 held_back = True
                 continue
@@ -428,10 +428,9 @@ class Coordinator:
         return None, held_back
 
     def _worker_for(self, offer: Offer, epoch: Epoch) -> WorkerLink | None:
-        """The worker for ``offer``: its lane's (None while that one cannot take it), else (any
-        worker, a lane not held yet, or its worker gone or retiring) the least loaded healthy one."""
-        if offer.lane is None:
-            return self._idle_worker()
+        """The worker for ``offer``, which has a lane: the lane's (None while that one cannot take
+        it), else (a lane not held yet, or its worker gone or retiring) the least loaded healthy
+        one. (An offer without a lane goes to ``_idle_worker``.)"""
         if offer.worker is not None:
             for w in self.workers:
                 if w.index == offer.worker:
@@ -466,7 +465,7 @@ class Coordinator:
         # Never a blocking write (a large task to a worker busy in a slow sample would stall
         # the loop): what its pipe does not take now is written when it becomes writable.
         # A worker that is dying drops it; its sentinel fires and the task is redone.
-        worker.put(Task(attempt.id, job.epoch.number, job.payload, ring_id, local, slot_bytes))
+        worker.put(_new_tuple(Task, (attempt.id, job.epoch.number, job.work.payload, ring_id, local, slot_bytes)))
         self._flush(worker)
 
     def _flush(self, worker: WorkerLink) -> None:
@@ -513,21 +512,10 @@ class Coordinator:
             self._on_message(worker, reply)
 
     def _on_message(self, worker: WorkerLink, message: Reply) -> None:
-        if isinstance(message, WorkerReady):
-            worker.ready = True
-            if worker.tasks:  # its first task starts now, not when its process was started
-                next(iter(worker.tasks.values())).started = time.perf_counter()
+        kind = type(message)
+        if kind is not BatchDone and kind is not BatchFailed:  # (the common case first: a batch)
+            self._on_notice(worker, message)
             return
-        if isinstance(message, WorkerFatal):
-            worker.fatal = message.traceback
-            return
-        if isinstance(message, SamplesSkipped):
-            attempt = self._attempts.get(message.task_id)
-            if attempt is not None:
-                attempt.skipped = message.samples
-            return
-        if not isinstance(message, (BatchDone, BatchFailed)):
-            return  # (a pool's own message, e.g. a remote pool's WorkerLost, never reaches here)
         attempt = self._attempts.pop(message.task_id, None)
         worker.tasks.pop(message.task_id, None)
         if worker.retiring:
@@ -559,6 +547,20 @@ class Coordinator:
             epoch.result(job, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
         elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
             epoch.result(job, EMPTY)
+
+    def _on_notice(self, worker: WorkerLink, message: Reply) -> None:
+        """A message that is not a batch's reply: a worker ready, a worker's fatal error, samples skipped."""
+        if isinstance(message, WorkerReady):
+            worker.ready = True
+            if worker.tasks:  # its first task starts now, not when its process was started
+                next(iter(worker.tasks.values())).started = time.perf_counter()
+        elif isinstance(message, WorkerFatal):
+            worker.fatal = message.traceback
+        elif isinstance(message, SamplesSkipped):
+            attempt = self._attempts.get(message.task_id)
+            if attempt is not None:
+                attempt.skipped = message.samples
+        # (anything else, e.g. a remote pool's own WorkerLost, never reaches here)
 
     def _on_batch(self, worker: WorkerLink, attempt: Attempt, done: BatchDone) -> None:
         """A batch arrived for a job still waiting for it: deliver it (or its skips, or its error)."""

@@ -26,7 +26,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..plan.index import IndexPlan
@@ -56,16 +56,20 @@ class EpochEnd:
     epoch: Epoch
 
 
-@dataclass(eq=False)
 class Job:
-    """One task of an epoch (its plan's ``Work``), and the attempts now running it."""
+    """One task of an epoch (its plan's ``Work``), and the attempts now running it.
 
-    epoch: Epoch  # the epoch this job belongs to
-    work: Work
-    attempts: list = field(default_factory=list)  # the engine's live Attempts of it (attempts.py)
-    done: bool = False  # an attempt replied; later replies are discarded
-    timeouts: int = 0  # attempts killed after task_timeout
-    slot: int = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
+    A plain slotted class (one is made per batch, on the coordinator's hot path)."""
+
+    __slots__ = ("epoch", "work", "attempts", "done", "timeouts", "slot")
+
+    def __init__(self, epoch: Epoch, work: Work) -> None:
+        self.epoch = epoch  # the epoch this job belongs to
+        self.work = work
+        self.attempts: list = []  # the engine's live Attempts of it (attempts.py)
+        self.done = False  # an attempt replied; later replies are discarded
+        self.timeouts = 0  # attempts killed after task_timeout
+        self.slot = -1  # while waiting to be re-run: the slot of its last attempt (whose worker died)
 
     @property
     def seq(self) -> int:
@@ -140,14 +144,14 @@ class Epoch:
     def take(self, offer: Offer, worker: int) -> Job:
         """``offer`` is sent to worker ``worker``: its job (a retry keeps its job and slot)."""
         work = self.plan.take(offer, worker)
-        if offer.retry is not None:
-            self.counters.redispatched_tasks += 1
-            return self.jobs[work.key]
-        job = self.jobs[work.key] = Job(self, work)
-        self.issued += 1
-        self.in_flight += 1
-        self.stream.issued += 1
-        return job
+        if offer.retry is None:
+            job = self.jobs[work.key] = Job(self, work)
+            self.issued += 1
+            self.in_flight += 1
+            self.stream.issued += 1
+            return job
+        self.counters.redispatched_tasks += 1
+        return self.jobs[work.key]
 
     def lost(self, job: Job) -> None:
         """``job``'s worker died before it answered (its slot is in ``job.slot``): run it again."""

@@ -53,13 +53,15 @@ class Failure:
     batch_only: bool = False
 
 
-@dataclass(eq=False, slots=True)
 class Work:
-    """One task of an epoch, as its plan describes it."""
+    """One task of an epoch, as its plan describes it (a plain slotted class: one per batch)."""
 
-    key: int  # dispatch order within the epoch (an indexed source: the batch's position)
-    payload: Any  # what the worker reads: a list of indices, or a streaming.Block
-    lane: int | None = None  # tasks of one lane go to one worker (a shard kept open); None: any
+    __slots__ = ("key", "payload", "lane")
+
+    def __init__(self, key: int, payload: Any, lane: int | None = None) -> None:
+        self.key = key  # dispatch order within the epoch (an indexed source: the batch's position)
+        self.payload = payload  # what the worker reads: a list of indices, or a streaming.Block
+        self.lane = lane  # tasks of one lane go to one worker (a shard kept open); None: any
 
 
 class Offer(NamedTuple):

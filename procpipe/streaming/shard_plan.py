@@ -41,12 +41,15 @@ class _Shard:
     redo: list = field(default_factory=list)  # tasks to run again (their worker died), by block
 
 
-@dataclass(eq=False, slots=True)
 class BlockWork(Work):
     """A block of one shard as a task (``payload`` is the ``Block``; ``lane`` the shard's position)."""
 
-    shard: _Shard | None = None
-    block: int = 0
+    __slots__ = ("shard", "block")
+
+    def __init__(self, key: int, payload: Block, lane: int, *, shard: _Shard, block: int) -> None:
+        super().__init__(key, payload, lane)
+        self.shard = shard
+        self.block = block
 
 
 class ShardPlan(EpochPlan):
