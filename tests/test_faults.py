@@ -32,12 +32,12 @@ def spread(seed, count, n=N):
 def test_reassembly_refuses_duplicates_and_skips_done_positions():
     ordered = Ordered(done={1, 4})
     assert ordered.add(2, "c") == []
-    assert ordered.add(0, "a") == [(0, "a"), (2, "c")]
+    assert ordered.add(0, "a") == ["a", "c"]
     assert ordered.add(2, "again") == [] and ordered.add(1, "done before") == []
-    assert ordered.add(3, "d") == [(3, "d")]
-    assert ordered.add(5, "f") == [(5, "f")]
+    assert ordered.add(3, "d") == ["d"]
+    assert ordered.add(5, "f") == ["f"]
     sloppy = Sloppy(done={0})
-    assert sloppy.add(0, "x") == [] and sloppy.add(2, "y") == [(2, "y")] and sloppy.add(2, "z") == []
+    assert sloppy.add(0, "x") == [] and sloppy.add(2, "y") == ["y"] and sloppy.add(2, "z") == []
 
 
 def test_progress_is_a_watermark_plus_the_rest():

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 
 class Ordered:
-    """Releases ``(seq, item)`` pairs in position order 0, 1, 2, ..., skipping ``done``."""
+    """Releases items in position order 0, 1, 2, ..., skipping ``done``."""
 
     def __init__(self, done: Iterable[int] = ()) -> None:
         self._waiting: dict[int, Any] = {}
@@ -30,13 +30,14 @@ class Ordered:
         while self._next in self._done:
             self._next += 1
 
-    def add(self, seq: int, item: Any) -> list[tuple[int, Any]]:
+    def add(self, seq: int, item: Any) -> list[Any]:
+        """``item`` (at position ``seq``) arrived: the items now released, in order."""
         if seq < self._next or seq in self._waiting or seq in self._done:
             return []
         self._waiting[seq] = item
         ready = []
         while self._next in self._waiting:
-            ready.append((self._next, self._waiting.pop(self._next)))
+            ready.append(self._waiting.pop(self._next))
             self._next += 1
             self._skip_done()
         return ready
@@ -51,16 +52,17 @@ class Ordered:
 
 
 class Sloppy:
-    """Releases each ``(seq, item)`` as soon as it arrives ("first finished, first out")."""
+    """Releases each item as soon as it arrives ("first finished, first out")."""
 
     def __init__(self, done: Iterable[int] = ()) -> None:
         self._seen: set[int] = set(done)
 
-    def add(self, seq: int, item: Any) -> list[tuple[int, Any]]:
+    def add(self, seq: int, item: Any) -> list[Any]:
+        """``item`` (at position ``seq``) arrived: released at once, unless ``seq`` was seen."""
         if seq in self._seen:
             return []
         self._seen.add(seq)
-        return [(seq, item)]
+        return [item]
 
     def __len__(self) -> int:
         return 0

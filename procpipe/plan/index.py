@@ -85,11 +85,10 @@ class IndexPlan(EpochPlan):
             item = ready(work.key, collate.build(result.layout, result.lease), len(work.payload) - result.skipped)
         else:  # EMPTY, or a Failure
             item = ready(work.key, result, 0)
-        out = [released for _, released in self.reassembly.add(work.key, item)]
+            if result is EMPTY:
+                self.empty.append(work.key)  # nothing there to take, ever: done for a resume
+        out = self.reassembly.add(work.key, item)
         self.handed_out += len(out)
-        for item in out:
-            if item.batch is EMPTY:
-                self.empty.append(item.position)
         return out
 
     @property
