@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.index import IndexPlan
-from ..plan.base import EMPTY, EmptyBatch, EpochPlan, Failure, Offer, Work
+from ..plan.base import EMPTY, EpochPlan, Failure, Offer, Work
 from ..core.reassembly import ResumePoint
 from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters
 
-__all__ = ["EMPTY", "EmptyBatch", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
+__all__ = ["EMPTY", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
 
 
 def iteration_over(cancelled: str | None) -> None:

@@ -116,7 +116,7 @@ def ready(position: int, batch: Any, samples: int) -> Ready:
 class EpochPlan:
     """The contract every source kind's per-epoch plan implements (see the module docstring).
 
-    Attributes the engine reads: ``ordered``, ``resumed`` (it started from a saved state),
+    Attributes the engine reads: ``ordered``,
     ``skips_tasks`` (``on_error="skip"`` may leave out a whole task that failed, e.g. its
     collation: True for batches of indices, False for blocks, whose shard cannot be read
     past the failure).

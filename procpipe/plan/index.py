@@ -28,7 +28,6 @@ class IndexPlan(EpochPlan):
         self.batches = batches
         self.ordered = ordered
         done = frozenset(s for s in (done or ()) if 0 <= s < len(batches))
-        self.resumed = bool(done)
         self.reassembly = (Ordered if ordered else Sloppy)(done)
         self.remaining = len(batches) - len(done)  # positions to hand out
         self.handed_out = 0
