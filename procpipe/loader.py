@@ -54,7 +54,8 @@ class Loader:
         ordered: ``True`` yields batches in sampler order; ``False`` yields them as they
             finish ("sloppy"), so a slow batch does not hold back the others.
         prefetch: ready batches kept ahead of the consumer.
-        shuffle, seed: the order of each epoch is a permutation drawn from ``(seed, epoch)``.
+        shuffle: ``True`` draws the order of each epoch as a permutation from ``(seed, epoch)``.
+        seed: the seed of the shuffle and of the per-sample generators (``sample_rng()``).
         drop_last: drop the last batch if it is smaller than ``batch_size``.
         reshuffle: with ``shuffle=True``, ``False`` keeps one order: every epoch uses epoch
             0's permutation (``sample_rng()`` still differs by epoch).
