@@ -9,7 +9,8 @@ reaper covers every such case:
 - One small process per training process, started once, the first time a file is made
   (``register``). It is a bare interpreter, ``python -S -I -c <REAPER_CODE>``: no site
   packages, no procpipe, no numpy (about 15 ms of CPU, started with ``posix_spawn``
-  without waiting for it, so it adds nothing to a loader's start-up but the spawn call).
+  without waiting for it, and with ``SCHED_IDLE`` until it waits, so it takes no CPU from
+  the workers starting at the same moment: it adds the spawn call to a loader's start-up).
   It runs in a session of its own (``setsid``) and ignores SIGINT, SIGTERM and SIGHUP, so
   Ctrl-C or a signal to the training job's process group does not end it first.
 - The training process tells it each file's path before creating the file (``register``)
@@ -48,6 +49,10 @@ import os, select, signal, stat, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
     signal.signal(s, signal.SIG_IGN)
 parent, uid, paths, rest = int(sys.argv[1]), os.geteuid(), set(), b""
+try:  # started SCHED_IDLE (to take no CPU from starting workers): back to normal, to clean up at once
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
 try:
     pidfd = os.pidfd_open(parent)
 except (AttributeError, OSError):
@@ -132,6 +137,10 @@ class _Client:
         finally:
             os.close(read)
             os.close(devnull)
+        try:  # SCHED_IDLE while it starts: its interpreter's start-up takes no CPU from the workers
+            os.sched_setscheduler(self.pid, os.SCHED_IDLE, os.sched_param(0))  # starting now (REAPER_CODE)
+        except (AttributeError, OSError):
+            pass
         os.set_blocking(write, False)
         self.pipe = write
         self.pending = b"".join(b"+" + p + b"\0" for p in self.paths)

@@ -74,7 +74,8 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
         names = os.listdir(directory)
     except OSError:
         return swept
-    me, uid = os.getpid(), os.geteuid()
+    me, uid, now = os.getpid(), os.geteuid(), time.time()
+    starts: dict[int, float | None] = {}  # pid -> its process's start time (None: none runs), looked up once
     for name in names:
         match = NAME.match(name)
         if match is None or int(match.group(1)) == me:
@@ -84,10 +85,15 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
             st = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or time.time() - st.st_mtime < settle_s:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < settle_s:
             continue
         pid = int(match.group(1))
-        if not _creator_gone(pid, st.st_mtime) or _locked(path, st):
+        if pid not in starts:
+            starts[pid] = _process_start(pid)
+        started = starts[pid]
+        if started is not None and started <= st.st_mtime + _START_SLACK_S:
+            continue  # its creator may run: the process with that pid is older than the file's last change
+        if _locked(path, st):  # a process holds it: alive (in another pid namespace, say)
             continue
         try:
             os.unlink(path)  # (removes the name: if it was swapped for a symlink meanwhile, the link, never its target)
@@ -99,15 +105,30 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
     return swept
 
 
-def _creator_gone(pid: int, changed: float) -> bool:
-    """No process ``pid`` runs, or it is a zombie, or it started after the file last changed."""
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if none runs (or a zombie).
+
+    Read from ``/proc/<pid>/stat`` (a few microseconds; psutil where there is no such file)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()  # (after the command name, which may hold anything)
+        if fields[0] == b"Z":
+            return None
+        return psutil.boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc/self") else _psutil_start(pid)
+    except (OSError, IndexError, ValueError):
+        return _psutil_start(pid)
+
+
+def _psutil_start(pid: int) -> float | None:
     try:
         process = psutil.Process(pid)
-        return process.status() == psutil.STATUS_ZOMBIE or process.create_time() > changed + _START_SLACK_S
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:  # (access denied: another user's process; it runs)
-        return False
+        return None
+    except psutil.Error:  # (access denied: another user's process; it runs, since when is unknown)
+        return float("-inf")
 
 
 def _locked(path: str, st: os.stat_result) -> bool:
