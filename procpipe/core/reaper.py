@@ -49,6 +49,7 @@ import os, select, signal, stat, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
     signal.signal(s, signal.SIG_IGN)
 parent, uid, paths, rest = int(sys.argv[1]), os.geteuid(), set(), b""
+os.chdir("/")  # (holds no directory busy; every path it is sent is absolute)
 try:  # started SCHED_IDLE (to take no CPU from starting workers): back to normal, to clean up at once
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 except (AttributeError, OSError):
@@ -188,7 +189,7 @@ def _current() -> _Client:
 def register(path: str) -> None:
     """``path`` is about to be created by this process: the reaper removes it if this process
     ends while it still exists. Call before creating the file (no window where it is unknown)."""
-    name = os.fsencode(path)
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     with _lock:
         client = _current()
         if name not in client.paths:
@@ -199,7 +200,7 @@ def register(path: str) -> None:
 def hold(path: str, fd: int) -> None:
     """The registered file ``path`` was created as ``fd``: keep a shared lock on it while it
     exists, the sign that its creator is alive (see the sweep)."""
-    name = os.fsencode(path)
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     try:
         lock = os.dup(fd)  # (dup is close-on-exec: a spawned process never holds it)
         fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -214,7 +215,7 @@ def hold(path: str, fd: int) -> None:
 
 def forget(path: str) -> None:
     """``path`` was removed (or never created): the reaper no longer needs to remove it."""
-    name = os.fsencode(path)
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     with _lock:
         client = _current()
         lock = client.locks.pop(name, None)

@@ -54,7 +54,8 @@ class SharedFiles:
         self.directory = directory
         if prefix is None:
             sweep_once(directory)
-        self.prefix = prefix or os.path.join(directory, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
+        self.prefix = prefix or os.path.join(os.path.abspath(directory),  # (absolute: a chdir changes nothing)
+                                             f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
 
     @classmethod
     def from_prefix(cls, prefix: str) -> SharedFiles:
