@@ -50,6 +50,12 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
     signal.signal(s, signal.SIG_IGN)
 parent, uid, paths, rest = int(sys.argv[1]), os.geteuid(), set(), b""
 os.chdir("/")  # (holds no directory busy; every path it is sent is absolute)
+for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+    if int(fd) > 2:  # what the parent let children inherit (not close-on-exec): never held open here
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
 try:  # started SCHED_IDLE (to take no CPU from starting workers): back to normal, to clean up at once
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 except (AttributeError, OSError):
