@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import psutil
 import pytest
 from conftest import python_env, wait_gone, wait_until
@@ -164,7 +163,7 @@ def test_sigkill_while_workers_start_leaves_nothing(tmp_path, shm_dir):
 
 def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_dev_shm(tmp_path):
     # (d) every worker is stopped (SIGSTOP): none can notice the death; default shm_dir, /dev/shm
-    proc, marks = _start_child(tmp_path, "stopped", "fork", "-")
+    proc, _ = _start_child(tmp_path, "stopped", "fork", "-")
     workers = []
     try:
         reaper_pid, *workers = _ready(proc)
@@ -305,12 +304,13 @@ def test_a_loader_sweeps_its_shm_dir_once_and_says_what_it_removed(shm_dir, capl
     dead = _dead_pid()
     _leftover(shm_dir, dead, "ring0", 3 << 20)
     _leftover(shm_dir, dead, "status")
-    with caplog.at_level(logging.WARNING, logger="procpipe"):
-        with procpipe.Loader(range(8), batch_size=4, workers=1, shm_dir=shm_dir) as loader:
-            assert [len(b) for b in loader] == [4, 4]
+    with caplog.at_level(logging.WARNING, logger="procpipe"), \
+            procpipe.Loader(range(8), batch_size=4, workers=1, shm_dir=shm_dir) as loader:
+        assert [len(b) for b in loader] == [4, 4]
     messages = [r.getMessage() for r in caplog.records if "procpipe removed" in r.getMessage()]
-    assert messages == [f"procpipe removed 2 file(s) (3.0 MiB) from {shm_dir} left by process(es) {dead} that "
-                        "ended without cleaning up (killed, or an older procpipe)"], messages
+    expected = (f"procpipe removed 2 file(s) (3.0 MiB) from {shm_dir} left by process(es) {dead} that "
+                "ended without cleaning up (killed, or an older procpipe)")
+    assert messages == [expected], messages
     assert os.listdir(shm_dir) == []
     _leftover(shm_dir, dead, "ring0")  # a second loader of this process does not sweep again
     with procpipe.Loader(range(8), batch_size=4, workers=1, shm_dir=shm_dir) as loader:

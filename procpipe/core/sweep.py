@@ -35,7 +35,7 @@ import psutil
 logger = logging.getLogger("procpipe")
 
 KINDS = ("ring[0-9]+", "status", "spec", "preload", "cache", "cachefile", "records")
-NAME = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:%s)\Z" % "|".join(KINDS))
+NAME = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(KINDS) + r")\Z")
 SETTLE_S = 2.0  # a file changed this recently is never swept
 _START_SLACK_S = 2.0  # a process's start time is known to about a second (boot time in whole seconds)
 
