@@ -7,7 +7,7 @@ it waits up to ``LEAK_DEADLINE_S`` for
 - every child process the test started (psutil, recursive) to be gone, and
 - every ``procpipe-<this pid>-*`` file in ``/dev/shm`` the test created to be gone.
 
-multiprocess's forkserver and resource-tracker processes are process-wide singletons that
+multiprocess's forkserver and resource-tracker processes and procpipe's reaper are process-wide singletons that
 outlive a test by design; they are ignored, but the workers they fork are not. A leak fails
 the test (as an error in teardown), then the leaked processes are killed and the files
 removed so that one failure does not cascade into the next tests.
@@ -56,7 +56,8 @@ SHM_DIR = "/dev/shm"
 LEAK_DEADLINE_S = 15.0
 START_METHODS = ("fork", "forkserver", "spawn")  # every start method a test suite runs under
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main")
+_INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main",
+                   "procpipe-reaper")  # (procpipe.core.reaper: one per process, it outlives it by design)
 
 
 # --------------------------------------------------------------------------- polling

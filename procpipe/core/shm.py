@@ -5,7 +5,10 @@ Every file a loader creates is named ``procpipe-<pid>-<token>-<what>`` in one di
 garbage collection of the loader, or by a worker that notices its parent was killed.
 Every file is created by ``open_new_file`` (owner-only, never an existing name, never
 through a symlink, its space reserved) and reopened by ``open_owned`` (only if it is
-still a regular 0600 file of this user).
+still a regular 0600 file of this user). ``open_new_file`` registers each file with this
+process's reaper first (reaper.py), which removes it if the process is killed, and
+``remove_file`` tells the reaper it is gone; the first ``SharedFiles`` of a process in a
+directory sweeps it of the files of dead processes (sweep.py).
 
 A slot is handed to the consumer as a *lease*: a small per-batch object that exports the
 slot's bytes. Every array of the batch is a view whose ``.base`` is that object, so the
@@ -29,6 +32,8 @@ from typing import Any
 import psutil
 
 from ..errors import SharedMemoryError
+from . import reaper
+from .sweep import sweep_once
 
 PAGE = mmap.PAGESIZE
 
@@ -42,9 +47,15 @@ class SharedFiles:
 
     def __init__(self, directory: str, prefix: str | None = None) -> None:
         """A new, unique set of names in ``directory``; or, given ``prefix``, an existing set
-        (a worker removing the files of a loader that was killed)."""
+        (a worker removing the files of a loader that was killed).
+
+        The first new set of a process in a directory sweeps it first: the files that dead
+        processes of this user left there are removed, and a warning says so (sweep.py)."""
         self.directory = directory
-        self.prefix = prefix or os.path.join(directory, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
+        if prefix is None:
+            sweep_once(directory)
+        self.prefix = prefix or os.path.join(os.path.abspath(directory),  # (absolute: a chdir changes nothing)
+                                             f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
 
     @classmethod
     def from_prefix(cls, prefix: str) -> SharedFiles:
@@ -55,10 +66,16 @@ class SharedFiles:
 
     def remove_all(self) -> None:
         for path in glob.glob(glob.escape(self.prefix) + "*"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_file(path)
+
+
+def remove_file(path: str) -> None:
+    """Remove a file procpipe created (if still there), and tell the reaper it is gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    reaper.forget(path)
 
 
 def check_capacity(directory: str, needed: int, what: str) -> None:
@@ -99,7 +116,7 @@ def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
         )
 
 
-def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
+def open_new_file(path: str, size: int, what: str, data: bytes = b"", unlinked: bool = False) -> int:
     """Create ``path`` for ``what`` and return its open (read-write) file descriptor.
 
     Every file procpipe creates goes through here: owner-only (mode 0600), and never an
@@ -107,14 +124,27 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
     name is refused, not followed or overwritten. ``size`` bytes are reserved now, so a
     full filesystem fails here with ``SharedMemoryError`` (not with SIGBUS, or a raw
     ``ENOSPC``, later); ``data``, if given, is written at the start.
+
+    The path is registered with this process's reaper before the file exists, so it is
+    removed even if this process is killed a moment later (reaper.py); ``remove_file``
+    unregisters it. ``unlinked``: the caller removes the name at once (it lives on as an
+    open descriptor), so nothing is registered.
     """
+    if not unlinked:
+        reaper.register(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
+        reaper.forget(path)  # (someone else's file: never ours to remove)
         raise FileExistsError(
             errno.EEXIST, f"procpipe will not reuse or follow an existing file for {what}: something already "
             "exists at that fresh, random name (another process put it there, possibly a symlink). Remove it, "
             "and pass a shm_dir only you can write to", path) from None
+    except BaseException:
+        reaper.forget(path)
+        raise
+    if not unlinked:
+        reaper.hold(path, fd)  # locked at once: the sweep never takes it for a dead process's
     try:
         if max(size, len(data)):
             os.posix_fallocate(fd, 0, max(size, len(data)))
@@ -123,7 +153,7 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
             done += os.pwrite(fd, data[done:done + (1 << 30)], done)
     except OSError as exc:
         os.close(fd)
-        os.unlink(path)
+        remove_file(path)
         raise SharedMemoryError(
             f"procpipe could not reserve {_mib(max(size, len(data)))} in {os.path.dirname(path)} for {what}: {exc}. "
             "Free some space there, start Docker with a larger --shm-size, or pass shm_dir=... "
@@ -131,7 +161,7 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"") -> int:
         ) from exc
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        remove_file(path)
         raise
     return fd
 
@@ -249,10 +279,7 @@ class Ring:
 
     def remove(self) -> None:
         """A retired ring whose slots are all back: its file goes now (its memory once unmapped)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        remove_file(self.path)
         self.close()
 
     def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:

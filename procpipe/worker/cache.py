@@ -46,7 +46,7 @@ import numpy as np
 
 from ..errors import CacheError, SharedMemoryError
 from ..core.rng import SampleScope, no_sample_rng
-from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned
+from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
 
 MEMORY = "memory"
 ALIGN = 64
@@ -474,10 +474,7 @@ def _first_stream_sample(spec: Any) -> tuple[int, Any]:
 
 
 def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    remove_file(path)  # (and the reaper forgets it)
 
 
 def _remove(path: str, pid: int) -> None:

@@ -66,7 +66,7 @@ class Records(Sequence):
             raise ValueError(f"shm_dir={shm_dir!r} is not a directory")
         header, parts, size = _pack(items)
         path = os.path.join(shm_dir, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-records")
-        fd = open_new_file(path, size, "procpipe.Records")  # reserves the pages: a full tmpfs fails here
+        fd = open_new_file(path, size, "procpipe.Records", unlinked=True)  # reserves the pages: a full tmpfs fails here
         os.unlink(path)  # from now on the file lives only while open or mapped
         try:
             _write(fd, header, parts)

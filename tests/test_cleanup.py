@@ -1,0 +1,319 @@
+"""Nothing of a loader stays in its shm_dir when the training process is SIGKILLed, whatever
+its workers are doing (the reaper, procpipe.core.reaper), and a loader started later removes
+what a dead process left (the sweep, procpipe.core.sweep), never a live process's file, a
+symlink or another user's file.
+
+Each SIGKILL case runs the training process as a subprocess that reports its state on its
+stdout (and its workers through marker files); the test waits for that state, kills it, then
+polls its shm_dir until it is empty (a few seconds at most).
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import python_env, wait_gone, wait_until
+
+import procpipe
+from procpipe.core import reaper
+from procpipe.core.sweep import SETTLE_S, sweep
+
+GONE_WITHIN_S = 5.0  # "a few seconds": from the SIGKILL to an empty shm_dir
+
+CHILD = r'''
+import os, signal, sys
+import numpy as np
+import procpipe
+from procpipe.core import reaper
+
+state, method, shm_dir, marks = sys.argv[1:5]
+
+def mark(what):
+    open(os.path.join(marks, f"{what}-{os.getpid()}"), "w").close()
+
+class Source:
+    """Samples 0..31; a worker unpickling it (forkserver, spawn) marks and blocks in state "starting"."""
+    def __init__(self, block_start):
+        self.block_start = block_start
+    def __len__(self):
+        return 32
+    def __getitem__(self, i):
+        return np.full(4, i)
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+        if self.block_start:
+            mark("starting")
+            signal.pause()
+
+def dies(x):
+    mark("dying")
+    os._exit(3)
+
+def blocks_after_the_first_batch(x):
+    if x[0] >= 4:
+        mark("busy")
+        signal.pause()
+    return x
+
+fn = {"failed": dies, "busy": blocks_after_the_first_batch}.get(state)
+loader = procpipe.Loader(Source(state == "starting"), fn, batch_size=4, workers=1 if state == "failed" else 2,
+                         max_worker_restarts=0,
+                         prefetch=1, start_method=method, **({} if shm_dir == "-" else {"shm_dir": shm_dir}))
+if state == "failed":
+    try:
+        list(loader)
+    except procpipe.WorkerError:
+        pass
+    print("ready", reaper.reaper_pid(), flush=True)
+elif state == "starting":
+    print("ready", reaper.reaper_pid(), flush=True)
+    next(iter(loader))
+else:
+    it = iter(loader)
+    next(it)
+    print("ready", reaper.reaper_pid(), *loader.worker_pids, flush=True)
+    if state == "busy":
+        next(it)
+sys.stdin.read()  # until killed
+'''
+
+
+def _start_child(tmp_path, state, method, shm_dir):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), state, method, shm_dir, str(marks)], env=python_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, marks
+
+
+def _ready(proc):
+    line = proc.stdout.readline().split()
+    if not line or line[0] != "ready":
+        proc.kill()
+        pytest.fail(f"the training process did not start: {line} {proc.stderr.read()}")
+    return [int(p) for p in line[1:]]
+
+
+def _marked(marks, what):
+    return [int(n.split("-")[1]) for n in os.listdir(marks) if n.startswith(what + "-")]
+
+
+def _stopped(pids):
+    try:
+        return all(psutil.Process(p).status() == psutil.STATUS_STOPPED for p in pids)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_and_check(proc, files, others):
+    """SIGKILL the training process; its files must be gone within GONE_WITHIN_S, then its reaper too."""
+    assert files(), "the loader made no file: nothing to check"
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not files(), GONE_WITHIN_S, "the killed training process's files to be removed")
+    assert wait_gone(others, 10) == [], "the reaper (or a worker) outlived the training process"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_sigkill_after_a_failed_epoch_leaves_nothing(tmp_path, shm_dir, method):
+    # (a) every worker died in the epoch (WorkerError, no restart): none is left to clean up
+    proc, marks = _start_child(tmp_path, "failed", method, shm_dir)
+    try:
+        reaper_pid, = _ready(proc)
+        dead = _marked(marks, "dying")
+        assert len(dead) == 1 and wait_gone(dead, 10) == [], "the loader's only worker is to be dead"
+        _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid])
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_sigkill_mid_epoch_with_busy_workers_leaves_nothing(tmp_path, shm_dir):
+    # (b) mid-epoch: a batch was returned, both workers are inside fn
+    proc, marks = _start_child(tmp_path, "busy", "forkserver", shm_dir)
+    try:
+        reaper_pid, *workers = _ready(proc)
+        wait_until(lambda: len(_marked(marks, "busy")) == 2, 30, "both workers to be busy in fn")
+        _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid, *workers])
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_sigkill_while_workers_start_leaves_nothing(tmp_path, shm_dir):
+    # (c) both workers are still starting (unpickling the dataset)
+    proc, marks = _start_child(tmp_path, "starting", "forkserver", shm_dir)
+    try:
+        reaper_pid, = _ready(proc)
+        wait_until(lambda: len(_marked(marks, "starting")) == 2, 60, "both workers to be starting")
+        _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid, *_marked(marks, "starting")])
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_dev_shm(tmp_path):
+    # (d) every worker is stopped (SIGSTOP): none can notice the death; default shm_dir, /dev/shm
+    proc, _ = _start_child(tmp_path, "stopped", "fork", "-")
+    workers = []
+    try:
+        reaper_pid, *workers = _ready(proc)
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: _stopped(workers), 10, "the workers to be stopped")
+        mine = f"procpipe-{proc.pid}-"
+        _kill_and_check(proc, lambda: [f for f in os.listdir("/dev/shm") if f.startswith(mine)], [reaper_pid])
+        assert _stopped(workers), "the workers were to stay stopped throughout"
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_gone(workers, 10)
+        proc.kill()
+        proc.communicate()
+
+
+# ------------------------------------------------------------------ the reaper itself
+REGISTERS = r'''
+import sys
+from procpipe.core import reaper
+for path in sys.argv[1:]:
+    reaper.register(path)
+print(reaper.reaper_pid(), flush=True)
+sys.stdin.read()
+'''
+
+
+def test_the_reaper_removes_only_registered_regular_files_of_this_user(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    ours, link, unregistered = d / "procpipe-1-00000000-ring0", d / "procpipe-1-00000000-spec", d / "unregistered"
+    ours.write_bytes(b"x" * 4096)
+    os.symlink(precious, link)
+    unregistered.write_text("not registered")
+    registered = [ours, link, d / "never-created"]
+    if os.geteuid() == 0:
+        theirs = d / "procpipe-1-00000000-status"
+        theirs.write_text("another user's")
+        os.chown(theirs, 65534, 65534)
+        registered.append(theirs)
+    proc = subprocess.Popen([sys.executable, "-c", REGISTERS, *map(str, registered)], env=python_env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        reaper_pid = int(proc.stdout.readline())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_gone([reaper_pid], 10) == [], "the reaper did not end after its process"
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert not ours.exists()
+    assert os.path.islink(link) and precious.read_text() == "keep me"
+    assert unregistered.read_text() == "not registered"
+    if os.geteuid() == 0:
+        assert (d / "procpipe-1-00000000-status").read_text() == "another user's"
+
+
+def test_a_killed_reaper_is_replaced_and_told_every_file(tmp_path):
+    path = str(tmp_path / "procpipe-1-00000000-ring0")
+    reaper.register(path)
+    try:
+        first = reaper.reaper_pid()
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: psutil.Process(first).status() == psutil.STATUS_ZOMBIE, 10, "the reaper to die")
+        reaper.register(path + "x")  # finds it dead: a new one
+        second = reaper.reaper_pid()
+        assert second != first and psutil.Process(second).is_running()
+        assert wait_gone([first], 1) == []  # collected, not a zombie child of ours
+    finally:
+        reaper.forget(path)
+        reaper.forget(path + "x")
+
+
+# ------------------------------------------------------------------ the start-up sweep
+def _leftover(directory, pid, kind, nbytes=4096, age=SETTLE_S + 5.0, token="0badf00d"):
+    path = os.path.join(directory, f"procpipe-{pid}-{token}-{kind}")
+    with open(path, "wb") as f:
+        f.write(b"\0" * nbytes)
+    os.chmod(path, 0o600)
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_sweep_removes_a_dead_processs_files_and_nothing_else(tmp_path):
+    d = str(tmp_path)
+    dead = _dead_pid()
+    removed = [_leftover(d, dead, "ring0", 1 << 20), _leftover(d, dead, "status"), _leftover(d, dead, "spec")]
+    live = _leftover(d, 1, "ring0")  # pid 1 runs, and started long before the file was made
+    young = _leftover(d, dead, "ring1", age=0.0)  # just made: its creator may lock it a moment later
+    locked = _leftover(d, dead, "cache")  # its creator holds the lock: alive in another pid namespace
+    strangers = [_leftover(d, dead, "notes"), _leftover(d, dead, "ring0", token="xyz")]
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    link = os.path.join(d, f"procpipe-{dead}-0badf00d-preload")
+    os.symlink(precious, link)
+    os.mkdir(os.path.join(d, f"procpipe-{dead}-0badf00d-records"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    lock = os.open(locked, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        started = psutil.Process(sleeper.pid).create_time()
+        reused = _leftover(d, sleeper.pid, "ring0", age=time.time() - started + 60)  # its pid was reused since
+        swept = sweep(d)
+    finally:
+        os.close(lock)
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(swept.paths) == sorted(removed + [reused])
+    assert swept.pids == {dead, sleeper.pid}
+    assert swept.nbytes >= (1 << 20) + 3 * 4096
+    for path in [live, young, locked, *strangers, link]:
+        assert os.path.lexists(path), path
+    assert precious.read_text() == "keep me"
+    assert os.path.isdir(os.path.join(d, f"procpipe-{dead}-0badf00d-records"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user (chown)")
+def test_the_sweep_never_removes_another_users_file(tmp_path):
+    theirs = _leftover(str(tmp_path), _dead_pid(), "ring0")
+    os.chown(theirs, 65534, 65534)  # nobody's; root may unlink anything here, so the check is procpipe's
+    assert sweep(str(tmp_path)).paths == []
+    assert os.path.exists(theirs)
+
+
+def test_a_loader_sweeps_its_shm_dir_once_and_says_what_it_removed(shm_dir, caplog):
+    dead = _dead_pid()
+    _leftover(shm_dir, dead, "ring0", 3 << 20)
+    _leftover(shm_dir, dead, "status")
+    with caplog.at_level(logging.WARNING, logger="procpipe"), \
+            procpipe.Loader(range(8), batch_size=4, workers=1, shm_dir=shm_dir) as loader:
+        assert [len(b) for b in loader] == [4, 4]
+    messages = [r.getMessage() for r in caplog.records if "procpipe removed" in r.getMessage()]
+    expected = (f"procpipe removed 2 file(s) (3.0 MiB) from {shm_dir} left by process(es) {dead} that "
+                "ended without cleaning up (killed, or an older procpipe)")
+    assert messages == [expected], messages
+    assert os.listdir(shm_dir) == []
+    _leftover(shm_dir, dead, "ring0")  # a second loader of this process does not sweep again
+    with procpipe.Loader(range(8), batch_size=4, workers=1, shm_dir=shm_dir) as loader:
+        assert sum(len(b) for b in loader) == 8
+    assert len(os.listdir(shm_dir)) == 1
+    os.unlink(os.path.join(shm_dir, os.listdir(shm_dir)[0]))
