@@ -1,6 +1,5 @@
-"""procpipe beside PyTorch's DataLoader, ``multiprocessing.Pool.imap`` and a serial loop
-(and, with TensorFlow installed, beside tf.data's recipes and Keras' PyDataset: ``--workloads tf``,
-bench/tf_recipes.py).
+"""procpipe beside PyTorch's DataLoader, ``multiprocessing.Pool.imap`` and a serial loop (and
+tf.data's recipes and Keras' PyDataset with ``--workloads tf``: bench/tf_recipes.py).
 
 Runs each reference workload (defined once, in ``procpipe/bench/workloads.py``) with
 every engine, in one process, alternating the engines within each repetition (the order
