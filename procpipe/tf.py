@@ -77,9 +77,11 @@ def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS) -> tf.
             from the loader's next batch without consuming it (:func:`element_spec`).
         views: how many batches TensorFlow may hold at once as zero-copy views of the
             loader's ring (each holds a ring slot until its tensors are dropped); past it,
-            batches are copied once into memory TensorFlow owns. ``0``: always copy. To
-            keep a pipeline that holds more batches (``prefetch(k)``, ``shuffle``) zero-copy,
-            give the loader as many extra slots (``Loader(stage_slots=k)``) and ``views=k + 2``.
+            each array that is a view is copied once into memory TensorFlow owns. ``0``:
+            always copy. Give the loader as many spare slots (``Loader(stage_slots=views)``),
+            so that the slots TensorFlow holds are not taken from the workers' share; a
+            pipeline that keeps ``k`` more batches (``prefetch(k)``) stays zero-copy with
+            ``views=k + 2`` and ``stage_slots=k + 2``.
 
     Returns:
         A ``tf.data.Dataset`` whose ``element_spec`` is that structure. Its cardinality is
@@ -88,10 +90,12 @@ def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS) -> tf.
     Raises:
         TypeError: ``element_spec`` is not a structure of ``tf.TensorSpec``, or it is left
             out for an object that cannot be looked at without consuming it.
+        ValueError: ``views`` is not an int >= 0, or the first batch holds something
+            TensorFlow has no tensor type for.
     """
-    spec = _infer(loader) if element_spec is None else element_spec
     if not isinstance(views, int) or isinstance(views, bool) or views < 0:
         raise ValueError(f"procpipe.tf.dataset: views must be an int >= 0, got {views!r}")
+    spec = _infer(loader) if element_spec is None else element_spec
     plan = _compile(spec, ())
     passes = _Passes(loader, plan, views)
     return tf.data.Dataset.from_generator(passes, output_signature=spec)
