@@ -1,4 +1,5 @@
-"""procpipe beside PyTorch's DataLoader, ``multiprocessing.Pool.imap`` and a serial loop.
+"""procpipe beside PyTorch's DataLoader, ``multiprocessing.Pool.imap`` and a serial loop (and
+tf.data's recipes and Keras' PyDataset with ``--workloads tf``: bench/tf_recipes.py).
 
 Runs each reference workload (defined once, in ``procpipe/bench/workloads.py``) with
 every engine, in one process, alternating the engines within each repetition (the order
@@ -9,6 +10,7 @@ both sides, their ratio, and whether the goal is met. Goals are reported, never 
     python bench/compare.py                    # every workload, 5 repetitions
     python bench/compare.py --quick            # fewer repetitions, smaller sizes (~1 min)
     python bench/compare.py --workloads cpu,tiny --json out.json
+    python bench/compare.py --workloads tf --workers 2   # tf_cpu, tf_transfer (needs tensorflow, keras)
 
 Fairness: same worker count (``--workers``, default the CPU count), same batch size,
 and at least as many batches in flight: procpipe keeps ``prefetch + 2 * workers``
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -63,6 +66,8 @@ SIZES = {
     "tiny1": (1000, 3000),
     "tiny64": (64 * 800, 64 * 2000),
     "first_batch": (64 * 4, 64 * 4),
+    "tf_cpu": (1280, 3200),
+    "tf_transfer": (64 * 60, 64 * 150),
 }
 
 
@@ -355,6 +360,24 @@ def run_first_batch(opts: Options) -> WorkloadResult:
     return res
 
 
+def run_tf(name: str, opts: Options) -> WorkloadResult:
+    """procpipe into TensorFlow beside tf.data's recipes and Keras' PyDataset (bench/tf_recipes.py)."""
+    import tf_recipes
+
+    source, bs, unit, sample_bytes, description = tf_recipes.workload(name, opts.size(name))
+    n, warm, w = len(source), warmup_batches(opts.workers), opts.workers
+    engines: dict[str, Callable[[], Measurement]] = {
+        label: (lambda make=make: tf_recipes.consume(make, _consume, n, bs, warm))
+        for label, make in tf_recipes.engines(source, bs, w, PREFETCH).items()}
+    engines["procpipe"] = lambda: procpipe_engine(source, bs, w)
+    res = WorkloadResult(name, unit, n, description)
+    res.engines = alternate(engines, opts.reps, unit, sample_bytes, label=name)
+    for ref, need, note in tf_recipes.GOALS[name]:
+        res.targets.append(Target(f"{name}: procpipe->tf vs {ref}", res.median("procpipe->tf"), res.median(ref), ref,
+                                  unit, need, note=note))
+    return res
+
+
 RUNNERS: dict[str, Callable[[Options], WorkloadResult]] = {
     "first_batch": run_first_batch,
     "cpu": run_cpu,
@@ -363,11 +386,14 @@ RUNNERS: dict[str, Callable[[Options], WorkloadResult]] = {
     "tiny1": run_tiny1,
     "tiny64": run_tiny64,
 }
-ALIASES = {"tiny": ("tiny1", "tiny64"), "first": ("first_batch",)}
+if importlib.util.find_spec("tensorflow") and importlib.util.find_spec("keras"):  # bench/tf_recipes.py
+    RUNNERS.update({n: (lambda opts, n=n: run_tf(n, opts)) for n in ("tf_cpu", "tf_transfer")})
+ALIASES = {"tiny": ("tiny1", "tiny64"), "first": ("first_batch",), "tf": ("tf_cpu", "tf_transfer")}
 
 
 # ------------------------------------------------------------------------------ output
-ENGINE_ORDER = ["procpipe", "procpipe sloppy", "procpipe fork", "procpipe cold", "DataLoader", "Pool.imap", "serial"]
+ENGINE_ORDER = ["procpipe", "procpipe sloppy", "procpipe fork", "procpipe cold", "DataLoader", "Pool.imap", "serial",
+                "procpipe->tf", "tf py_function", "tf from_generator", "PyDataset mp"]
 
 
 def _fmt(v: float) -> str:

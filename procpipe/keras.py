@@ -18,8 +18,12 @@ Batches must be what Keras expects: a tuple ``(x,)``, ``(x, y)`` or
 ``collate_fn``. Ordering and shuffling are the loader's (``Loader(shuffle=True)``);
 Keras' ``shuffle=`` argument does not apply.
 
-Works with any Keras backend; tested with ``KERAS_BACKEND=torch``. Import this module
-after choosing the backend (``KERAS_BACKEND`` must be set before Keras is first imported).
+Tested on the tensorflow, jax and torch backends. On TensorFlow the loader goes through
+``procpipe.tf.dataset`` (exact ``element_spec``, ring slots handed back at once). Keras
+looks at one batch to build a model or its metrics before the first epoch; that pass is
+then put back (``load_state_dict``), so ``loader.epoch`` advances by exactly ``epochs``
+and the first epoch trained on is the loader's next one, whole. Import this module after
+choosing the backend (``KERAS_BACKEND`` must be set before Keras is first imported).
 """
 from __future__ import annotations
 
@@ -38,9 +42,13 @@ except ImportError:  # pragma: no cover - older Keras: the PyDataset protocol al
 __all__ = ["KerasDataset", "dataset"]
 
 
-def dataset(loader: Any) -> KerasDataset:
-    """Wrap ``loader`` (a ``procpipe.Loader`` or ``procpipe.torch.DataLoader``) for Keras."""
-    return KerasDataset(loader)
+def dataset(loader: Any, *, element_spec: Any = None) -> KerasDataset:
+    """Wrap ``loader`` (a ``procpipe.Loader`` or ``procpipe.torch.DataLoader``) for Keras.
+
+    ``element_spec`` matters on the TensorFlow backend only (``procpipe.tf.dataset``'s
+    argument: by default inferred from the loader's next batch, which is put back).
+    """
+    return KerasDataset(loader, element_spec=element_spec)
 
 
 def _standardize(batch: Any) -> Any:
@@ -70,6 +78,18 @@ def _to_numpy(x: Any) -> Any:
     return np.asarray(x)
 
 
+def _start_state(loader: Any) -> dict | None:
+    """``loader.state_dict()`` if the iteration just started is at the start of an epoch (so
+    that putting it back replays that epoch whole), else None (nothing to put back)."""
+    save = getattr(loader, "state_dict", None)
+    if not (callable(save) and callable(getattr(loader, "load_state_dict", None))):
+        return None
+    state = save()
+    fresh = not state.get("done_below") and not state.get("done") and state.get("stream") is None \
+        and not state.get("ahead")
+    return state if fresh else None
+
+
 class KerasDataset(PyDataset, _DataAdapter):
     """A procpipe loader as Keras input data.
 
@@ -83,13 +103,16 @@ class KerasDataset(PyDataset, _DataAdapter):
     form one continuous stream of loader epochs.
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, element_spec: Any = None) -> None:
         if not (hasattr(loader, "__iter__") and hasattr(loader, "__len__")):
             raise TypeError("procpipe.keras.dataset needs a loader with __iter__ and __len__, "
                             f"got {type(loader).__name__}")
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=1)
         self.loader = loader
         self._stream: Iterator | None = None
+        self._element_spec = element_spec
+        self._tf_dataset: Any = None
+        self._abandoned: dict | None = None  # where a pass closed after its first batch had started
 
     # ---------------------------------------------------------------- PyDataset
     def __len__(self) -> int:
@@ -110,16 +133,30 @@ class KerasDataset(PyDataset, _DataAdapter):
         return _standardize(batch)
 
     def on_epoch_begin(self) -> None:
-        pass
+        self._abandoned = None
 
     def on_epoch_end(self) -> None:
-        pass
+        """Keras' end of a pass. After its look at one batch to build the model (``reset()``:
+        the pass is dropped after one batch, then this), the loader is put back where that
+        pass started, so the first epoch Keras trains on is the loader's next one, whole."""
+        state, self._abandoned = self._abandoned, None
+        if state is not None:
+            self.loader.load_state_dict(state)
 
     # ---------------------------------------------------------------- DataAdapter
     def _epoch(self) -> Iterator[Any]:
+        """One pass: one ``iter(loader)``, started when its first batch is asked for."""
         self._stream = None  # the stream protocol restarts after a pass
-        for batch in self.loader:
-            yield _standardize(batch)
+        batches = iter(self.loader)
+        start = _start_state(self.loader)
+        taken, finished = 0, False
+        try:
+            for batch in batches:
+                taken += 1
+                yield _standardize(batch)
+            finished = True
+        finally:
+            self._abandoned = start if not finished and taken == 1 else None
 
     def get_numpy_iterator(self) -> Iterator[Any]:
         for batch in self._epoch():
@@ -131,17 +168,17 @@ class KerasDataset(PyDataset, _DataAdapter):
     def get_torch_dataloader(self) -> Any:
         return _TorchBatches(self)
 
-    def get_tf_dataset(self) -> Any:  # pragma: no cover - TensorFlow is not a test dependency
-        import tensorflow as tf
+    def get_tf_dataset(self) -> Any:
+        """The loader as a ``tf.data.Dataset`` (``procpipe.tf.dataset``), built once: each pass
+        over it is one ``iter(loader)``; its spec is that of the first batch, put back."""
+        if self._tf_dataset is None:
+            from . import tf as procpipe_tf  # imports TensorFlow: only on that backend
 
-        first = next(iter(self.get_numpy_iterator()))
-
-        def spec(x: Any) -> Any:
-            x = np.asarray(x)
-            return tf.TensorSpec(shape=(None,) + x.shape[1:], dtype=x.dtype)
-
-        signature = tree.map_structure(spec, first, none_is_leaf=False)
-        return tf.data.Dataset.from_generator(self.get_numpy_iterator, output_signature=signature)
+            spec = self._element_spec
+            if spec is None:
+                spec = procpipe_tf.element_spec(self.loader, map_batch=_standardize)
+            self._tf_dataset = procpipe_tf.dataset(_Passes(self), element_spec=spec)
+        return self._tf_dataset
 
     @property
     def batch_size(self) -> int | None:
@@ -154,6 +191,16 @@ class KerasDataset(PyDataset, _DataAdapter):
     @property
     def partial_batch_size(self) -> int | None:
         return None
+
+
+class _Passes:
+    """The passes of a ``KerasDataset`` as ``procpipe.tf.dataset`` iterates them: standardized batches."""
+
+    def __init__(self, owner: KerasDataset) -> None:
+        self._owner = owner
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._owner._epoch()
 
 
 class _TorchBatches:

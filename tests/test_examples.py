@@ -35,6 +35,19 @@ def test_keras_fit():
     assert "same worker processes in every epoch" in out and "predict: (256, 10)" in out
 
 
+def test_tf_data_pipeline():
+    pytest.importorskip("tensorflow", reason="the example needs TensorFlow (pip install procpipe[tf])")
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
+    out = run_example("tf_data_pipeline.py")
+    spec = "element_spec {'image': ((None, 32, 32, 3), 'uint8'), 'label': ((None,), 'int64'), " \
+           "'caption': ((None,), 'string')}"
+    assert f"before: {spec}" in out and f"after: {spec}" in out
+    assert "(tensorflow backend)" in out and "before (tf.data map(py_function, AUTOTUNE)):" in out
+    assert "loader epoch after building the dataset: 0" in out
+    assert "after (procpipe.tf, 2 workers):" in out and "loader epochs run: 2 (fit epochs=2)" in out
+    assert "caption[0] = a picture of class" in out and out.rstrip().endswith("closed")
+
+
 def test_straggler_demo():
     out = run_example("straggler_demo.py")
     assert "ordered=True" in out and "ordered=False" in out
