@@ -28,7 +28,8 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
-from .plan.sampler import ExplicitBatches, Sampler
+from .plan.sampler import ExplicitBatches
+from .plan.mix import sampler_for
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
 from .streaming import InlineStream, Shards, StreamPlan
@@ -212,8 +213,8 @@ class Loader:
             raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
                              "source is shuffled whole with shuffle=True")
         elif batches is None:
-            self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
-                                    None if shard is None else tuple(shard), bool(reshuffle))
+            self._sampler = sampler_for(source)(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
+                                                None if shard is None else tuple(shard), bool(reshuffle))
             if not len(self._sampler):
                 warn_no_batches(len(source), batch_size, bool(drop_last))
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .position import Resume, decode_position
+from ..plan.mix import MixSampler
 from ..streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
@@ -20,8 +21,12 @@ __all__ = ["Resume", "load_state", "save_state"]
 
 
 def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
-    """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings."""
-    return {"version": 1, **position, **_sampler_state(sampler)}
+    """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
+    (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
+    state = {"version": 1, **position, **_sampler_state(sampler)}
+    if isinstance(sampler, MixSampler):
+        state.update(sampler.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
+    return state
 
 
 def load_state(state: Any, sampler: Any) -> Resume:
@@ -40,15 +45,19 @@ def load_state(state: Any, sampler: Any) -> Resume:
                 f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
-    return decode_position(state, sampler)
+    resume = decode_position(state, sampler)
+    if isinstance(sampler, MixSampler):  # the epochs begun are planned again with the weights they had
+        sampler.pin(state, [resume.epoch, *resume.ahead])
+    return resume
 
 
 def _sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler settings a saved state must match to be resumed."""
     if isinstance(sampler, StreamPlan):
         return sampler.settings()
+    mix = sampler.settings() if isinstance(sampler, MixSampler) else {}
     shard = getattr(sampler, "shard", None)
     return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
             "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
             "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard),
-            "reshuffle": getattr(sampler, "reshuffle", True)}
+            "reshuffle": getattr(sampler, "reshuffle", True), **mix}

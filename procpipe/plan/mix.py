@@ -1,0 +1,373 @@
+"""Weighted mixtures of indexed sources: ``procpipe.Mix`` and its sampler, ``MixSampler``.
+
+``Mix(sources, weights)`` is tf.data's ``sample_from_datasets`` for procpipe: each element of
+an epoch is drawn from source ``k`` with probability ``weights[k]``, deterministically from
+``(seed, epoch)``. A mixture of indexed sources is itself an indexed source: a *virtual
+dataset* whose index space is the concatenation of its sources' (index ``g`` is element
+``g - offsets[k]`` of source ``k``), so workers, the cache, ``sample_rng()``, sharding and
+resume see ordinary indices. Only the *order* of an epoch is special: ``MixSampler`` (where a
+``plan.sampler.Sampler`` would be) builds it as an interleaving of each source's own order
+(a permutation from ``(seed, epoch, source)`` with ``shuffle=True``, else ``0, 1, ...``), the
+choice of the source of each element drawn from the weights in force for that epoch.
+
+The draw (``_choices``): with ``stop_on_empty=False`` each element comes from source ``k``
+with probability ``weights[k]`` renormalised over the sources not yet exhausted, so every
+element of every source with a weight > 0 comes exactly once; with ``stop_on_empty=True``
+sources are drawn with the weights as given and the epoch ends at the first draw of a
+source that has run out (tf.data's ``stop_on_empty_dataset``). Both are vectorised: draws
+come in chunks, and a draw of a source past its quota is dropped (for the renormalised
+draw: a categorical draw conditioned on not being an exhausted source is exactly the
+renormalised one), so the cost is a few passes over the epoch, whatever the number of
+sources. Memory: the epoch's order (one int64 per element, as ``Sampler``'s), the sources'
+lengths and offsets; no array per source survives the construction of an order.
+
+Weights may follow a schedule (a callable ``epoch -> weights``, or ``Mix.set_weights``);
+the weights used for each epoch are recorded here, saved in ``Loader.state_dict()``
+(``mix_weights``) and pinned again on load, so a resumed epoch is the very same order; the
+loader's own weights apply from the next epoch on.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .sampler import Sampler, epoch_order
+
+_MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
+_DRAW, _PERMUTE = 0, 1
+_KEEP_EPOCHS = 8  # epochs whose weights the sampler remembers (a state names the resumed and later ones)
+
+Weights = Sequence[float] | np.ndarray
+WeightsSetting = Weights | Callable[[int], Weights]
+
+
+def _rng(seed: int, epoch: int, path: tuple[int, ...], *rest: int) -> np.random.Generator:
+    key = (_MIX_KEY, epoch, len(path), *path, *rest)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
+class Mix:
+    """A weighted mixture of sources, itself a source for ``procpipe.Loader``.
+
+    Each element of an epoch comes from source ``k`` with probability ``weights[k]``; which
+    source gives each element is drawn from ``(seed, epoch)`` (the Loader's ``seed``), so the
+    stream is the same whatever the worker count, and a resumed epoch is exact. Each source
+    is read in its own order: a permutation from ``(seed, epoch, k)`` with the Loader's
+    ``shuffle=True``, else ``0, 1, 2, ...``.
+
+    Args:
+        sources: indexed datasets (``len`` + ``__getitem__``), or mixtures (nested: a ``Mix``
+            among the sources is read in its own mixed order). ``procpipe.Shards`` cannot be
+            mixed yet.
+        weights: one number >= 0 per source (any scale: they are normalised), or a callable
+            ``epoch -> weights`` (a schedule, called in the calling process when an epoch is
+            planned). A source with weight 0 is left out of that epoch.
+        stop_on_empty: ``False`` (default): when a source runs out, the others go on (their
+            weights renormalised), so an epoch holds every element of every source with a
+            weight > 0 exactly once. ``True``: the epoch ends at the first draw of a source
+            that has run out (tf.data's ``stop_on_empty_dataset=True``): the proportions
+            hold to the end, and the epoch is shorter.
+        with_source: ``True``: ``mix[i]`` (what ``fn`` receives) is ``(k, element)``, ``k``
+            the position of the source in ``sources``; ``False`` (default): the element.
+
+    ``len(mix)`` is the number of elements of all sources; ``mix[i]`` is element
+    ``i - offset`` of the source holding index ``i`` (``source_of(i)``). A Loader over a mixture
+    saves the weights of the epoch it is in with ``state_dict()``; see ``set_weights``.
+    """
+
+    def __init__(self, sources: Sequence[Any], weights: WeightsSetting, *, stop_on_empty: bool = False,
+                 with_source: bool = False) -> None:
+        sources = check_sources(sources)
+        for name, value in (("stop_on_empty", stop_on_empty), ("with_source", with_source)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Mix: {name} must be True or False, got {value!r}")
+        check_mix_weights(weights, len(sources))
+        self.sources: list[Any] = sources
+        self.stop_on_empty = bool(stop_on_empty)
+        self.with_source = bool(with_source)
+        lengths = np.array([len(s) for s in sources], dtype=np.int64)
+        self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # source k holds offsets[k] .. offsets[k+1]-1
+        self._weights: WeightsSetting = weights
+        if not callable(weights):
+            self._weights = self._checked(weights, None)
+
+    # ---- the dataset
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> Any:
+        k, local = self.source_of(index)
+        item = self.sources[k][local]
+        return (k, item) if self.with_source else item
+
+    def source_of(self, index: int) -> tuple[int, int]:
+        """``(k, i)``: index ``index`` of the mixture is element ``i`` of ``sources[k]``."""
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for a Mix of {len(self)} elements")
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return k, index - int(self.offsets[k])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker only reads elements: the schedule (maybe an unpicklable closure) stays here.
+        state = dict(self.__dict__)
+        state["_weights"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"Mix({len(self.sources)} sources, {len(self)} elements, stop_on_empty={self.stop_on_empty})"
+
+    # ---- the weights
+    def set_weights(self, weights: WeightsSetting) -> None:
+        """Replace the weights (a sequence, or a callable ``epoch -> weights``) for every epoch
+        planned from now on: call it between iterations (``iter(loader)`` plans an epoch when it
+        starts; with ``epochs=N`` the next epoch is planned before this one ends, so a schedule
+        inside one iteration is a callable). An epoch already begun keeps the weights it
+        started with, also after ``load_state_dict``."""
+        check_mix_weights(weights, len(self.sources))
+        self._weights = weights if callable(weights) else self._checked(weights, None)
+
+    def weights_for(self, epoch: int) -> list[float]:
+        """The weights (as given, not normalised) this mixture uses for ``epoch``."""
+        weights = self._weights
+        if weights is None:
+            raise RuntimeError("this Mix is a worker's copy: its weights stay in the calling process")
+        return self._checked(weights(epoch), epoch) if callable(weights) else list(weights)  # type: ignore[arg-type]
+
+    def _checked(self, weights: Any, epoch: int | None) -> list[float]:
+        where = "" if epoch is None else f" (the schedule's weights for epoch {epoch})"
+        return check_mix_weights(weights, len(self.sources), where)
+
+    def nodes(self) -> list[Mix]:
+        """This mixture and the mixtures nested in it, depth first (the order of saved weights)."""
+        out = [self]
+        for source in self.sources:
+            if isinstance(source, Mix):
+                out.extend(source.nodes())
+        return out
+
+    def structure(self) -> list[Any]:
+        """What a saved state must match: each source's length, a nested mixture as its own list."""
+        return [source.structure() if isinstance(source, Mix) else len(source) for source in self.sources]
+
+    # ---- an epoch's order
+    def order(self, seed: int, epoch: int, shuffle: bool, weights: list[list[float]],
+              path: tuple[int, ...] = ()) -> np.ndarray:
+        """The indices of this mixture in ``epoch``'s order (int64; shorter than ``len(self)``
+        with ``stop_on_empty`` or a weight 0). ``weights``: ``nodes()``' weights, consumed from
+        the front (depth first); ``epoch`` is the one that keys the draws (``reshuffle=False``: 0)."""
+        mine = np.asarray(weights.pop(0), dtype=np.float64)
+        inner: dict[int, np.ndarray] = {}
+        for k, source in enumerate(self.sources):  # nested orders first: their lengths are their epoch's
+            if isinstance(source, Mix):
+                inner[k] = source.order(seed, epoch, shuffle, weights, (*path, k))
+        lengths = np.array([len(inner[k]) if k in inner else len(s) for k, s in enumerate(self.sources)],
+                           dtype=np.int64)
+        choices = _choices(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
+        out = np.empty(len(choices), dtype=np.int64)
+        counts = np.bincount(choices, minlength=len(self.sources))
+        by_source = np.argsort(choices, kind="stable")  # positions of source 0's draws, then source 1's...
+        start = 0
+        for k in np.flatnonzero(counts):
+            count = int(counts[k])
+            if k in inner:
+                local = inner.pop(k)[:count]
+            elif shuffle:
+                local = _rng(seed, epoch, path, _PERMUTE, int(k)).permutation(int(lengths[k]))[:count]
+            else:
+                local = np.arange(count)
+            out[by_source[start:start + count]] = local + self.offsets[k]
+            start += count
+        return out
+
+
+def _choices(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray, stop_on_empty: bool) -> np.ndarray:
+    """Which source gives each element of the epoch, in order: an array of source positions."""
+    remaining = lengths.copy()
+    drawn = weights > 0
+    parts: list[np.ndarray] = []
+    while True:
+        alive = drawn & (remaining > 0) if not stop_on_empty else drawn
+        if not alive.any() or (not stop_on_empty and not remaining[alive].sum()):
+            break
+        p = np.where(alive, weights, 0.0)
+        p /= p.sum()
+        # Enough draws to finish (no source over its quota), or one more than fits (stop_on_empty).
+        n = int(remaining[alive].sum()) + (1 if stop_on_empty else 0)
+        draws = rng.choice(len(weights), size=n, p=p)
+        counts = np.bincount(draws, minlength=len(weights))
+        if (counts <= remaining).all():
+            parts.append(draws)
+            remaining -= counts
+            continue
+        rank = _occurrence(draws, counts)
+        over = rank >= remaining[draws]  # a draw of a source past its quota
+        if stop_on_empty:
+            parts.append(draws[:int(np.argmax(over))])
+            break
+        kept = draws[~over]
+        parts.append(kept)
+        remaining -= np.bincount(kept, minlength=len(weights))
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _occurrence(draws: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each draw, how many earlier draws chose the same source."""
+    by_source = np.argsort(draws, kind="stable")
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    rank = np.empty(len(draws), dtype=np.int64)
+    rank[by_source] = np.arange(len(draws)) - starts[draws[by_source]]
+    return rank
+
+
+class MixSampler:
+    """The batches of each epoch of a ``Mix`` (where ``plan.sampler.Sampler`` would be).
+
+    Same settings and sharding as ``Sampler`` (``shard``: this rank's part of the epoch's
+    order, padded by repetition to a multiple of ``world_size``), with the order from
+    ``Mix.order``. ``len()`` is an upper bound, exact with ``stop_on_empty=False`` and every
+    weight > 0: the batches of an epoch holding every element of every source. The weights
+    of each epoch planned are kept (``weights_used``), and a loaded state pins those of the
+    epochs it names (``pin``).
+    """
+
+    def __init__(self, length: int, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
+                 shard: tuple[int, int] | None = None, reshuffle: bool = True, *, mix: Mix) -> None:
+        self.mix = mix
+        self.length = length
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.shard = shard
+        self.reshuffle = reshuffle
+        self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
+        self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
+
+    @property
+    def step(self) -> int:
+        return 1 if self.batch_size is None else self.batch_size
+
+    def _batch_count(self, samples: int) -> int:
+        count = samples if self.shard is None else -(-samples // self.shard[1])
+        return count // self.step if self.drop_last else -(-count // self.step)
+
+    def __len__(self) -> int:
+        return self._batch_count(self.length)
+
+    def weights(self, epoch: int) -> list[list[float]]:
+        """The weights of every node of the mixture (``Mix.nodes()``) for ``epoch``: those it was
+        planned with, else pinned by a loaded state, else the mixture's own now."""
+        if epoch in self._used:
+            return self._used[epoch]
+        if epoch in self._pinned:
+            return self._pinned[epoch]
+        return [node.weights_for(epoch) for node in self.mix.nodes()]
+
+    def order(self, epoch: int) -> np.ndarray:
+        weights = self.weights(epoch)
+        self._used[epoch] = weights
+        for old in [e for e in self._used if e < epoch - _KEEP_EPOCHS]:
+            del self._used[old]
+        order = self.mix.order(self.seed, epoch if self.reshuffle else 0, self.shuffle, [list(w) for w in weights])
+        if self.shard is None or not len(order):
+            return order
+        # Sampler's sharding (plan.sampler.epoch_order) of this epoch's order: padded, then every world-th.
+        world = self.shard[1]
+        return order[epoch_order(len(order), epoch, False, self.seed, True, self.shard,
+                                 pad_to=-(-len(order) // world) * world)]
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """The index lists of every batch of ``epoch``, in delivery order."""
+        order = self.order(epoch).tolist()
+        step = self.step
+        count = len(order) // step if self.drop_last else -(-len(order) // step)
+        return [order[i * step:(i + 1) * step] for i in range(count)]
+
+    # ---- the state (api/resume.py)
+    def settings(self) -> dict[str, Any]:
+        """What a saved state must match, beyond ``Sampler``'s settings."""
+        return {"mix": {"lengths": self.mix.structure(), "stop_on_empty": self.mix.stop_on_empty}}
+
+    def save_weights(self, epochs: list[int]) -> dict[str, Any]:
+        """``mix_weights``: ``[epoch, weights]`` for the epochs a state names (resumed, ahead)."""
+        return {"mix_weights": [[e, self.weights(e)] for e in sorted(set(epochs))]}
+
+    def pin(self, state: dict[str, Any], epochs: list[int]) -> None:
+        """Take the weights a state was saved with for ``epochs`` (checked): those epochs are
+        planned with them again, whatever this mixture's weights are now."""
+        saved = state.get("mix_weights")
+        nodes = self.mix.nodes()
+        if not isinstance(saved, list):
+            raise ValueError(f"corrupt procpipe Loader state: mix_weights={saved!r:.200} (a list of "
+                             "[epoch, weights] from a loader over a procpipe.Mix)")
+        pinned: dict[int, list[list[float]]] = {}
+        for entry in saved:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)
+                    and len(entry[1]) == len(nodes) and isinstance(entry[0], int)):
+                raise ValueError(f"corrupt procpipe Loader state: mix_weights entry {entry!r:.200}")
+            try:
+                pinned[entry[0]] = [check_mix_weights(w, len(node.sources)) for w, node in zip(entry[1], nodes)]
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"corrupt procpipe Loader state: mix_weights for epoch {entry[0]}: {e}") from None
+        missing = [e for e in epochs if e not in pinned]
+        if missing:
+            raise ValueError(f"corrupt procpipe Loader state: no mix_weights for epoch(s) {missing}")
+        self._pinned = pinned
+        for epoch in pinned:
+            self._used.pop(epoch, None)
+
+
+def sampler_for(source: Any) -> Callable[..., Any]:
+    """What plans the epochs of an indexed ``source``, called with ``Sampler``'s arguments:
+    ``Sampler``, or for a ``Mix`` a ``MixSampler`` over it."""
+    if isinstance(source, Mix):
+        return functools.partial(MixSampler, mix=source)
+    return Sampler
+
+
+# ---- checks (here, not in api/validate.py: a Mix is built, and its weights are set, before any Loader)
+def check_sources(sources: Any) -> list[Any]:
+    """``sources`` as a list of indexed sources or mixtures; raises naming the first one wrong."""
+    if isinstance(sources, (str, bytes)) or not hasattr(sources, "__iter__"):
+        raise TypeError(f"Mix: sources must be a list of datasets, got {type(sources).__name__}")
+    sources = list(sources)
+    if not sources:
+        raise ValueError("Mix: sources is empty; give at least one dataset")
+    for k, source in enumerate(sources):
+        if hasattr(source, "produce_block"):  # a procpipe.Shards (not imported: streaming is above this layer)
+            raise TypeError(f"Mix: sources[{k}] is a procpipe.Shards; streaming sources cannot be mixed yet: "
+                            "mix indexed datasets (len + __getitem__), or list the shards of every source in "
+                            "one Shards")
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise TypeError(f"Mix: sources[{k}] ({type(source).__name__}) must support len() and indexing with "
+                            "an int (a list, a numpy array, a torch Dataset, a Mix...)")
+    return sources
+
+
+def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:
+    """``weights`` checked: a callable (checked when called), or ``count`` numbers >= 0, finite, not all
+    0; returns them as a list of floats (the callable as it is)."""
+    if callable(weights) and not where:
+        return weights
+    try:
+        values = list(weights)
+    except TypeError:
+        raise TypeError(f"Mix: weights{where} must be a sequence of {count} numbers (one per source) or a "
+                        f"callable epoch -> weights, got {type(weights).__name__}") from None
+    if len(values) != count:
+        raise ValueError(f"Mix: weights{where} has {len(values)} entries for {count} sources; give one per source")
+    for k, value in enumerate(values):
+        if not (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+                and math.isfinite(float(value)) and float(value) >= 0):
+            raise ValueError(f"Mix: weights{where}[{k}] = {value!r}; every weight must be a finite number >= 0")
+    floats = [float(v) for v in values]
+    if not sum(floats) > 0:
+        raise ValueError(f"Mix: weights{where} are all 0; at least one source needs a weight > 0")
+    return floats
