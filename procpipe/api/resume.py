@@ -38,6 +38,10 @@ def load_state(state: Any, sampler: Any) -> Resume:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
         raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
                          f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
+    if ("mix" in state) != isinstance(sampler, MixSampler):
+        kinds = ("an indexable source", "a procpipe.Mix")
+        raise ValueError(f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
+                         f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)")
     settings = _sampler_state(sampler)
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:

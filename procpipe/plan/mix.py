@@ -172,7 +172,7 @@ class Mix:
         choices = _choices(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
         out = np.empty(len(choices), dtype=np.int64)
         counts = np.bincount(choices, minlength=len(self.sources))
-        by_source = np.argsort(choices, kind="stable")  # positions of source 0's draws, then source 1's...
+        by_source = _group(choices)  # positions of source 0's draws, then source 1's...
         start = 0
         for k in np.flatnonzero(counts):
             count = int(counts[k])
@@ -217,9 +217,16 @@ def _choices(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray,
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
+def _group(choices: np.ndarray) -> np.ndarray:
+    """The positions of ``choices`` grouped by value, each group in order: a stable sort, which
+    numpy does as a radix sort (linear) on 16-bit integers."""
+    small = choices.astype(np.int16) if choices.size and choices.max() < 2 ** 15 else choices
+    return np.argsort(small, kind="stable")
+
+
 def _occurrence(draws: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """For each draw, how many earlier draws chose the same source."""
-    by_source = np.argsort(draws, kind="stable")
+    by_source = _group(draws)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     rank = np.empty(len(draws), dtype=np.int64)
     rank[by_source] = np.arange(len(draws)) - starts[draws[by_source]]
