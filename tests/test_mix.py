@@ -102,11 +102,11 @@ def test_stop_on_empty_ends_at_the_first_draw_of_an_empty_source():
 
 
 def test_with_source_tags_each_element_with_its_source():
-    mix = Mix([["a", "b"], ["c"]], [1, 1], with_source=True)
-    assert len(mix) == 3 and mix[0] == (0, "a") and mix[2] == (1, "c") and mix[-1] == (1, "c")
+    mix = Mix([["a", "b"], [], ["c"]], [1, 1, 1], with_source=True)  # an empty source is allowed
+    assert len(mix) == 3 and mix[0] == (0, "a") and mix[2] == (2, "c") and mix[-1] == (2, "c")
     assert mix.source_of(1) == (0, 1)
     with Loader(mix, batch_size=None, workers=0) as loader:
-        assert sorted(loader) == [(0, "a"), (0, "b"), (1, "c")]
+        assert sorted(loader) == [(0, "a"), (0, "b"), (2, "c")]
     with pytest.raises(IndexError, match="out of range"):
         mix[3]
 
@@ -243,5 +243,5 @@ def test_mix_arguments_are_checked():
     schedule = Mix([A, B], lambda epoch: [1, 2, 3])
     with pytest.raises(ValueError, match="epoch 0"):
         Loader(schedule, batch_size=4, workers=0).state_dict()
-    with pytest.raises(ValueError, match="Mix draws its own order"):
+    with pytest.raises(ValueError, match="Mix draws each epoch"):
         Loader(Mix([A, B], [1, 1]), batches=lambda epoch: [[0]], batch_size=None, workers=0)

@@ -81,8 +81,9 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
         if not callable(batches):
             raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")
         if isinstance(source, Mix):
-            raise ValueError("batches=... decides every epoch's batches itself, but a procpipe.Mix draws its own "
-                             "order from its weights: pass one or the other (or mix inside the batches callable)")
+            raise ValueError("a procpipe.Mix draws each epoch's order from its weights, but this Loader was given "
+                             "batches=... (procpipe.torch.DataLoader passes its sampler's batches): read a Mix with "
+                             "procpipe.Loader(mix, ...) without batches=")
         if shuffle or drop_last or shard is not None:
             raise ValueError(
                 "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "

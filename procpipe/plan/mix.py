@@ -28,8 +28,10 @@ loader's own weights apply from the next epoch on.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,13 +93,14 @@ class Mix:
         self.with_source = bool(with_source)
         lengths = np.array([len(s) for s in sources], dtype=np.int64)
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # source k holds offsets[k] .. offsets[k+1]-1
+        self._starts: list[int] = self.offsets.tolist()  # the same as ints, for bisect (one lookup per element)
         self._weights: WeightsSetting = weights
         if not callable(weights):
             self._weights = self._checked(weights, None)
 
     # ---- the dataset
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return self._starts[-1]
 
     def __getitem__(self, index: int) -> Any:
         k, local = self.source_of(index)
@@ -106,13 +109,14 @@ class Mix:
 
     def source_of(self, index: int) -> tuple[int, int]:
         """``(k, i)``: index ``index`` of the mixture is element ``i`` of ``sources[k]``."""
-        index = int(index)
+        starts = self._starts
+        index = operator.index(index)
         if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} out of range for a Mix of {len(self)} elements")
-        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        return k, index - int(self.offsets[k])
+            index += starts[-1]
+        if not 0 <= index < starts[-1]:
+            raise IndexError(f"index {index} out of range for a Mix of {starts[-1]} elements")
+        k = bisect.bisect_right(starts, index) - 1  # (past any empty source sharing its start)
+        return k, index - starts[k]
 
     def __getstate__(self) -> dict[str, Any]:
         # A worker only reads elements: the schedule (maybe an unpicklable closure) stays here.
