@@ -29,10 +29,10 @@ from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
 from .plan.sampler import ExplicitBatches
-from .plan.mix import sampler_for
+from .api.mixing import sampler_for, stream_plan_for
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
-from .streaming import InlineStream, Shards, StreamPlan
+from .streaming import InlineStream, StreamPlan
 from .api.validate import validate, validate_backend, validate_epochs
 from .worker.process import WorkerSpec
 
@@ -203,8 +203,8 @@ class Loader:
         validate_backend(backend, workers)
         check_int("stage_slots", stage_slots, 0)
         auto = resolve_autotune(workers)
-        if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
-            self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
+            self._sampler = stream_plan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                        reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
                                        shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
                                        batches=batches, batch_fn=batch_fn, cache=cache)

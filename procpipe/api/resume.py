@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from .position import Resume, decode_position
-from ..plan.mix import MixSampler
 from ..streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
@@ -24,8 +23,9 @@ def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
     (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
     state = {"version": 1, **position, **_sampler_state(sampler)}
-    if isinstance(sampler, MixSampler):
-        state.update(sampler.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
+    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
+    if mixing is not None:
+        state.update(mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
     return state
 
 
@@ -38,7 +38,8 @@ def load_state(state: Any, sampler: Any) -> Resume:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
         raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
                          f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
-    if ("mix" in state) != isinstance(sampler, MixSampler):
+    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
+    if ("mix" in state) != (mixing is not None):
         kinds = ("an indexable source", "a procpipe.Mix")
         raise ValueError(f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
                          f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)")
@@ -49,9 +50,11 @@ def load_state(state: Any, sampler: Any) -> Resume:
                 f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
+    if mixing is not None:  # the epochs begun are planned again with the weights they had (a stream's
+        mixing.pin(state)   # progress is checked against its epoch's order: pinned first)
     resume = decode_position(state, sampler)
-    if isinstance(sampler, MixSampler):  # the epochs begun are planned again with the weights they had
-        sampler.pin(state, [resume.epoch, *resume.ahead])
+    if mixing is not None:
+        mixing.check_pinned([resume.epoch, *resume.ahead])
     return resume
 
 
@@ -59,7 +62,7 @@ def _sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler settings a saved state must match to be resumed."""
     if isinstance(sampler, StreamPlan):
         return sampler.settings()
-    mix = sampler.settings() if isinstance(sampler, MixSampler) else {}
+    mix = sampler.settings() if getattr(sampler, "mixing", None) is not None else {}
     shard = getattr(sampler, "shard", None)
     return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
             "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),

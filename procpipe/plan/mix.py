@@ -29,7 +29,6 @@ loader's own weights apply from the next epoch on.
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .sampler import Sampler, epoch_order
+from .sampler import epoch_order
 
 _MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
 _DRAW, _PERMUTE = 0, 1
@@ -89,6 +88,7 @@ class Mix:
                 raise TypeError(f"Mix: {name} must be True or False, got {value!r}")
         check_mix_weights(weights, len(sources))
         self.sources: list[Any] = sources
+        self.streaming = is_stream(sources[0])  # streams: an index is a shard, and an epoch an order of shards
         self.stop_on_empty = bool(stop_on_empty)
         self.with_source = bool(with_source)
         lengths = np.array([len(s) for s in sources], dtype=np.int64)
@@ -103,6 +103,8 @@ class Mix:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> Any:
+        if self.streaming:
+            raise TypeError("a Mix of streams (procpipe.Shards) is read by procpipe.Loader, not indexed")
         k, local = self.source_of(index)
         item = self.sources[k][local]
         return (k, item) if self.with_source else item
@@ -154,6 +156,13 @@ class Mix:
         for source in self.sources:
             if isinstance(source, Mix):
                 out.extend(source.nodes())
+        return out
+
+    def leaves(self) -> list[Any]:
+        """The sources that are not mixtures, depth first: the order of the mixture's index space."""
+        out: list[Any] = []
+        for source in self.sources:
+            out.extend(source.leaves() if isinstance(source, Mix) else [source])
         return out
 
     def structure(self) -> list[Any]:
@@ -281,12 +290,24 @@ class MixSampler:
             return self._pinned[epoch]
         return [node.weights_for(epoch) for node in self.mix.nodes()]
 
-    def order(self, epoch: int) -> np.ndarray:
+    @property
+    def mixing(self) -> MixSampler:
+        """What keeps the weights of each epoch (api/resume.py asks every sampler for one): itself."""
+        return self
+
+    def mixed_order(self, epoch: int, record: bool = True) -> np.ndarray:
+        """``Mix.order`` of ``epoch`` with the weights of ``weights(epoch)``, before sharding;
+        ``record``: the epoch is being planned, so those weights are its from now on."""
         weights = self.weights(epoch)
-        self._used[epoch] = weights
-        for old in [e for e in self._used if e < epoch - _KEEP_EPOCHS]:
-            del self._used[old]
-        order = self.mix.order(self.seed, epoch if self.reshuffle else 0, self.shuffle, [list(w) for w in weights])
+        if record:
+            self._used[epoch] = weights
+            for old in [e for e in self._used if e < epoch - _KEEP_EPOCHS]:
+                del self._used[old]
+        return self.mix.order(self.seed, epoch if self.reshuffle else 0, self.shuffle, [list(w) for w in weights])
+
+    def order(self, epoch: int) -> np.ndarray:
+        """This rank's part of ``epoch``'s order (indices of the mixture)."""
+        order = self.mixed_order(epoch)
         if self.shard is None or not len(order):
             return order
         # Sampler's sharding (plan.sampler.epoch_order) of this epoch's order: padded, then every world-th.
@@ -310,9 +331,9 @@ class MixSampler:
         """``mix_weights``: ``[epoch, weights]`` for the epochs a state names (resumed, ahead)."""
         return {"mix_weights": [[e, self.weights(e)] for e in sorted(set(epochs))]}
 
-    def pin(self, state: dict[str, Any], epochs: list[int]) -> None:
-        """Take the weights a state was saved with for ``epochs`` (checked): those epochs are
-        planned with them again, whatever this mixture's weights are now."""
+    def pin(self, state: dict[str, Any]) -> None:
+        """Take the weights a state was saved with (``mix_weights``, checked): the epochs it names
+        are planned with them again, whatever this mixture's weights are now."""
         saved = state.get("mix_weights")
         nodes = self.mix.nodes()
         if not isinstance(saved, list):
@@ -321,26 +342,21 @@ class MixSampler:
         pinned: dict[int, list[list[float]]] = {}
         for entry in saved:
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)
-                    and len(entry[1]) == len(nodes) and isinstance(entry[0], int)):
+                    and len(entry[1]) == len(nodes) and type(entry[0]) is int and entry[0] >= 0):
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights entry {entry!r:.200}")
             try:
                 pinned[entry[0]] = [check_mix_weights(w, len(node.sources)) for w, node in zip(entry[1], nodes)]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights for epoch {entry[0]}: {e}") from None
-        missing = [e for e in epochs if e not in pinned]
-        if missing:
-            raise ValueError(f"corrupt procpipe Loader state: no mix_weights for epoch(s) {missing}")
         self._pinned = pinned
         for epoch in pinned:
             self._used.pop(epoch, None)
 
-
-def sampler_for(source: Any) -> Callable[..., Any]:
-    """What plans the epochs of an indexed ``source``, called with ``Sampler``'s arguments:
-    ``Sampler``, or for a ``Mix`` a ``MixSampler`` over it."""
-    if isinstance(source, Mix):
-        return functools.partial(MixSampler, mix=source)
-    return Sampler
+    def check_pinned(self, epochs: list[int]) -> None:
+        """After ``pin``: every epoch a loaded state resumes had its weights in it."""
+        missing = [e for e in epochs if e not in self._pinned]
+        if missing:
+            raise ValueError(f"corrupt procpipe Loader state: no mix_weights for epoch(s) {missing}")
 
 
 # ---- checks (here, not in api/validate.py: a Mix is built, and its weights are set, before any Loader)
@@ -351,15 +367,26 @@ def check_sources(sources: Any) -> list[Any]:
     sources = list(sources)
     if not sources:
         raise ValueError("Mix: sources is empty; give at least one dataset")
+    streams = [is_stream(source) for source in sources]
+    if any(streams) and not all(streams):
+        k = streams.index(not streams[0])
+        raise TypeError(f"Mix: sources[0] is {'a stream' if streams[0] else 'an indexed dataset'} but sources[{k}] is "
+                        f"{'a stream' if streams[k] else 'an indexed dataset'}; a Mix holds indexed datasets only, or "
+                        "streams only (procpipe.Shards, or mixtures of them): wrap an indexed dataset as Shards "
+                        "of index ranges to mix it with streams")
     for k, source in enumerate(sources):
-        if hasattr(source, "produce_block"):  # a procpipe.Shards (not imported: streaming is above this layer)
-            raise TypeError(f"Mix: sources[{k}] is a procpipe.Shards; streaming sources cannot be mixed yet: "
-                            "mix indexed datasets (len + __getitem__), or list the shards of every source in "
-                            "one Shards")
+        if streams[k]:
+            continue
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
             raise TypeError(f"Mix: sources[{k}] ({type(source).__name__}) must support len() and indexing with "
                             "an int (a list, a numpy array, a torch Dataset, a Mix...)")
     return sources
+
+
+def is_stream(source: Any) -> bool:
+    """``source`` is a ``procpipe.Shards`` (known by its reading method: streaming is above this
+    layer) or a mixture of them."""
+    return isinstance(source, Mix) and source.streaming or callable(getattr(source, "produce_block", None))
 
 
 def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:
