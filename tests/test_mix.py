@@ -245,3 +245,103 @@ def test_mix_arguments_are_checked():
         Loader(schedule, batch_size=4, workers=0).state_dict()
     with pytest.raises(ValueError, match="Mix draws each epoch"):
         Loader(Mix([A, B], [1, 1]), batches=lambda epoch: [[0]], batch_size=None, workers=0)
+
+
+# ---------------------------------------------------------------------- mixtures of streams (Shards)
+def read_shard(shard):
+    source, number, records = shard
+    for r in range(records):
+        yield source * 100_000 + number * 100 + r
+
+
+def stream(source, shards, records=2, **options):
+    options.setdefault("cycle_length", 2)
+    return Shards([(source, i, records) for i in range(shards)], read_shard, **options)
+
+
+def test_stream_mixture_draws_shards_by_weight():
+    """A mixture of streams mixes shards: each shard opened is from source k with probability
+    weights[k] (stop_on_empty=True: throughout), a chi-square statistic on the shards read."""
+    weights = [0.6, 0.3, 0.1]
+    mix = Mix([stream(0, 1000), stream(1, 1000), stream(2, 60)], weights, stop_on_empty=True)
+    with Loader(mix, batch_size=None, workers=0, seed=2, seed_globals=False) as loader:
+        got = [int(x) for x in loader]
+    shards = Counter((x // 100_000, x // 100 % 1000) for x in got)
+    assert set(shards.values()) == {2}  # every shard opened is read whole
+    per_source = Counter(source for source, _ in shards)
+    assert per_source[2] == 60, per_source  # the epoch ended when the rare stream ran out of shards
+    observed = [per_source[0], per_source[1], per_source[2]]
+    assert chi_square(observed, weights) < CHI2_DF2_P001, observed
+    assert chi_square(observed, [1 / 3] * 3) > 100, observed
+
+
+def test_stream_mixture_exactly_once_and_the_same_whatever_the_workers():
+    def make(workers):
+        mix = Mix([stream(0, 9, block_length=2), Mix([stream(1, 4, block_length=2), stream(2, 5, block_length=2)],
+                                                      [1, 3])], [2, 1], with_source=True)
+        return Loader(mix, batch_size=4, workers=workers, shuffle=True, seed=6, epochs=2, with_epoch=True)
+
+    runs = {}
+    for workers in (0, 2):
+        with make(workers) as loader:
+            runs[workers] = [(e, tuple(np.asarray(b[0]).tolist()), tuple(np.asarray(b[1]).tolist()))
+                             for e, b in loader]
+    assert runs[0] == runs[2]
+    for epoch in (0, 1):
+        tags = [t for e, ks, xs in runs[0] if e == epoch for t in zip(ks, xs)]
+        assert sorted(x for _, x in tags) == sorted(read for s, n in ((0, 9), (1, 4), (2, 5)) for i in range(n)
+                                                   for read in read_shard((s, i, 2)))
+        assert all(k == min(x // 100_000, 1) for k, x in tags)  # with_source: the outer source's position
+
+
+def test_stream_mixture_resumes_with_the_weights_it_began_with():
+    def make(weights):
+        return Loader(Mix([stream(0, 6), stream(1, 6)], weights), batch_size=2, workers=2, shuffle=True, seed=3,
+                      epochs=2, with_epoch=True)
+
+    with make([1, 1]) as loader:
+        full = [(e, x) for e, b in loader for x in np.asarray(b).tolist()]
+    with make([1, 1]) as first:
+        it = iter(first)
+        taken = [(e, x) for e, b in (next(it) for _ in range(3)) for x in np.asarray(b).tolist()]
+        state = json.loads(json.dumps(first.state_dict()))
+    with make([1, 0]) as second:  # the second stream left out from the next epoch on
+        second.load_state_dict(state)
+        rest = [(e, x) for e, b in second for x in np.asarray(b).tolist()]
+    assert [p for p in taken + rest if p[0] == 0] == [p for p in full if p[0] == 0]
+    assert sorted(x for e, x in rest if e == 1) == sorted(x for i in range(6) for x in read_shard((0, i, 2)))
+
+
+OPEN = Counter()
+
+
+def counted_shard(shard):
+    OPEN["now"] += 1
+    OPEN["peak"] = max(OPEN["peak"], OPEN["now"])
+    try:
+        yield from range(shard * 10, shard * 10 + 3)
+    finally:
+        OPEN["now"] -= 1
+
+
+def test_hundreds_of_streams_hold_open_shards_not_sources():
+    """300 streams of one shard each, cycle_length=2: shards open at once stay within the stream's
+    own bound (2 * cycle_length + 8 kept readers), whatever the number of sources."""
+    OPEN.clear()
+    mix = Mix([Shards([k], counted_shard, cycle_length=2) for k in range(300)], [1 + k % 3 for k in range(300)])
+    with Loader(mix, batch_size=8, workers=0, shuffle=True, seed=1) as loader:
+        got = flat(loader)
+    assert sorted(got) == [x for k in range(300) for x in range(k * 10, k * 10 + 3)]
+    assert OPEN["peak"] <= 2 * 2 + 8, OPEN
+    assert OPEN["now"] == 0
+
+
+def test_stream_mixture_checks():
+    with pytest.raises(ValueError, match="cycle_length"):
+        Loader(Mix([stream(0, 2, cycle_length=2), stream(1, 2, cycle_length=3)], [1, 1]), workers=0)
+    with pytest.raises(TypeError, match="not indexed"):
+        Mix([stream(0, 2)], [1])[0]
+    with Loader(Mix([stream(0, 2, lengths=[2, 2]), stream(1, 3, lengths=[2] * 3)], [1, 1]), batch_size=4,
+                workers=0) as loader:
+        assert len(loader) == 3
+        assert len(flat(loader)) == 10
