@@ -288,7 +288,7 @@ def test_stream_mixture_exactly_once_and_the_same_whatever_the_workers():
                              for e, b in loader]
     assert runs[0] == runs[2]
     for epoch in (0, 1):
-        tags = [t for e, ks, xs in runs[0] if e == epoch for t in zip(ks, xs)]
+        tags = [t for e, ks, xs in runs[0] if e == epoch for t in zip(ks, xs, strict=True)]
         assert sorted(x for _, x in tags) == sorted(read for s, n in ((0, 9), (1, 4), (2, 5)) for i in range(n)
                                                    for read in read_shard((s, i, 2)))
         assert all(k == min(x // 100_000, 1) for k, x in tags)  # with_source: the outer source's position

@@ -87,7 +87,8 @@ class MixStreamPlan(StreamPlan):
 
     def __init__(self, mix: Mix, **options: Any) -> None:
         super().__init__(combined_shards(mix), **options)
-        self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, self.shard, self.reshuffle, mix=mix)
+        shard = None if self.shard is None else (self.shard[0], self.shard[1])
+        self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""

@@ -50,11 +50,17 @@ def load_state(state: Any, sampler: Any) -> Resume:
                 f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
-    if mixing is not None:  # the epochs begun are planned again with the weights they had (a stream's
-        mixing.pin(state)   # progress is checked against its epoch's order: pinned first)
-    resume = decode_position(state, sampler)
-    if mixing is not None:
+    if mixing is None:
+        return decode_position(state, sampler)
+    # A Mix: the epochs begun are planned again with the weights they had (pinned first: a stream's
+    # progress is checked against its epoch's order).
+    previous = mixing.pin(state)
+    try:
+        resume = decode_position(state, sampler)
         mixing.check_pinned([resume.epoch, *resume.ahead])
+    except BaseException:
+        mixing.unpin(previous)
+        raise
     return resume
 
 

@@ -144,7 +144,7 @@ class Mix:
         weights = self._weights
         if weights is None:
             raise RuntimeError("this Mix is a worker's copy: its weights stay in the calling process")
-        return self._checked(weights(epoch), epoch) if callable(weights) else list(weights)  # type: ignore[arg-type]
+        return self._checked(weights(epoch), epoch) if callable(weights) else list(weights)
 
     def _checked(self, weights: Any, epoch: int | None) -> list[float]:
         where = "" if epoch is None else f" (the schedule's weights for epoch {epoch})"
@@ -187,12 +187,12 @@ class Mix:
         counts = np.bincount(choices, minlength=len(self.sources))
         by_source = _group(choices)  # positions of source 0's draws, then source 1's...
         start = 0
-        for k in np.flatnonzero(counts):
+        for k in map(int, np.flatnonzero(counts)):
             count = int(counts[k])
             if k in inner:
                 local = inner.pop(k)[:count]
             elif shuffle:
-                local = _rng(seed, epoch, path, _PERMUTE, int(k)).permutation(int(lengths[k]))[:count]
+                local = _rng(seed, epoch, path, _PERMUTE, k).permutation(int(lengths[k]))[:count]
             else:
                 local = np.arange(count)
             out[by_source[start:start + count]] = local + self.offsets[k]
@@ -282,12 +282,12 @@ class MixSampler:
         return self._batch_count(self.length)
 
     def weights(self, epoch: int) -> list[list[float]]:
-        """The weights of every node of the mixture (``Mix.nodes()``) for ``epoch``: those it was
-        planned with, else pinned by a loaded state, else the mixture's own now."""
-        if epoch in self._used:
-            return self._used[epoch]
+        """The weights of every node of the mixture (``Mix.nodes()``) for ``epoch``: those a loaded
+        state pinned, else those it was planned with, else the mixture's own now."""
         if epoch in self._pinned:
             return self._pinned[epoch]
+        if epoch in self._used:
+            return self._used[epoch]
         return [node.weights_for(epoch) for node in self.mix.nodes()]
 
     @property
@@ -331,13 +331,15 @@ class MixSampler:
         """``mix_weights``: ``[epoch, weights]`` for the epochs a state names (resumed, ahead)."""
         return {"mix_weights": [[e, self.weights(e)] for e in sorted(set(epochs))]}
 
-    def pin(self, state: dict[str, Any]) -> None:
+    def pin(self, state: dict[str, Any]) -> dict[int, list[list[float]]]:
         """Take the weights a state was saved with (``mix_weights``, checked): the epochs it names
-        are planned with them again, whatever this mixture's weights are now."""
+        are planned with them again, whatever this mixture's weights are now; the others with the
+        mixture's own. Returns the pins it replaced (``unpin``: a load that fails after this
+        leaves the sampler as it was)."""
         saved = state.get("mix_weights")
         nodes = self.mix.nodes()
         if not isinstance(saved, list):
-            raise ValueError(f"corrupt procpipe Loader state: mix_weights={saved!r:.200} (a list of "
+            raise ValueError(f"corrupt procpipe Loader state: mix_weights={saved!r:.200} (a list of "  # noqa: TRY004
                              "[epoch, weights] from a loader over a procpipe.Mix)")
         pinned: dict[int, list[list[float]]] = {}
         for entry in saved:
@@ -345,18 +347,24 @@ class MixSampler:
                     and len(entry[1]) == len(nodes) and type(entry[0]) is int and entry[0] >= 0):
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights entry {entry!r:.200}")
             try:
-                pinned[entry[0]] = [check_mix_weights(w, len(node.sources)) for w, node in zip(entry[1], nodes)]
+                pinned[entry[0]] = [check_mix_weights(w, len(node.sources))
+                                    for w, node in zip(entry[1], nodes, strict=True)]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights for epoch {entry[0]}: {e}") from None
-        self._pinned = pinned
-        for epoch in pinned:
-            self._used.pop(epoch, None)
+        previous, self._pinned = self._pinned, pinned
+        return previous
+
+    def unpin(self, previous: dict[int, list[list[float]]]) -> None:
+        """Put back the pins ``pin`` replaced."""
+        self._pinned = previous
 
     def check_pinned(self, epochs: list[int]) -> None:
-        """After ``pin``: every epoch a loaded state resumes had its weights in it."""
+        """After ``pin``, the load's last step: every epoch a loaded state resumes had its weights in
+        it. The weights of the epochs planned before are forgotten (the loader starts again there)."""
         missing = [e for e in epochs if e not in self._pinned]
         if missing:
             raise ValueError(f"corrupt procpipe Loader state: no mix_weights for epoch(s) {missing}")
+        self._used.clear()
 
 
 # ---- checks (here, not in api/validate.py: a Mix is built, and its weights are set, before any Loader)
@@ -386,7 +394,7 @@ def check_sources(sources: Any) -> list[Any]:
 def is_stream(source: Any) -> bool:
     """``source`` is a ``procpipe.Shards`` (known by its reading method: streaming is above this
     layer) or a mixture of them."""
-    return isinstance(source, Mix) and source.streaming or callable(getattr(source, "produce_block", None))
+    return (isinstance(source, Mix) and source.streaming) or callable(getattr(source, "produce_block", None))
 
 
 def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:
