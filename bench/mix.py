@@ -8,6 +8,10 @@ side by side mean anything):
   over ``Mix(sources, weights)`` holding the same elements, alternating plain / mix, mix /
   plain, ... over ``--reps`` repetitions, a fresh loader each time. The mixture adds one
   ``bisect`` per element in the workers and nothing in the coordinator.
+- **streams**: the same per-batch figure for ``Shards`` of tiny int records: one ``Shards`` of
+  every shard against ``Mix`` of one ``Shards`` per source holding those shards (a mixture of
+  streams mixes shards: the only difference is the order shards are opened in, and one call
+  per shard opened).
 - **epoch planning**: the seconds to compute one epoch's order in the calling process (what
   ``iter(loader)`` does before the first batch is dispatched): ``Sampler.batches`` of a
   plain shuffled source against ``MixSampler.batches``, for ``--sources`` sources and the
@@ -43,6 +47,20 @@ def per_batch(source: object) -> float:
         return (time.perf_counter() - start) / (count - WARMUP_BATCHES)
 
 
+def read_ints(shard: tuple[int, int]) -> range:
+    return range(shard[0], shard[0] + shard[1])
+
+
+def stream_sources(sources: int, elements: int) -> tuple[object, object]:
+    """``(one Shards, Mix of one Shards per source)`` over the same 8 shards per source."""
+    per_shard = elements // (sources * 8)
+    groups = [[(k * elements + i * per_shard, per_shard) for i in range(8)] for k in range(sources)]
+    plain = procpipe.Shards([s for group in groups for s in group], read_ints, cycle_length=4)
+    mix = procpipe.Mix([procpipe.Shards(group, read_ints, cycle_length=4) for group in groups],
+                       list(range(1, sources + 1)))
+    return plain, mix
+
+
 def planning(sampler: object, reps: int) -> float:
     """Median seconds of ``sampler.batches(epoch)`` over ``reps`` epochs."""
     times = []
@@ -72,6 +90,18 @@ def main() -> None:
             runs[name].append(per_batch(plain if name == "plain" else mix))
     a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
     print(f"per batch (batch_size=64, workers=2, {args.sources} sources, {len(plain)} elements, {args.reps} reps)")
+    print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
+          f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
+          f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")
+
+    plain_stream, mix_stream = stream_sources(args.sources, len(plain))
+    runs = {"plain": [], "mix": []}
+    for rep in range(args.reps):
+        order = ("plain", "mix") if rep % 2 == 0 else ("mix", "plain")
+        for name in order:
+            runs[name].append(per_batch(plain_stream if name == "plain" else mix_stream))
+    a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
+    print(f"streams, per batch ({args.sources} sources of 8 shards)")
     print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
           f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
           f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")

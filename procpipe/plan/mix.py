@@ -103,9 +103,14 @@ class Mix:
         return self._starts[-1]
 
     def __getitem__(self, index: int) -> Any:
-        if self.streaming:
+        starts = self._starts
+        if type(index) is int and 0 <= index < starts[-1] and not self.streaming:  # the workers' case, inlined
+            k = bisect.bisect_right(starts, index) - 1
+            local = index - starts[k]
+        elif self.streaming:
             raise TypeError("a Mix of streams (procpipe.Shards) is read by procpipe.Loader, not indexed")
-        k, local = self.source_of(index)
+        else:
+            k, local = self.source_of(index)
         item = self.sources[k][local]
         return (k, item) if self.with_source else item
 
