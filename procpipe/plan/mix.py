@@ -21,6 +21,10 @@ renormalised one), so the cost is a few passes over the epoch, whatever the numb
 sources. Memory: the epoch's order (one int64 per element, as ``Sampler``'s), the sources'
 lengths and offsets; no array per source survives the construction of an order.
 
+A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
+number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
+(``api/mixing.py`` builds the stream plan around it).
+
 Weights may follow a schedule (a callable ``epoch -> weights``, or ``Mix.set_weights``);
 the weights used for each epoch are recorded here, saved in ``Loader.state_dict()``
 (``mix_weights``) and pinned again on load, so a resumed epoch is the very same order; the
@@ -62,8 +66,9 @@ class Mix:
 
     Args:
         sources: indexed datasets (``len`` + ``__getitem__``), or mixtures (nested: a ``Mix``
-            among the sources is read in its own mixed order). ``procpipe.Shards`` cannot be
-            mixed yet.
+            among the sources is read in its own mixed order); or, all of them, streams
+            (``procpipe.Shards``, or mixtures of them), whose **shards** are drawn by weight
+            (``procpipe.api.mixing``), then read in the stream's interleave.
         weights: one number >= 0 per source (any scale: they are normalised), or a callable
             ``epoch -> weights`` (a schedule, called in the calling process when an epoch is
             planned). A source with weight 0 is left out of that epoch.
@@ -73,9 +78,10 @@ class Mix:
             that has run out (tf.data's ``stop_on_empty_dataset=True``): the proportions
             hold to the end, and the epoch is shorter.
         with_source: ``True``: ``mix[i]`` (what ``fn`` receives) is ``(k, element)``, ``k``
-            the position of the source in ``sources``; ``False`` (default): the element.
+            the position of the source in ``sources`` (a stream's records: ``(k, record)``);
+            ``False`` (default): the element.
 
-    ``len(mix)`` is the number of elements of all sources; ``mix[i]`` is element
+    ``len(mix)`` is the number of elements of all sources (of shards, for streams); ``mix[i]`` is element
     ``i - offset`` of the source holding index ``i`` (``source_of(i)``). A Loader over a mixture
     saves the weights of the epoch it is in with ``state_dict()``; see ``set_weights``.
     """
