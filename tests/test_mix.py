@@ -345,3 +345,15 @@ def test_stream_mixture_checks():
                 workers=0) as loader:
         assert len(loader) == 3
         assert len(flat(loader)) == 10
+
+
+def test_stream_mixture_ranks_split_the_shards():
+    def run(rank):
+        mix = Mix([stream(0, 5), stream(1, 4)], [1, 1])
+        with Loader(mix, batch_size=None, workers=0, shuffle=True, seed=2, shard=(rank, 2)) as loader:
+            return [int(x) for x in loader]
+
+    ranks = [run(0), run(1)]
+    assert set(ranks[0]).isdisjoint(ranks[1])
+    assert sorted(ranks[0] + ranks[1]) == sorted(x for s, n in ((0, 5), (1, 4)) for i in range(n)
+                                                 for x in read_shard((s, i, 2)))

@@ -81,9 +81,8 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
         if not callable(batches):
             raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")
         if isinstance(source, Mix):
-            raise ValueError("a procpipe.Mix draws each epoch's order from its weights, but this Loader was given "
-                             "batches=... (procpipe.torch.DataLoader passes its sampler's batches): read a Mix with "
-                             "procpipe.Loader(mix, ...) without batches=")
+            raise ValueError("a procpipe.Mix draws each epoch's order from its weights, but this Loader was also "
+                             "given batches=..., which would replace it: leave batches= out to mix by weight")
         if shuffle or drop_last or shard is not None:
             raise ValueError(
                 "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "
