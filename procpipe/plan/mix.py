@@ -7,19 +7,22 @@ dataset* whose index space is the concatenation of its sources' (index ``g`` is 
 ``g - offsets[k]`` of source ``k``), so workers, the cache, ``sample_rng()``, sharding and
 resume see ordinary indices. Only the *order* of an epoch is special: ``MixSampler`` (where a
 ``plan.sampler.Sampler`` would be) builds it as an interleaving of each source's own order
-(a permutation from ``(seed, epoch, source)`` with ``shuffle=True``, else ``0, 1, ...``), the
+(a permutation from ``(seed, epoch)`` and the sources' lengths with ``shuffle=True``, else ``0, 1, ...``), the
 choice of the source of each element drawn from the weights in force for that epoch.
 
-The draw (``_choices``): with ``stop_on_empty=False`` each element comes from source ``k``
+The draw (``_arrivals``): with ``stop_on_empty=False`` each element comes from source ``k``
 with probability ``weights[k]`` renormalised over the sources not yet exhausted, so every
 element of every source with a weight > 0 comes exactly once; with ``stop_on_empty=True``
 sources are drawn with the weights as given and the epoch ends at the first draw of a
-source that has run out (tf.data's ``stop_on_empty_dataset``). Both are vectorised: draws
-come in chunks, and a draw of a source past its quota is dropped (for the renormalised
-draw: a categorical draw conditioned on not being an exhausted source is exactly the
-renormalised one), so the cost is a few passes over the epoch, whatever the number of
-sources. Memory: the epoch's order (one int64 per element, as ``Sampler``'s), the sources'
-lengths and offsets; no array per source survives the construction of an order.
+source that has run out (tf.data's ``stop_on_empty_dataset``). Both are drawn at once as
+races: source ``k``'s elements arrive at the times of a Poisson process of rate
+``weights[k]`` (cumulative sums of exponential gaps), and the epoch is every arrival sorted
+by time. The next arrival among the sources still arriving is from ``k`` with probability
+``weights[k]`` over their sum (exponentials forget), which is the renormalised draw; with
+``stop_on_empty`` each source gets one arrival more, its "empty" draw, and the epoch ends
+before the first of those. One exponential per element and one sort, whatever the number of
+sources. Memory: a few arrays of the epoch's length while it is planned, then its order
+(one int64 per element, as ``Sampler``'s); no array per source survives.
 
 A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
 number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
@@ -61,7 +64,7 @@ class Mix:
     Each element of an epoch comes from source ``k`` with probability ``weights[k]``; which
     source gives each element is drawn from ``(seed, epoch)`` (the Loader's ``seed``), so the
     stream is the same whatever the worker count, and a resumed epoch is exact. Each source
-    is read in its own order: a permutation from ``(seed, epoch, k)`` with the Loader's
+    is read in its own order: a permutation from ``(seed, epoch)`` with the Loader's
     ``shuffle=True``, else ``0, 1, 2, ...``.
 
     Args:
@@ -193,68 +196,48 @@ class Mix:
                 inner[k] = source.order(seed, epoch, shuffle, weights, (*path, k))
         lengths = np.array([len(inner[k]) if k in inner else len(s) for k, s in enumerate(self.sources)],
                            dtype=np.int64)
-        choices = _choices(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
-        out = np.empty(len(choices), dtype=np.int64)
-        counts = np.bincount(choices, minlength=len(self.sources))
-        by_source = _group(choices)  # positions of source 0's draws, then source 1's...
-        start = 0
-        for k in map(int, np.flatnonzero(counts)):
+        counts, order = _arrivals(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
+        parts = []  # each source's elements in its own order, source after source
+        permute = _rng(seed, epoch, path, _PERMUTE) if shuffle else None
+        for k in range(len(self.sources)):
             count = int(counts[k])
             if k in inner:
                 local = inner.pop(k)[:count]
-            elif shuffle:
-                local = _rng(seed, epoch, path, _PERMUTE, k).permutation(int(lengths[k]))[:count]
+            elif permute is not None and lengths[k]:  # every source's, used or not: one depends on the lengths only
+                local = permute.permutation(int(lengths[k]))[:count]
             else:
                 local = np.arange(count)
-            out[by_source[start:start + count]] = local + self.offsets[k]
-            start += count
-        return out
+            if count:
+                parts.append(local + self.offsets[k])
+        return np.concatenate(parts)[order] if parts else np.empty(0, dtype=np.int64)
 
 
-def _choices(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray, stop_on_empty: bool) -> np.ndarray:
-    """Which source gives each element of the epoch, in order: an array of source positions."""
-    remaining = lengths.copy()
-    drawn = weights > 0
-    parts: list[np.ndarray] = []
-    while True:
-        alive = drawn & (remaining > 0) if not stop_on_empty else drawn
-        if not alive.any() or (not stop_on_empty and not remaining[alive].sum()):
-            break
-        p = np.where(alive, weights, 0.0)
-        p /= p.sum()
-        # Enough draws to finish (no source over its quota), or one more than fits (stop_on_empty).
-        n = int(remaining[alive].sum()) + (1 if stop_on_empty else 0)
-        draws = rng.choice(len(weights), size=n, p=p)
-        counts = np.bincount(draws, minlength=len(weights))
-        if (counts <= remaining).all():
-            parts.append(draws)
-            remaining -= counts
-            continue
-        rank = _occurrence(draws, counts)
-        over = rank >= remaining[draws]  # a draw of a source past its quota
-        if stop_on_empty:
-            parts.append(draws[:int(np.argmax(over))])
-            break
-        kept = draws[~over]
-        parts.append(kept)
-        remaining -= np.bincount(kept, minlength=len(weights))
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-
-
-def _group(choices: np.ndarray) -> np.ndarray:
-    """The positions of ``choices`` grouped by value, each group in order: a stable sort, which
-    numpy does as a radix sort (linear) on 16-bit integers."""
-    small = choices.astype(np.int16) if choices.size and choices.max() < 2 ** 15 else choices
-    return np.argsort(small, kind="stable")
-
-
-def _occurrence(draws: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """For each draw, how many earlier draws chose the same source."""
-    by_source = _group(draws)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    rank = np.empty(len(draws), dtype=np.int64)
-    rank[by_source] = np.arange(len(draws)) - starts[draws[by_source]]
-    return rank
+def _arrivals(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray,
+              stop_on_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, order)``: how many elements each source gives this epoch, and the epoch's
+    order as positions into those elements laid out source after source (source 0's first
+    ``counts[0]``, then source 1's...): ``order[i]`` is the ``i``-th element of the epoch."""
+    drawn = weights > 0 if stop_on_empty else (weights > 0) & (lengths > 0)
+    sources = np.flatnonzero(drawn)
+    counts = np.zeros(len(weights), dtype=np.int64)
+    if not len(sources):
+        return counts, np.empty(0, dtype=np.int64)
+    arrivals = lengths[sources] + (1 if stop_on_empty else 0)  # stop_on_empty: each source's empty draw too
+    times = rng.standard_exponential(int(arrivals.sum()))
+    start = 0
+    for k, n in zip(sources.tolist(), arrivals.tolist(), strict=True):  # each source's clock, at its own rate
+        segment = times[start:start + n]
+        np.cumsum(segment, out=segment)
+        segment /= weights[k]
+        start += n
+    counts[sources] = arrivals
+    if stop_on_empty:
+        ends = np.cumsum(arrivals) - 1
+        cutoff = times[ends].min()  # the first empty draw ends the epoch
+        keep = times < cutoff  # (a prefix of each source's arrivals: its clock only goes forward)
+        counts[sources] = np.add.reduceat(keep, np.concatenate(([0], ends[:-1] + 1)))
+        times = times[keep]
+    return counts, np.argsort(times, kind="stable")
 
 
 class MixSampler:
