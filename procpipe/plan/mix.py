@@ -247,7 +247,7 @@ class MixSampler:
     order, padded by repetition to a multiple of ``world_size``), with the order from
     ``Mix.order``. ``len()`` is an upper bound, exact with ``stop_on_empty=False`` and every
     weight > 0: the batches of an epoch holding every element of every source. The weights
-    of each epoch planned are kept (``weights_used``), and a loaded state pins those of the
+    of each epoch planned are kept (``weights``), and a loaded state pins those of the
     epochs it names (``pin``).
     """
 
