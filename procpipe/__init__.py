@@ -10,6 +10,7 @@ from .engine.autotune import AutoWorkers
 from .loader import Loader
 from .worker.records import Records
 from .streaming import Shards
+from .plan.mix import Mix
 from .core.rng import batch_rng, sample_rng
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "CacheError",
     "CollateError",
     "Loader",
+    "Mix",
     "ProcpipeError",
     "Records",
     "RemoteTraceback",

@@ -28,10 +28,11 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
-from .plan.sampler import ExplicitBatches, Sampler
+from .plan.sampler import ExplicitBatches
+from .api.mixing import sampler_for, stream_plan_for
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
-from .streaming import InlineStream, Shards, StreamPlan
+from .streaming import InlineStream, StreamPlan
 from .api.validate import validate, validate_backend, validate_epochs
 from .worker.process import WorkerSpec
 
@@ -202,8 +203,8 @@ class Loader:
         validate_backend(backend, workers)
         check_int("stage_slots", stage_slots, 0)
         auto = resolve_autotune(workers)
-        if isinstance(source, Shards):  # a streaming source: procpipe.streaming plans its epochs
-            self._sampler = StreamPlan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
+            self._sampler = stream_plan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                        reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
                                        shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
                                        batches=batches, batch_fn=batch_fn, cache=cache)
@@ -212,8 +213,8 @@ class Loader:
             raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
                              "source is shuffled whole with shuffle=True")
         elif batches is None:
-            self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
-                                    None if shard is None else tuple(shard), bool(reshuffle))
+            self._sampler = sampler_for(source)(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
+                                                None if shard is None else tuple(shard), bool(reshuffle))
             if not len(self._sampler):
                 warn_no_batches(len(source), batch_size, bool(drop_last))
         else:

@@ -1,5 +1,5 @@
 """One resume test for every source kind (torchdata's ``run_test_save_load_state`` idea):
-{indexed, shards} x {workers 0, 2} x {ordered, sloppy} x {epochs 1, N}. Iterate ``k`` batches,
+{indexed, shards, mix, mixed shards} x {workers 0, 2} x {ordered, sloppy} x {epochs 1, N}. Iterate ``k`` batches,
 ``state_dict()`` (through JSON), load it into a NEW loader and finish: every item is delivered
 exactly once per epoch, and with ``ordered=True`` the batches are those of an uninterrupted run."""
 from __future__ import annotations
@@ -10,11 +10,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from procpipe import Loader, Shards
+from procpipe import Loader, Mix, Shards
 
 EPOCHS = 3
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)
 SHARDS = [(0, 7), (1, 0), (2, 9), (3, 12), (4, 2)]  # (shard id, records): 30 records
+MIXED = [list(range(100, 112)), list(range(200, 205)), list(range(300, 313))]  # a Mix of 30 elements
 
 
 def open_shard(shard):
@@ -23,11 +24,21 @@ def open_shard(shard):
 
 
 def items_of_epoch(kind):
+    if kind == "mixshards":
+        kind = "shards"
+    if kind == "mix":
+        return sorted(x for source in MIXED for x in source)
     return sorted(INDEXED) if kind == "indexed" else sorted(s * 100 + i for s, n in SHARDS for i in range(n))
 
 
 def make(kind, workers, ordered, epochs):
-    source = INDEXED if kind == "indexed" else Shards(SHARDS, open_shard, cycle_length=2, block_length=3)
+    if kind == "mix":  # the weights change every epoch (a schedule), and the 2nd source is itself a mixture
+        source = Mix([MIXED[0], Mix([MIXED[1], MIXED[2]], [1, 2])], lambda epoch: [0.2 + 0.3 * epoch, 0.5])
+    elif kind == "mixshards":  # a mixture of two streams, with a schedule: shards opened in a mixed order
+        source = Mix([Shards(SHARDS[:2], open_shard, cycle_length=2, block_length=3),
+                      Shards(SHARDS[2:], open_shard, cycle_length=2, block_length=3)], lambda epoch: [1 + epoch, 2])
+    else:
+        source = INDEXED if kind == "indexed" else Shards(SHARDS, open_shard, cycle_length=2, block_length=3)
     return Loader(source, batch_size=4, workers=workers, ordered=ordered, epochs=epochs, shuffle=True, seed=11,
                   with_epoch=True)
 
@@ -40,7 +51,7 @@ def tagged(pair):
 @pytest.mark.parametrize("epochs", [1, EPOCHS])
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "sloppy"])
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["indexed", "shards"])
+@pytest.mark.parametrize("kind", ["indexed", "shards", "mix", "mixshards"])
 def test_save_load_state(kind, workers, ordered, epochs):
     with make(kind, workers, ordered, epochs) as loader:
         full = [tagged(p) for p in loader]

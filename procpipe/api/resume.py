@@ -20,8 +20,13 @@ __all__ = ["Resume", "load_state", "save_state"]
 
 
 def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
-    """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings."""
-    return {"version": 1, **position, **_sampler_state(sampler)}
+    """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
+    (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
+    state = {"version": 1, **position, **_sampler_state(sampler)}
+    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
+    if mixing is not None:
+        state.update(mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
+    return state
 
 
 def load_state(state: Any, sampler: Any) -> Resume:
@@ -33,6 +38,11 @@ def load_state(state: Any, sampler: Any) -> Resume:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
         raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
                          f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
+    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
+    if ("mix" in state) != (mixing is not None):
+        kinds = ("an indexable source", "a procpipe.Mix")
+        raise ValueError(f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
+                         f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)")
     settings = _sampler_state(sampler)
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
@@ -40,15 +50,27 @@ def load_state(state: Any, sampler: Any) -> Resume:
                 f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
-    return decode_position(state, sampler)
+    if mixing is None:
+        return decode_position(state, sampler)
+    # A Mix: the epochs begun are planned again with the weights they had (pinned first: a stream's
+    # progress is checked against its epoch's order).
+    previous = mixing.pin(state)
+    try:
+        resume = decode_position(state, sampler)
+        mixing.check_pinned([resume.epoch, *resume.ahead])
+    except BaseException:
+        mixing.unpin(previous)
+        raise
+    return resume
 
 
 def _sampler_state(sampler: Any) -> dict[str, Any]:
     """The sampler settings a saved state must match to be resumed."""
     if isinstance(sampler, StreamPlan):
         return sampler.settings()
+    mix = sampler.settings() if getattr(sampler, "mixing", None) is not None else {}
     shard = getattr(sampler, "shard", None)
     return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
             "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
             "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard),
-            "reshuffle": getattr(sampler, "reshuffle", True)}
+            "reshuffle": getattr(sampler, "reshuffle", True), **mix}

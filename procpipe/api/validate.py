@@ -15,6 +15,7 @@ from ..engine.autotune import resolve as resolve_autotune
 from ..worker.cache import validate as validate_cache
 from ..core.checks import check_int, is_count
 from ..core.shm import check_private_dir
+from ..plan.mix import Mix
 from ..streaming import Shards
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
@@ -79,6 +80,9 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
     if batches is not None:
         if not callable(batches):
             raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")
+        if isinstance(source, Mix):
+            raise ValueError("a procpipe.Mix draws each epoch's order from its weights, but this Loader was also "
+                             "given batches=..., which would replace it: leave batches= out to mix by weight")
         if shuffle or drop_last or shard is not None:
             raise ValueError(
                 "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "

@@ -1,0 +1,109 @@
+"""What the Loader builds for a ``procpipe.Mix``: a ``MixSampler`` (indexed sources), or for a
+mixture of streams a ``MixStreamPlan``, a ``StreamPlan`` over the shards of every source.
+
+A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
+space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
+``len(Shards)`` is its number of shards), so ``Mix.order`` gives the order in which an
+epoch opens shards, each drawn from source ``k`` with probability ``weights[k]``. Everything
+else is the stream's as it is: ``cycle_length`` shards open at once, read block by block in
+tf.data's interleave (``streaming.order.Interleave``), resume through ``StreamProgress``
+(whose epoch order is the mixed one, rebuilt from the weights the state pins). So the cost
+is per open shard (``cycle_length``), not per source.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from ..plan.mix import Mix, MixSampler
+from ..plan.sampler import Sampler
+from ..streaming import Shards, StreamPlan
+
+
+def sampler_for(source: Any) -> Callable[..., Any]:
+    """What plans the epochs of an indexed ``source``, called with ``Sampler``'s arguments:
+    ``Sampler``, or for a ``Mix`` a ``MixSampler`` over it."""
+    if isinstance(source, Mix):
+        return functools.partial(MixSampler, mix=source)
+    return Sampler
+
+
+def stream_plan_for(source: Any) -> Callable[..., StreamPlan] | None:
+    """What plans the epochs of a streaming ``source`` (``StreamPlan``, or for a ``Mix`` of
+    streams a ``MixStreamPlan``), called with ``StreamPlan``'s arguments; None for an indexed one."""
+    if isinstance(source, Shards):
+        return StreamPlan
+    if isinstance(source, Mix) and source.streaming:
+        return MixStreamPlan
+    return None
+
+
+class OpenMixed:
+    """``open_fn`` of the combined ``Shards``: shard ``(j, shard)`` is ``shard`` of the ``j``-th
+    stream of the mixture (depth first), opened with that stream's own ``open_fn``; with
+    ``tags`` (``Mix(with_source=True)``), each record comes as ``(k, record)``."""
+
+    def __init__(self, open_fns: list[Callable[[Any], Iterable[Any]]], tags: list[int] | None) -> None:
+        self.open_fns = open_fns
+        self.tags = tags
+
+    def __call__(self, shard: tuple[int, Any]) -> Iterable[Any]:
+        j, inner = shard
+        records = self.open_fns[j](inner)
+        return records if self.tags is None else _tagged(self.tags[j], records)
+
+
+def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+    for record in records:
+        yield k, record
+
+
+def combined_shards(mix: Mix) -> Shards:
+    """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order."""
+    streams = mix.leaves()
+    for name in ("cycle_length", "block_length"):
+        values = {getattr(stream, name) for stream in streams}
+        if len(values) > 1:
+            raise ValueError(f"Mix: the streams of a mixture are read as one interleave, so they must share "
+                             f"{name}; got {sorted(values, key=str)}: give every Shards the same {name}")
+    tags = None
+    if mix.with_source:
+        tags = [k for k, source in enumerate(mix.sources)
+                for _ in (source.leaves() if isinstance(source, Mix) else [source])]
+    lengths = [stream.lengths for stream in streams]
+    combined = Shards([(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
+                      OpenMixed([stream.open_fn for stream in streams], tags),
+                      cycle_length=streams[0].cycle_length, block_length=streams[0].block_length,
+                      lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part])
+    combined.replayable = all(stream.replayable for stream in streams)
+    return combined
+
+
+class MixStreamPlan(StreamPlan):
+    """A ``StreamPlan`` whose epochs open shards in a mixture's order (``MixSampler.mixed_order``
+    over the shards), then ``shard=(rank, world)``: positions ``rank, rank + world, ...`` of it,
+    as for any stream. ``mixing`` keeps each epoch's weights (saved in, and pinned by, states)."""
+
+    def __init__(self, mix: Mix, **options: Any) -> None:
+        super().__init__(combined_shards(mix), **options)
+        shard = None if self.shard is None else (self.shard[0], self.shard[1])
+        self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
+
+    def batches(self, epoch: int) -> list[int]:
+        """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""
+        order = self.mixing.mixed_order(epoch)
+        if self.shard is not None:
+            order = order[self.shard[0]::self.shard[1]]
+        return order.tolist()
+
+    def __len__(self) -> int:
+        """Batches of an epoch reading every shard (an upper bound with ``stop_on_empty`` or a
+        weight 0), from ``Shards(lengths=...)``; ``TypeError`` without them, or with ``shard``."""
+        if self.shards.lengths is None or self.shard is not None:
+            raise TypeError("a Loader over a mixture of streams has a len() only with every Shards' lengths=... "
+                            "and without shard=(rank, world_size) (each rank's shards, hence records, differ)")
+        return self.batch_count(list(range(len(self.shards.shards))))
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), **self.mixing.settings()}
