@@ -155,7 +155,7 @@ def test_jsonl(tmp_path):
     path.write_text("".join(json.dumps({"i": i, "s": "é" * i}) + "\n" for i in range(5)) + "\n  \n")
     assert list(readers.jsonl()(str(path))) == [{"i": i, "s": "é" * i} for i in range(5)]
     path.write_text('{"i": 0}\n{"i": \n')
-    with pytest.raises(ReadError, match=r"line 2 \(byte 9\) of .*a.jsonl is not valid JSON"):
+    with pytest.raises(ReadError, match=r"line 2 of .*a.jsonl is not valid JSON"):
         list(readers.jsonl()(str(path)))
 
 
