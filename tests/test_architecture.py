@@ -66,7 +66,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "core.*"),
     "worker": ("worker.*",),
-    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan"),
+    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan",
+             "streaming.even_ranks"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
     "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray", "readers.*"),

@@ -14,7 +14,7 @@ from typing import Any
 from .position import Resume, decode_position
 from ..streaming import StreamPlan
 
-_STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
+_STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
 
 __all__ = ["Resume", "load_state", "save_state"]
 

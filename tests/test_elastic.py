@@ -1,0 +1,102 @@
+"""Training at scale: even ranks for streams (``Loader(even_ranks=True)``) and elastic resume
+(``procpipe.combine_states``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from procpipe import Loader, Shards
+
+LENGTHS = [5, 17, 3, 9, 12, 1, 8, 14, 2, 6]
+
+
+def _records(shard):
+    return ((shard, i) for i in range(LENGTHS[shard]))
+
+
+def _shards(**kwargs) -> Shards:
+    return Shards(list(range(len(LENGTHS))), _records, lengths=LENGTHS, **kwargs)
+
+
+def _keys(batch) -> list[tuple[int, int]]:
+    """The record keys of a batch: a pair of arrays (shards, records), or one record (batch_size=None)."""
+    shards, records = batch
+    return [(int(s), int(r)) for s, r in zip(np.atleast_1d(shards), np.atleast_1d(records))]
+
+
+def _epochs(loader: Loader) -> list[list[list[tuple[int, int]]]]:
+    """Every epoch's batches (as record keys) of one full iteration."""
+    out: dict[int, list] = {}
+    for epoch, batch in loader:
+        out.setdefault(epoch, []).append(_keys(batch))
+    return [out[e] for e in sorted(out)]
+
+
+# --------------------------------------------------------------------------- even ranks
+@pytest.mark.parametrize("workers, kwargs", [(0, {"batch_size": 4}), (2, {"batch_size": 4, "drop_last": True}),
+                                             (0, {"batch_size": None}), (0, {"batch_size": 3, "shuffle_buffer": 8})])
+def test_even_ranks_give_every_rank_the_same_batches(workers, kwargs):
+    world, epochs = 3, 2
+    per_rank = []
+    for rank in range(world):
+        with Loader(_shards(cycle_length=2), workers=workers, shuffle=True, seed=7, shard=(rank, world),
+                    even_ranks=True, epochs=epochs, with_epoch=True, **kwargs) as loader:
+            per_rank.append(_epochs(loader))
+    counts = {tuple(len(e) for e in eps) for eps in per_rank}
+    assert len(counts) == 1, counts  # the same batches per epoch on every rank (shards move between epochs)
+    for epoch in range(epochs):
+        seen = [key for eps in per_rank for batch in eps[epoch] for key in batch]
+        assert len(seen) == len(set(seen))  # ranks never share a record
+        records = [sum(len(b) for b in eps[epoch]) for eps in per_rank]
+        if not kwargs.get("drop_last"):
+            assert len(set(records)) == 1  # every rank read exactly R records
+
+
+def test_even_ranks_drop_the_last_records_of_the_larger_ranks():
+    """The policy (drop): each rank reads R = the fewest records of any rank; a rank with more
+    leaves out the last records of its shard order. Without even_ranks the counts differ."""
+    world = 3
+    uneven = [len(Loader(_shards(), batch_size=2, workers=0, shard=(r, world))) for r in range(world)]
+    assert len(set(uneven)) > 1  # the case to fix: ranks 0..2 have 35, 33 and 17 records here
+    totals = [sum(LENGTHS[s] for s in range(r, len(LENGTHS), world)) for r in range(world)]
+    fewest = min(totals)
+    for rank in range(world):
+        loader = Loader(_shards(), batch_size=2, workers=0, shard=(rank, world), even_ranks=True)
+        keys = [key for batch in loader for key in _keys(batch)]
+        assert len(keys) == fewest and len(loader) == -(-fewest // 2)
+        expected = [(s, i) for s in range(rank, len(LENGTHS), world) for i in range(LENGTHS[s])]
+        assert sorted(keys) == sorted(expected[:fewest])  # the first R of its shard order, the rest left out
+
+
+def test_even_ranks_resume_mid_epoch():
+    rank, world = 0, 3
+    kwargs = dict(batch_size=3, workers=2, shuffle=True, seed=3, shard=(rank, world), even_ranks=True)
+    with Loader(_shards(cycle_length=2), **kwargs) as loader:
+        whole = [_keys(b) for b in loader]
+    with Loader(_shards(cycle_length=2), **kwargs) as loader:
+        it = iter(loader)
+        head = [_keys(next(it)) for _ in range(4)]
+        state = loader.state_dict()
+    assert state.get("even_ranks") is True
+    with Loader(_shards(cycle_length=2), **kwargs) as loader:
+        loader.load_state_dict(state)
+        tail = [_keys(b) for b in loader]
+    assert head + tail == whole
+    with Loader(_shards(cycle_length=2), **{**kwargs, "even_ranks": False}) as other, \
+            pytest.raises(ValueError, match="even_ranks"):
+        other.load_state_dict(state)
+
+
+def test_even_ranks_bad_arguments():
+    with pytest.raises(ValueError, match="without the shards' record counts"):
+        Loader(Shards([0, 1], _records), batch_size=2, workers=0, shard=(0, 2), even_ranks=True)
+    with pytest.raises(ValueError, match="collate_fn or batch_fn"):
+        Loader(_shards(), batch_size=2, workers=0, shard=(0, 2), even_ranks=True, collate_fn=list)
+    with pytest.raises(ValueError, match="needs? shard=|has no shard="):
+        Loader(_shards(), batch_size=2, workers=0, even_ranks=True)
+    with pytest.raises(TypeError, match="even_ranks must be True or False"):
+        Loader(_shards(), batch_size=2, workers=0, shard=(0, 2), even_ranks=1)
+    # an indexed source's ranks are already even (padded, as DistributedSampler): accepted, the same batches
+    plain = [b.tolist() for b in Loader(np.arange(10), batch_size=3, workers=0, shard=(1, 3))]
+    even = [b.tolist() for b in Loader(np.arange(10), batch_size=3, workers=0, shard=(1, 3), even_ranks=True)]
+    assert plain == even
