@@ -11,12 +11,15 @@ from .loader import Loader
 from .worker.records import Records
 from .streaming import Shards
 from .core.rng import batch_rng, sample_rng
+from .api.elastic import combine_states
+from .plan.mix import Mix
 
 __all__ = [
     "AutoWorkers",
     "CacheError",
     "CollateError",
     "Loader",
+    "Mix",
     "ProcpipeError",
     "Records",
     "RemoteTraceback",
@@ -26,6 +29,7 @@ __all__ = [
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",
+    "combine_states",
     "sample_rng",
 ]
 __version__ = "0.1.0"

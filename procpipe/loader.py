@@ -28,6 +28,7 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
+from .plan.mix import Mix
 from .plan.sampler import ExplicitBatches, Sampler
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
@@ -218,7 +219,8 @@ class Loader:
                              "source is shuffled whole with shuffle=True")
         elif batches is None:
             self._sampler = Sampler(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
-                                    None if shard is None else tuple(shard), bool(reshuffle))
+                                    None if shard is None else tuple(shard), bool(reshuffle),
+                                    mix=source if isinstance(source, Mix) else None)
             if not len(self._sampler):
                 warn_no_batches(len(source), batch_size, bool(drop_last))
         else:

@@ -100,3 +100,128 @@ def test_even_ranks_bad_arguments():
     plain = [b.tolist() for b in Loader(np.arange(10), batch_size=3, workers=0, shard=(1, 3))]
     even = [b.tolist() for b in Loader(np.arange(10), batch_size=3, workers=0, shard=(1, 3), even_ranks=True)]
     assert plain == even
+
+
+# --------------------------------------------------------------------------- combine_states
+N = 103
+
+
+def _take(loader: Loader, batches: int) -> tuple[list, dict]:
+    """The first ``batches`` batches of an iteration (as lists), then the loader's state."""
+    it = iter(loader)
+    got = [next(it) for _ in range(batches)]
+    return got, loader.state_dict()
+
+
+def _indexed(shard, **kwargs) -> Loader:
+    return Loader(np.arange(N), **{"batch_size": 4, "workers": 0, "shuffle": True, "seed": 5, "shard": shard, **kwargs})
+
+
+def _flat(batches) -> list[int]:
+    return [int(i) for b in batches for i in np.atleast_1d(b)]
+
+
+@pytest.mark.parametrize("new_world", [2, 3])
+def test_combine_states_indexed_4_ranks_to_fewer_exactly_once(new_world):
+    from procpipe import combine_states
+
+    delivered, states = [], []
+    for rank, taken in enumerate([3, 5, 0, 7]):
+        with _indexed((rank, 4)) as loader:
+            got, state = _take(loader, taken)
+        delivered += _flat(got)
+        states.append(state)
+    combined = combine_states(states[::-1])  # any order
+    rest = []
+    for rank in range(new_world):
+        with _indexed((rank, new_world), workers=2 if rank == 0 else 0) as loader:
+            loader.load_state_dict(combined)
+            rest += list(loader)  # the rest of epoch 0 (the saved iteration's end)
+            next_epoch = [b.tolist() for b in loader]  # epoch 1
+        with _indexed((rank, new_world)) as fresh:
+            fresh.set_epoch(1)
+            assert next_epoch == [b.tolist() for b in fresh]  # later epochs: an uninterrupted run's
+    rest = _flat(rest)
+    assert len(rest) == len(set(rest))  # exactly once across the new ranks
+    assert sorted(rest + list(set(delivered))) == list(range(N))  # every index not delivered, none delivered
+
+
+def test_combine_states_again_within_the_resumed_epoch():
+    """4 ranks -> 2 ranks, which save mid-epoch -> combined again -> 3 ranks: still exactly once."""
+    from procpipe import combine_states
+
+    delivered, states = [], []
+    for rank, taken in enumerate([2, 4, 1, 3]):
+        with _indexed((rank, 4)) as loader:
+            got, state = _take(loader, taken)
+        delivered += _flat(got)
+        states.append(state)
+    second = []
+    for rank, taken in enumerate([3, 1]):
+        with _indexed((rank, 2)) as loader:
+            loader.load_state_dict(combine_states(states))
+            got, state = _take(loader, taken)
+        delivered += _flat(got)
+        second.append(state)
+    # a state saved in the resumed epoch resumes its own rank exactly (and no other)
+    with _indexed((0, 2)) as loader:
+        loader.load_state_dict(second[0])
+        own_rest = _flat(loader)
+    with _indexed((1, 2)) as loader, pytest.raises(ValueError, match="saved by rank 0 of 2"):
+        loader.load_state_dict(second[0])
+    combined = combine_states(second)
+    rest = []
+    for rank in range(3):
+        with _indexed((rank, 3)) as loader:
+            loader.load_state_dict(combined)
+            rest += _flat(loader)
+    assert len(delivered) == len(set(delivered))
+    assert len(rest) == len(set(rest)) and sorted(rest + delivered) == list(range(N))
+    assert set(own_rest) <= set(rest)
+
+
+@pytest.mark.parametrize("new_world", [2, 3])
+def test_combine_states_shards_4_ranks_to_fewer_exactly_once(new_world):
+    from procpipe import combine_states
+
+    delivered, states = [], []
+    for rank, taken in enumerate([2, 0, 3, 1]):
+        with Loader(_shards(cycle_length=2, block_length=2), batch_size=3, workers=2 if rank == 2 else 0,
+                    shuffle=True, seed=9, shard=(rank, 4), ordered=rank != 3) as loader:
+            got, state = _take(loader, taken)
+        delivered += [key for batch in got for key in _keys(batch)]
+        states.append(state)
+    combined = combine_states(states)
+    rest = []
+    for rank in range(new_world):
+        with Loader(_shards(cycle_length=2, block_length=2), batch_size=3, workers=0, shuffle=True, seed=9,
+                    shard=(rank, new_world)) as loader:
+            loader.load_state_dict(combined)
+            rest += [key for batch in loader for key in _keys(batch)]
+    everything = [(s, i) for s in range(len(LENGTHS)) for i in range(LENGTHS[s])]
+    assert len(delivered) == len(set(delivered)) and len(rest) == len(set(rest))
+    assert sorted(rest + delivered) == everything
+
+
+def test_combine_states_bad_input():
+    from procpipe import combine_states
+
+    states = []
+    for rank in range(3):
+        with _indexed((rank, 3)) as loader:
+            states.append(_take(loader, 1)[1])
+    with pytest.raises(ValueError, match="every rank of one run, each once"):
+        combine_states(states[:2])
+    with pytest.raises(ValueError, match="every rank of one run, each once"):
+        combine_states([states[0], states[0], states[2]])
+    with pytest.raises(ValueError, match="other settings than states\\[0\\] \\(seed\\)"):
+        combine_states([states[0], {**states[1], "seed": 6}, states[2]])
+    with pytest.raises(TypeError, match="a list of state dicts"):
+        combine_states(states[0])
+    with Loader(_shards(), batch_size=2, workers=0, shard=(1, 3)) as loader:
+        stream_state = loader.state_dict()
+    with pytest.raises(ValueError, match="mix an indexable source and a streaming source"):
+        combine_states([states[0], stream_state, states[2]])
+    with Loader(np.arange(N), batch_size=4, workers=0, batches=lambda e: [[0, 1]]) as explicit, \
+            pytest.raises(ValueError, match="batches=..."):
+        explicit.load_state_dict(combine_states(states))

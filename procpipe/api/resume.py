@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import elastic
 from .position import Resume, decode_position
 from ..streaming import StreamPlan
 
@@ -21,7 +22,9 @@ __all__ = ["Resume", "load_state", "save_state"]
 
 def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings."""
-    return {"version": 1, **position, **_sampler_state(sampler)}
+    mix = getattr(sampler, "mix", None)  # a procpipe.Mix source: its weights in this epoch, and its sources
+    return {"version": 1, **position, **_sampler_state(sampler), **elastic.saved_base(sampler, position["epoch"]),
+            **({} if mix is None else {"mix": mix.state(position["epoch"])})}
 
 
 def load_state(state: Any, sampler: Any) -> Resume:
@@ -33,6 +36,16 @@ def load_state(state: Any, sampler: Any) -> Resume:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
         raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
                          f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
+    mix = getattr(sampler, "mix", None)
+    if mix is not None or "mix" in state:
+        if mix is None:
+            raise ValueError("this state was saved by a loader over a procpipe.Mix, but this loader's source is not "
+                             "one; resume with the same source")
+        mix.load(state.get("mix"), state.get("epoch"))  # the saved epoch keeps its weights
+    if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
+        state = elastic.state_for(state, sampler, streaming)
+    else:
+        elastic.forget(sampler)
     settings = _sampler_state(sampler)
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,12 @@ class Sampler:
     every index once per epoch (plus the padding).
     ``reshuffle=False`` keeps one order: every epoch uses epoch 0's permutation (the
     per-sample random generators still differ by epoch).
+    ``mix``: a ``procpipe.Mix`` source, whose ``epoch_order`` (the mixture's draws) stands
+    for the uniform permutation; sharding applies to it the same way.
+    ``resumed``: epochs whose order is given, not computed: ``{epoch: (order, base)}``, set
+    when a state from ``procpipe.combine_states`` is loaded (the indices no rank of the
+    saved run had delivered, this rank's part of them; ``base`` is kept for the states
+    this loader saves in that epoch).
     """
 
     length: int
@@ -56,6 +62,9 @@ class Sampler:
     drop_last: bool
     shard: tuple[int, int] | None = None
     reshuffle: bool = True
+    resumed: dict = field(default_factory=dict, compare=False, repr=False)
+    mix: Any = field(default=None, compare=False, repr=False)  # a procpipe.Mix source: its epoch_order
+    _orders: dict = field(default_factory=dict, compare=False, repr=False)  # mix: the last epoch's order
 
     @property
     def step(self) -> int:
@@ -69,19 +78,47 @@ class Sampler:
         return -(-self.length // self.shard[1])
 
     def __len__(self) -> int:
+        if self.mix is not None and self.mix.stop_on_empty:  # each epoch's count varies: epoch 0's
+            n = len(self._mixed(0))
+            return n // self.step if self.drop_last else -(-n // self.step)
         if self.drop_last:
             return self.count // self.step
         return -(-self.count // self.step)
 
+    def epoch_batches(self, epoch: int) -> int:
+        """Batches in ``epoch``: ``len(self)``, except in an epoch ``resumed`` gives the order of."""
+        if epoch not in self.resumed and (self.mix is None or not self.mix.stop_on_empty):
+            return len(self)
+        n = len(self.order(epoch))
+        return n // self.step if self.drop_last else -(-n // self.step)
+
     def order(self, epoch: int) -> np.ndarray:
+        entry = self.resumed.get(epoch)
+        if entry is not None:
+            return entry[0]
+        if self.mix is not None:
+            return self._mixed(epoch)
         return epoch_order(self.length, epoch, self.shuffle, self.seed, self.reshuffle, self.shard,
                            pad_to=None if self.shard is None else self.count * self.shard[1])
+
+    def _mixed(self, epoch: int) -> np.ndarray:
+        """The mixture's order of ``epoch``, this rank's part (padded as ``epoch_order`` pads)."""
+        key = (epoch, tuple(self.mix.weights_at(epoch)))  # (a resume may pin other weights)
+        if key not in self._orders:
+            order = self.mix.epoch_order(epoch, self.seed, self.shuffle, self.reshuffle)
+            if self.shard is not None:
+                rank, world = self.shard
+                order = np.resize(order, -(-len(order) // world) * world)[rank::world]
+            if len(self._orders) >= 2:
+                self._orders.clear()
+            self._orders[key] = order
+        return self._orders[key]
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of ``epoch``, in delivery order."""
         order = self.order(epoch).tolist()
         step = self.step
-        return [order[i * step:(i + 1) * step] for i in range(len(self))]
+        return [order[i * step:(i + 1) * step] for i in range(self.epoch_batches(epoch))]
 
 
 def _index(value: Any) -> int:
