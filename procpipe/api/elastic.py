@@ -25,7 +25,7 @@ uninterrupted run with the new world size.
 
 Limits, said in errors: every rank of the old run must be given once, all at the same epoch
 (a rank already at the next one, with nothing of it returned, counts as done); no ``ahead``
-(``ordered=False`` across an epoch boundary); not with ``batches=`` or ``even_ranks=True``.
+(``ordered=False`` across an epoch boundary); not with ``batches=``, ``even_ranks=True`` or a ``Mix``.
 ``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
 """
 from __future__ import annotations
@@ -96,6 +96,9 @@ def _checked(states: Any) -> list[dict[str, Any]]:
             raise ValueError(f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
                              "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
                              "states with ordered=True, or between epochs")
+        if "mix" in state:
+            raise ValueError("procpipe.combine_states: states of a loader over a procpipe.Mix cannot be combined yet "
+                             "(the mixture's order is drawn from its sources, which the states do not hold)")
         if state.get("even_ranks"):
             raise ValueError("procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
                              "(the records each rank left out depend on the world size)")
