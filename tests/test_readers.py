@@ -190,3 +190,19 @@ def test_import_procpipe_imports_no_reader_dependency():
     assert "procpipe" in loaded
     assert [m for m in loaded if not m.startswith("procpipe")] == []
     assert not any(m.startswith("procpipe.readers") for m in loaded)
+
+
+def test_read_ahead_is_bounded(tmp_path):
+    """A reader pulls its shard read_ahead bytes at a time: after the first record of a 1 MB
+    file, no more than one refill beyond it has been read."""
+    path = tmp_path / "big.tfrecord"
+    path.write_bytes(_framed([bytes([i % 256]) * 1000 for i in range(1000)]))
+    reader = readers.tfrecord(read_ahead=4096)
+    file = reader.open(str(path))
+    try:
+        records = reader.records(file, str(path))
+        assert next(records) == bytes(1000)
+        assert 1016 <= file.raw.tell() <= 2 * 4096
+        assert sum(1 for _ in records) == 999
+    finally:
+        file.close()

@@ -150,16 +150,23 @@ def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -
     """A mask over the source's indices: those some old rank of ``combined`` returned in ``epoch``."""
     length, step = settings["length"], settings["batch_size"] or 1
     mask = np.zeros(length, dtype=bool)
+    padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
+    remaining: dict[int, np.ndarray] = {}  # id of a base -> the order it left (every rank resumed from one base)
     for entry in combined["ranks"]:
         rank, world = entry["shard"]
         inner = entry.get("combined")
         if inner is not None:
-            before = _delivered(settings, epoch, inner)
-            mask |= before
-            order = _remaining(settings, epoch, before)[rank::world]
+            if id(inner) not in remaining:
+                before = _delivered(settings, epoch, inner)
+                mask |= before
+                remaining[id(inner)] = _remaining(settings, epoch, before)
+            order = remaining[id(inner)][rank::world]
         else:
-            order = Sampler(length, settings["batch_size"], settings["shuffle"], settings["seed"],
-                            settings["drop_last"], (rank, world), settings.get("reshuffle", True)).order(epoch)
+            if padded is None:
+                count = Sampler(length, settings["batch_size"], settings["shuffle"], settings["seed"],
+                                settings["drop_last"], (rank, world)).count
+                padded = np.resize(_full_order(settings, epoch), count * world)
+            order = padded[rank::world]
         below = entry["done_below"]
         if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
             below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
