@@ -32,24 +32,39 @@ def _epochs(loader: Loader) -> list[list[list[tuple[int, int]]]]:
     return [out[e] for e in sorted(out)]
 
 
+def _epochs_of(loader: Loader) -> list:
+    return list(loader)
+
+
 # --------------------------------------------------------------------------- even ranks
+def _pairs(records):
+    """collate_fn: the records as they are (batches never span blocks)."""
+    return (np.array([r[0] for r in records]), np.array([r[1] for r in records]))
+
+
 @pytest.mark.parametrize("workers, kwargs", [(0, {"batch_size": 4}), (2, {"batch_size": 4, "drop_last": True}),
-                                             (0, {"batch_size": None}), (0, {"batch_size": 3, "shuffle_buffer": 8})])
+                                             (0, {"batch_size": None}), (0, {"batch_size": 3, "shuffle_buffer": 8}),
+                                             (0, {"batch_size": 2, "collate_fn": _pairs}),
+                                             (2, {"batch_size": 2, "collate_fn": _pairs, "drop_last": True})])
 def test_even_ranks_give_every_rank_the_same_batches(workers, kwargs):
     world, epochs = 3, 2
     per_rank = []
     for rank in range(world):
-        with Loader(_shards(cycle_length=2), workers=workers, shuffle=True, seed=7, shard=(rank, world),
-                    even_ranks=True, epochs=epochs, with_epoch=True, **kwargs) as loader:
+        block = 5 if "collate_fn" in kwargs else None  # (chunks of 2 that do not fill a block of 5)
+        with Loader(_shards(cycle_length=2, block_length=block), workers=workers, shuffle=True, seed=7,
+                    shard=(rank, world), even_ranks=True, epochs=epochs, with_epoch=True, **kwargs) as loader:
             per_rank.append(_epochs(loader))
+        with Loader(_shards(cycle_length=2, block_length=block), workers=0, shuffle=True, seed=7, reshuffle=False,
+                    shard=(rank, world), even_ranks=True, **kwargs) as same_every_epoch:
+            assert len(same_every_epoch) == len(_epochs_of(same_every_epoch))  # len() is what comes
     counts = {tuple(len(e) for e in eps) for eps in per_rank}
     assert len(counts) == 1, counts  # the same batches per epoch on every rank (shards move between epochs)
     for epoch in range(epochs):
         seen = [key for eps in per_rank for batch in eps[epoch] for key in batch]
         assert len(seen) == len(set(seen))  # ranks never share a record
         records = [sum(len(b) for b in eps[epoch]) for eps in per_rank]
-        if not kwargs.get("drop_last"):
-            assert len(set(records)) == 1  # every rank read exactly R records
+        if not kwargs.get("drop_last") and "collate_fn" not in kwargs:
+            assert len(set(records)) == 1  # every rank read exactly R records (with collate_fn: B batches)
 
 
 def test_even_ranks_drop_the_last_records_of_the_larger_ranks():
@@ -90,8 +105,6 @@ def test_even_ranks_resume_mid_epoch():
 def test_even_ranks_bad_arguments():
     with pytest.raises(ValueError, match="without the shards' record counts"):
         Loader(Shards([0, 1], _records), batch_size=2, workers=0, shard=(0, 2), even_ranks=True)
-    with pytest.raises(ValueError, match="collate_fn or batch_fn"):
-        Loader(_shards(), batch_size=2, workers=0, shard=(0, 2), even_ranks=True, collate_fn=list)
     with pytest.raises(ValueError, match="needs? shard=|has no shard="):
         Loader(_shards(), batch_size=2, workers=0, even_ranks=True)
     with pytest.raises(TypeError, match="even_ranks must be True or False"):

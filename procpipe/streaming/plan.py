@@ -24,7 +24,7 @@ from ..core.reassembly import ResumePoint
 from ..core.rng import SampleScope
 from ..plan.sampler import epoch_order
 from .batching import BatchingConfig
-from .even_ranks import RankLimits, even_ranks_unsupported
+from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
 from ..core.checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
@@ -63,7 +63,7 @@ class StreamPlan:
              "cache without the shards' record counts (the cache file is laid out for every record: pass "
              "Shards(..., lengths=[records of each shard]))"),
         ]
-        for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards, collate_fn, batch_fn):
+        for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards):
             if bad:
                 raise ValueError(f"a streaming source (procpipe.Shards) does not support {what}")
         if shuffle_buffer is not None:
@@ -112,8 +112,8 @@ class StreamPlan:
         records ``even_ranks`` leaves this rank: ``limits``)."""
         lengths = self.shards.lengths
         size = self.batch_size
-        if limits is not None:
-            return limits.records if size is None else (
+        if limits is not None:  # (with CHUNKS, limits count batches)
+            return limits.records if size is None or self.mode == CHUNKS else (
                 limits.records // size if self.drop_last else -(-limits.records // size))
 
         def batches(records: int) -> int:
@@ -138,7 +138,8 @@ class StreamPlan:
             return None
         if self._limits is None or self._limits[0] != epoch:
             order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
-            self._limits = (epoch, RankLimits(self.shards.lengths, order, self.shard[1], self.shard[0]))
+            chunking = Chunking(self.block_length, self.batch_size, self.drop_last) if self.mode == CHUNKS else None
+            self._limits = (epoch, RankLimits(self.shards.lengths, order, self.shard[1], self.shard[0], chunking))
         return self._limits[1]
 
     def settings(self) -> dict[str, Any]:
