@@ -243,8 +243,8 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
         raise ValueError("a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
                          "own sampler; this loader's come from batches=..., which cannot be split anew")
     settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-    for key in ("length", "batch_size", "shuffle", "seed", "drop_last"):
-        if settings.get(key) != getattr(sampler, key):
+    for key in ("length", "batch_size", "shuffle", "seed", "drop_last", "reshuffle"):
+        if settings.get(key, True if key == "reshuffle" else None) != getattr(sampler, key):
             return out  # (the usual checks name the setting that differs)
     rank, world = mine if mine is not None else (0, 1)
     combined = state["combined"]
