@@ -12,6 +12,7 @@ from .worker.records import Records
 from .streaming import Shards
 from .plan.mix import Mix
 from .core.rng import batch_rng, sample_rng
+from .api.elastic import combine_states
 
 __all__ = [
     "AutoWorkers",
@@ -28,6 +29,7 @@ __all__ = [
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",
+    "combine_states",
     "sample_rng",
 ]
 __version__ = "0.1.0"

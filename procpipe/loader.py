@@ -33,6 +33,7 @@ from .api.mixing import sampler_for, stream_plan_for
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
 from .streaming import InlineStream, StreamPlan
+from .streaming.even_ranks import check_even_ranks
 from .api.validate import validate, validate_backend, validate_epochs
 from .worker.process import WorkerSpec
 
@@ -89,7 +90,10 @@ class Loader:
             equal-length part of every epoch's order, like ``DistributedSampler``: the
             order is padded by repeating its first indices up to a multiple of
             ``world_size``, then rank ``r`` takes positions ``r, r + world_size, ...``.
-            Use the same ``seed`` on every rank.
+            Use the same ``seed`` on every rank. A ``Shards`` source is sharded by whole shards.
+        even_ranks: with ``shard=`` and a ``Shards`` source with ``lengths``: every rank gets the
+            same number of batches per epoch, by leaving out the records past the fewest any
+            rank has (docs/guide/scale.md); an indexed source's ranks are already equal.
         device: ``None`` yields numpy batches; ``"cpu"`` yields torch tensors sharing memory
             with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
             copied by a background thread through pinned memory on its own CUDA stream.
@@ -193,6 +197,7 @@ class Loader:
         seed_globals: bool = True,
         stage_slots: int = 0,
         backend: Any = None,
+        even_ranks: bool = False,
     ) -> None:
         validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
                  slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
@@ -202,12 +207,13 @@ class Loader:
         validate_epochs(epochs, reshuffle, with_epoch, batches)
         validate_backend(backend, workers)
         check_int("stage_slots", stage_slots, 0)
+        check_even_ranks(even_ranks, shard)
         auto = resolve_autotune(workers)
         if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
             self._sampler = stream_plan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                        reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
                                        shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
-                                       batches=batches, batch_fn=batch_fn, cache=cache)
+                                       batches=batches, batch_fn=batch_fn, cache=cache, even_ranks=even_ranks)
             source = self._sampler.source  # the copy that knows how to lay out blocks
         elif shuffle_buffer is not None:
             raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "

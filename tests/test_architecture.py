@@ -44,7 +44,7 @@ source kind, whose modules span plan and api) and the top-level public modules:
   streaming plan the Loader drives (``streaming.plan``, and the ``streaming`` package that
   exports it); ``procpipe`` (the package) exports ``Loader``.
 - ``adapters``: built on the public API and never imported by it: the torch facade, Keras,
-  the bench tools, Ray.
+  the bench tools, Ray, the readers (`readers.*`: open_fn for Shards over files and URLs).
 
 A module listed here but absent from the tree is ignored, so that modules can be added in
 one branch and listed in another.
@@ -66,10 +66,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "core.*"),
     "worker": ("worker.*",),
-    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan"),
+    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan",
+             "streaming.even_ranks"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
-    "adapters": ("torch", "torch_iterable", "keras", "tf", "bench.*", "ray"),
+    "adapters": ("torch", "torch_iterable", "keras", "tf", "bench.*", "ray", "readers.*"),
 }
 
 

@@ -87,16 +87,20 @@ def decode_position(state: Any, sampler: Any) -> Resume:
         done = sampler.check_progress(state.get("stream"), epoch)
         until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, sampler))
     else:
-        progress = functools.partial(_index_progress, _batch_count(sampler))
+        def progress(number: int, rest: list) -> frozenset:
+            return _index_progress(_batch_count(sampler, number), number, rest)
+
         done = progress(epoch, [state.get("done_below"), state.get("done")])
         until, ahead = _until_and_ahead(state, epoch, progress)
     return Resume(epoch, done, until, ahead)
 
 
-def _batch_count(sampler: Any) -> int | None:
-    """Batches per epoch, if the sampler knows (a ``batches=`` callable without ``__len__`` does not)."""
+def _batch_count(sampler: Any, epoch: int) -> int | None:
+    """Batches in ``epoch``, if the sampler knows (a ``batches=`` callable without ``__len__`` does not;
+    a ``Sampler`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
+    per_epoch = getattr(sampler, "epoch_batches", None)
     try:
-        return len(sampler)
+        return per_epoch(epoch) if per_epoch is not None else len(sampler)
     except TypeError:
         return None
 

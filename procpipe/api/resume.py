@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import elastic
 from .position import Resume, decode_position
 from ..streaming import StreamPlan
 
-_STATE_DEFAULTS = {"reshuffle": True}  # for states saved before the key existed
+_STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
 
 __all__ = ["Resume", "load_state", "save_state"]
 
@@ -22,7 +23,7 @@ __all__ = ["Resume", "load_state", "save_state"]
 def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
     (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
-    state = {"version": 1, **position, **_sampler_state(sampler)}
+    state = {"version": 1, **position, **_sampler_state(sampler), **elastic.saved_base(sampler, position["epoch"])}
     mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
     if mixing is not None:
         state.update(mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
@@ -43,6 +44,10 @@ def load_state(state: Any, sampler: Any) -> Resume:
         kinds = ("an indexable source", "a procpipe.Mix")
         raise ValueError(f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
                          f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)")
+    if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
+        state = elastic.state_for(state, sampler, streaming)
+    else:
+        elastic.forget(sampler)
     settings = _sampler_state(sampler)
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:

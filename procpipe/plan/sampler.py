@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,10 @@ class Sampler:
     every index once per epoch (plus the padding).
     ``reshuffle=False`` keeps one order: every epoch uses epoch 0's permutation (the
     per-sample random generators still differ by epoch).
+    ``resumed``: epochs whose order is given, not computed: ``{epoch: (order, base)}``, set
+    when a state from ``procpipe.combine_states`` is loaded (the indices no rank of the
+    saved run had delivered, this rank's part of them; ``base`` is kept for the states
+    this loader saves in that epoch).
     """
 
     length: int
@@ -56,6 +60,7 @@ class Sampler:
     drop_last: bool
     shard: tuple[int, int] | None = None
     reshuffle: bool = True
+    resumed: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def step(self) -> int:
@@ -73,7 +78,17 @@ class Sampler:
             return self.count // self.step
         return -(-self.count // self.step)
 
+    def epoch_batches(self, epoch: int) -> int:
+        """Batches in ``epoch``: ``len(self)``, except in an epoch ``resumed`` gives the order of."""
+        if epoch not in self.resumed:
+            return len(self)
+        n = len(self.order(epoch))
+        return n // self.step if self.drop_last else -(-n // self.step)
+
     def order(self, epoch: int) -> np.ndarray:
+        entry = self.resumed.get(epoch)
+        if entry is not None:
+            return entry[0]
         return epoch_order(self.length, epoch, self.shuffle, self.seed, self.reshuffle, self.shard,
                            pad_to=None if self.shard is None else self.count * self.shard[1])
 
@@ -81,7 +96,7 @@ class Sampler:
         """The index lists of every batch of ``epoch``, in delivery order."""
         order = self.order(epoch).tolist()
         step = self.step
-        return [order[i * step:(i + 1) * step] for i in range(len(self))]
+        return [order[i * step:(i + 1) * step] for i in range(self.epoch_batches(epoch))]
 
 
 def _index(value: Any) -> int:

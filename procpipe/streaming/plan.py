@@ -24,6 +24,7 @@ from ..core.reassembly import ResumePoint
 from ..core.rng import SampleScope
 from ..plan.sampler import epoch_order
 from .batching import BatchingConfig
+from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
 from ..core.checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
@@ -44,7 +45,7 @@ class StreamPlan:
                  reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
                  shuffle_buffer: int | None = None, on_error: str = "raise", max_skipped: int | float = 0.01,
                  speculate: float | None = None,
-                 batches: Any = None, batch_fn: Any = None, cache: Any = None) -> None:
+                 batches: Any = None, batch_fn: Any = None, cache: Any = None, even_ranks: bool = False) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
             (on_error == "skip" and isinstance(max_skipped, float) and shards.lengths is None,
@@ -62,7 +63,7 @@ class StreamPlan:
              "cache without the shards' record counts (the cache file is laid out for every record: pass "
              "Shards(..., lengths=[records of each shard]))"),
         ]
-        for bad, what in unsupported:
+        for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards):
             if bad:
                 raise ValueError(f"a streaming source (procpipe.Shards) does not support {what}")
         if shuffle_buffer is not None:
@@ -87,6 +88,8 @@ class StreamPlan:
             self.mode = STACK
         self.source = shards.configured(self.block_length, self.mode, batch_size)
         self.batching = BatchingConfig(self.mode, batch_size, self.drop_last, collate_fn, shuffle_buffer, self.seed)
+        self.even_ranks = bool(even_ranks) and self.shard is not None
+        self._limits: tuple[int, RankLimits] | None = None  # (epoch, its cut): the last asked for
 
     def __len__(self) -> int:
         """Batches per epoch, from ``Shards(lengths=...)`` (``TypeError`` without them, or when
@@ -102,12 +105,16 @@ class StreamPlan:
                             "shards of different lengths has no len(): each epoch gives this rank a different "
                             "set of shards, hence a different number of records (pass reshuffle=False for the "
                             "same shards every epoch)")
-        return self.batch_count(self.batches(0))
+        return self.batch_count(self.batches(0), self.limits(0))
 
-    def batch_count(self, order: list[int]) -> int:
-        """The batches an epoch over the shards ``order`` yields, from their ``lengths``."""
+    def batch_count(self, order: list[int], limits: RankLimits | None = None) -> int:
+        """The batches an epoch over the shards ``order`` yields, from their ``lengths`` (or the
+        records ``even_ranks`` leaves this rank: ``limits``)."""
         lengths = self.shards.lengths
         size = self.batch_size
+        if limits is not None:  # (with CHUNKS, limits count batches)
+            return limits.records if size is None or self.mode == CHUNKS else (
+                limits.records // size if self.drop_last else -(-limits.records // size))
 
         def batches(records: int) -> int:
             return records // size if self.drop_last else -(-records // size)
@@ -120,15 +127,27 @@ class StreamPlan:
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
-        return epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle,
-                           self.shard).tolist()
+        order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle,
+                            self.shard).tolist()
+        limits = self.limits(epoch)
+        return order if limits is None else limits.order(order)
+
+    def limits(self, epoch: int) -> RankLimits | None:
+        """``even_ranks``: the records this rank reads of each shard in ``epoch`` (None without it)."""
+        if not self.even_ranks:
+            return None
+        if self._limits is None or self._limits[0] != epoch:
+            order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
+            chunking = Chunking(self.block_length, self.batch_size, self.drop_last) if self.mode == CHUNKS else None
+            self._limits = (epoch, RankLimits(self.shards.lengths, order, self.shard[1], self.shard[0], chunking))
+        return self._limits[1]
 
     def settings(self) -> dict[str, Any]:
         """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
         return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
                 "seed": self.seed, "drop_last": self.drop_last, "shard": None if self.shard is None else list(self.shard),
                 "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
-                "mode": self.mode, "shuffle_buffer": self.shuffle_buffer}
+                "mode": self.mode, "shuffle_buffer": self.shuffle_buffer, "even_ranks": self.even_ranks}
 
     def check_progress(self, state: Any, epoch: int) -> dict | None:
         """A saved ``StreamProgress.state()`` of ``epoch`` (or None), checked against this plan's

@@ -77,6 +77,8 @@ class ShardPlan(EpochPlan):
         self.config = config
         self.ordered = ordered
         self.block_length = config.block_length
+        limits = getattr(config, "limits", None)  # even_ranks: where this rank's shards are cut (None: read whole)
+        self.limits = None if limits is None else limits(number)
         self.resumed = resumed is not None
         self.received = StreamProgress(list(order), config.cycle_length, config.block_length, ordered, resumed)
         self.resume = StreamProgress(list(order), config.cycle_length, config.block_length, ordered, resumed)
@@ -155,7 +157,9 @@ class ShardPlan(EpochPlan):
         state.next_block += 1
         key = self.next_key
         self.next_key += 1
-        block = Block(state.index, b, b * length, length, self.resume.skips(state.index, b))
+        if self.limits is not None:  # even_ranks: a shard cut short ends at its cut
+            length = self.limits.block_length_at(state.index, b * length, length)
+        block = Block(state.index, b, b * self.block_length, length, self.resume.skips(state.index, b))
         work = self.sent[key] = BlockWork(key, block, state.position, shard=state, block=b)
         state.in_flight += 1
         return work

@@ -1,0 +1,267 @@
+"""Elastic resume: ``combine_states`` (every rank's state into one), and loading the result.
+
+Why: a run saved by ``world_size`` ranks (each ``Loader(shard=(rank, world_size))`` saving its
+own ``state_dict()``) is often resumed on another number of machines. ``combine_states``
+turns the states of all the ranks into one state that a loader with *any*
+``shard=(rank, world_size)`` loads: across the new ranks, every index (record) of the saved
+epoch that no old rank had delivered comes exactly once, and later epochs are those of an
+uninterrupted run with the new world size.
+
+- **Indexed sources.** What each old rank delivered is a set of batch positions of its own
+  part of the epoch's order; from the settings (``length``, ``batch_size``, ``shuffle``,
+  ``seed``, ``reshuffle``) it is turned back into indices. The combined state keeps the
+  old ranks' positions (small: ``done_below`` and ``done``, not indices) under
+  ``"combined"``. A loader that loads it computes the epoch's order less what was
+  delivered (``remaining``), and takes its part ``rank, rank + world_size, ...``, without
+  padding (padding would deliver some twice), as the order of that epoch only
+  (``Sampler.resumed``). So in the resumed epoch ranks may differ by one batch; later
+  epochs are padded as usual. A state saved during that epoch keeps the base, so states
+  can be combined again (and again) before the epoch ends.
+- **Shards.** A stream's progress is kept in records of shards named by their index in
+  ``Shards.shards`` (``complete`` shards, ``received`` ranges; an ordered rank's ``cursor``
+  is first turned into those), so the ranks' progresses are simply merged. A loader that
+  loads the result keeps the part about the shards of its own order for that epoch: each
+  shard belongs to exactly one new rank, which skips what was received.
+
+Limits, said in errors: every rank of the old run must be given once, all at the same epoch
+(a rank already at the next one, with nothing of it returned, counts as done); no ``ahead``
+(``ordered=False`` across an epoch boundary); not with ``batches=``, ``even_ranks=True`` or a ``Mix``.
+``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..plan.sampler import Sampler, epoch_order
+from ..streaming.order import StreamProgress
+
+# Keys of a saved state that say where it stands, not which loader saved it.
+_POSITION_KEYS = ("version", "epoch", "done_below", "done", "ahead", "until", "stream", "combined", "shard")
+
+__all__ = ["combine_states", "forget", "saved_base", "state_for"]
+
+
+def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``state_dict()`` of every rank of a run, combined into one state for any world size.
+
+    Args:
+        states: one state per rank, ``Loader(shard=(rank, world_size)).state_dict()`` for every
+            ``rank`` of ``range(world_size)`` (in any order); a single unsharded loader's state
+            counts as ``shard=(0, 1)``.
+
+    Returns:
+        A state for ``Loader.load_state_dict`` of a loader with the same source and settings
+        and any ``shard=(rank, world_size)`` (or none): across the new ranks, every index or
+        record the old ranks had not returned comes exactly once (docs/guide/scale.md).
+
+    Raises ``ValueError`` naming the problem: a missing or repeated rank, states of
+    different loaders, or what is not supported (``ahead``, ``even_ranks``, ``batches=``).
+    """
+    states = _checked(states)
+    streaming = "stream" in states[0]
+    epoch = min(state["epoch"] for state in states)
+    untils = {repr(state.get("until")) for state in states if state["epoch"] == epoch}
+    if len(untils) > 1:
+        raise ValueError(f"procpipe.combine_states: the ranks' states stop at different epochs (until = "
+                         f"{', '.join(sorted(untils))}); they must come from one run")
+    first = next(state for state in states if state["epoch"] == epoch)
+    settings = {key: value for key, value in first.items() if key not in _POSITION_KEYS}
+    out = {"version": 1, "epoch": epoch, **({"until": first["until"]} if "until" in first else {}), **settings,
+           "shard": None, "ahead": []}
+    if streaming:
+        out["stream"] = _combined_stream(states, epoch, settings)
+        out["combined"] = {"world_size": len(states)}
+    else:
+        out.update(done_below=0, done=[])
+        base = next((state["combined"] for state in states if state["epoch"] == epoch and "combined" in state), None)
+        out["combined"] = {"ranks": [_rank_entry(state, epoch, base) for state in states]}
+    return out
+
+
+def _checked(states: Any) -> list[dict[str, Any]]:
+    """``states`` as a list sorted by rank, checked: one state per rank of one run."""
+    if isinstance(states, dict) or not isinstance(states, (list, tuple)):
+        raise TypeError("procpipe.combine_states takes a list of state dicts, one per rank "
+                        f"(Loader.state_dict() of each), got {type(states).__name__}")
+    if not states:
+        raise ValueError("procpipe.combine_states: no state given (one per rank is needed)")
+    for i, state in enumerate(states):
+        if not isinstance(state, dict) or state.get("version") != 1 or "epoch" not in state:
+            raise ValueError(f"procpipe.combine_states: states[{i}] is not a procpipe Loader state "
+                             f"(from Loader.state_dict()): {state!r:.200}")
+        if state.get("ahead"):
+            raise ValueError(f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
+                             "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
+                             "states with ordered=True, or between epochs")
+        if "mix" in state:
+            raise ValueError("procpipe.combine_states: states of a loader over a procpipe.Mix cannot be combined yet "
+                             "(the mixture's order is drawn from its sources, which the states do not hold)")
+        if state.get("even_ranks"):
+            raise ValueError("procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
+                             "(the records each rank left out depend on the world size)")
+        if state.get("shard") is None and "combined" in state and "stream" not in state:
+            raise ValueError(f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
+                             "any rank; load it into the new ranks' loaders (or use it as it is)")
+    kinds = {"stream" in state for state in states}
+    if len(kinds) > 1:
+        raise ValueError("procpipe.combine_states: the states mix an indexable source and a streaming source "
+                         "(procpipe.Shards); they must come from one run")
+    settings = [{k: v for k, v in state.items() if k not in _POSITION_KEYS} for state in states]
+    for i, other in enumerate(settings[1:], 1):
+        if other != settings[0]:
+            diff = sorted(k for k in set(other) | set(settings[0]) if other.get(k) != settings[0].get(k))
+            raise ValueError(f"procpipe.combine_states: states[{i}] was saved by a loader with other settings than "
+                             f"states[0] ({', '.join(diff)}); the states must come from the ranks of one run")
+    shards = [tuple(state["shard"]) if state.get("shard") is not None else (0, 1) for state in states]
+    world = shards[0][1]
+    if any(w != world for _, w in shards) or sorted(r for r, _ in shards) != list(range(world)):
+        raise ValueError(f"procpipe.combine_states: the states must be those of every rank of one run, each once; "
+                         f"got shard= {sorted(shards)} (world_size {world} needs ranks 0 to {world - 1})")
+    return [state for _, state in sorted(zip(shards, states), key=lambda pair: pair[0])]
+
+
+# ---------------------------------------------------------------------- indexed sources
+def _rank_entry(state: dict[str, Any], epoch: int, base: dict | None) -> dict[str, Any]:
+    """One old rank in a combined state: its shard, the positions it returned in ``epoch``
+    (``done_below=None``: all, a rank already past the epoch) and the base it was resumed from."""
+    shard = list(state["shard"]) if state.get("shard") is not None else [0, 1]
+    if state["epoch"] == epoch:
+        entry = {"shard": shard, "done_below": state["done_below"], "done": list(state["done"])}
+        own = state.get("combined")
+    elif state["epoch"] == epoch + 1 and not state.get("done_below") and not state.get("done"):
+        entry, own = {"shard": shard, "done_below": None, "done": []}, base
+    else:
+        raise ValueError(f"procpipe.combine_states: rank {shard[0]}'s state is at epoch {state['epoch']} (with "
+                         f"batches of it returned), the others' at epoch {epoch}; save every rank in the same epoch")
+    if own is not None:
+        entry["combined"] = own
+    return entry
+
+
+def _full_order(settings: dict[str, Any], epoch: int) -> np.ndarray:
+    return epoch_order(settings["length"], epoch, settings["shuffle"], settings["seed"],
+                       settings.get("reshuffle", True), None)
+
+
+def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -> np.ndarray:
+    """A mask over the source's indices: those some old rank of ``combined`` returned in ``epoch``."""
+    length, step = settings["length"], settings["batch_size"] or 1
+    mask = np.zeros(length, dtype=bool)
+    padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
+    remaining: dict[int, np.ndarray] = {}  # id of a base -> the order it left (every rank resumed from one base)
+    for entry in combined["ranks"]:
+        rank, world = entry["shard"]
+        inner = entry.get("combined")
+        if inner is not None:
+            if id(inner) not in remaining:
+                before = _delivered(settings, epoch, inner)
+                mask |= before
+                remaining[id(inner)] = _remaining(settings, epoch, before)
+            order = remaining[id(inner)][rank::world]
+        else:
+            if padded is None:
+                count = Sampler(length, settings["batch_size"], settings["shuffle"], settings["seed"],
+                                settings["drop_last"], (rank, world)).count
+                padded = np.resize(_full_order(settings, epoch), count * world)
+            order = padded[rank::world]
+        below = entry["done_below"]
+        if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
+            below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
+        mask[order[:below * step]] = True
+        for position in entry["done"]:
+            mask[order[position * step:(position + 1) * step]] = True
+    return mask
+
+
+def _remaining(settings: dict[str, Any], epoch: int, delivered: np.ndarray) -> np.ndarray:
+    """The epoch's order (unsharded) less the indices ``delivered``."""
+    order = _full_order(settings, epoch)
+    return order[~delivered[order]]
+
+
+# ---------------------------------------------------------------------- Shards
+def _combined_stream(states: list[dict[str, Any]], epoch: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's progress in ``epoch`` in shard terms (no cursor), merged."""
+    complete: set[int] = set()
+    received: list[list[int]] = []
+    for state in states:
+        rank, world = state["shard"] if state.get("shard") is not None else (0, 1)
+        order = epoch_order(settings["shards"], epoch, settings["shuffle"], settings["seed"],
+                            settings.get("reshuffle", True), (rank, world)).tolist()
+        if state["epoch"] != epoch:
+            if state["epoch"] == epoch + 1 and state.get("stream") is None:
+                complete.update(order)  # past the epoch: every shard of it read
+                continue
+            raise ValueError(f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
+                             f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
+                             "epoch")
+        if state.get("stream") is None:
+            continue
+        progress = StreamProgress(order, settings["cycle_length"], settings["block_length"], False,
+                                  state["stream"]).state()  # (a cursor unfolded into complete / received)
+        complete.update(progress["complete"])
+        received.extend(progress["received"])
+    received.sort()
+    merged: list[list[int]] = []
+    for shard, start, stop in received:
+        if shard in complete:
+            continue
+        if merged and merged[-1][0] == shard and start <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], stop)
+        else:
+            merged.append([shard, start, stop])
+    return {"cursor": None, "complete": sorted(complete), "received": merged}
+
+
+# ---------------------------------------------------------------------- loading and saving
+def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str, Any]:
+    """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
+    progress about the shards of this rank's order; for an indexed one, the resumed epoch's
+    order installed in the sampler (``Sampler.resumed``). The result is checked as usual."""
+    mine = getattr(sampler, "shard", None)
+    saved = state.get("shard")
+    if saved is not None and (mine is None or list(mine) != list(saved)):
+        raise ValueError(f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
+                         f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
+                         f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first")
+    epoch = state.get("epoch")
+    out = {key: value for key, value in state.items() if key != "combined"}
+    out["shard"] = None if mine is None else list(mine)
+    if streaming:
+        progress = state.get("stream")
+        if progress is not None and isinstance(progress, dict):
+            order = set(sampler.batches(epoch))
+            out["stream"] = {"cursor": None,
+                             "complete": [s for s in progress.get("complete", []) if s in order],
+                             "received": [entry for entry in progress.get("received", [])
+                                          if isinstance(entry, list) and entry and entry[0] in order]}
+        return out
+    if not isinstance(getattr(sampler, "resumed", None), dict):
+        raise ValueError("a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
+                         "own sampler; this loader's come from batches=..., which cannot be split anew")
+    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
+    for key in ("length", "batch_size", "shuffle", "seed", "drop_last", "reshuffle"):
+        if settings.get(key, True if key == "reshuffle" else None) != getattr(sampler, key):
+            return out  # (the usual checks name the setting that differs)
+    rank, world = mine if mine is not None else (0, 1)
+    combined = state["combined"]
+    order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
+    sampler.resumed.clear()
+    sampler.resumed[epoch] = (order, combined)
+    return out
+
+
+def forget(sampler: Any) -> None:
+    """A plain state is loaded: no epoch's order comes from an earlier combined state any more."""
+    resumed = getattr(sampler, "resumed", None)
+    if isinstance(resumed, dict):
+        resumed.clear()
+
+
+def saved_base(sampler: Any, epoch: int) -> dict[str, Any]:
+    """What a state saved in ``epoch`` adds: the combined state it resumed from, if the epoch is one."""
+    entry = getattr(sampler, "resumed", {}).get(epoch) if isinstance(getattr(sampler, "resumed", None), dict) else None
+    return {} if entry is None else {"combined": entry[1]}
