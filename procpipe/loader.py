@@ -245,10 +245,11 @@ class Loader:
             self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
-        self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
                                          self._coordinator, epochs)
+        # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
+        self._finalizer = weakref.finalize(self._context, _close_engine, self._coordinator)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -272,9 +273,9 @@ class Loader:
             resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: LoaderIterator = inline(self._context, resume, owner=self)
+            it: LoaderIterator = inline(self._context, resume)
         else:
-            it = EpochIterator(self._context, resume, owner=self)
+            it = EpochIterator(self._context, resume)
         self._active = self._root = it
         if self._device_stage is not None:
             self._root = self._device_stage(it)
@@ -397,7 +398,8 @@ class Loader:
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
-        (indices computed so far), ``sample_bytes``, ``bytes`` (the file); None without one."""
+        (indices computed so far), ``sample_bytes``, ``bytes`` (the file), ``error`` (why a damaged
+        file cannot be read, ``filled`` None then: reported, never raised); None without one."""
         cache = self._spec.cache
         return None if cache is None or self._closed else cache.info()
 

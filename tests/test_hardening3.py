@@ -29,3 +29,38 @@ def test_unpicklable_value_is_its_batchs_error_and_the_worker_lives() -> None:
     assert sorted(got) == [[0.0, 1.0, 2.0, 3.0], [8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
     assert loader.stats()["worker_deaths"] == 0
     loader.close()
+
+
+# --------------------------------------------------------------------------- 6: no cycle keeps a loader
+def _zeros(i: int) -> np.ndarray:
+    return np.zeros(256, np.float32) + i
+
+
+def _records(shard: list) -> list:
+    return shard
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["indexed", "shards"])
+def test_abandoned_loader_frees_its_files_without_the_garbage_collector(streaming: bool) -> None:
+    import gc
+    import weakref
+
+    from conftest import our_shm_files
+
+    before = our_shm_files()
+    source = procpipe.Shards([list(range(64)), list(range(64))], _records) if streaming else list(range(128))
+    gc.collect()
+    gc.disable()  # a re-run notebook cell: the loader is dropped mid-epoch, and no collection runs
+    try:
+        loader = procpipe.Loader(source, fn=_zeros, batch_size=4, workers=2)
+        for k, batch in enumerate(loader):
+            if k == 2:
+                break
+        del batch
+        assert our_shm_files() - before, "the loader made no shared-memory files: the test proves nothing"
+        gone = weakref.ref(loader)
+        del loader
+        assert gone() is None, "a reference cycle keeps the abandoned loader alive"
+        assert our_shm_files() - before == set()
+    finally:
+        gc.enable()

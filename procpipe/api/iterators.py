@@ -47,9 +47,8 @@ class EpochIterator(LoaderIterator):
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = context.coordinator
         self._with_epoch = context.with_epoch
         self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
@@ -193,9 +192,8 @@ class EpochIterator(LoaderIterator):
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = None
         self._with_epoch = context.with_epoch
         self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)

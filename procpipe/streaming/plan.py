@@ -186,9 +186,8 @@ class InlineStream(LoaderIterator):
     (procpipe/api/nodes.py) with ``get_state`` / ``reset``.
     """
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = None
         self._spec = context.spec
         self._max_skipped = context.max_skipped
