@@ -336,8 +336,15 @@ class Cache:
         return self.get(index)
 
     def info(self) -> dict[str, Any]:
-        return {"directory": self.directory, "samples": self.length, "filled": self.filled(),
-                "sample_bytes": self.sample_bytes, "bytes": self.nbytes}
+        """What ``Loader.cache_info()`` shows. A status query: a cache file that was truncated,
+        removed or changed is reported (``error``: the ``CacheError``'s message, ``filled``:
+        None), not raised; loading a batch from it raises."""
+        try:
+            filled, error = self.filled(), None
+        except CacheError as exc:
+            filled, error = None, str(exc)
+        return {"directory": self.directory, "samples": self.length, "filled": filled,
+                "sample_bytes": self.sample_bytes, "bytes": self.nbytes, "error": error}
 
 
 # ------------------------------------------------------------------ creation and cleanup
