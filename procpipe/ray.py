@@ -31,7 +31,7 @@ second implementation of pool.py's ``WorkerPool``)::
   position twice: every index exactly once, batches identical to a fault-free run.
 - **Cleanup.** ``close()`` ends the agents (their worker processes and ``/dev/shm`` files
   with them); an agent killed with its node or the cluster leaves nothing either: its
-  workers see it gone, remove the files and exit (worker.py).
+  workers see it gone, remove the files and exit (worker/process.py).
 
 Every wait on a remote result has a timeout: replies come back through callbacks, agent
 starts are bounded by ``start_timeout``, heartbeats by ``node_timeout``, ``close()`` by a

@@ -7,7 +7,7 @@ The coordinator (coordinator.py) knows workers only as ``WorkerLink`` objects: w
 says whether its workers write into the coordinator's ring (``uses_ring``). The pool knows
 no epochs, batches or order: those are the coordinator's.
 
-- ``LocalPool`` (this module): worker processes on this machine (worker.py), one duplex
+- ``LocalPool`` (this module): worker processes on this machine (worker/process.py), one duplex
   pipe each, their ``(task, index)`` status words in a shared file (so a death or a
   ``task_timeout`` names the sample), batches written straight into the coordinator's ring.
 - ``procpipe.ray.RayPool``: agents on Ray nodes, each running local worker processes and
@@ -297,7 +297,7 @@ class LocalWorker(WorkerLink):
 
 
 class LocalPool(WorkerPool):
-    """Worker processes on this machine, all alike but for their index (worker.py).
+    """Worker processes on this machine, all alike but for their index (worker/process.py).
 
     ``capacity``: the most workers at once (their status words are sized for it).
     """
@@ -305,7 +305,7 @@ class LocalPool(WorkerPool):
     def __init__(self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int,
                  own_session: bool = False) -> None:
         self.ctx = ctx
-        self.own_session = own_session  # each worker in a session of its own (worker.worker_main)
+        self.own_session = own_session  # each worker in a session of its own (process.worker_main)
         self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.prefix = files.prefix  # of the loader's shared files
         self.env = env  # worker_env: set on top of this process's environment in each worker
@@ -317,7 +317,7 @@ class LocalPool(WorkerPool):
         self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
 
     def start(self, index: int, counters: WorkerCounters) -> LocalWorker:
-        self._status[2 * index] = STARTING  # the worker clears it once started (worker.py)
+        self._status[2 * index] = STARTING  # the worker clears it once started (worker/process.py)
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
