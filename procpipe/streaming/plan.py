@@ -183,8 +183,11 @@ class InlineStream(LoaderIterator):
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
     output is identical to that of workers (in the deterministic order, whatever
     ``ordered``). The Loader uses it like its own epoch iterators: a source node
-    (procpipe/api/nodes.py) with ``get_state`` / ``reset``.
+    (procpipe/api/nodes.py) with ``get_state`` / ``reset``; ``position`` is ``(epoch, position
+    in the epoch)`` of the batch ``next()`` returned last (``device_fn``'s ``batch_rng()`` key).
     """
+
+    position: tuple[int, int] | None = None
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
@@ -238,6 +241,7 @@ class InlineStream(LoaderIterator):
                 epoch.counters.wait_s += time.perf_counter() - started
                 epoch.mark_consumed(seq)
                 stream.consumed += 1
+                self.position = (epoch.number, seq)  # device_fn's batch_rng() key, as EpochIterator's
                 if epoch is not self._epoch:  # the first batch of the next epoch
                     for number in [n for n in stream.opened if n < epoch.number]:
                         del stream.opened[number]  # past (resume_point starts at this epoch): let it go
