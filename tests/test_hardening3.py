@@ -90,3 +90,67 @@ def test_device_fn_batch_rng_is_the_same_with_and_without_workers_for_a_stream()
 
     inline, pooled = run(0), run(2)
     assert len(inline) == 10 and inline == pooled
+
+
+# --------------------------------------------------------------------------- 2: speculation helps a stream
+class _StallFirstAttempt:
+    """fn: the first attempt at record 13 stalls until ``release`` exists (at most 30 s), then
+    writes ``finished``; any other attempt (speculation's, on another worker) is quick."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, record: int) -> np.float32:
+        import os
+        import time
+
+        if record == 13:
+            try:
+                os.close(os.open(os.path.join(self.directory, "stalled"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                deadline = time.monotonic() + 30
+                while not os.path.exists(os.path.join(self.directory, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                open(os.path.join(self.directory, "finished"), "w").close()
+        time.sleep(0.002)
+        return np.float32(record)
+
+
+def test_speculation_lets_a_stream_go_on_past_a_stalled_block(tmp_path) -> None:
+    shards = [list(range(k * 20, k * 20 + 20)) for k in range(4)]
+    source = procpipe.Shards(shards, _shard_records, block_length=4)
+    with procpipe.Loader(source, fn=_StallFirstAttempt(str(tmp_path)), batch_size=4, workers=2,
+                         speculate=2.0) as loader:
+        got = sorted(r for batch in loader for r in batch.tolist())
+        # Every batch arrived while the first attempt was still stalled: the speculative one was used,
+        # and the shard's later blocks did not wait behind the straggler.
+        assert not (tmp_path / "finished").exists()
+        (tmp_path / "release").touch()
+        assert loader.stats()["speculative_tasks"] >= 1
+    assert got == list(range(80))
+
+
+# --------------------------------------------------------------------------- 3: streams without lengths
+def _fails_on_multiples(every: int):
+    def fn(record: int) -> np.float32:
+        if record % every == every - 1:
+            raise ValueError(f"bad record {record}")
+        return np.float32(record)
+    return fn
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_skips_a_fraction_of_the_records_seen_so_far(workers: int) -> None:
+    shards = [list(range(k * 50, k * 50 + 50)) for k in range(4)]  # no lengths=: the epoch's size is unknown
+    with procpipe.Loader(procpipe.Shards(shards, _shard_records), fn=_fails_on_multiples(25), batch_size=5,
+                         workers=workers, on_error="skip", max_skipped=0.05) as loader:
+        got = sorted(r for batch in loader for r in batch.tolist())
+        assert len(loader.stats()["skipped"]) == 8
+    assert got == [r for r in range(200) if r % 25 != 24]
+    with procpipe.Loader(procpipe.Shards(shards, _shard_records), fn=_fails_on_multiples(5), batch_size=5,
+                         workers=workers, on_error="skip", max_skipped=0.05) as loader:
+        with pytest.raises(ValueError, match="bad record") as raised:
+            list(loader)
+    assert "samples seen so far" in "\n".join(getattr(raised.value, "__notes__", []))

@@ -129,7 +129,9 @@ class Epoch:
 
     def skip_budget(self, max_skipped: int | float) -> SkipBudget:
         """``on_error="skip"``'s budget for this epoch (the coordinator's, or ``workers=0``'s)."""
-        return SkipBudget(max_skipped, self.plan.sample_total(), self.counters, self.plan.skips_tasks)
+        total = self.plan.sample_total()  # (None: not known in advance; a fraction is of those seen so far)
+        return SkipBudget(max_skipped, self.plan.samples_seen if total is None else total, self.counters,
+                          self.plan.skips_tasks)
 
     # ---- dispatch
     def offers(self, per_lane: int) -> Sequence[Offer]:
@@ -152,6 +154,10 @@ class Epoch:
             return job
         self.counters.redispatched_tasks += 1
         return self.jobs[work.key]
+
+    def moved(self, job: Job, worker: int) -> None:
+        """``job`` was sent to ``worker`` as well (speculation): its lane goes there (``EpochPlan.moved``)."""
+        self.plan.moved(job.work, worker)
 
     def lost(self, job: Job) -> None:
         """``job``'s worker died before it answered (its slot is in ``job.slot``): run it again."""

@@ -47,10 +47,6 @@ class StreamPlan:
                  batches: Any = None, batch_fn: Any = None, cache: Any = None) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
-            (on_error == "skip" and isinstance(max_skipped, float) and shards.lengths is None,
-             (f"on_error='skip' with max_skipped={max_skipped!r}, a fraction of the epoch's records, without the "
-              "shards' record counts: pass Shards(..., lengths=[records of each shard]), or max_skipped as a "
-              "count (an int)")),
             (speculate is not None and not shards.replayable,
              (f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
               "worker, so a straggling block cannot be raced)")),
