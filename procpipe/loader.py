@@ -28,6 +28,7 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
+from .api.shutdown import close_engine, watch_exit
 from .plan.sampler import ExplicitBatches, Sampler
 from .engine.start import start_engine
 from .worker.start_method import resolve as resolve_start_method
@@ -249,7 +250,8 @@ class Loader:
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
                                          self._coordinator, epochs)
         # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
-        self._finalizer = weakref.finalize(self._context, _close_engine, self._coordinator)
+        self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
+        watch_exit()  # (after a finalize exists: see api/shutdown.py)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -513,11 +515,6 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     why = ("the source is empty (len(source) == 0)" if not length else
            f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})")
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
-
-
-def _close_engine(coordinator: Coordinator | None) -> None:
-    if coordinator is not None:
-        coordinator.close()
 
 
 def _device_stage(device: Any, prefetch: int, device_fn: Callable | None, seed: int) -> Any:

@@ -154,3 +154,72 @@ def test_stream_skips_a_fraction_of_the_records_seen_so_far(workers: int) -> Non
         with pytest.raises(ValueError, match="bad record") as raised:
             list(loader)
     assert "samples seen so far" in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+# --------------------------------------------------------------------------- 9: Ctrl-C twice
+CTRL_C_SCRIPT = r"""
+import os, signal, sys, time
+import numpy as np
+import procpipe
+from procpipe.engine.coordinator import Coordinator
+
+close = Coordinator.close
+
+
+def note(what):
+    with open(sys.argv[1], "a") as f:
+        f.write(what + "\n")
+
+
+def close_with_a_second_ctrl_c(self, *args, **kwargs):
+    note("closing")
+    if sys.argv[2] == "twice":
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C again while the loader closes at exit
+    close(self, *args, **kwargs)
+
+
+Coordinator.close = close_with_a_second_ctrl_c
+
+
+def slow(i):
+    note("sample")
+    time.sleep(0.05)
+    return np.zeros(256, np.float32) + i
+
+
+loader = procpipe.Loader(list(range(100_000)), fn=slow, batch_size=4, workers=2)
+for k, batch in enumerate(loader):
+    if k == 2:
+        print("looping", flush=True)
+"""
+
+
+@pytest.mark.parametrize("presses", ["once", "twice"])
+def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, presses: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import python_env, shm_files
+
+    script = tmp_path / "train.py"
+    script.write_text(CTRL_C_SCRIPT)
+    notes = tmp_path / "notes"
+    child = subprocess.Popen([sys.executable, str(script), str(notes), presses], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=python_env())
+    try:
+        assert child.stdout.readline() == "looping\n"
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert stderr.rstrip().endswith("KeyboardInterrupt"), stderr
+    assert "Exception ignored" not in stderr and "lost sys.stderr" not in stderr, stderr
+    assert stderr.count("KeyboardInterrupt") == 1, stderr  # one traceback: the loop's
+    assert shm_files(f"/dev/shm/procpipe-{child.pid}-") == []
+    # Exiting does not wait for the batches queued in the workers' pipes: at most the sample each
+    # worker was starting as the close began (before: every task queued, tens of samples).
+    lines = notes.read_text().splitlines()
+    assert lines.count("closing") == 1 and lines[lines.index("closing") + 1:].count("sample") <= 2, lines

@@ -186,7 +186,10 @@ class EpochIterator(LoaderIterator):
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
-            self._coordinator.submit("cancel", self._stream.gen)
+            try:
+                self._coordinator.submit("cancel", self._stream.gen)
+            except Exception:  # noqa: BLE001 - interpreter teardown (modules already emptied): nothing to cancel
+                pass
 
 
 class InlineIterator(EpochIterator):

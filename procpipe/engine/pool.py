@@ -37,7 +37,7 @@ from ..core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
 from .replies import unreadable_reply
 from ..core.shm import SharedFiles, create_file, map_file
 from ..core.stats import WorkerCounters
-from ..worker.process import STARTING, worker_main
+from ..worker.process import ABANDON_SIGNAL, STARTING, worker_main
 
 if TYPE_CHECKING:
     from .attempts import Attempt
@@ -432,6 +432,9 @@ def kill_tree(pid: int, wait: bool = True) -> None:
 def stop_all(workers: list[LocalWorker]) -> None:
     """Ask every worker to stop, give them 2 s together, kill what is left, close the pipes.
 
+    A busy worker is also sent ``ABANDON_SIGNAL``: it leaves its current task and those
+    queued in its pipe, so that closing (or exiting after a Ctrl-C) does not wait for them.
+
     Never blocks on a pipe: tasks not yet sent are dropped, and a worker that does not
     read its stop message (busy in a sample) is killed at the deadline. Meanwhile their
     replies are read and dropped: a worker blocked writing a large reply (an inline batch,
@@ -441,6 +444,11 @@ def stop_all(workers: list[LocalWorker]) -> None:
         w.outbox.drop_unsent()
         w.outbox.put(STOP)
         w.outbox.flush()
+        if w.tasks:  # busy: its batches are not wanted, and tasks already in its pipe come before the stop
+            try:
+                os.kill(w.process.pid, ABANDON_SIGNAL)  # (it leaves them: worker/process.py)
+            except (ProcessLookupError, TypeError):
+                pass
     deadline = time.monotonic() + 2.0
     running = {w.process.sentinel: w for w in workers}
     replies = {w.conn: w for w in workers if not w.conn.closed}

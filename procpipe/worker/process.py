@@ -43,6 +43,7 @@ _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
 
 STARTING = -2  # the task id in a worker's status words until its process has started (module doc)
+ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand and those queued, exit now
 
 
 @dataclass
@@ -170,6 +171,11 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _abandon(signum: int, frame: Any) -> None:
+    """``ABANDON_SIGNAL``: the loader is closing and wants none of this worker's batches (pool.stop_all)."""
+    raise SystemExit(0)
+
+
 def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
                 parent_pid: int, parent_started: float, env: dict[str, str], own_session: bool = False) -> None:
     """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
@@ -180,6 +186,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     agent gone, removes them, and exits (procpipe.ray)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(ABANDON_SIGNAL, _abandon)
     if own_session:  # (and no death signal from its parent process: Ray kills an agent's forkserver
         os.setsid()  # before the agent itself; the watch below follows the agent)
     else:
