@@ -28,6 +28,7 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
+from .api.shutdown import close_engine, watch_exit
 from .plan.sampler import ExplicitBatches
 from .api.mixing import sampler_for, stream_plan_for
 from .engine.start import start_engine
@@ -253,10 +254,12 @@ class Loader:
             self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
             self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
-        self._finalizer = weakref.finalize(self, _close_engine, self._coordinator)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
                                          self._coordinator, epochs)
+        # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
+        self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
+        watch_exit()  # (after a finalize exists: see api/shutdown.py)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -280,9 +283,9 @@ class Loader:
             resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
             inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: LoaderIterator = inline(self._context, resume, owner=self)
+            it: LoaderIterator = inline(self._context, resume)
         else:
-            it = EpochIterator(self._context, resume, owner=self)
+            it = EpochIterator(self._context, resume)
         self._active = self._root = it
         if self._device_stage is not None:
             self._root = self._device_stage(it)
@@ -405,7 +408,8 @@ class Loader:
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
-        (indices computed so far), ``sample_bytes``, ``bytes`` (the file); None without one."""
+        (indices computed so far), ``sample_bytes``, ``bytes`` (the file), ``error`` (why a damaged
+        file cannot be read, ``filled`` None then: reported, never raised); None without one."""
         cache = self._spec.cache
         return None if cache is None or self._closed else cache.info()
 
@@ -519,11 +523,6 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     why = ("the source is empty (len(source) == 0)" if not length else
            f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})")
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
-
-
-def _close_engine(coordinator: Coordinator | None) -> None:
-    if coordinator is not None:
-        coordinator.close()
 
 
 def _device_stage(device: Any, prefetch: int, device_fn: Callable | None, seed: int) -> Any:

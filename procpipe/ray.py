@@ -31,7 +31,7 @@ second implementation of pool.py's ``WorkerPool``)::
   position twice: every index exactly once, batches identical to a fault-free run.
 - **Cleanup.** ``close()`` ends the agents (their worker processes and ``/dev/shm`` files
   with them); an agent killed with its node or the cluster leaves nothing either: its
-  workers see it gone, remove the files and exit (worker.py).
+  workers see it gone, remove the files and exit (worker/process.py).
 
 Every wait on a remote result has a timeout: replies come back through callbacks, agent
 starts are bounded by ``start_timeout``, heartbeats by ``node_timeout``, ``close()`` by a
@@ -53,6 +53,7 @@ import ray
 from .core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, Reply, Task, WorkerFatal, WorkerLost, WorkerReady
 from .engine.pool import WorkerLink, WorkerPool
 from .core.stats import WorkerCounters
+from . import ray_nodes
 
 __all__ = ["Backend", "NodeLostError", "ObjectStoreError", "RayPool"]
 
@@ -131,23 +132,9 @@ class Backend:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents."""
         from .worker.process import dump_spec
 
-        connect(self.address)
+        ray_nodes.connect(self.address)
         return RayPool(self, dump_spec(spec), config.workers // self.nodes, dict(config.worker_env), cache,
                        files.directory)
-
-
-def connect(address: str | None) -> None:
-    """Join the cluster at ``address`` unless this process already has a Ray session."""
-    if ray.is_initialized():
-        return
-    try:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
-    except ConnectionError as exc:
-        raise ConnectionError(
-            f"procpipe.ray.Backend(address={address!r}) found no Ray cluster: {exc}. Start one "
-            "(`ray start --head` on the head node, `ray start --address=<head>:6379` on the others), "
-            "call ray.init(...) yourself before creating the Loader, or pass address=None to start "
-            "a Ray instance on this machine.") from exc
 
 
 # --------------------------------------------------------------------------- the agent (a Ray actor)
@@ -510,6 +497,7 @@ class _AgentSlot:
     ping_sent: float | None = None
     pong_at: float = 0.0
     lost_why: str = ""
+    target: str | None = None  # the node it was started on (None: Ray chose)
 
 
 class RayPool(WorkerPool):
@@ -540,10 +528,11 @@ class RayPool(WorkerPool):
         self.events: deque[tuple] = deque(maxlen=1000)  # (t, "lost" / "replacing" / "ready", agent, detail)
         self.closed = False
         self._actor = ray.remote(Agent).options  # (a class per pool: ray.remote wraps it)
-        self.store_bytes = _local_object_store()  # read here: admit() runs on the coordinator thread
-        try:
+        self.store_bytes = ray_nodes.local_object_store()  # read here: admit() runs on the coordinator thread
+        try:  # on live nodes, distinct ones where there are enough (ray_nodes.py)
+            live = iter(ray_nodes.live_nodes(self._needs()))
             for number in range(backend.nodes):
-                self.agents[number] = self._start_agent(number)
+                self.agents[number] = self._start_agent(number, target=next(live, None))
             self._wait_ready(list(self.agents))
         except BaseException:
             self._kill_all()
@@ -552,34 +541,50 @@ class RayPool(WorkerPool):
         self._monitor.start()
 
     # ---- agents
-    def _start_agent(self, number: int, lost_on: str = "") -> _AgentSlot:
-        """A new agent (not waited for). ``lost_on``: the node its predecessor was lost on, which
-        Ray may still count as alive for seconds: the replacement goes elsewhere if it can."""
+    def _needs(self) -> dict[str, float]:
+        """What one agent takes on its node."""
         backend = self.backend
-        cpus = self.workers if backend.cpus_per_node is None else backend.cpus_per_node
+        return {"CPU": self.workers if backend.cpus_per_node is None else backend.cpus_per_node,
+                **(backend.resources or {})}
+
+    def _start_agent(self, number: int, lost_on: str = "", target: str | None = None) -> _AgentSlot:
+        """A new agent (not waited for), on node ``target`` if given. ``lost_on``: the node its
+        predecessor was lost on, which Ray may still count as alive for seconds: the
+        replacement goes elsewhere if it can."""
+        backend = self.backend
+        cpus = self._needs()["CPU"]
         options: dict[str, Any] = dict(num_cpus=cpus, resources=dict(backend.resources or {}), max_restarts=0,
                                        max_task_retries=0, max_concurrency=self.workers * 8 + 8,
                                        scheduling_strategy="SPREAD")  # agents on different nodes where they fit
-        target = self._spare_node(cpus, lost_on) if lost_on else None
+        if lost_on:
+            used = {a.node_id for a in self.agents if a is not None and a.alive} | {lost_on}
+            target = ray_nodes.spare_node(self.node_table, self._needs(), used)
         if target is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(target, soft=True)
         handle = self._actor(**options).remote(self.spec_ref, self.workers, self.env, self.cache, self.shm_dir,
                                                backend.start_method, backend.start_timeout)
-        return _AgentSlot(number, handle)
+        return _AgentSlot(number, handle, target=target)
 
     def _wait_ready(self, agents: list[_AgentSlot]) -> None:
-        """Wait (at most ``start_timeout``) for the agents to answer: Ray found them a node,
-        and their worker processes started."""
-        refs = {a.handle.node.remote(): a for a in agents}
-        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=self.backend.start_timeout)
-        for ref in ready:
-            try:
-                answer = ray.get(ref, timeout=_CALL_TIMEOUT_S)
-            except ray.exceptions.RayError as exc:
-                raise RuntimeError(f"procpipe: a Ray agent could not start ({_START_FAILED}): {exc}") from exc
-            self._started(refs[ref], *answer)
+        """Wait (at most ``start_timeout``) for the agents to answer: Ray found them a node, and
+        their worker processes started. One that died first (its node was lost) starts again on
+        another live node while the deadline allows; one whose own start failed ends it all."""
+        deadline = time.monotonic() + self.backend.start_timeout
+        pending = {a.handle.node.remote(): a for a in agents}
+        tried: set[str] = set()  # nodes given to agents that died before answering
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            for ref in ready:
+                agent = pending.pop(ref)
+                try:
+                    answer = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                except ray.exceptions.RayError as exc:
+                    again = self._start_again(agent, exc, tried)
+                    pending[again.handle.node.remote()] = again
+                    continue
+                self._started(agent, *answer)
         if pending:
             backend = self.backend
             cpus = self.workers if backend.cpus_per_node is None else backend.cpus_per_node
@@ -589,15 +594,19 @@ class RayPool(WorkerPool):
                 f"one node; the cluster has {ray.available_resources()} available. Add nodes, lower "
                 "Backend(nodes=...) or cpus_per_node, or raise start_timeout.")
 
-    def _spare_node(self, cpus: float, lost_on: str) -> str | None:
-        """A node (from the monitor's last look) with room for an agent, other than ``lost_on``
-        and those of the live agents; None: let Ray choose."""
-        used = {a.node_id for a in self.agents if a is not None and a.alive} | {lost_on}
-        needs = {"CPU": cpus, **(self.backend.resources or {})}
-        for node_id, resources in self.node_table:
-            if node_id not in used and all(resources.get(k, 0) >= v for k, v in needs.items()):
-                return node_id
-        return None
+    def _start_again(self, agent: _AgentSlot, exc: BaseException, tried: set[str]) -> _AgentSlot:
+        """``agent`` died before it answered: a new one on a live node not tried yet (its own
+        start failing, or no such node, raises: that would fail again)."""
+        if (not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed
+                or len(tried) > self.backend.nodes + len(self.agents)):
+            raise RuntimeError(f"procpipe: a Ray agent could not start ({_START_FAILED}): {exc}") from exc
+        _kill(agent.handle)
+        tried.add(agent.target or "")
+        used = {a.node_id for a in self.agents if a is not None and a.ready} | tried
+        target = next(iter(ray_nodes.live_nodes(self._needs(), exclude=used)), None)
+        self._event("replacing", agent.number, f"it died before it answered: {exc}"[:200])
+        again = self.agents[agent.number] = self._start_agent(agent.number, target=target)
+        return again
 
     def _agent(self, number: int) -> _AgentSlot:
         """Agent ``number``, replaced first if it was lost (counted against max_node_restarts).
@@ -835,15 +844,6 @@ def _kill(handle: Any) -> None:
         ray.kill(handle, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
-
-
-def _local_object_store() -> int:
-    """Bytes of this node's Ray object store (0: unknown)."""
-    try:
-        me = ray.get_runtime_context().get_node_id()
-        return int(next(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["NodeID"] == me))
-    except Exception:  # noqa: BLE001 - cannot tell: admit() then checks nothing
-        return 0
 
 
 def _pipe() -> tuple[int, int]:

@@ -207,7 +207,9 @@ if __name__ == "__main__":
         list(loader)
         path, = glob.glob(os.path.join(loader.cache_info()["directory"], f"procpipe-{os.getpid()}-*-cache"))
         os.truncate(path, os.path.getsize(path) // 2)
-        for what, call in (("epoch", lambda: list(loader)), ("cache_info", loader.cache_info)):
+        info = loader.cache_info()  # a status query reports the damage, it does not raise
+        print("cache_info", info["filled"], path in info["error"], "truncated" in info["error"], flush=True)
+        for what, call in (("epoch", lambda: list(loader)),):
             try:
                 call()
                 print(what, "no error", flush=True)
@@ -227,7 +229,7 @@ def test_a_truncated_cache_file_is_a_cache_error_naming_it(where, tmp_path):
     cache_dir.mkdir()
     result = run_python([str(script), "memory" if where == "memory" else str(cache_dir)])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == ["epoch CacheError True True", "cache_info CacheError True True"], result.stdout
+    assert result.stdout.splitlines() == ["cache_info None True True", "epoch CacheError True True"], result.stdout
 
 
 def test_changed_bytes_in_a_directory_cache_are_a_cache_error(tmp_path):

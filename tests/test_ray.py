@@ -414,3 +414,32 @@ def test_a_slow_worker_start_on_a_node_is_not_a_task_timeout(cluster):
                 backend=procpipe.ray.Backend(nodes=1)) as loader:
         assert [b.tolist() for b in loader] == [list(range(k, k + 4)) for k in range(0, 16, 4)]
         assert loader.stats()["timed_out_tasks"] == 0
+
+
+def test_a_loader_created_right_after_a_node_was_lost_starts_on_live_nodes(cluster):
+    # Ray lists a lost node as alive for seconds: an agent placed there used to die ("The actor
+    # died unexpectedly") and the loader failed to start (issue 21.4).
+    with Loader(range(N), sample, batch_size=4, workers=0) as local:
+        expected = as_lists(local)
+    node = sorted(cluster.worker_nodes, key=lambda n: n.node_id)[0]
+    lost = node.node_id
+    cluster.remove_node(node, allow_graceful=False)
+    try:
+        backend = procpipe.ray.Backend(nodes=2, node_timeout=5.0, start_timeout=60.0)
+        with Loader(range(N), sample, batch_size=4, workers=1, backend=backend) as loader:
+            assert as_lists(loader) == expected
+            agents = loader.stats()["backend"]["agents"]
+            assert all(a["node"] != lost for a in agents) and len({a["node"] for a in agents}) == 2
+    finally:
+        cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE)  # for the tests after this one
+        cluster.wait_for_nodes(timeout=120)
+
+
+def test_a_node_whose_raylet_refuses_connections_is_not_live():
+    from procpipe import ray_nodes
+
+    with __import__("socket").socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert not ray_nodes.raylet_answers({"NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port})
+    assert ray_nodes.spare_node([("a", {"CPU": 1}), ("b", {"CPU": 2})], {"CPU": 2}, set()) == "b"

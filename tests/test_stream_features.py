@@ -250,11 +250,6 @@ def test_skip_does_not_cut_a_shard_whose_iterator_fails(workers):
             list(loader)
 
 
-def test_skip_with_a_fraction_needs_lengths():
-    with pytest.raises(ValueError, match=r"max_skipped=0.01.*lengths="):
-        Loader(Shards(SHARDS, open_shard), fragile, batch_size=3, workers=0, on_error="skip")
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_skip_resumes_exactly(workers):
     def make():

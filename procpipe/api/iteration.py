@@ -72,12 +72,13 @@ class LoaderIterator(Node):
     _cancelled: str | None
     _epoch_set: int | None = None  # what this iteration set ``_standing.epoch`` to last (None: nothing yet)
 
-    def _attach(self, context: IterationContext, owner: object) -> None:
-        """Take the context's ``Standing``, and hold ``owner`` (the Loader): an iteration keeps
-        its Loader, hence its engine, alive, so that ``for batch in Loader(...)`` works."""
+    def _attach(self, context: IterationContext) -> None:
+        """Take the context and its ``Standing``. The context keeps the engine alive (the Loader
+        ends it when its context is garbage), so that ``for batch in Loader(...)`` works; the
+        iterator holds no reference to its Loader, which holds it: no cycle keeps an abandoned
+        loader's workers and shared memory alive until the garbage collector runs."""
         self._context = context
         self._standing = context.standing
-        self._owner = owner
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         """Restart at ``initial_state`` (a position: ``get_state()``, or the position part of a

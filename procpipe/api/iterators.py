@@ -47,9 +47,8 @@ class EpochIterator(LoaderIterator):
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = context.coordinator
         self._with_epoch = context.with_epoch
         self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
@@ -187,15 +186,17 @@ class EpochIterator(LoaderIterator):
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
-            self._coordinator.submit("cancel", self._stream.gen)
+            try:
+                self._coordinator.submit("cancel", self._stream.gen)
+            except Exception:  # noqa: BLE001 - interpreter teardown (modules already emptied): nothing to cancel
+                pass
 
 
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = None
         self._with_epoch = context.with_epoch
         self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)

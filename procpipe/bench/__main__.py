@@ -1,14 +1,15 @@
 """``python -m procpipe.bench`` / ``procpipe-bench``: how many workers should my pipeline use?
 
 With no arguments, sweeps the worker count on the built-in reference workloads (cpu,
-transfer, straggler, tiny with batch 1 and 64) at a quick size and prints a table per
-workload. With ``--pipeline module:factory``, sweeps your own pipeline (``FACTORY_HELP``
+transfer, straggler, tiny with batch 1 and 64) in about a minute (``--budget``) and prints
+one line of advice per workload; ``--table`` adds each workload's table and the reasoning. With ``--pipeline module:factory``, sweeps your own pipeline (``FACTORY_HELP``
 below: the factory's contract, with an example), a ``procpipe.Loader`` or a
 ``procpipe.torch.DataLoader`` (its ``num_workers``).
 
 Each worker count is measured ``--repeat`` times (default 3, the counts taken in turn so
-that a passing load hits them alike); the table gives the median run and the spread of
-samples/s. Per worker count it prints samples/s, its spread, batches/s, MB/s, the % of
+that a passing load hits them alike), each time across epochs until its budget is spent
+(``--seconds``, by default the ``--budget`` shared out; ``--batches``); the table gives the
+median run and the spread of samples/s. Per worker count it prints samples/s, its spread, batches/s, MB/s, the % of
 time the training loop waited in ``next()``, the workers' mean busy % and CPU %, the %
 of time they waited for a CPU held by another process (run queue; ``!``: contended), their
 private memory (USS: the shared ring is not counted) and the time to the first batch, then
@@ -18,6 +19,7 @@ sleep``: a GPU step, the process idle; ``busy``: a CPU step holding the GIL).
 Examples::
 
     python -m procpipe.bench
+    python -m procpipe.bench --table
     python -m procpipe.bench --workloads cpu,straggler --workers 0,2,4 --json out.json --plot out.png
     python -m procpipe.bench --pipeline mytrain.data:loader_kwargs --step-ms 30
 """
@@ -95,9 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the training loop spends per batch (default 0: measure the pipeline alone)")
     p.add_argument("--step-mode", choices=("sleep", "busy"), default="sleep",
                    help="how the step is spent: sleep (a GPU step; default) or busy-wait (a CPU step)")
-    p.add_argument("--seconds", type=float, default=10.0, metavar="S",
-                   help="stop measuring one worker count after S seconds (default 10)")
-    p.add_argument("--batches", type=int, metavar="N", help="stop measuring one worker count after N batches")
+    p.add_argument("--budget", type=float, default=60.0, metavar="S",
+                   help="about how long the whole run takes, shared out between the measurements (default 60)")
+    p.add_argument("--seconds", type=float, metavar="S",
+                   help="measure one worker count for S seconds, across epochs (default: from --budget)")
+    p.add_argument("--batches", type=int, metavar="N",
+                   help="measure one worker count for N batches, across epochs (and at most --seconds if given)")
+    p.add_argument("--table", action="store_true",
+                   help="print each workload's full table and the reasoning behind the advice")
     p.add_argument("--repeat", type=int, default=3, metavar="N",
                    help="measure each worker count N times, in turn, and report the median and spread (default 3)")
     p.add_argument("--within", type=float, default=0.95, metavar="F",
@@ -237,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                leave=False, dynamic_ncols=True)
     out = tqdm.write
     cpus = sweep.cpu_count()
+    seconds = args.seconds
+    if seconds is None and args.batches is None:  # the budget shared out (60 % measuring; the rest starts loaders)
+        seconds = max(0.25, 0.6 * args.budget / (len(jobs) * len(counts) * repeats))
     out(f"procpipe bench: {cpus} CPUs, workers {','.join(map(str, counts))}"
-        + (f", training step {args.step_ms:g} ms ({args.step_mode})" if step_s else ", no training step"))
+        + (f", training step {args.step_ms:g} ms ({args.step_mode})" if step_s else ", no training step")
+        + (f", {seconds:.2g} s per measurement" if seconds else "") + f", {repeats} repeats")
     runs = []
     try:
         for name, make, description in jobs:
@@ -255,21 +266,21 @@ def main(argv: list[str] | None = None) -> int:
 
                     progress(0)
                     measured[workers].append(sweep.measure(make, workers, step_s=step_s, step_mode=args.step_mode,
-                                                           max_batches=args.batches, max_seconds=args.seconds,
+                                                           max_batches=args.batches, max_seconds=seconds,
                                                            progress=None if bar.disable else progress))
                     bar.update(1)
             settings = [sweep.combine(measured[w]) for w in counts]
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
-            out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
-                f"{rec['text']}.\n  why: {rec['why']}.")
+            out(f"{name:>12}: {rec['text']}")
+            if args.table:
+                out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
+                    f"{rec['text']}.\n  why: {rec['why']}.\n")
             runs.append({"name": name, "description": description,
                          "settings": [s.to_json() for s in settings], "recommendation": rec})
     finally:
         bar.close()
-    if len(runs) > 1:
-        print("\nsummary:")
-        for run in runs:
-            print(f"  {run['name']:>12}: {run['recommendation']['text']}")
+    if not args.table:
+        print("(--table: each workload's measurements, and why)")
     if args.json:
         from procpipe import __version__
 

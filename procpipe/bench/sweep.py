@@ -1,16 +1,19 @@
 """Measuring a loader at one worker count, and choosing the worker count from a sweep.
 
 :func:`measure` builds a loader, takes its first batch (timed apart: start-up is not
-throughput), then consumes the epoch, optionally spending ``step_s`` per batch as the
-training step would, and reads ``Loader.stats()`` before and after to get the consumer's
-wait and the workers' busy time over exactly the measured window. It also reads how long
+throughput), then consumes batches, epoch after epoch, until its budget (batches or
+seconds) is spent, optionally spending ``step_s`` per batch as the training step would;
+it times the consumer's wait in ``next()`` itself and reads the workers' busy time
+(``busy_total_s`` of ``Loader.stats()``) before and after, over exactly the measured window. It also reads how long
 the workers were on a CPU and how long they waited for one (``/proc/<pid>/schedstat``, as
 the autotuner does): workers that wait in the run queue for more than a quarter of their
 busy time are *contended*, other processes hold the CPUs, and the figures are not to be
 trusted. :func:`combine` makes one ``Setting`` of repeated measurements: the median run,
-with the spread of samples/s. :func:`recommend` picks the smallest worker count within
-``within`` of the best throughput and says why more would not help, its advice following
-one diagnosis (CPU-bound, I/O-bound, limited by the training process or its step).
+with the spread of samples/s. :func:`recommend` picks the smallest worker count whose
+best repeat comes within ``within`` of the best median throughput (so that noise between
+runs does not move the advice), never more workers than CPUs unless the workers wait on
+I/O, and says why more would not help, its advice following one diagnosis (CPU-bound,
+I/O-bound, limited by the training process or its step).
 """
 from __future__ import annotations
 
@@ -131,6 +134,11 @@ def _schedstats(pids: list[int]) -> dict[int, tuple[float, float]]:
     return {pid: got for pid in pids if (got := schedstat_seconds(pid)) is not None}
 
 
+def _busy_totals(stats: dict) -> dict[int, float]:
+    """Each worker's busy seconds since it started (``busy_s`` alone is the current epoch's)."""
+    return {w["index"]: w.get("busy_total_s", w["busy_s"]) for w in stats["per_worker"]}
+
+
 def _pids(stats: dict) -> list[int]:
     return [w["pid"] for w in stats["per_worker"] if w["pid"] is not None]
 
@@ -138,7 +146,8 @@ def _pids(stats: dict) -> list[int]:
 def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 0.0, step_mode: str = "sleep",
             max_batches: int | None = None, max_seconds: float | None = None,
             progress: Callable[[int], None] | None = None) -> Setting:
-    """Run one epoch of ``make_loader(workers)`` (or until a budget) and return what it achieved."""
+    """Consume ``make_loader(workers)``'s batches, epoch after epoch, until ``max_batches`` or
+    ``max_seconds`` is spent (neither: one epoch), and return what it achieved."""
     t0 = time.perf_counter()
     loader = make_loader(workers)
     try:
@@ -153,11 +162,27 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
         s0 = loader.stats()
         cpu0 = _cpu_seconds(_pids(s0))
         sched0 = _schedstats(_pids(s0))
+        busy0 = _busy_totals(s0)
         start = time.perf_counter()
         deadline = start + max_seconds if max_seconds else math.inf
+        endless = max_batches is None and max_seconds is None  # (then: the rest of the first epoch)
         consumed = pending = 0
+        waited = 0.0
         report_at = start + 0.2
-        for batch in it:
+        while True:
+            before = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                if endless:
+                    break
+                it = iter(loader)  # the next epoch: the budget, not the epoch, ends the window
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+            now = time.perf_counter()
+            waited += now - before
             consumed += 1
             _step(step_s, step_mode)
             del batch
@@ -185,12 +210,12 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
     per_batch_samples = s1["samples"] / s1["batches"] if s1["batches"] else 0.0
     per_batch_bytes = s1["bytes"] / s1["batches"] if s1["batches"] else 0.0
     samples = int(round(consumed * per_batch_samples))
-    wait = min(1.0, max(0.0, (s1["wait_s"] - s0["wait_s"]) / seconds))
+    wait = min(1.0, max(0.0, waited / seconds))
     busy_pct = cpu_pct = peak = total = uss = runq_pct = None
     contended = False
     if s1["per_worker"]:
-        before = {w["index"]: w["busy_s"] for w in s0["per_worker"]}
-        busy = [min(1.0, max(0.0, (w["busy_s"] - before.get(w["index"], 0.0)) / seconds)) for w in s1["per_worker"]]
+        busy1 = _busy_totals(s1)
+        busy = [min(1.0, max(0.0, (busy1[i] - busy0.get(i, 0.0)) / seconds)) for i in busy1]
         busy_pct = 100.0 * sum(busy) / len(busy)
         cpu = [max(0.0, cpu1[p] - cpu0[p]) / seconds for p in cpu1 if p in cpu0]  # restarted workers left out
         cpu_pct = 100.0 * sum(cpu) / len(cpu) if cpu else None
@@ -251,8 +276,15 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
         return {"workers": best.workers, "fraction_of_best": 1.0, "best_workers": best.workers,
                 "best_samples_per_s": 0.0, "gain_beyond": None, "diagnosis": "flat", "contended": contended,
                 "text": "no throughput measured", "why": "every setting delivered nothing"}
-    good = [s for s in settings if s.samples_per_s >= within * best.samples_per_s]
-    rec = min(good, key=lambda s: s.workers)
+    # Good enough: its best repeat comes within ``within`` of the best median (noise between runs
+    # does not move the advice). Not more workers than CPUs unless they wait on I/O: CPU-bound
+    # workers beyond the CPU count only share the same cores (a gain there is noise, or CPU time
+    # won from other processes).
+    io_bound = any(_diagnose(s, step_s, cpus, largest=False)[0] == "io" for s in settings if s.workers)
+    capped = [s for s in settings if s.workers <= cpus] if not io_bound else settings
+    good = [s for s in capped or settings
+            if (s.samples_per_s_max or s.samples_per_s) >= within * best.samples_per_s]
+    rec = min(good or [max(capped, key=lambda s: s.samples_per_s)], key=lambda s: s.workers)
     frac = rec.samples_per_s / best.samples_per_s
     beyond = [s for s in settings if s.workers > rec.workers]
     gain = max((s.samples_per_s / rec.samples_per_s - 1.0 for s in beyond), default=None)
@@ -261,7 +293,10 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
     text = f"use {rec.workers} {noun}: {frac * 100:.0f} % of the best throughput"
     if best is not rec:
         text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
-    if gain is not None:
+    if gain is not None and gain > 1.0 - within and not io_bound and best.workers > cpus >= rec.workers:
+        text += (f"; more workers than the {cpus} CPUs measured up to {gain * 100:+.0f} %, which a CPU-bound "
+                 "pipeline cannot gain (CPU time won from other processes, or noise): not more than the CPUs")
+    elif gain is not None:
         if gain <= 0.0:
             text += "; beyond that, no gain: more workers were slower"
         elif gain <= 1.0 - within:

@@ -119,7 +119,7 @@ class Workload:
     make: Callable[[int], Any]  # number of samples -> dataset
     batch_size: int
     quick_size: int  # samples in a quick run (the bench's default)
-    full_size: int  # samples in a full run (compare.py without --quick)
+    full_size: int  # samples in a full run (bench/compare.py without --quick)
     unit: str  # "samples/s", "batches/s" or "GB/s": what its throughput is reported in
     description: str
     sample_bytes: int = 0  # array bytes per sample

@@ -99,7 +99,7 @@ class _Planner:
         tensor = tensor_type()
         if tensor is not None and isinstance(first, tensor):
             return self._stack_tensors(values, path, indices, tensor)
-        return [INLINE, list(values)]
+        return [INLINE, list(values), True]  # (True: one value per sample, for find_inline)
 
     def _stack_tensors(self, values: list, path: tuple, indices: Sequence[int], tensor: type) -> list:
         """Stack torch tensors like arrays (through numpy views); they come back as a tensor."""
@@ -150,7 +150,7 @@ class _Planner:
                 )
         column = np.asarray(values)
         if column.dtype.hasobject:  # e.g. Python ints beyond 64 bits
-            return [INLINE, list(values)]
+            return [INLINE, list(values), True]
         return self._array_node(column.dtype, column.shape, column, False)
 
     # -- packing an already-built batch (collate_fn output, or unbatched samples) ------
@@ -227,6 +227,34 @@ def layout_value(value: Any, buffer: Any | None, capacity: int) -> tuple[list, i
     planner = _Planner()
     layout = planner.pack(value)
     return layout, planner.nbytes, planner.write(buffer, capacity)
+
+
+def find_inline(node: list, refuses: Any, path: tuple = ()) -> tuple[tuple, int | None, Any] | None:
+    """The first value carried inline in a layout that ``refuses(value)`` (e.g. cannot be pickled),
+    as ``(path, position, value)``: its place in the sample (``_path_str``), and its sample's
+    position in the batch (None for a value of an already-built batch); None if there is none."""
+    kind = node[0]
+    if kind == ARRAY:
+        return None
+    if kind == INLINE:
+        if not refuses(node[1]):
+            return None
+        if len(node) == 3 and node[2]:  # a column of stacked samples: which one
+            for position, value in enumerate(node[1]):
+                if refuses(value):
+                    return path, position, value
+        return path, None, node[1]
+    keys = node[1] if kind == DICT else range(len(node[2]))
+    for key, child in zip(keys, node[2]):
+        found = find_inline(child, refuses, path + (key,))
+        if found is not None:
+            return found
+    return None
+
+
+def describe_path(path: tuple) -> str:
+    """A place in a sample, as errors name it: ``sample['image']``, ``sample[0]``."""
+    return _path_str(path)
 
 
 def count_arrays(node: list) -> int:

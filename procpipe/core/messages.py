@@ -1,7 +1,7 @@
 """The messages between the coordinator and a worker, as named tuples.
 
 A worker pool (pool.py: local processes; procpipe.ray: Ray agents) carries them; the
-coordinator and the worker loop (worker.py) read them by field name, never by position.
+coordinator and the worker loop (worker/process.py) read them by field name, never by position.
 Named tuples pickle with the C pickler by reference to this module (a few bytes more than
 a plain tuple), so the wire stays cheap (wire.py).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 from .stats import EpochCounters
 
@@ -15,19 +16,28 @@ logger = logging.getLogger("procpipe")
 class SkipBudget:
     """``on_error="skip"`` for one epoch: logs each skip, records it, enforces ``max_skipped``.
 
-    ``max_skipped`` is a count (int) or a fraction of the epoch's ``samples`` (float, rounded
-    up). ``whole_batches``: a batch that failed as a whole (collation; for a streaming source,
-    its shard's iterator) may be skipped too; a stream cannot, since its shard cannot be read
-    past the error (the epoch would end that shard short).
+    ``max_skipped`` is a count (int) or a fraction (float, rounded up) of the epoch's
+    ``samples``, or, where the epoch's size is not known in advance (a stream without
+    ``Shards(lengths=...)``: ``samples`` is a callable), of the samples seen so far, asked at
+    each skip. ``whole_batches``: a batch that failed as a whole (collation; for a streaming
+    source, its shard's iterator) may be skipped too; a stream cannot, since its shard cannot
+    be read past the error (the epoch would end that shard short).
     """
 
-    def __init__(self, max_skipped: int | float, samples: int, counters: EpochCounters,
+    def __init__(self, max_skipped: int | float, samples: int | Callable[[], int], counters: EpochCounters,
                  whole_batches: bool = True) -> None:
-        if isinstance(max_skipped, float):
-            max_skipped = math.ceil(max_skipped * samples)
-        self.limit = max_skipped
+        self._fraction = max_skipped if isinstance(max_skipped, float) else None
+        self._samples = samples
+        self._limit = max_skipped if self._fraction is None or callable(samples) else math.ceil(max_skipped * samples)
         self.counters = counters
         self.whole_batches = whole_batches
+
+    @property
+    def limit(self) -> int:
+        """The most samples the epoch may leave out, now."""
+        if self._fraction is not None and callable(self._samples):
+            return math.ceil(self._fraction * self._samples())
+        return self._limit
 
     def add(self, indices: list[int], what: str, error: str) -> bool:
         """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
@@ -36,6 +46,8 @@ class SkipBudget:
         return len(self.counters.skipped) <= self.limit
 
     def note(self) -> str:
+        of = (f"; max_skipped={self._fraction} of the {self._samples()} samples seen so far"
+              if self._fraction is not None and callable(self._samples) else "")
         return (f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
                 f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
-                f"({self.limit}); this error is raised instead of being skipped.")
+                f"({self.limit}{of}); this error is raised instead of being skipped.")

@@ -151,6 +151,7 @@ def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, con
             "busy_s": busy,
             "busy_fraction": _fraction(busy, wall),
             "tasks_total": w.tasks,
+            "busy_total_s": w.busy_s,  # since the worker's index started (across epochs: the bench's windows)
             "restarts": w.restarts,
             "rss_bytes": w.rss_bytes,
             "peak_rss_bytes": w.peak_rss_bytes,

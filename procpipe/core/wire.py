@@ -50,6 +50,14 @@ def encode(message: Any) -> bytes:
         return classref.dumps(message, PROTOCOL)
 
 
+def encode_value(value: Any) -> bytes:
+    """``value`` pickled as ``encode`` would pickle it inside a message (raises if it cannot be)."""
+    try:
+        return pickle.dumps(value, PROTOCOL)
+    except Exception:
+        return classref.dumps(value, PROTOCOL)
+
+
 def send(conn: Any, message: Any) -> None:
     """Send ``message`` on a ``Connection``, blocking until the pipe takes it (workers' side)."""
     conn.send_bytes(encode(message))

@@ -2,11 +2,10 @@
 
 The data path, top to bottom: the consumer's ``iter(loader)`` (loader.py; its epoch
 iterator, iterators.py) hands a ``Stream`` of epochs and their batches (epochs.py) to
-this thread, which sends each batch to a worker process (started by pool.py; worker.py
-runs in it). The worker writes the collated batch into a ring slot (shm.py, collate.py)
-and replies with its layout; here the reply becomes a batch of views of that slot,
-which the epoch passes through reassembly (reassembly.py) into the stream's queue,
-which the consumer reads.
+this thread, which sends each batch to a worker process (started by pool.py; worker/process.py
+runs in it). The worker writes the collated batch into a ring slot (shm.py, collate.py) and
+replies with its layout; here the reply becomes a batch of views of that slot, which the
+epoch passes through reassembly (reassembly.py) into the stream's queue the consumer reads.
 
 The coordinator owns the slot free list, the task table (which batch is on which worker
 since when), worker health and the stream in progress. Its loop is::
@@ -496,7 +495,8 @@ class Coordinator:
                 if slot is None:
                     return
                 epoch.counters.speculative_tasks += 1
-                self.send(target, job, slot)
+                self.send(target, job, slot)  # (and a shard's later blocks follow, not behind the straggler:)
+                epoch.moved(job, target.index)
 
     # ---------------------------------------------------------------- replies
     def _on_readable(self, worker: WorkerLink) -> None:

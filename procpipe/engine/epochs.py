@@ -129,7 +129,9 @@ class Epoch:
 
     def skip_budget(self, max_skipped: int | float) -> SkipBudget:
         """``on_error="skip"``'s budget for this epoch (the coordinator's, or ``workers=0``'s)."""
-        return SkipBudget(max_skipped, self.plan.sample_total(), self.counters, self.plan.skips_tasks)
+        total = self.plan.sample_total()  # (None: not known in advance; a fraction is of those seen so far)
+        return SkipBudget(max_skipped, self.plan.samples_seen if total is None else total, self.counters,
+                          self.plan.skips_tasks)
 
     # ---- dispatch
     def offers(self, per_lane: int) -> Sequence[Offer]:
@@ -153,6 +155,10 @@ class Epoch:
         self.counters.redispatched_tasks += 1
         return self.jobs[work.key]
 
+    def moved(self, job: Job, worker: int) -> None:
+        """``job`` was sent to ``worker`` as well (speculation): its lane goes there (``EpochPlan.moved``)."""
+        self.plan.moved(job.work, worker)
+
     def lost(self, job: Job) -> None:
         """``job``'s worker died before it answered (its slot is in ``job.slot``): run it again."""
         self.redo.append(job)
@@ -166,7 +172,7 @@ class Epoch:
 
     # ---- results
     def result(self, job: Job, result: Any) -> None:
-        """``job``'s result: ``plans.Loaded`` (its batch), ``EMPTY`` (every sample skipped) or a
+        """``job``'s result: ``base.Loaded`` (plan/base.py) (its batch), ``EMPTY`` (every sample skipped) or a
         ``Failure``; the batches the plan hands out for it go to the stream's queue, in order."""
         if self.jobs.pop(job.work.key, None) is None or self.finished:
             return

@@ -7,7 +7,7 @@ The coordinator (coordinator.py) knows workers only as ``WorkerLink`` objects: w
 says whether its workers write into the coordinator's ring (``uses_ring``). The pool knows
 no epochs, batches or order: those are the coordinator's.
 
-- ``LocalPool`` (this module): worker processes on this machine (worker.py), one duplex
+- ``LocalPool`` (this module): worker processes on this machine (worker/process.py), one duplex
   pipe each, their ``(task, index)`` status words in a shared file (so a death or a
   ``task_timeout`` names the sample), batches written straight into the coordinator's ring.
 - ``procpipe.ray.RayPool``: agents on Ray nodes, each running local worker processes and
@@ -37,7 +37,7 @@ from ..core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
 from .replies import unreadable_reply
 from ..core.shm import SharedFiles, create_file, map_file
 from ..core.stats import WorkerCounters
-from ..worker.process import STARTING, worker_main
+from ..worker.process import ABANDON_SIGNAL, STARTING, worker_main
 
 if TYPE_CHECKING:
     from .attempts import Attempt
@@ -297,7 +297,7 @@ class LocalWorker(WorkerLink):
 
 
 class LocalPool(WorkerPool):
-    """Worker processes on this machine, all alike but for their index (worker.py).
+    """Worker processes on this machine, all alike but for their index (worker/process.py).
 
     ``capacity``: the most workers at once (their status words are sized for it).
     """
@@ -305,7 +305,7 @@ class LocalPool(WorkerPool):
     def __init__(self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int,
                  own_session: bool = False) -> None:
         self.ctx = ctx
-        self.own_session = own_session  # each worker in a session of its own (worker.worker_main)
+        self.own_session = own_session  # each worker in a session of its own (process.worker_main)
         self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
         self.prefix = files.prefix  # of the loader's shared files
         self.env = env  # worker_env: set on top of this process's environment in each worker
@@ -317,7 +317,7 @@ class LocalPool(WorkerPool):
         self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
 
     def start(self, index: int, counters: WorkerCounters) -> LocalWorker:
-        self._status[2 * index] = STARTING  # the worker clears it once started (worker.py)
+        self._status[2 * index] = STARTING  # the worker clears it once started (worker/process.py)
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
@@ -432,6 +432,9 @@ def kill_tree(pid: int, wait: bool = True) -> None:
 def stop_all(workers: list[LocalWorker]) -> None:
     """Ask every worker to stop, give them 2 s together, kill what is left, close the pipes.
 
+    A busy worker is also sent ``ABANDON_SIGNAL``: it leaves its current task and those
+    queued in its pipe, so that closing (or exiting after a Ctrl-C) does not wait for them.
+
     Never blocks on a pipe: tasks not yet sent are dropped, and a worker that does not
     read its stop message (busy in a sample) is killed at the deadline. Meanwhile their
     replies are read and dropped: a worker blocked writing a large reply (an inline batch,
@@ -441,6 +444,11 @@ def stop_all(workers: list[LocalWorker]) -> None:
         w.outbox.drop_unsent()
         w.outbox.put(STOP)
         w.outbox.flush()
+        if w.tasks:  # busy: its batches are not wanted, and tasks already in its pipe come before the stop
+            try:
+                os.kill(w.process.pid, ABANDON_SIGNAL)  # (it leaves them: worker/process.py)
+            except (ProcessLookupError, TypeError):
+                pass
     deadline = time.monotonic() + 2.0
     running = {w.process.sentinel: w for w in workers}
     replies = {w.conn: w for w in workers if not w.conn.closed}

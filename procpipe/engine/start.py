@@ -5,7 +5,7 @@
 and told to preload the modules the parent has imported, see preload.py), opens the
 cache (which computes the first sample), ships the user's objects to the workers
 (``ship_spec``: pickled once with dill into a shared file each worker reads, see
-worker.py; with ``"fork"`` they are inherited instead) and starts the ``Coordinator``,
+worker/process.py; with ``"fork"`` they are inherited instead) and starts the ``Coordinator``,
 which starts the workers. If any step fails, every file made so far is removed.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: Shared
                own_session: bool = False) -> LocalPool:
     """Worker processes on this machine: the start method's context, the cache (which runs the
     first sample here), and the user's objects shipped to them (``own_session``: see
-    ``worker.worker_main``)."""
+    ``process.worker_main``)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
     ctx = context(config.start_method, config.worker_env, files)
     spec.cache = open_cache(spec, cache, files, files.directory)

@@ -147,6 +147,10 @@ class EpochPlan:
         """Worker index -> lanes it holds open (to give a new lane to the least loaded)."""
         return {}
 
+    def moved(self, work: Work, worker: int) -> None:
+        """``work`` runs on worker ``worker`` too (speculation: the worker holding its lane
+        straggles): the lane's later tasks go there, not to the straggler. No lanes: nothing."""
+
     def held(self) -> int:
         """Results received and held back for their turn (they count as in flight)."""
         return 0
@@ -166,9 +170,14 @@ class EpochPlan:
         """Every batch of the epoch has been handed out (``completed``)."""
         raise NotImplementedError
 
-    def sample_total(self) -> int:
-        """The epoch's samples (what a fractional ``max_skipped`` is a fraction of)."""
+    def sample_total(self) -> int | None:
+        """The epoch's samples (what a fractional ``max_skipped`` is a fraction of); None when
+        not known in advance (then the fraction is of ``samples_seen()``, asked at each skip)."""
         raise NotImplementedError
+
+    def samples_seen(self) -> int:
+        """Samples read so far, the task being counted included (asked where ``sample_total`` is None)."""
+        return self.sample_total() or 0
 
     def finish(self) -> None:
         """The epoch ended or was cancelled: let go of what is held (leases of waiting results)."""

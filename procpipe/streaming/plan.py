@@ -48,10 +48,6 @@ class StreamPlan:
                  batches: Any = None, batch_fn: Any = None, cache: Any = None, even_ranks: bool = False) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
-            (on_error == "skip" and isinstance(max_skipped, float) and shards.lengths is None,
-             (f"on_error='skip' with max_skipped={max_skipped!r}, a fraction of the epoch's records, without the "
-              "shards' record counts: pass Shards(..., lengths=[records of each shard]), or max_skipped as a "
-              "count (an int)")),
             (speculate is not None and not shards.replayable,
              (f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
               "worker, so a straggling block cannot be raced)")),
@@ -202,12 +198,14 @@ class InlineStream(LoaderIterator):
     interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
     output is identical to that of workers (in the deterministic order, whatever
     ``ordered``). The Loader uses it like its own epoch iterators: a source node
-    (procpipe/api/nodes.py) with ``get_state`` / ``reset``.
+    (procpipe/api/nodes.py) with ``get_state`` / ``reset``; ``position`` is ``(epoch, position
+    in the epoch)`` of the batch ``next()`` returned last (``device_fn``'s ``batch_rng()`` key).
     """
 
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
-                 owner: object = None) -> None:
-        self._attach(context, owner)
+    position: tuple[int, int] | None = None
+
+    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
+        self._attach(context)
         self._coordinator = None
         self._spec = context.spec
         self._max_skipped = context.max_skipped
@@ -258,6 +256,7 @@ class InlineStream(LoaderIterator):
                 epoch.counters.wait_s += time.perf_counter() - started
                 epoch.mark_consumed(seq)
                 stream.consumed += 1
+                self.position = (epoch.number, seq)  # device_fn's batch_rng() key, as EpochIterator's
                 if epoch is not self._epoch:  # the first batch of the next epoch
                     for number in [n for n in stream.opened if n < epoch.number]:
                         del stream.opened[number]  # past (resume_point starts at this epoch): let it go

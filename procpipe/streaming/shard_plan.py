@@ -93,6 +93,7 @@ class ShardPlan(EpochPlan):
         self.ended = 0  # shards whose last block has arrived
         self.completed_shards = 0  # shards whose every block has been used
         self.handed_out = 0  # batches handed out (the next one's position)
+        self.records_read = 0  # by the blocks whose results came (a fractional max_skipped's base)
         self.finished = False  # failed or finished: results still coming are ignored
         self.done = False  # every batch handed out
         self.progress = Progress()  # positions the consumer has taken (consumer thread)
@@ -112,11 +113,15 @@ class ShardPlan(EpochPlan):
                 self.states[position] = _Shard(position, self.order[position], next_block=block, used=block)
         self.ended = self.completed_shards = self.opened - len(self.states)
 
-    def sample_total(self) -> int:
-        """The epoch's records, from ``Shards(lengths=...)`` (``StreamPlan`` refuses a fractional
-        ``max_skipped`` without them, so this is only asked with them)."""
+    def sample_total(self) -> int | None:
+        """The epoch's records, from ``Shards(lengths=...)``; None without them."""
         lengths = self.config.source.lengths
-        return 0 if lengths is None else sum(lengths[s] for s in self.order)
+        return None if lengths is None else sum(lengths[s] for s in self.order)
+
+    def samples_seen(self) -> int:
+        """Records read by the blocks whose results were used, plus a whole block: the one whose
+        skipped records are being counted (they are counted before its result is used)."""
+        return self.records_read + self.block_length
 
     # ------------------------------------------------------------------ dispatch
     @property
@@ -176,6 +181,11 @@ class ShardPlan(EpochPlan):
         state.redo.append(work)
         state.redo.sort(key=lambda w: w.block)
         return True
+
+    def moved(self, work: BlockWork, worker: int) -> None:
+        """The shard's reader is now ``worker`` (a speculative attempt at one of its blocks):
+        its later blocks follow, rather than waiting behind the straggler's stalled block."""
+        work.shard.worker = worker
 
     def lanes_held(self) -> dict[int, int]:
         """Worker index -> shards it reads whose end is not known yet."""
@@ -238,6 +248,7 @@ class ShardPlan(EpochPlan):
         is None."""
         state, b = work.shard, work.block
         state.in_flight -= 1
+        self.records_read += count or 0
         if count is not None and count < self.block_length:
             self.ends[state.index] = min(self.ends.get(state.index, math.inf), b * self.block_length + count)
             self._learn_end(state, b)

@@ -84,8 +84,7 @@ class _Field:
         self.itemsize = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self.offset = 0
 
-    def __getstate__(self) -> tuple:
-        # The dtype itself: its .str would lose a structured dtype's fields ('|V8').
+    def __getstate__(self) -> tuple:  # (the dtype itself: its .str would lose a structured dtype's fields)
         return (self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize)
 
     def __setstate__(self, state: tuple) -> None:
@@ -278,9 +277,8 @@ class Cache:
             array[index] = value
         if self._crcs is not None:
             self._crcs[index] = self._crc(index)
-        # The data is written before the flag; a reader checks the flag first. (Stores are
-        # not reordered on x86; elsewhere, the interpreter does far more than a barrier's
-        # worth of work between the two.)
+        # The data is written before the flag; a reader checks the flag first. (Stores are not reordered
+        # on x86; elsewhere, the interpreter does far more than a barrier's worth of work between the two.)
         self._flags[index] = 1
 
     def _match(self, node: list, value: Any, path: tuple, leaves: list, index: int) -> None:
@@ -336,8 +334,13 @@ class Cache:
         return self.get(index)
 
     def info(self) -> dict[str, Any]:
-        return {"directory": self.directory, "samples": self.length, "filled": self.filled(),
-                "sample_bytes": self.sample_bytes, "bytes": self.nbytes}
+        """``Loader.cache_info()``: a damaged file is reported (``error``; ``filled`` None), never raised."""
+        try:
+            filled, error = self.filled(), None
+        except CacheError as exc:
+            filled, error = None, str(exc)
+        return {"directory": self.directory, "samples": self.length, "filled": filled,
+                "sample_bytes": self.sample_bytes, "bytes": self.nbytes, "error": error}
 
 
 # ------------------------------------------------------------------ creation and cleanup

@@ -32,16 +32,18 @@ from typing import Any, Callable
 
 import dill
 
-from ..core import wire
+from ..core import collate, wire
 from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .produce import produce
 from ..core.rng import SampleScope
 from ..core.shm import WorkerRings, map_file, open_owned
+from ..errors import CollateError
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
 
 STARTING = -2  # the task id in a worker's status words until its process has started (module doc)
+ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand and those queued, exit now
 
 
 @dataclass
@@ -169,6 +171,11 @@ def _raise_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _abandon(signum: int, frame: Any) -> None:
+    """``ABANDON_SIGNAL``: the loader is closing and wants none of this worker's batches (pool.stop_all)."""
+    raise SystemExit(0)
+
+
 def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
                 parent_pid: int, parent_started: float, env: dict[str, str], own_session: bool = False) -> None:
     """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
@@ -179,6 +186,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     agent gone, removes them, and exits (procpipe.ray)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(ABANDON_SIGNAL, _abandon)
     if own_session:  # (and no death signal from its parent process: Ray kills an agent's forkserver
         os.setsid()  # before the agent itself; the watch below follows the agent)
     else:
@@ -235,7 +243,50 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         task = wire.recv(conn)
         if task is STOP:
             return
-        wire.send(conn, run_task(spec, scope, rings, task, status, lambda reply: wire.send(conn, reply)))
+        reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
+        conn.send_bytes(encode_reply(reply, task))
+
+
+def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
+    """``reply`` for the wire; a batch holding a value that cannot be pickled (a generator, a
+    lock, a socket...) becomes that batch's error, naming the value, rather than ending the
+    worker: the consumer gets it from its ``next()``, as any other error of ``fn``."""
+    try:
+        return wire.encode(reply)
+    except Exception as exc:
+        if not isinstance(reply, BatchDone) or reply.layout is None:
+            raise
+        error = _unsendable(reply.layout, task.payload, exc)
+        return wire.encode(BatchFailed(task.id, error, reply.busy_s))
+
+
+def _refuses_pickle(value: Any) -> bool:
+    try:
+        wire.encode_value(value)
+    except Exception:
+        return True
+    return False
+
+
+def _unsendable(layout: list, payload: Any, exc: Exception) -> ErrorInfo:
+    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type."""
+    found = collate.find_inline(layout, _refuses_pickle)
+    if found is None:  # (only the whole batch fails to pickle: say so without a field)
+        where, index, kind = "the batch", None, "an object"
+    else:
+        path, position, value = found
+        if not isinstance(payload, list) and path[:1] == (1,):  # a stream's block layout: (info, records)
+            path = path[1:]
+        indices = payload if isinstance(payload, list) else None
+        index = indices[position] if indices is not None and position is not None else None
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        where = collate.describe_path(path) + (f" of index {index}" if index is not None else "")
+    error = CollateError(
+        f"cannot send {where} to the training process: it holds a {kind}, which cannot be pickled "
+        f"({type(exc).__name__}: {exc}). Return only picklable values from fn (arrays, numbers, str, "
+        f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
+        f"file), or drop the field in batch_fn / collate_fn.")
+    return _error_info(index, error)
 
 
 def run_task(spec: WorkerSpec, scope: SampleScope, rings: WorkerRings, task: Task, status: Any,
