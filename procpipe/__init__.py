@@ -4,6 +4,9 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
+# First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
+# start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
+from .worker import fork_safety as _fork_safety  # noqa: F401
 from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
                      TaskTimeoutError, WorkerError)
 from .engine.autotune import AutoWorkers

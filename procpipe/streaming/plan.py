@@ -186,6 +186,8 @@ class InlineStream(LoaderIterator):
     (procpipe/api/nodes.py) with ``get_state`` / ``reset``.
     """
 
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
+
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None, *,
                  owner: object = None) -> None:
         self._attach(context, owner)
