@@ -4,16 +4,40 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
+import importlib
+from typing import TYPE_CHECKING, Any
+
 # First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
 # start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
 from .worker import fork_safety as _fork_safety  # noqa: F401
 from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
                      TaskTimeoutError, WorkerError)
-from .engine.autotune import AutoWorkers
-from .loader import Loader
-from .worker.records import Records
-from .streaming import Shards
 from .core.rng import batch_rng, sample_rng
+
+if TYPE_CHECKING:
+    from .engine.autotune import AutoWorkers
+    from .loader import Loader
+    from .streaming import Shards
+    from .worker.records import Records
+
+# The rest of the API is imported when first used (PEP 562): a worker started from a
+# forkserver imports this package for its own modules, and needs none of the engine
+# (~0.15 s less before the first batch: docs/guide/startup.md).
+_LAZY = {"AutoWorkers": "engine.autotune", "Loader": "loader", "Records": "worker.records", "Shards": "streaming"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'procpipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AutoWorkers",

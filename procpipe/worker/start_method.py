@@ -49,13 +49,15 @@ def fork_is_safe() -> bool:
     return fork_safety.fork_is_safe()
 
 
-def resolve(requested: str) -> str:
-    """The start method to use for ``requested`` (``"auto"``: see the module doc)."""
+def resolve(requested: str, warn: bool = True) -> str:
+    """The start method to use for ``requested`` (``"auto"``: see the module doc); ``warn``: say
+    once per process why ``"auto"`` cannot fork (False where no worker starts here)."""
     if requested != AUTO:
         return requested
     if fork_is_safe():
         return "fork"
-    _warn_once(fork_safety.why_not_safe() or "forking this process is not safe now")
+    if warn:
+        _warn_once(fork_safety.why_not_safe() or "forking this process is not safe now")
     return "forkserver"
 
 
