@@ -21,8 +21,8 @@ per sample and the same values on every run:
 - ``False``: left alone.
 
 Before a batch's ``collate_fn`` and ``batch_fn`` they are seeded from the batch's first
-index (either mode). A cached stage (``cache=``) runs under its sample's own seed, and the
-task's stream goes on afterwards as if the cache had been hit, so the output does not
+index (either mode). A cached stage (``cache=``) runs under its sample's own seed for epoch
+0 (whichever epoch fills the cache), and the task's stream goes on afterwards as if the cache had been hit, so the output does not
 depend on which attempt filled the cache. In the calling process (``workers=0``, the
 cache's first sample) their state is put back after each batch: the caller's own draws are
 not disturbed.
@@ -207,13 +207,14 @@ class SampleScope:
 
     @contextmanager
     def own_seed(self) -> Iterator[None]:
-        """Around a cached stage's computation: it draws from its sample's own seed, then the
+        """Around a cached stage's computation: it draws from its sample's own seed, that of
+        epoch 0 whichever epoch computes it (what is cached does not depend on when), then the
         task's stream goes on as it was (as if the cache had been hit: module doc)."""
         if not self.seed_globals:
             yield
             return
         saved = _global_states()
-        self._seed_globals(self.epoch, self.index)
+        self._seed_globals(0, self.index)
         try:
             yield
         finally:

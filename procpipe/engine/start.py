@@ -9,7 +9,9 @@ preload.py) and starts the ``Coordinator``, which starts the workers. If any ste
 """
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
 from ..worker.cache import open_cache
@@ -69,7 +71,8 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles, preload:
         from multiprocess import forkserver
 
         path = files.path("preload")
-        create_file(path, 0, "the forkserver's module list", "\n".join(preload).encode())
+        listing = json.dumps({"sys_path": sys.path, "modules": list(preload)}).encode()
+        create_file(path, 0, "the forkserver's module list", listing)
         server_env = dict(env, PROCPIPE_PRELOAD_FILE=path)
         saved = {k: os.environ.get(k) for k in server_env}
         os.environ.update(server_env)

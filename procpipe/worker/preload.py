@@ -1,15 +1,17 @@
 """Imported once by the forkserver process: preload what workers will need.
 
-``PROCPIPE_PRELOAD_FILE`` (set only while the forkserver starts) names a file listing the
-modules the shipped dataset and functions reference (``preload_list``), in the order the
-parent imported them. Importing them here, once, lets every worker forked from the server
+``PROCPIPE_PRELOAD_FILE`` (set only while the forkserver starts) names a file (JSON) with
+the parent's ``sys.path`` and the modules the shipped dataset and functions reference
+(``preload_list``), in the order the parent imported them. Importing them here, once, lets every worker forked from the server
 start in milliseconds. A module that fails to import here is reported (a
 ``PreloadWarning`` on the server's stderr, which is the parent's, naming the module and
 the exception): the server goes on, and a worker that needs the module imports it itself
 (and fails with the error, if it fails there too).
 """
 import importlib
+import json
 import os
+import sys
 import traceback
 import warnings
 
@@ -42,11 +44,14 @@ def _preload_file(path: str) -> None:
         return
     try:
         with os.fdopen(open_owned(path, os.O_RDONLY)) as f:  # the loader's own file only
-            names = f.read().split()
-    except OSError as exc:
+            listing = json.load(f)
+    except (OSError, ValueError) as exc:
         warnings.warn(f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning)
         return
-    preload(names)
+    # The parent's sys.path (its script's directory, a path added by the program): multiprocess
+    # gives it to each worker, not to the server, where the same modules are imported first.
+    sys.path[:] = listing["sys_path"]
+    preload(listing["modules"])
 
 
 _preload_file(os.environ.get("PROCPIPE_PRELOAD_FILE", ""))
