@@ -1,11 +1,12 @@
 """Starting a Loader's engine, in the calling process: everything before the first worker runs.
 
-``start_engine`` creates the loader's shared files, opens the cache (which computes the first sample), ships the user's objects to the
-workers (pickled once with dill into a shared file each worker reads, see worker.py; with
-``"fork"`` they are inherited instead), gets the multiprocess context (``context``: with
-``"forkserver"``, the server is started with the workers' environment and told to preload
-the modules the pickle references, in the parent's import order: preload_list.py,
-preload.py) and starts the ``Coordinator``, which starts the workers. If any step fails, every file made so far is removed.
+``start_engine`` creates the loader's shared files, opens the cache (which computes the
+first sample), ships the user's objects to the workers (pickled once with dill into a
+shared file each worker reads, see worker.py; with ``"fork"`` they are inherited instead),
+gets the multiprocess context (``context``: with ``"forkserver"``, the server is started
+with the workers' environment and told to preload the modules the pickle references, in
+the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
+which starts the workers. If any step fails, every file made so far is removed.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 ``PROCPIPE_PRELOAD_FILE`` (set only while the forkserver starts) names a file (JSON) with
 the parent's ``sys.path`` and the modules the shipped dataset and functions reference
-(``preload_list``), in the order the parent imported them. Importing them here, once, lets every worker forked from the server
-start in milliseconds. A module that fails to import here is reported (a
-``PreloadWarning`` on the server's stderr, which is the parent's, naming the module and
-the exception): the server goes on, and a worker that needs the module imports it itself
-(and fails with the error, if it fails there too).
+(``preload_list``), in the order the parent imported them. Importing them here, once, lets
+every worker forked from the server start in milliseconds. A module that fails to import
+here is reported (a ``PreloadWarning`` on the server's stderr, which is the parent's,
+naming the module and the exception): the server goes on, and a worker that needs the
+module imports it itself (and fails with the error, if it fails there too).
 """
 import importlib
 import json
