@@ -23,9 +23,9 @@ per sample and the same values on every run:
 Before a batch's ``collate_fn`` and ``batch_fn`` they are seeded from the batch's first
 index (either mode). A cached stage (``cache=``) runs under its sample's own seed for epoch
 0 (whichever epoch fills the cache), and the task's stream goes on afterwards as if the
-cache had been hit, so the output does not depend on which attempt filled the cache. In the calling process (``workers=0``, the
-cache's first sample) their state is put back after each batch: the caller's own draws are
-not disturbed.
+cache had been hit, so the output does not depend on which attempt filled the cache. In
+the calling process (``workers=0``, the cache's first sample) their state is put back after
+each batch: the caller's own draws are not disturbed.
 """
 from __future__ import annotations
 
