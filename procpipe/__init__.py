@@ -4,8 +4,8 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
 # First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
 # start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
@@ -26,17 +26,17 @@ if TYPE_CHECKING:
 _LAZY = {"AutoWorkers": "engine.autotune", "Loader": "loader", "Records": "worker.records", "Shards": "streaming"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'procpipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) - {"TYPE_CHECKING"} | set(_LAZY))
 
 
 __all__ = [
