@@ -21,6 +21,7 @@ from typing import Any
 from .engine.autotune import resolve as resolve_autotune
 from .worker.cache import open_cache
 from .core.checks import check_int
+from .core.rng import seeding_mode
 from .engine.coordinator import Coordinator, EngineConfig
 from .api.iteration import IterationContext, LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
@@ -145,12 +146,16 @@ class Loader:
             through a buffer of this many records in the calling process, like tf.data's
             ``shuffle(buffer_size)``; deterministic from ``(seed, epoch)`` with ``ordered=True``.
             See README.md, "Streaming sources: shards and parallel interleave".
-        seed_globals: ``True`` (default): before each sample, Python's ``random``, ``np.random``
+        seed_globals: ``True`` (default, the same as ``"task"``): Python's ``random``, ``np.random``
             and torch's default generator (if torch is imported; it is never imported for
-            this) are seeded from ``(seed, epoch, index)``, so code drawing from them
+            this) are seeded once per batch (a streaming source: per block), before its first
+            sample, from ``(seed, epoch, the batch's first index)``, so code drawing from them
             (torchvision-style transforms) gets distinct, reproducible values per sample,
-            whatever the worker count. With ``workers=0`` the caller's generator states are
-            put back after each batch. ``False``: leave them alone (about 20 us per sample).
+            whatever the worker count, the schedule or re-runs. ``"sample"``: seeded before
+            every sample from ``(seed, epoch, index)`` (a sample's draws then do not depend on
+            which batch it is in; ~12 us a sample). ``False``: leave them alone. With
+            ``workers=0`` the caller's generator states are put back after each batch.
+            See docs/guide/startup.md.
         backend: None (default): worker processes on this machine. ``procpipe.ray.Backend(...)``:
             the workers run on a Ray cluster (``workers`` per node); see README.md, "Beyond one
             machine: Ray". Every other argument keeps its meaning.
@@ -195,7 +200,7 @@ class Loader:
         augment: Callable[[Any], Any] | None = None,
         shuffle_buffer: int | None = None,
         device_fn: Callable[[Any], Any] | None = None,
-        seed_globals: bool = True,
+        seed_globals: bool | str = True,
         stage_slots: int = 0,
         backend: Any = None,
         even_ranks: bool = False,
@@ -229,10 +234,12 @@ class Loader:
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
-                                batch_fn=batch_fn, augment=augment, seed_globals=bool(seed_globals))
+                                batch_fn=batch_fn, augment=augment, seed_globals=seeding_mode(seed_globals))
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
-        self._start_method = resolve_start_method(start_method)  # once: its restarted workers start the same way
+        # once: its restarted workers start the same way (a slower start is said once, if workers start here)
+        starts_here = (auto is not None or workers > 0) and backend is None
+        self._start_method = resolve_start_method(start_method, warn=starts_here)
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
         self._active: LoaderIterator | None = None  # the source node of the latest iteration

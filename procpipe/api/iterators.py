@@ -195,6 +195,8 @@ class EpochIterator(LoaderIterator):
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
+
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
         self._coordinator = None

@@ -54,6 +54,7 @@ from .faults import death_message, rebuild_error, skip_or_fail, startup_message,
 from ..core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .pool import Watchdog, WorkerLink, WorkerPool
 from ..core.shm import Ring, SharedFiles, round_slot_bytes
+from ..worker import fork_safety
 from ..core.stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
 
 logger = logging.getLogger("procpipe")
@@ -146,8 +147,8 @@ class Coordinator:
                 os.close(fd)
             raise
         self._last_health = 0.0
-        self._thread = threading.Thread(target=self._run, name="procpipe-coordinator", daemon=True)
-        self._thread.start()
+        # procpipe's own thread: it does not stop a later loader's start_method="auto" from forking
+        self._thread = fork_safety.start_thread(self._run, "procpipe-coordinator")
 
     # ---------------------------------------------------------------- consumer side
     def submit(self, *command: Any) -> None:

@@ -203,6 +203,7 @@ class InlineStream(LoaderIterator):
     """
 
     position: tuple[int, int] | None = None
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)

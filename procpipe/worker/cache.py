@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CacheError, SharedMemoryError
-from ..core.rng import SampleScope, no_sample_rng
+from ..core.rng import SAMPLE, SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
 
 MEMORY = "memory"
@@ -432,8 +432,9 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
 
 def _first_scope(spec: Any) -> SampleScope:
     """The scope the first sample is computed in: the global generators seeded as a worker
-    seeds them for epoch 0 (the sample is cached), and the caller's states put back after."""
-    return SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
+    seeds a cached stage for epoch 0 (from its sample's own seed: ``SampleScope.own_seed``),
+    and the caller's states put back after."""
+    return SampleScope(spec.seed, seed_globals=SAMPLE if spec.seed_globals else None, restore_globals=True)
 
 
 def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
