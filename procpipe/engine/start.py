@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from ..worker.cache import open_cache
+from ..worker.stream_cache import open_loader_cache
 from .coordinator import Coordinator, EngineConfig
 from .pool import LocalPool
 from ..core.shm import SharedFiles, check_capacity, create_file
@@ -50,7 +50,7 @@ def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: Shared
     ``process.worker_main``)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
     ctx = context(config.start_method, config.worker_env, files)
-    spec.cache = open_cache(spec, cache, files, files.directory)
+    spec.cache = open_loader_cache(spec, cache, files, files.directory)
     shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
     return LocalPool(ctx, shipped, files, config.worker_env, capacity, own_session)
 
