@@ -9,8 +9,8 @@ import signal
 
 import numpy as np
 import pytest
-
 from faultkit import first_attempt
+
 from procpipe import CacheError, Loader, Shards
 
 # (shard id, records): uneven, empty, shorter than a block, exact multiples of the block.
@@ -138,7 +138,7 @@ def test_growing_cache_detects_changed_bytes(tmp_path, workers):
             f.write(bytes([byte[0] ^ 0xFF]))
         info = loader.cache_info()
         assert info["error"] is None and info["filled"] == len(RECORDS)  # (the checksums are checked on reads)
-        with pytest.raises(CacheError, match="corrupt.*checksum"):
+        with pytest.raises(CacheError, match=r"corrupt.*checksum"):
             values(loader)
         with open(path, "r+b") as f:
             f.truncate(os.fstat(f.fileno()).st_size - 100)

@@ -102,7 +102,7 @@ class StreamCache:
                 "directory": self.directory}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        StreamCache.__init__(self, **state)
 
     # -------------------------------------------------------------- the file
     def _file(self) -> int:
@@ -244,7 +244,7 @@ class StreamCache:
             return value[0] if f.kind == "scalar" else value[0].item()
         items = [self._build(child, raw) for child in node[2]]
         if node[0] == DICT:
-            return dict(zip(node[1], items))
+            return dict(zip(node[1], items, strict=True))
         kind = node[1]
         return items if kind is list else tuple(items) if kind is tuple else kind(*items)
 
@@ -262,7 +262,7 @@ class StreamCache:
         if node[0] == DICT:
             if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
                 self._mismatch(key, path, f"a mapping with keys {sorted(map(str, node[1]))}", value)
-            for name, child in zip(node[1], node[2]):
+            for name, child in zip(node[1], node[2], strict=True):
                 self._flatten(child, value[name], path + (name,), slot, key)
             return
         if node[0] == SEQ:
@@ -302,7 +302,8 @@ class StreamCache:
     # -------------------------------------------------------------- status
     def filled(self) -> tuple[int, int | None]:
         """``(records stored, records of all shards or None while a shard's end is unknown)``."""
-        stored, total = 0, 0
+        stored = 0
+        known: int | None = 0
         for shard in range(self.shards):
             number = 0
             while at := self._chunk(shard, number, False):
@@ -313,8 +314,8 @@ class StreamCache:
                 stored += int(np.count_nonzero(flags))
                 number += 1
             end = self.shard_end(shard)
-            total = None if end is None or total is None else total + end
-        return stored, total
+            known = None if end is None or known is None else known + end
+        return stored, known
 
     def info(self) -> dict[str, Any]:
         """``Loader.cache_info()``: ``samples`` is None until every shard's end was reached; a damaged
@@ -354,7 +355,7 @@ def open_stream_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir:
         remove_file(path)  # workers=0: only this process uses it, through the open descriptor
     result._adopt(fd)
     try:
-        if outside:  # named for workers whose parent was killed (cache.remove_orphan)
+        if outside and files is not None:  # named for workers whose parent was killed (cache.remove_orphan)
             create_file(files.path("cachefile"), 0, "the cache file's name", path.encode())
         result.put(key, first)
     except BaseException:
