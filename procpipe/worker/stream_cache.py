@@ -301,20 +301,31 @@ class StreamCache:
 
     # -------------------------------------------------------------- status
     def filled(self) -> tuple[int, int | None]:
-        """``(records stored, records of all shards or None while a shard's end is unknown)``."""
+        """``(records stored, records of all shards or None while a shard's end is unknown)``: the
+        filled bytes only, read through a map of the file (a status query reads no record)."""
+        import mmap
+
         stored = 0
         known: int | None = 0
-        for shard in range(self.shards):
-            number = 0
-            while at := self._chunk(shard, number, False):
-                raw = np.frombuffer(os.pread(self._file(), self.chunk_bytes, at), np.uint8)
-                flags = raw[LINK::self.slot][:self.chunk]
-                if np.any(flags > 1):
-                    raise self._corrupt(f"a filled byte of shard {shard} is neither 0 nor 1")
-                stored += int(np.count_nonzero(flags))
-                number += 1
-            end = self.shard_end(shard)
-            known = None if end is None or known is None else known + end
+        view = mmap.mmap(self._file(), self._size(), prot=mmap.PROT_READ)
+        try:
+            for shard in range(self.shards):
+                number = 0
+                while at := self._chunk(shard, number, False):
+                    if at + self.chunk_bytes > len(view):  # (grown by a worker since it was mapped)
+                        view.close()
+                        view = mmap.mmap(self._file(), self._size(), prot=mmap.PROT_READ)
+                    flags = np.frombuffer(view, np.uint8, self.chunk_bytes, at)[LINK::self.slot]
+                    bad = bool(np.any(flags > 1))
+                    stored += int(np.count_nonzero(flags))
+                    del flags  # (no view of the map may outlive it)
+                    if bad:
+                        raise self._corrupt(f"a filled byte of shard {shard} is neither 0 nor 1")
+                    number += 1
+                end = self.shard_end(shard)
+                known = None if end is None or known is None else known + end
+        finally:
+            view.close()
         return stored, known
 
     def info(self) -> dict[str, Any]:
