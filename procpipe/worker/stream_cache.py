@@ -92,6 +92,8 @@ class StreamCache:
         for f in fields:  # each field's place in a slot
             f.offset = offset
             offset += f.itemsize
+        # (what reading a leaf needs, worked out once: a record is read thousands of times per epoch)
+        self._leaves = [(f.kind, f.dtype, int(np.prod(f.shape, dtype=np.int64)), f.offset, f.shape) for f in fields]
         self._fd: int | None = None
         self._pid = 0
         self._chains: dict[int, list[int]] = {}  # shard -> its chunks' offsets found so far (links never change)
@@ -237,11 +239,11 @@ class StreamCache:
 
     def _build(self, node: list, raw: bytes) -> Any:
         if node[0] == LEAF:
-            f = self.fields[node[1]]
-            value = np.frombuffer(raw, f.dtype, int(np.prod(f.shape, dtype=np.int64)), f.offset)
-            if f.kind == "array":
-                return value.reshape(f.shape).copy()
-            return value[0] if f.kind == "scalar" else value[0].item()
+            kind, dtype, count, offset, shape = self._leaves[node[1]]
+            value = np.frombuffer(raw, dtype, count, offset)
+            if kind == "array":
+                return value.reshape(shape).copy()
+            return value[0] if kind == "scalar" else value[0].item()
         items = [self._build(child, raw) for child in node[2]]
         if node[0] == DICT:
             return dict(zip(node[1], items, strict=True))
