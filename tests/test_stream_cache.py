@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -32,8 +33,8 @@ class Counted:
     """``open_fn`` and ``fn`` that log each call to a file (from any process); ``fn`` kills its
     worker on the first attempt at the records in ``kill`` (a marker file in ``log_dir``)."""
 
-    def __init__(self, log_dir, kill=()):
-        self.log_dir, self.kill = str(log_dir), set(kill)
+    def __init__(self, log_dir, kill=(), stall=None):
+        self.log_dir, self.kill, self.stall = str(log_dir), set(kill), stall
 
     def open_fn(self, shard):
         log(self.log_dir, "open")
@@ -44,6 +45,10 @@ class Counted:
         log(self.log_dir, "fn")
         if record in self.kill and first_attempt(self.log_dir, f"kill-{record}"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if record == self.stall and first_attempt(self.log_dir, "stalled"):  # until the test lets it go on
+            deadline = time.monotonic() + 60  # (a broken speculation fails the test, not hangs it)
+            while not os.path.exists(os.path.join(self.log_dir, "go")) and time.monotonic() < deadline:
+                time.sleep(0.005)
         return {"x": np.array([record, record * 2], np.int64), "y": float(record) / 2}
 
 
@@ -117,6 +122,21 @@ def test_growing_cache_survives_a_worker_killed_in_epoch_0(tmp_path, where):
     assert first == second
     with make(Counted(logs), 0, None) as loader:
         assert values(loader) == first  # exactly once, in order
+
+
+def test_growing_cache_with_a_block_run_twice_by_speculation(tmp_path):
+    """A stalled block is raced by a speculative copy; the stalled attempt then stores the same
+    records again while the next epoch reads them (concurrent writers of one shard)."""
+    logs = private_dir(tmp_path / "logs")
+    with make(Counted(logs, stall=2005), 2, True, speculate=2.0) as loader:
+        first = values(loader)  # (the speculative attempt delivers block 1 of shard 2)
+        assert os.path.exists(os.path.join(logs, "stalled")) and not os.path.exists(os.path.join(logs, "go"))
+        open(os.path.join(logs, "go"), "w").close()
+        second, third = values(loader), values(loader)
+        assert loader.cache_info()["filled"] == len(RECORDS)
+    assert first == second == third
+    with make(Counted(logs), 0, None) as loader:
+        assert values(loader) == first
 
 
 def cache_fd(cache):
