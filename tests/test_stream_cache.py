@@ -106,6 +106,23 @@ def test_growing_cache_resumes_exactly(tmp_path, workers, take):
     assert taken + rest == full
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_growing_cache_after_an_epoch_broken_off(tmp_path, workers):
+    """An epoch left midway stores what it read; the next epoch reads the rest (and ends the shards)."""
+    logs = private_dir(tmp_path / "logs")
+    with make(Counted(logs), workers, True) as loader:
+        for i, _ in enumerate(loader):
+            if i == 3:
+                break
+        assert loader.cache_info()["samples"] is None  # (not every shard's end seen yet)
+        whole = values(loader)
+        assert calls(logs, "fn") == len(RECORDS)
+        assert values(loader) == whole and calls(logs, "fn") == len(RECORDS)
+        assert loader.cache_info()["samples"] == len(RECORDS)
+    with make(Counted(logs), 0, None) as loader:
+        assert values(loader) == whole
+
+
 @pytest.mark.parametrize("where", ["memory", "directory"])
 def test_growing_cache_survives_a_worker_killed_in_epoch_0(tmp_path, where):
     logs = private_dir(tmp_path / "logs")
