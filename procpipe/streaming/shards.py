@@ -289,10 +289,8 @@ class Shards:
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
         cache, augment = spec.cache, getattr(spec, "augment", None)
-        end = block.first + block.length
         known = self.lengths[block.shard] if self.lengths is not None else cache.shard_end(block.shard)
-        if known is not None:  # (unknown: the block is served only if all its records are stored)
-            end = min(end, known)
+        end = block.first + block.length if known is None else min(block.first + block.length, known)
         keys: list[RecordKey] = []
         samples: list[Any] = []
         for record in range(block.first, end):
@@ -330,8 +328,8 @@ class Shards:
         return sum(self.lengths)
 
     def cache_index(self, key: RecordKey) -> int | RecordKey:
-        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``
-        (without ``lengths``: the key itself, the growing cache's index, worker/stream_cache.py)."""
+        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``;
+        the key itself without ``lengths`` (the cache then grows as records arrive: worker/stream_cache.py)."""
         if self.lengths is None:
             return key
         if self._offsets is None:
@@ -342,8 +340,7 @@ class Shards:
 
     def first_record(self, scope: SampleScope) -> tuple[Any, RecordKey, Any] | None:
         """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
-        (the calling process lays the cache out from ``fn`` of it, as for an index source); None
-        if there is none (every shard empty; without ``lengths``, found by opening them)."""
+        (the calling process lays the cache out from ``fn`` of it); None if every shard is empty (no lengths)."""
         for shard in range(len(self.shards)):
             if self.lengths is not None and not self.lengths[shard]:
                 continue
@@ -360,9 +357,9 @@ class Shards:
                 raise
             finally:
                 scope.leave()
+            if record is _END and self.lengths is None:
+                continue
             if record is _END:
-                if self.lengths is None:
-                    continue
                 raise ShardLengthError(self.length_mismatch(shard, "ended after 0 records"))
             return self.cache_index(key), key, record
         if self.lengths is None:
