@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .engine.autotune import resolve as resolve_autotune
-from .worker.cache import open_cache
+from .worker.stream_cache import open_loader_cache
 from .core.checks import check_int
 from .core.rng import seeding_mode
 from .engine.coordinator import Coordinator, EngineConfig
@@ -260,7 +260,7 @@ class Loader:
                                                              else self._device_stage.slots_held))
             self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
-            self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
+            self._spec.cache = open_loader_cache(self._spec, cache, None, shm_dir)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
                                          self._coordinator, epochs)

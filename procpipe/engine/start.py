@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from ..worker.cache import open_cache
+from ..worker.stream_cache import open_loader_cache
 from .coordinator import Coordinator, EngineConfig
 from .pool import LocalPool
 from ..core.shm import SharedFiles, check_capacity, create_file
@@ -51,7 +51,7 @@ def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: Shared
     user's objects shipped to them (``own_session``: see ``process.worker_main``), and the
     start method's context (a forkserver preloads the modules the shipped objects reference)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
-    spec.cache = open_cache(spec, cache, files, files.directory)
+    spec.cache = open_loader_cache(spec, cache, files, files.directory)
     if config.start_method == "fork":
         return LocalPool(start_context("fork"), spec, files, config.worker_env, capacity, own_session)
     data = serialize_spec(spec, config.start_method)

@@ -45,7 +45,8 @@ collation, leases, the coordinator's loop, worker-death recovery):
 
 - **The indexed features, per record**: ``Shards(lengths=...)`` gives ``len()`` and is a
   promise the reader checks (``ShardLengthError``); ``cache=`` keys ``fn``'s output by
-  ``(shard, record)`` (``Shards.cache_index``) and serves fully cached blocks without
+  ``(shard, record)`` (``Shards.cache_index``; without ``lengths`` a cache that grows as
+  records arrive, worker/stream_cache.py) and serves fully cached blocks without
   reading their shard; ``on_error="skip"`` leaves out records whose ``fn``/``augment``
   raised (the block's layout names them); ``speculate`` races a block on another worker,
   which reopens the shard and skips ahead (``Shards.replayable``).

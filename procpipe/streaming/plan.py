@@ -55,9 +55,6 @@ class StreamPlan:
              ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
               "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
               "function to each batch in your loop, or transform records in fn)")),
-            (cache not in (None, False) and shards.lengths is None,
-             "cache without the shards' record counts (the cache file is laid out for every record: pass "
-             "Shards(..., lengths=[records of each shard]))"),
         ]
         for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards):
             if bad:

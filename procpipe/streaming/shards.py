@@ -258,6 +258,8 @@ class Shards:
                 samples.append(record)
         finally:
             self._keep(epoch, block.shard, reader)
+        if reader.done and self.lengths is None and getattr(spec, "cache", None) is not None:
+            spec.cache.set_end(block.shard, reader.position)  # (a growing cache: where the shard ends)
         scope.leave()
         if status is not None:
             status[1] = -1
@@ -287,7 +289,8 @@ class Shards:
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
         cache, augment = spec.cache, getattr(spec, "augment", None)
-        end = min(block.first + block.length, self.lengths[block.shard])
+        known = self.lengths[block.shard] if self.lengths is not None else cache.shard_end(block.shard)
+        end = block.first + block.length if known is None else min(block.first + block.length, known)
         keys: list[RecordKey] = []
         samples: list[Any] = []
         for record in range(block.first, end):
@@ -324,19 +327,22 @@ class Shards:
                              "file out: pass Shards(..., lengths=[records of each shard])")
         return sum(self.lengths)
 
-    def cache_index(self, key: RecordKey) -> int:
-        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``."""
+    def cache_index(self, key: RecordKey) -> int | RecordKey:
+        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``;
+        the key itself without ``lengths`` (the cache then grows as records arrive: worker/stream_cache.py)."""
+        if self.lengths is None:
+            return key
         if self._offsets is None:
             self._offsets = [0]
             for n in self.lengths:
                 self._offsets.append(self._offsets[-1] + n)
         return self._offsets[key[0]] + key[1]
 
-    def first_record(self, scope: SampleScope) -> tuple[int, RecordKey, Any]:
+    def first_record(self, scope: SampleScope) -> tuple[Any, RecordKey, Any] | None:
         """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
-        (the calling process lays the cache out from ``fn`` of it, as for an index source)."""
-        for shard, n in enumerate(self.lengths):
-            if not n:
+        (the calling process lays the cache out from ``fn`` of it); None if every shard is empty (no lengths)."""
+        for shard in range(len(self.shards)):
+            if self.lengths is not None and not self.lengths[shard]:
                 continue
             key = RecordKey(shard, 0)
             scope.enter(0, key)
@@ -351,9 +357,13 @@ class Shards:
                 raise
             finally:
                 scope.leave()
+            if record is _END and self.lengths is None:
+                continue
             if record is _END:
                 raise ShardLengthError(self.length_mismatch(shard, "ended after 0 records"))
             return self.cache_index(key), key, record
+        if self.lengths is None:
+            return None
         raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
     def _chunk(self, spec: Any, scope: SampleScope, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
