@@ -9,7 +9,9 @@ stand-in epochs, so deaths, timeouts and speculation are checked without a proce
 """
 from __future__ import annotations
 
+import os
 import selectors
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -324,3 +326,74 @@ def test_ring_set_grows_retires_and_removes_the_old_generation(tmp_path):
         rings.close()
         wakeup.close()
         SharedFiles.remove_all(rings.files)
+
+
+# --------------------------------------------------------------------------- the loop, with a fake pool
+class PipeLink(FakeLink):
+    """A fake worker with real descriptors, so the coordinator's selector can watch it:
+    closing ``die()`` makes its exit descriptor readable, as a dead process's sentinel is."""
+
+    def __init__(self, index: int, counters: WorkerCounters) -> None:
+        super().__init__(index, counters)
+        self.replies_r, self.replies_w = os.pipe()
+        self.exit_r, self.exit_w = os.pipe()
+
+    def reply_fd(self) -> int:
+        return self.replies_r
+
+    def exit_fd(self) -> int:
+        return self.exit_r
+
+    def die(self) -> None:
+        os.close(self.exit_w)
+        self.exit_w = -1
+
+    def reap(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for name in ("replies_r", "replies_w", "exit_r", "exit_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+class PipePool(FakePool):
+    def __init__(self, expect: int) -> None:
+        super().__init__()
+        self.links: list[PipeLink] = []
+        self.expect = expect
+        self.all_started = threading.Event()
+
+    def start(self, index: int, counters: WorkerCounters) -> WorkerLink:
+        link = PipeLink(index, counters)
+        self.links.append(link)
+        self.started.append(index)
+        if len(self.started) >= self.expect:
+            self.all_started.set()
+        return link
+
+    def stop(self, links: list[WorkerLink]) -> None:
+        self.stopped = list(links)
+        for link in self.links:
+            link.close()
+
+
+def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
+    from procpipe.engine.coordinator import Coordinator, EngineConfig
+
+    config = EngineConfig(workers=2, ordered=True, prefetch=2, slot_bytes=None, max_worker_restarts=3,
+                          worker_env={}, start_method="fork")
+    pool = PipePool(expect=3)
+    coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    try:
+        assert pool.started == [0, 1] and coordinator.is_alive()
+        pool.links[0].die()
+        assert pool.all_started.wait(30), "the dead worker was not replaced"
+    finally:
+        coordinator.close()  # (joins the thread: what it did is all done now)
+    assert not coordinator.is_alive() and pool.started == [0, 1, 0]
+    assert pool.stopped == [pool.links[2], pool.links[1]]  # the replacement took the dead one's place
+    assert coordinator.worker_counters[0].restarts == 1
+    assert all(link.exit_r == -1 for link in pool.links)
