@@ -4,15 +4,23 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
-from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
-                     TaskTimeoutError, WorkerError)
-from .engine.autotune import AutoWorkers
-from .loader import Loader
-from .worker.records import Records
-from .streaming import Shards
-from .plan.mix import Mix
-from .core.rng import batch_rng, sample_rng
 from .api.elastic import combine_states
+from .core.rng import batch_rng, sample_rng
+from .engine.autotune import AutoWorkers
+from .errors import (
+    CacheError,
+    CollateError,
+    ProcpipeError,
+    RemoteTraceback,
+    ShardLengthError,
+    SharedMemoryError,
+    TaskTimeoutError,
+    WorkerError,
+)
+from .loader import Loader
+from .plan.mix import Mix
+from .streaming import Shards
+from .worker.records import Records
 
 __all__ = [
     "AutoWorkers",
@@ -24,8 +32,8 @@ __all__ = [
     "Records",
     "RemoteTraceback",
     "ShardLengthError",
-    "SharedMemoryError",
     "Shards",
+    "SharedMemoryError",
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",

@@ -18,25 +18,25 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .engine.autotune import resolve as resolve_autotune
-from .worker.cache import open_cache
-from .core.checks import check_int
-from .engine.coordinator import Coordinator, EngineConfig
 from .api.iteration import IterationContext, LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
+from .api.mixing import sampler_for, stream_plan_for
 from .api.nodes import Node
 from .api.position import encode_position, start_position
-from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
 from .api.shutdown import close_engine, watch_exit
-from .plan.sampler import ExplicitBatches
-from .api.mixing import sampler_for, stream_plan_for
+from .api.validate import validate, validate_backend, validate_epochs
+from .core.checks import check_int
+from .core.reassembly import ResumePoint
+from .engine.autotune import resolve as resolve_autotune
+from .engine.coordinator import Coordinator, EngineConfig
 from .engine.start import start_engine
-from .worker.start_method import resolve as resolve_start_method
+from .plan.sampler import ExplicitBatches
 from .streaming import InlineStream, StreamPlan
 from .streaming.even_ranks import check_even_ranks
-from .api.validate import validate, validate_backend, validate_epochs
+from .worker.cache import open_cache
 from .worker.process import WorkerSpec
+from .worker.start_method import resolve as resolve_start_method
 
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 

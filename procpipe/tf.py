@@ -228,7 +228,7 @@ def _spec(value: Any, path: tuple, batch: int | None | bool) -> Any:
 class _Leaf:
     """One ``tf.TensorSpec`` of the element_spec, compiled for the per-batch check."""
 
-    __slots__ = ("path", "dims", "string", "dtype")
+    __slots__ = ("dims", "dtype", "path", "string")
 
     def __init__(self, path: tuple, spec: tf.TensorSpec) -> None:
         self.path = path
@@ -240,7 +240,7 @@ class _Leaf:
 class _Node:
     """A dict (``keys``) or a tuple / namedtuple (``kind``) of the element_spec."""
 
-    __slots__ = ("path", "keys", "kind", "children")
+    __slots__ = ("children", "keys", "kind", "path")
 
     def __init__(self, path: tuple, keys: tuple | None, kind: Any, children: list) -> None:
         self.path = path

@@ -24,14 +24,15 @@ import time
 from typing import Any
 
 from ..core import collate
-from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
-from ..errors import summarize_indices
-from ..core.skips import SkipBudget
-from .iteration import IterationContext, LoaderIterator
-from ..worker.produce import produce
+from ..core.notes import add_note
 from ..core.reassembly import Progress, ResumePoint
 from ..core.rng import SampleScope
+from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters, array_bytes
+from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
+from ..errors import summarize_indices
+from ..worker.produce import produce
+from .iteration import IterationContext, LoaderIterator
 
 _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
@@ -283,13 +284,13 @@ class InlineIterator(EpochIterator):
             if skips is not None and isinstance(exc, Exception):
                 if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
                     return None, indices
-                exc.add_note(skips.note())
+                add_note(exc, skips.note())
             where = f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
-            exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
+            add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
         for index, exc in batch.skipped:
             if not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
-                exc.add_note(skips.note())
+                add_note(exc, skips.note())
                 raise exc
         return batch.layout, batch.kept
 

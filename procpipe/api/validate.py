@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..engine.autotune import resolve as resolve_autotune
-from ..worker.cache import validate as validate_cache
 from ..core.checks import check_int, is_count
 from ..core.shm import check_private_dir
+from ..engine.autotune import resolve as resolve_autotune
 from ..plan.mix import Mix
 from ..streaming import Shards
+from ..worker.cache import validate as validate_cache
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
 

@@ -63,7 +63,7 @@ def default_worker_counts(cpus: int | None = None) -> list[int]:
     """0, 1, 2, ... up to twice the CPU count (every count up to 8, then about x1.5 steps)."""
     cpus = cpus or cpu_count()
     top = 2 * cpus
-    counts = list(range(0, min(top, 8) + 1))
+    counts = list(range(min(top, 8) + 1))
     w = 8
     while w < top:
         w = min(top, int(math.ceil(w * 1.5)))

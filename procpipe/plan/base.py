@@ -56,7 +56,7 @@ class Failure:
 class Work:
     """One task of an epoch, as its plan describes it (a plain slotted class: one per batch)."""
 
-    __slots__ = ("key", "payload", "lane")
+    __slots__ = ("key", "lane", "payload")
 
     def __init__(self, key: int, payload: Any, lane: int | None = None) -> None:
         self.key = key  # dispatch order within the epoch (an indexed source: the batch's position)

@@ -12,8 +12,8 @@ import bisect
 from typing import Any
 
 from ..core import collate
-from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 from ..core.reassembly import Ordered, Progress, Sloppy
+from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 

@@ -5,7 +5,7 @@ import io
 import json
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 
 class Jsonl(Reader):

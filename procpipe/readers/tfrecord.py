@@ -18,7 +18,7 @@ import io
 import struct
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 _MASK_DELTA = 0xA282EAD8
 _HEADER = struct.Struct("<QI")

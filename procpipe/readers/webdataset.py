@@ -6,7 +6,7 @@ import posixpath
 import tarfile
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 
 def split_key(name: str) -> tuple[str, str]:

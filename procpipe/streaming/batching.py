@@ -20,9 +20,9 @@ import numpy as np
 
 from ..core import collate
 from ..core.collate import ARRAY, DICT, INLINE, SEQ
+from ..core.rng import buffer_rng
 from ..errors import CollateError
 from ..worker.produce import collate_privately
-from ..core.rng import buffer_rng
 from .shards import CHUNKS, STACK, Block, RecordKey
 
 

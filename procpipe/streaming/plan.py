@@ -15,18 +15,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-
-from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
 from ..api.iteration import IterationContext, LoaderIterator
-from ..plan.base import EMPTY, Loaded
-from ..worker.produce import produce
+from ..core.checks import check_int, is_count
+from ..core.notes import add_note
 from ..core.reassembly import ResumePoint
 from ..core.rng import SampleScope
+from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
+from ..plan.base import EMPTY, Loaded
 from ..plan.sampler import epoch_order
+from ..worker.produce import produce
 from .batching import BatchingConfig
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
-from ..core.checks import check_int, is_count
 from .shards import CHUNKS, RECORDS, STACK, Shards
 
 
@@ -292,7 +292,7 @@ class InlineStream(LoaderIterator):
             scope.leave()
             if isinstance(exc, SystemExit):
                 raise
-            exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
+            add_note(exc, f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
                          f"(epoch {epoch.number}).")
             raise
         if produced.skipped:  # on_error="skip": records whose fn or augment raised
@@ -301,7 +301,7 @@ class InlineStream(LoaderIterator):
             for key, exc in produced.skipped:
                 if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.payload})",
                                        f"{type(exc).__name__}: {exc}"):
-                    exc.add_note(epoch.skips.note())
+                    add_note(exc, epoch.skips.note())
                     raise exc
         epoch.result(job, EMPTY if produced.layout is None else Loaded(produced.layout, None, 0))
 

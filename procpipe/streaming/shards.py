@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from ..core import collate
-from ..core.collate import INLINE, SEQ
-from ..worker.produce import Produced, collate_privately, run_batch_fn
 from ..core.checks import check_int, is_count
-from ..errors import ShardLengthError
+from ..core.collate import INLINE, SEQ
+from ..core.notes import add_note
 from ..core.rng import SampleScope
+from ..errors import ShardLengthError
+from ..worker.produce import Produced, collate_privately, run_batch_fn
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -221,7 +222,7 @@ class Shards:
                 else:
                     layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
             except Exception as exc:
-                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                add_note(exc, f"procpipe: raised while collating {self._records(keys)}.")
                 raise
         return Produced(block_layout(BlockRead(read, len(samples), failed), layout), nbytes, in_slot, keys, skipped)
 
@@ -278,7 +279,7 @@ class Shards:
             augment = getattr(spec, "augment", None)
             return record if augment is None else augment(record)
         except Exception as exc:
-            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
+            add_note(exc, f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
             raise
 
     def _from_cache(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
@@ -307,7 +308,7 @@ class Shards:
                     kept.append(augment(sample))
                     kept_keys.append(key)
                 except Exception as exc:
-                    exc.add_note(f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
+                    add_note(exc, f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
                                  f"({self.name(key[0])}).")
                     if not getattr(spec, "skip", False):
                         raise
@@ -346,7 +347,7 @@ class Shards:
                 record = reader.next(self, key)
                 reader.close()
             except Exception as exc:
-                exc.add_note(f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
+                add_note(exc, f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
                              f"({self.name(shard)}) to lay out the cache (cache=...).")
                 raise
             finally:
@@ -364,7 +365,7 @@ class Shards:
         try:
             batch = collate_privately(spec.collate_fn, samples, keys)
         except Exception as exc:
-            exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+            add_note(exc, f"procpipe: raised while collating {self._records(keys)}.")
             raise
         if spec.batch_fn is None:
             return batch
@@ -411,7 +412,7 @@ class Shards:
             try:
                 reader = _Reader(iter(self.open_fn(self.shards[block.shard])))
             except Exception as exc:
-                exc.add_note(f"procpipe: raised by open_fn opening shard {block.shard} ({self.name(block.shard)}).")
+                add_note(exc, f"procpipe: raised by open_fn opening shard {block.shard} ({self.name(block.shard)}).")
                 raise
         try:
             while reader.position < block.first:  # a reopened shard: skip what earlier blocks had
@@ -488,7 +489,7 @@ class _Reader:
         except Exception as exc:
             self.broken = True
             self.close()
-            exc.add_note(f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
+            add_note(exc, f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
                          "in the iterator open_fn returned.")
             raise
         if promised is not None and self.position >= promised:

@@ -44,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CacheError, SharedMemoryError
+from ..core.notes import add_note
 from ..core.rng import SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
+from ..errors import CacheError, SharedMemoryError
 
 MEMORY = "memory"
 ALIGN = 64
@@ -77,7 +78,7 @@ class _Field:
     """One leaf of the sample tree: ``kind`` is ``"array"``, ``"scalar"`` (a numpy scalar) or a
     Python number type's name (``"int"``...), restored as that type."""
 
-    __slots__ = ("kind", "dtype", "shape", "path", "offset", "itemsize")
+    __slots__ = ("dtype", "itemsize", "kind", "offset", "path", "shape")
 
     def __init__(self, kind: str, dtype: np.dtype, shape: tuple, path: tuple) -> None:
         self.kind, self.dtype, self.shape, self.path = kind, dtype, shape, path
@@ -448,7 +449,7 @@ def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
                     sample = spec.fn(sample)
             return index, sample
         except Exception as exc:
-            exc.add_note(f"procpipe: raised in the calling process while computing index {index} to lay out "
+            add_note(exc, f"procpipe: raised in the calling process while computing index {index} to lay out "
                          "the cache (cache=...): the first sample of the cached stage is computed when the "
                          "Loader is created.")
             error = exc
@@ -469,7 +470,7 @@ def _first_stream_sample(spec: Any) -> tuple[int, Any]:
         with no_sample_rng(_NO_RNG):
             return index, record if spec.fn is None else spec.fn(record)
     except Exception as exc:
-        exc.add_note("procpipe: raised in the calling process while computing the first record to lay out the "
+        add_note(exc, "procpipe: raised in the calling process while computing the first record to lay out the "
                      "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.")
         raise
     finally:
