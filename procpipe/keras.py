@@ -67,7 +67,7 @@ def _standardize(batch: Any) -> Any:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or hasattr(x, "__array__") and hasattr(x, "dtype")
+    return isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "dtype"))
 
 
 def _to_numpy(x: Any) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .api.iteration import IterationContext, LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
@@ -37,6 +37,9 @@ from .streaming.even_ranks import check_even_ranks
 from .worker.cache import open_cache
 from .worker.process import WorkerSpec
 from .worker.start_method import resolve as resolve_start_method
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -213,8 +216,9 @@ class Loader:
         if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
             self._sampler = stream_plan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                                        reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
-                                       shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
-                                       batches=batches, batch_fn=batch_fn, cache=cache, even_ranks=even_ranks)
+                                       shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped,
+                                       speculate=speculate, batches=batches, batch_fn=batch_fn, cache=cache,
+                                       even_ranks=even_ranks)
             source = self._sampler.source  # the copy that knows how to lay out blocks
         elif shuffle_buffer is not None:
             raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
@@ -372,10 +376,10 @@ class Loader:
         if self._spec.cache is not None:
             self._spec.cache.close()
 
-    def __enter__(self) -> Loader:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property

@@ -189,7 +189,7 @@ class EpochIterator(LoaderIterator):
         if not self._done and self._coordinator is not None:
             try:
                 self._coordinator.submit("cancel", self._stream.gen)
-            except Exception:  # noqa: BLE001 - interpreter teardown (modules already emptied): nothing to cancel
+            except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass
 
 
@@ -238,7 +238,8 @@ class InlineIterator(EpochIterator):
                 now = time.perf_counter()
                 self._counters.ended = now
                 following = self._number + 1
-                if (self._until is not None and following >= self._until) or (self._until is None and not self.batch_count):
+                if ((self._until is not None and following >= self._until)
+                        or (self._until is None and not self.batch_count)):
                     self._done = self._complete = True
                     raise StopIteration
                 try:
@@ -282,10 +283,12 @@ class InlineIterator(EpochIterator):
                 raise
             # on_error="skip": a sample's Exception would have been skipped, so collation failed
             if skips is not None and isinstance(exc, Exception):
-                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
+                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})",
+                             f"collating it failed: {_describe(exc)}"):
                     return None, indices
                 add_note(exc, skips.note())
-            where = f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
+            where = (f"while loading index {index}" if index is not None
+                     else f"while collating {summarize_indices(indices)}")
             add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
         for index, exc in batch.skipped:

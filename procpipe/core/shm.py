@@ -84,8 +84,10 @@ def check_capacity(directory: str, needed: int, what: str) -> None:
     if needed > free:
         raise SharedMemoryError(
             f"procpipe needs {_mib(needed)} in {directory} for {what}, but only {_mib(free)} is free. "
-            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
-            "plus workers with speculate=, and 3 with device='cuda'); in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
+            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, "
+            "or prefetch + 4*workers + 1 for batches up to 1 MiB; "
+            "plus workers with speculate=, and 3 with device='cuda'); "
+            "in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
             "or pass shm_dir='/path/on/a/larger/filesystem'."
         )
 

@@ -13,7 +13,7 @@ def split_key(name: str) -> tuple[str, str]:
     """``(key, extension)`` of a member name, as WebDataset splits it: the key is the path up
     to the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
     directory, base = posixpath.split(name)
-    stem, dot, extension = base.partition(".")
+    stem, _, extension = base.partition(".")
     return posixpath.join(directory, stem) if directory else stem, extension
 
 

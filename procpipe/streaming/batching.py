@@ -78,7 +78,7 @@ class Output:
         shard = block.shard
         out: list[tuple[Any, int, list]] = []
         if self.capacity is not None:
-            for record, node in zip(records, inner[2]):
+            for record, node in zip(records, inner[2], strict=False):
                 self._shuffled((RecordKey(shard, record), _own(collate.build(node, lease))), out)
         elif self.mode == STACK:
             self.parts.append([inner, lease, 0, len(records), shard, records])
@@ -94,7 +94,7 @@ class Output:
                 else:
                     self.dropped += chunk
         else:
-            for record, node in zip(records, inner[2]):
+            for record, node in zip(records, inner[2], strict=False):
                 self._item(collate.build(node, lease), [(shard, record, record + 1)], 1, out)
         return out
 
@@ -240,7 +240,7 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
     if first[0] == DICT:
         keys = first[1]
         children = []
-        for i, key in enumerate(keys):
+        for key in keys:
             column = []
             for node, lease, a, b in pieces:
                 if set(node[1]) != set(keys):

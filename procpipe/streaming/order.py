@@ -147,7 +147,8 @@ class StreamProgress:
         return {"cursor": None if self.cursor is None else self.cursor.state(),
                 "complete": sorted(self.complete),
                 "received": [[shard, start, stop] for shard in sorted(self.received)
-                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops)]}
+                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops,
+                                                    strict=True)]}
 
     def skips(self, shard: int, block: int) -> tuple[tuple[int, int], ...]:
         """The ranges of records of ``block`` of ``shard`` already received (a ``Block``'s ``skip``)."""
@@ -185,7 +186,7 @@ class StreamProgress:
         shards = starts >> _SHARD_SHIFT
         cuts = np.flatnonzero(np.diff(shards)) + 1
         self.received = {}
-        for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts)):
+        for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts), strict=True):
             offset = int(shard_starts[0] >> _SHARD_SHIFT) << _SHARD_SHIFT
             self.received[offset >> _SHARD_SHIFT] = _Ranges((shard_starts - offset).tolist(),
                                                             (shard_stops - offset).tolist())

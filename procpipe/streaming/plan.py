@@ -141,7 +141,8 @@ class StreamPlan:
     def settings(self) -> dict[str, Any]:
         """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
         return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "seed": self.seed, "drop_last": self.drop_last, "shard": None if self.shard is None else list(self.shard),
+                "seed": self.seed, "drop_last": self.drop_last,
+                "shard": None if self.shard is None else list(self.shard),
                 "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
                 "mode": self.mode, "shuffle_buffer": self.shuffle_buffer, "even_ranks": self.even_ranks}
 

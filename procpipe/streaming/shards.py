@@ -16,7 +16,7 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core import collate
 from ..core.checks import check_int, is_count
@@ -25,6 +25,9 @@ from ..core.notes import add_note
 from ..core.rng import SampleScope
 from ..errors import ShardLengthError
 from ..worker.produce import Produced, collate_privately, run_batch_fn
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -44,7 +47,7 @@ class RecordKey(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, shard: int, record: int) -> RecordKey:
+    def __new__(cls, shard: int, record: int) -> Self:
         return tuple.__new__(cls, (shard, record))
 
     def __getnewargs__(self) -> tuple[int, int]:
@@ -302,7 +305,7 @@ class Shards:
             samples.append(sample)
         if augment is not None:
             kept_keys, kept = [], []
-            for key, sample in zip(keys, samples):
+            for key, sample in zip(keys, samples, strict=True):
                 scope.enter(epoch, key)
                 try:
                     kept.append(augment(sample))
@@ -484,7 +487,8 @@ class _Reader:
             self.close()
             if promised is not None and self.position != promised:
                 self.broken = True
-                raise ShardLengthError(shards.length_mismatch(key[0], f"ended after {self.position} records"))
+                raise ShardLengthError(
+                    shards.length_mismatch(key[0], f"ended after {self.position} records")) from None
             return _END
         except Exception as exc:
             self.broken = True
@@ -505,5 +509,5 @@ class _Reader:
         if close is not None:
             try:
                 close()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the iterator is done or broken; an error closing it changes nothing
                 pass

@@ -256,7 +256,7 @@ class Cache:
                     return value
                 return value.item()  # a Python int/float/bool/complex, as fn returned it
             if kind == _DICT:
-                return dict(zip(node[1], [build(child) for child in node[2]]))
+                return dict(zip(node[1], [build(child) for child in node[2]], strict=True))
             items = [build(child) for child in node[2]]
             seq_type = node[1]
             if seq_type is list:
@@ -274,7 +274,7 @@ class Cache:
         leaves: list[Any] = [None] * len(self.fields)
         self._match(self.skeleton, sample, (), leaves, index)
         self._check()
-        for array, value in zip(self._arrays, leaves):
+        for array, value in zip(self._arrays, leaves, strict=False):
             array[index] = value
         if self._crcs is not None:
             self._crcs[index] = self._crc(index)
@@ -289,7 +289,7 @@ class Cache:
                 self._mismatch(index, path, f"a mapping with keys {sorted(map(str, node[1]))}",
                                f"a mapping with keys {sorted(map(str, value.keys()))}"
                                if isinstance(value, Mapping) else _describe(value))
-            for key, child in zip(node[1], node[2]):
+            for key, child in zip(node[1], node[2], strict=True):
                 self._match(child, value[key], path + (key,), leaves, index)
             return
         if kind == _SEQ:

@@ -28,11 +28,14 @@ import secrets
 import struct
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..core.shm import open_new_file
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 MAGIC = b"PPRECS01"
 _ALIGN = 64
@@ -162,10 +165,10 @@ class Records(Sequence):
         """Release the memory (of this Records and every view of it); workers keep their mapping."""
         self._store.close()
 
-    def __enter__(self) -> Records:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __reduce__(self) -> tuple:
@@ -179,7 +182,7 @@ class Records(Sequence):
         if store.getters is None:
             return "<procpipe.Records, closed>"
         fields = ", ".join(f"{n}: {c['type'] if c['type'] in _TEXT else np.dtype(c['type'])}"
-                           for n, c in zip(store.names, store.header["columns"]))
+                           for n, c in zip(store.names, store.header["columns"], strict=True))
         return f"<procpipe.Records: {len(self)} {store.kind} records ({fields}), {store.nbytes / 2**20:.1f} MiB>"
 
 
@@ -211,7 +214,7 @@ class _Store:
                 array = np.frombuffer(mm, np.dtype(c["type"]), self.length, base + c["offset"])
                 self.arrays.append(array)
                 self.getters.append(array.item)
-        self.named = list(zip(self.names, self.getters))
+        self.named = list(zip(self.names, self.getters, strict=True))
         # The owner keeps its descriptor open (others reach the file through it) until close or GC.
         self._close_fd = weakref.finalize(self, os.close, fd) if own_fd else None
 
@@ -317,7 +320,7 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
     chunks: list[tuple[int, Any]] = []  # (position after the header, buffer)
     text: list[tuple[np.ndarray, dict]] = []
     pos = 0
-    for name, column in zip(names, values):
+    for name, column in zip(names, values, strict=True):
         label = {"dict": f" field {name!r}", "tuple": f" item {name}", "scalar": ""}[kind]
         typ, array, data = _column(column, label)
         entry: dict[str, Any] = {"name": name, "type": typ}
@@ -335,7 +338,7 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
                          "columns": columns}).encode()
     base = _align(16 + len(header))
     for offsets, entry in text:  # offsets into the text become absolute file positions
-        offsets += base + entry["offset"]
+        np.add(offsets, base + entry["offset"], out=offsets)  # in place: the arrays in `chunks` are these
     return MAGIC + struct.pack("<Q", len(header)) + header, [(base + p, a) for p, a in chunks], base + pos
 
 
