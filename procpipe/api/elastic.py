@@ -31,7 +31,7 @@ Limits, said in errors: every rank of the old run must be given once, all at the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -227,7 +227,7 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
         raise ValueError(f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
                          f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
                          f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first")
-    epoch = state.get("epoch")
+    epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
     out = {key: value for key, value in state.items() if key != "combined"}
     out["shard"] = None if mine is None else list(mine)
     if streaming:
@@ -250,9 +250,9 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
             return out  # (the usual checks name the setting that differs)
     rank, world = mine if mine is not None else (0, 1)
     combined = state["combined"]
-    order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
+    rank_order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
     sampler.resumed.clear()
-    sampler.resumed[epoch] = (order, combined)
+    sampler.resumed[epoch] = (rank_order, combined)
     return out
 
 

@@ -21,7 +21,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core import collate
 from ..core.notes import add_note
@@ -33,6 +33,9 @@ from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, itera
 from ..errors import summarize_indices
 from ..worker.produce import produce
 from .iteration import IterationContext, LoaderIterator
+
+if TYPE_CHECKING:
+    from ..engine.coordinator import Coordinator
 
 _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
@@ -50,7 +53,7 @@ class EpochIterator(LoaderIterator):
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
-        self._coordinator = context.coordinator
+        self._coordinator = cast("Coordinator", context.coordinator)  # (with workers there is one)
         self._with_epoch = context.with_epoch
         self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
         self._done = True  # no iteration yet (reset starts one)
@@ -198,7 +201,8 @@ class InlineIterator(EpochIterator):
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
-        self._coordinator = None
+        # workers=0: no coordinator; this class overrides every method of EpochIterator that uses one
+        self._coordinator = None  # type: ignore[assignment]  # (see above)
         self._with_epoch = context.with_epoch
         self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
         self._lock = threading.Lock()
@@ -291,10 +295,11 @@ class InlineIterator(EpochIterator):
                      else f"while collating {summarize_indices(indices)}")
             add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
-        for index, exc in batch.skipped:
-            if not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
-                add_note(exc, skips.note())
-                raise exc
+        for index, error in batch.skipped:  # (skips is set: on_error="skip" is what leaves samples out)
+            budget = cast(SkipBudget, skips)
+            if not budget.add([index], f"index {index} (batch {seq})", _describe(error)):
+                add_note(error, budget.note())
+                raise error
         return batch.layout, batch.kept
 
     @property

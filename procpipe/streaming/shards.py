@@ -16,7 +16,7 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ..core import collate
 from ..core.checks import check_int, is_count
@@ -200,7 +200,7 @@ class Shards:
         layout of those (by mode: a stacked batch, a list of batches, or a list of records;
         ``[INLINE, None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
-        _, mode, batch_size = self._config
+        _, mode, batch_size = cast("tuple[int, str, int | None]", self._config)  # (set: the loader's copy runs)
         skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
         read_all = (self._from_cache(spec, scope, epoch, block, skipped)
                     if getattr(spec, "cache", None) is not None else None)
@@ -214,8 +214,9 @@ class Shards:
             return Produced(block_layout(BlockRead(read, 0, failed), [INLINE, None]), 0, buffer is not None, [],
                             skipped)
         if mode == CHUNKS:
-            batches = [self._chunk(spec, scope, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
-                       for i in range(0, len(samples), batch_size)]
+            size = cast(int, batch_size)  # (CHUNKS has a batch size)
+            batches = [self._chunk(spec, scope, epoch, samples[i:i + size], keys[i:i + size])
+                       for i in range(0, len(samples), size)]
             scope.leave()
             layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
         else:
@@ -385,7 +386,7 @@ class Shards:
     def length_mismatch(self, shard: int, what: str) -> str:
         """The message of a shard that broke the ``lengths`` promise."""
         return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
-                f"{self.lengths[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
+                f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
                 "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
                 "every time.")
 
