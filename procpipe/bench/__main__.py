@@ -34,7 +34,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import sweep
 from .workloads import WORKLOADS, resolve
@@ -179,7 +179,8 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
         facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
         if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
             is_facade = facade is not None and isinstance(made, facade.DataLoader)
-            have = made.num_workers if is_facade else made.workers_setting
+            # (the facade, procpipe.torch, is typed Any here: mypy does not follow torch)
+            have = cast(Any, made).num_workers if is_facade else made.workers_setting
             if have != workers or not isinstance(have, int):
                 made.close()
                 what = f"{have} workers" if isinstance(have, int) else f"workers={have!r} (autotuned)"

@@ -69,7 +69,7 @@ class _Planner:
         return node
 
     # -- stacking samples into a batch (the default collate) --------------------------
-    def stack(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+    def stack(self, values: list, path: tuple, indices: Sequence[object]) -> list:
         first = values[0]
         if isinstance(first, Mapping):
             keys = tuple(first.keys())
@@ -103,7 +103,7 @@ class _Planner:
             return self._stack_tensors(values, path, indices, tensor)
         return [INLINE, list(values), True]  # (True: one value per sample, for find_inline)
 
-    def _stack_tensors(self, values: list, path: tuple, indices: Sequence[int], tensor: type) -> list:
+    def _stack_tensors(self, values: list, path: tuple, indices: Sequence[object], tensor: type) -> list:
         """Stack torch tensors like arrays (through numpy views); they come back as a tensor."""
         from .tensors import dtype_name, tensor_numpy
 
@@ -124,7 +124,7 @@ class _Planner:
         node.append(dtypes.pop())
         return node
 
-    def _stack_arrays(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+    def _stack_arrays(self, values: list, path: tuple, indices: Sequence[object]) -> list:
         first = values[0]
         if first.dtype.hasobject:
             raise CollateError(
@@ -143,7 +143,7 @@ class _Planner:
                 )
         return self._array_node(first.dtype, (len(values),) + first.shape, values, True)
 
-    def _stack_numbers(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+    def _stack_numbers(self, values: list, path: tuple, indices: Sequence[object]) -> list:
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, _NUMBER_TYPES):
                 raise CollateError(
@@ -218,7 +218,8 @@ def _seq_type(value: Any) -> type:
     return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
 
 
-def layout_batch(samples: list, indices: Sequence[int], buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
+def layout_batch(samples: list, indices: Sequence[object], buffer: Any | None,
+                 capacity: int) -> tuple[list, int, bool]:
     """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``."""
     planner = _Planner()
     layout = planner.stack(samples, (), indices)

@@ -42,7 +42,8 @@ class SkipBudget:
         return self._limit
 
     def add(self, indices: Sequence[int | tuple[int, int]], what: str, error: str) -> bool:
-        """Record ``indices`` (a streaming source's: ``(shard, record)`` keys) as skipped; False once the epoch has skipped more than allowed."""
+        """Record ``indices`` (a streaming source's: ``(shard, record)`` keys) as skipped; False once
+        the epoch has skipped more than allowed."""
         self.counters.skipped.extend(indices)
         logger.warning("procpipe skipped %s (epoch %d): %s", what, self.counters.epoch, error)
         return len(self.counters.skipped) <= self.limit

@@ -39,7 +39,10 @@ class WebDataset(Reader):
                     base = posixpath.basename(member.name)
                     if base.startswith(("__", ".")) or not extension:
                         continue
-                    data = tar.extractfile(member).read()
+                    extracted = tar.extractfile(member)
+                    if extracted is None:  # (a regular file always has its bytes)
+                        continue
+                    data = extracted.read()
                     if sample is not None and sample["__key__"] != key:
                         yield sample
                         sample = None

@@ -386,7 +386,8 @@ class Shards:
     def length_mismatch(self, shard: int, what: str) -> str:
         """The message of a shard that broke the ``lengths`` promise."""
         return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
-                f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
+                f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader "
+                f"reported. Fix lengths[{shard}] "
                 "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
                 "every time.")
 
