@@ -112,8 +112,8 @@ def measure(records: int = 50_000, size: int = 256, repeat: int = 3) -> list[dic
     with tempfile.TemporaryDirectory(prefix="procpipe-bench-readers-") as folder:
         paths = _write_files(folder, records, size)
         makers: dict[str, Callable[[], Any]] = {
-                  "tfrecord": readers.tfrecord, "tfrecord-example": lambda: readers.tfrecord(parse=True),
-                  "jsonl": readers.jsonl, "parquet": readers.parquet, "webdataset": readers.webdataset}
+            "tfrecord": readers.tfrecord, "tfrecord-example": lambda: readers.tfrecord(parse=True),
+            "jsonl": readers.jsonl, "parquet": readers.parquet, "webdataset": readers.webdataset}
         ours: dict[str, Any] = {}
         for fmt, make in makers.items():
             try:
