@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import numpy.random  # noqa: F401  (numpy imports it lazily: here, forked workers inherit it)
+import numpy.random
 
 # Distinct spawn-key prefixes keep the shuffle stream and the per-sample streams apart.
 _SHUFFLE_KEY = 0
@@ -160,8 +160,8 @@ class SampleScope:
     process) their states are saved at the first ``enter`` and put back by ``leave``.
     """
 
-    __slots__ = ("seed", "epoch", "index", "rng", "seed_globals", "restore_globals", "_saved", "_mixed",
-                 "_per_sample", "_task_first")
+    __slots__ = ("_mixed", "_per_sample", "_saved", "_task_first", "epoch", "index", "restore_globals", "rng", "seed",
+                 "seed_globals")
 
     def __init__(self, seed: int, seed_globals: bool | str | None = False, restore_globals: bool = False) -> None:
         self.seed = seed
@@ -285,7 +285,7 @@ class BatchScope:
     streaming source the ``(shard, record)`` key of its first record.
     """
 
-    __slots__ = ("seed", "epoch", "first", "rng")
+    __slots__ = ("epoch", "first", "rng", "seed")
 
     def __init__(self, seed: int, epoch: int, first: int | tuple[int, int]) -> None:
         self.seed = seed
@@ -301,7 +301,7 @@ class no_sample_rng:
     ``batch_fn`` (which works on a whole batch, not one sample).
     """
 
-    __slots__ = ("why", "batch", "saved")
+    __slots__ = ("batch", "saved", "why")
 
     def __init__(self, why: str, batch: BatchScope | None = None) -> None:
         self.why = why

@@ -64,9 +64,9 @@ Modules, in the order a block meets them on the data path:
 - ``batching.py``: blocks into batches in the loader's process, and the shuffle buffer
   (``Output``).
 """
-from .shard_plan import ShardPlan
 from .order import Interleave, StreamProgress
 from .plan import InlineStream, StreamPlan
+from .shard_plan import ShardPlan
 from .shards import Block, RecordKey, Shards
 
 __all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]
