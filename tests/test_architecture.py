@@ -70,7 +70,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "streaming.even_ranks"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
-    "adapters": ("torch", "torch_iterable", "keras", "tf", "bench.*", "ray", "ray_nodes", "readers.*"),
+    "adapters": ("torch", "torch_iterable", "keras", "tf", "bench.*", "ray", "ray.*", "readers.*"),
 }
 
 
