@@ -4,7 +4,7 @@
 instead of this machine. Everything else stays where it is: the sampler, the coordinator,
 ordered / sloppy reassembly, resume bookkeeping and the device stage run in the training
 process, exactly as with local workers; only the worker pool is remote (``RayPool``, the
-second implementation of pool.py's ``WorkerPool``)::
+second implementation of engine/pool.py's ``WorkerPool``)::
 
     training process                                   Ray node (one Agent actor each)
     ─────────────────────────────────────────           ─────────────────────────────────
@@ -35,7 +35,7 @@ second implementation of pool.py's ``WorkerPool``)::
 
 Every wait on a remote result has a timeout: replies come back through callbacks, agent
 starts are bounded by ``start_timeout``, heartbeats by ``node_timeout``, ``close()`` by a
-few seconds. Import this module only where Ray is installed (``pip install procpipe[ray]``);
+few seconds. Import this package only where Ray is installed (``pip install procpipe[ray]``);
 ``import procpipe`` never imports it.
 
 The package's modules, one job each: `backend` (`Backend`, its options in `options`),
