@@ -85,7 +85,7 @@ class Monitor:
                     self._ask(agent, "node", pending, now)
                 elif now - agent.started > self.pool.backend.start_timeout:
                     self.pool.lose(agent, f"it did not start within start_timeout={self.pool.backend.start_timeout} s: "
-                                      "no node had room for it")
+                                          "no node had room for it")
             elif agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
                 self._ask(agent, "ping", pending, now)
             elif agent.ping_sent is not None and now - agent.ping_sent > timeout:

@@ -185,7 +185,7 @@ class RayPool(WorkerPool):
             agent = self._agent(number)
             self.generations += 1
             link = RemoteWorker(index, counters, self, agent, lane, self.generations)
-            link.ready = agent.ready  # else its WorkerReady comes when the agent answers (_started)
+            link.ready = agent.ready  # else its WorkerReady comes when the agent answers (started)
             self.links[index] = link
         counters.rss_bytes = 0
         return link
