@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import ray
@@ -38,12 +39,13 @@ def fits(resources: dict[str, float], needs: dict[str, float]) -> bool:
     return all(resources.get(k, 0) >= v for k, v in needs.items())
 
 
-def spare_node(table: Iterable[tuple[str, dict]], needs: dict[str, float], used: set[str]) -> str | None:
+def spare_node(table: Iterable[tuple[str, dict[str, float]]], needs: dict[str, float],
+               used: AbstractSet[str]) -> str | None:
     """The first node of ``table`` (``(node id, resources)``) that fits and is not in ``used``."""
     return next((node_id for node_id, resources in table if node_id not in used and fits(resources, needs)), None)
 
 
-def live_nodes(needs: dict[str, float], exclude: set[str] = frozenset()) -> list[str]:
+def live_nodes(needs: dict[str, float], exclude: AbstractSet[str] = frozenset()) -> list[str]:
     """Ids of the nodes an agent needing ``needs`` may start on now (module doc), but ``exclude``."""
     return [n["NodeID"] for n in ray.nodes()
             if n.get("Alive") and n["NodeID"] not in exclude and fits(dict(n.get("Resources", {})), needs)
