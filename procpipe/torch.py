@@ -555,8 +555,7 @@ class DataLoader(_tud.DataLoader[_T_co]):
             generator=generator, snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0), shm_dir=shm_dir)
         weakref.finalize(self, self._pp_state.close)
         if not self._pp_iterable:
-            self._pp_options["batches"].before_draw = lambda: self._pp_state.before_draw(self._pp_epochs,
-                                                                                          self._index_sampler)
+            self._pp_options["batches"].before_draw = lambda: self._pp_state.before_draw(self._index_sampler)
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> _DataLoaderIter:
@@ -683,7 +682,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
-        self._pp_iterated = False
+        # the next iter() draws as the saved one's successor would (persistent workers: no new seeds)
+        self._pp_iterated = bool(state_dict["procpipe"].get("finished")) and self.persistent_workers
         if seed != self._pp_seed:  # the per-sample seeds are the saved loader's
             self._pp_seed = self._pp_options["seed"] = seed
             if self._pp_source is not None:

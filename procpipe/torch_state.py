@@ -162,6 +162,7 @@ class FacadeState:
         self.delivered: dict[int, int] = {}  # replica -> records returned (incl. errors and its end)
         self.snaps: dict[int, tuple[int, Any]] = {}  # replica -> (position, state) of its last snapshot returned
         self.ended: set[int] = set()
+        self.seed = 0  # the per-sample seed, as of the last state_dict()
 
     # ---------------------------------------------------------------- checks
     @staticmethod
@@ -176,8 +177,9 @@ class FacadeState:
         """A new iteration (epoch ``epoch``) starts, with these freshly drawn seeds; returns the
         seeds it uses (a resumed epoch's are the saved ones)."""
         pending = self.pending
-        if pending is not None and pending["epoch"] == epoch and pending.get("base_seed") is not None:
-            base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")
+        if pending is not None and pending.get("base_seed") is not None and (
+                pending["epoch"] == epoch or (pending["finished"] and self.persistent and self.num_workers)):
+            base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")  # the saved workers' seeds
         self.epoch, self.started, self.done = epoch, True, False
         self.seeds = (base_seed, shared_seed)
         self.loader = self.stage = self.replica = None
@@ -195,10 +197,10 @@ class FacadeState:
             del self.draws[old]
         return base_seed, shared_seed
 
-    def before_draw(self, epoch: int, index_sampler: Any) -> None:
-        """Epoch ``epoch``'s sampler items are about to be drawn: for a resumed epoch, put back
+    def before_draw(self, index_sampler: Any) -> None:
+        """The iteration's sampler items are about to be drawn: for a resumed epoch, put back
         what the original draw depended on; then remember it (for a state taken in this epoch)."""
-        pending = self.pending
+        pending, epoch = self.pending, self.epoch
         generators = _generators(index_sampler, self.generator)
         if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
             draw = pending["draw"]
@@ -255,9 +257,6 @@ class FacadeState:
             if self.num_workers == 0 and not self.iterable and self.pending.get("dataset_state") is not None:
                 if is_stateful(self.dataset):
                     self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
-        elif (self.pending is not None and self.pending["finished"] and self.num_workers == 0
-              and not self.iterable and self.pending.get("dataset_state") is not None and is_stateful(self.dataset)):
-            self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
         self.pending = None
 
     def received(self, record: Any) -> Any:
@@ -276,10 +275,18 @@ class FacadeState:
         self.done = True
 
     # ---------------------------------------------------------------- saving and loading
+    def _ended_state(self) -> dict[str, Any]:
+        done, self.done = self.done, True
+        try:
+            return self.state_dict(self.seed)
+        finally:
+            self.done = done
+
     def state_dict(self, seed: int) -> dict[str, Any]:
         """The state (see the module docstring)."""
         if self.fresh and self.pending is not None:
             return copy.deepcopy(self.pending["saved"])
+        self.seed = seed
         finished = self.started and self.done
         mine: dict[str, Any] = {"version": VERSION, "epoch": self.epoch, "finished": finished, "seed": seed,
                                 "num_workers": self.num_workers, "iterable": self.iterable,
@@ -294,6 +301,11 @@ class FacadeState:
                     loader_state = {**loader_state, **self.stage.get_state()}
                 except TypeError:
                     pass
+            if loader_state.get("epoch", self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
+                if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
+                    return self._ended_state()
+                loader_state = {**loader_state, "epoch": self.epoch, "done_below": len(self.loader), "done": [],
+                                "ahead": [], "until": self.epoch + 1}
             mine["loader"] = loader_state
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
@@ -351,7 +363,9 @@ class FacadeState:
         pending["saved"] = copy.deepcopy(state)
         if self.num_workers == 0 and not self.iterable:
             pending["dataset_state"] = state.get("dataset_state")
-        if pending["finished"]:
+        if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
+            if pending.get("dataset_state") is not None and is_stateful(self.dataset):
+                self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
             g = self.generator if self.generator is not None else torch.default_generator
             if pending.get("generator") is not None:
                 g.set_state(_decode_rng(pending["generator"]))
