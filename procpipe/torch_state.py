@@ -103,19 +103,22 @@ class InProcessReplica:
     """
 
     def __init__(self, dataset: Any, batch_size: int | None, drop_last: bool, collate_fn: Callable,
-                 start: dict[str, Any] | None) -> None:
+                 start: dict[str, Any] | None, carry: bool = False) -> None:
         self.dataset = dataset
         self.yielded = 0
         state = None if start is None else start.get("state")
         if state is not None and has_state(state):
             self.iterator = restore(dataset, state, iter)
-            if state["fetcher_state"].get("fetcher_ended"):
+            ended = bool(state["fetcher_state"].get("fetcher_ended"))
+            if ended and carry:  # the previous epoch's end: this epoch's iterator
                 self.iterator = iter(dataset)
             else:
                 self.yielded = int(start.get("yielded", 0))
         else:
+            ended = False
             self.iterator = iter(dataset)
         self.fetcher = BatchFetcher(self.iterator, batch_size, drop_last, collate_fn)
+        self.fetcher.ended = ended and not carry
         skip = 0 if start is None or (state is not None and has_state(state)) else int(start.get("yielded", 0))
         if skip:
             warnings.warn(f"procpipe.torch.DataLoader: neither the IterableDataset nor its iterator is Stateful: "
@@ -140,8 +143,10 @@ class FacadeState:
     """The state of one ``procpipe.torch.DataLoader``: kept during its iterations, saved and loaded."""
 
     def __init__(self, *, dataset: Any, iterable: bool, num_workers: int, persistent: bool,
-                 generator: torch.Generator | None, snapshot_every: int, shm_dir: str) -> None:
+                 generator: torch.Generator | None, snapshot_every: int, shm_dir: str,
+                 index_sampler: Any = None) -> None:
         self.dataset = dataset
+        self.index_sampler = index_sampler
         self.iterable = iterable
         self.num_workers = num_workers
         self.persistent = persistent
@@ -248,7 +253,8 @@ class FacadeState:
             start = {"state": pending.get("in_process"), "yielded": pending.get("yielded", 0)}
         elif pending is not None and pending["finished"] and pending["epoch"] + 1 == self.epoch:
             start = {"state": pending.get("in_process"), "yielded": 0}
-        self.replica = InProcessReplica(dataset, batch_size, drop_last, collate_fn, start)
+        self.replica = InProcessReplica(dataset, batch_size, drop_last, collate_fn, start,
+                                        carry=pending is not None and pending["finished"])
         return self.replica
 
     def started_iteration(self) -> None:
@@ -292,8 +298,8 @@ class FacadeState:
                                 "num_workers": self.num_workers, "iterable": self.iterable,
                                 "base_seed": self.seeds[0], "shared_seed": self.seeds[1]}
         if finished:  # the next epoch draws from the generator as it is now
-            g = self.generator if self.generator is not None else torch.default_generator
-            mine["generator"] = _encode_rng(g)
+            mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
+            mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and self.loader is not None:
             loader_state = self.loader.state_dict()
             if self.stage is not None and callable(getattr(self.stage, "get_state", None)):
@@ -366,9 +372,10 @@ class FacadeState:
         if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
-            g = self.generator if self.generator is not None else torch.default_generator
-            if pending.get("generator") is not None:
-                g.set_state(_decode_rng(pending["generator"]))
+            for g, text in zip(_generators(self.index_sampler, self.generator), pending.get("generators") or ()):
+                g.set_state(_decode_rng(text))
+            for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or ()):
+                obj.load_state_dict(copy.deepcopy(saved))
             if not (self.persistent or self.num_workers == 0):
                 pending["replicas"] = {}  # fresh replicas each epoch: nothing carries over
         self.pending = pending
