@@ -69,7 +69,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
-    "adapters": ("torch", "torch_iterable", "keras", "bench.*", "ray"),
+    "adapters": ("torch", "torch_iterable", "torch_state", "torch_snapshots", "keras", "bench.*", "ray"),
 }
 
 
