@@ -554,7 +554,7 @@ class DataLoader(_tud.DataLoader[_T_co]):
             dataset=dataset, iterable=self._pp_iterable, num_workers=num_workers, persistent=persistent_workers,
             generator=generator, snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0), shm_dir=shm_dir,
             index_sampler=None if self._pp_iterable else self._index_sampler)
-        weakref.finalize(self, self._pp_state.close)
+        weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
         if not self._pp_iterable:
             self._pp_options["batches"].before_draw = lambda: self._pp_state.before_draw(self._index_sampler)
 

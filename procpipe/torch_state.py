@@ -154,6 +154,7 @@ class FacadeState:
         self.snapshot_every = snapshot_every
         self.shm_dir = shm_dir
         self.store: SnapshotStore | None = None
+        self.stores: list[SnapshotStore] = []  # the store, for cleanup() (which must not hold this object)
         self.pending: dict[str, Any] | None = None  # a loaded state, for the next iteration
         self.fresh = False  # nothing iterated since the load: state_dict() gives the loaded state back
         self.epoch = 0  # the epoch of the current (or next) iteration
@@ -221,6 +222,7 @@ class FacadeState:
         the snapshots a loaded state resumes them from into the store."""
         if self.store is None:
             self.store = SnapshotStore.create(self.shm_dir)
+            self.stores.append(self.store)
         options: dict[str, Any] = {"snapshot_every": self.snapshot_every, "store": self.store}
         pending = self.pending
         if pending is None:
@@ -385,7 +387,13 @@ class FacadeState:
 
     def close(self) -> None:
         """Remove the snapshot files."""
-        store, self.store = self.store, None
-        if store is not None:
-            store.remove()
+        self.store = None
+        self.cleanup(self.stores)
+
+    @staticmethod
+    def cleanup(stores: list[SnapshotStore]) -> None:
+        """Remove ``stores`` (the DataLoader's finalizer: it holds the list, not the state, which
+        holds the running Loader and must be collectable with the DataLoader)."""
+        while stores:
+            stores.pop().remove()
 
