@@ -457,6 +457,9 @@ class DataLoader(_tud.DataLoader[_T_co]):
     - ``prefetch_factor * num_workers`` ready batches are kept ahead (torch counts the same
       total; procpipe also keeps up to two tasks per worker in flight).
 
+    ``state_dict()`` / ``load_state_dict()`` and ``snapshot_every_n_steps`` are torchdata's
+    ``StatefulDataLoader``'s (``procpipe.torch_state``; docs/guide/pytorch-resume.md).
+
     Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
     on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
     ``max_worker_restarts``, ``worker_env``. ``close()`` ends the workers now.
