@@ -47,7 +47,7 @@ from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device,
 from .torch_iterable import RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise, sharding_init
 from .torch_snapshots import ReplicaEnded
 from .api.validate import START_METHODS
-from .torch_state import FacadeState, none_sample_error, on_value
+from .torch_state import FacadeState, none_sample_error, on_moved, on_value
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
@@ -619,7 +619,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
             if self._pp_transfer is None:
                 self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
-            stage = Stage(epoch, lambda b: transfer(b, convert, getattr(epoch, "position", None)), depth,
+            move = on_moved(transfer, convert)
+            stage = Stage(epoch, lambda b: move(b, getattr(epoch, "position", None)), depth,
                           self.timeout if self.num_workers else None, keep_state=keep)
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin

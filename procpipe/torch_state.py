@@ -37,7 +37,7 @@ import torch
 from .torch_iterable import BatchFetcher
 from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
 
-__all__ = ["FacadeState", "InProcessReplica", "none_sample_error", "on_value"]
+__all__ = ["FacadeState", "InProcessReplica", "none_sample_error", "on_moved", "on_value"]
 
 VERSION = 1
 
@@ -58,6 +58,26 @@ def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return x
         return fn(x)
     return apply
+
+
+def on_moved(transfer: Callable[..., tuple[Any, Any]], convert: Callable[[Any], Any]) -> Callable[..., tuple[Any, Any]]:
+    """The device stage's copy of a batch (``CudaTransfer``), for a ``Tagged`` record: its batch
+    is moved, its tag goes on to the consumer (``received``)."""
+    def move(batch: Any, position: Any) -> tuple[Any, Any]:
+        tags: list[Tagged] = []
+
+        def unwrap(x: Any) -> Any:
+            value = convert(x)
+            if type(value) is Tagged:
+                tags.append(value)
+                return value.value
+            return value
+        moved, ready = transfer(batch, unwrap, position)
+        if tags:
+            tags[0].value = moved
+            return tags[0], ready
+        return moved, ready
+    return move
 
 
 def _encode_rng(generator: torch.Generator) -> str:
