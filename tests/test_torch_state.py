@@ -319,3 +319,20 @@ def test_a_sample_that_is_none_names_the_index_and_the_forgotten_return(num_work
         list(loader)
     assert "_Leaf" not in str(caught.value)
     loader.close()
+
+
+@pytest.mark.parametrize("make", [lambda: DataLoader(Squares(), batch_size=4, num_workers=2),
+                                  lambda: DataLoader(Stream(), batch_size=2, num_workers=2)], ids=["map", "iterable"])
+def test_a_state_taken_after_the_loop_broke_off(make):
+    """``for batch in loader: ... break`` drops the iterator (its workers end, without
+    persistent_workers); ``state_dict()`` afterwards still resumes after the last batch."""
+    want = [_plain(b) for b in make()]
+    loader, got = make(), []
+    for batch in loader:
+        got.append(_plain(batch))
+        if len(got) == 3:
+            break
+    state = loader.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    assert got + [_plain(b) for b in again] == want
