@@ -22,6 +22,7 @@ is read by one replica per worker, each a streaming source (``procpipe.torch_ite
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import operator
 import os
@@ -559,7 +560,9 @@ class DataLoader(_tud.DataLoader[_T_co]):
             index_sampler=None if self._pp_iterable else self._index_sampler)
         weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
         if not self._pp_iterable:
-            self._pp_options["batches"].before_draw = lambda: self._pp_state.before_draw(self._index_sampler)
+            # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
+            self._pp_options["batches"].before_draw = functools.partial(self._pp_state.before_draw,
+                                                                        self._index_sampler)
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> _DataLoaderIter:
@@ -798,6 +801,8 @@ class _DataLoaderIter:
             warnings.warn(message, stacklevel=3)
 
     def _finish(self) -> None:
+        if self._state is not None:
+            self._state.closing()  # (before the stage or the loader closes)
         if self._stage is not None:
             self._stage.close()
         if self._owned is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import copy
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -182,8 +183,12 @@ class FacadeState:
         self.done = False  # the current iteration ended (StopIteration)
         self.seeds: tuple[int | None, int | None] = (None, None)  # base_seed, shared_seed
         self.draws: dict[int, dict[str, Any]] = {}  # epoch -> what its sampler draw depends on
-        self.loader: Any = None  # the procpipe.Loader of the current iteration
-        self.stage: Any = None
+        # The iteration's procpipe Loader and stage, held weakly: the Loader's coordinator thread reaches
+        # this object (through the sampler), so a strong reference would keep the Loader forever.
+        self.loader: weakref.ref | None = None
+        self.stage: weakref.ref | None = None
+        self.batches = 0  # len() of the iteration's Loader
+        self.frozen: dict[str, Any] | None = None  # its position, kept when it closed (closing())
         self.replica: InProcessReplica | None = None
         self.delivered: dict[int, int] = {}  # replica -> records returned (incl. errors and its end)
         self.snaps: dict[int, tuple[int, Any]] = {}  # replica -> (position, state) of its last snapshot returned
@@ -208,7 +213,7 @@ class FacadeState:
             base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")  # the saved workers' seeds
         self.epoch, self.started, self.done = epoch, True, False
         self.seeds = (base_seed, shared_seed)
-        self.loader = self.stage = self.replica = None
+        self.loader = self.stage = self.replica = self.frozen = None
         self.delivered, self.snaps, self.ended = {}, {}, set()
         if pending is not None and pending["epoch"] == epoch:
             for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
@@ -258,13 +263,33 @@ class FacadeState:
 
     def resume_loader(self, loader: Any, stage: Any) -> None:
         """The iteration's procpipe Loader (before ``iter()``): a resumed epoch's position is loaded into it."""
-        self.loader, self.stage = loader, stage
+        self.loader, self.stage = weakref.ref(loader), None
+        self.batches = 0 if self.iterable else len(loader)  # (a stream's Loader has no len())
         pending = self.pending
         if pending is not None and pending["epoch"] == self.epoch and pending.get("loader") is not None:
             loader.load_state_dict(pending["loader"])
 
     def set_stage(self, stage: Any) -> None:
-        self.stage = stage
+        self.stage = None if stage is None else weakref.ref(stage)
+
+    def closing(self) -> None:
+        """The iteration ends or is dropped (its Loader may close): keep its position."""
+        if not self.done:
+            self.frozen = self._position()
+
+    def _position(self) -> dict[str, Any] | None:
+        """The procpipe Loader's state, with the position of the stage's last batch (if a stage holds some ahead)."""
+        loader = None if self.loader is None else self.loader()
+        if loader is None:
+            return self.frozen
+        state = loader.state_dict()
+        stage = None if self.stage is None else self.stage()
+        if stage is not None and callable(getattr(stage, "get_state", None)):
+            try:
+                state = {**state, **stage.get_state()}
+            except TypeError:
+                pass
+        return state
 
     def in_process(self, dataset: Any, batch_size: int | None, drop_last: bool,
                    collate_fn: Callable) -> InProcessReplica:
@@ -322,17 +347,11 @@ class FacadeState:
         if finished:  # the next epoch draws from the generator as it is now
             mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
-        elif self.started and self.loader is not None:
-            loader_state = self.loader.state_dict()
-            if self.stage is not None and callable(getattr(self.stage, "get_state", None)):
-                try:
-                    loader_state = {**loader_state, **self.stage.get_state()}
-                except TypeError:
-                    pass
+        elif self.started and (loader_state := self._position()) is not None:
             if loader_state.get("epoch", self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
                 if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
                     return self._ended_state()
-                loader_state = {**loader_state, "epoch": self.epoch, "done_below": len(self.loader), "done": [],
+                loader_state = {**loader_state, "epoch": self.epoch, "done_below": self.batches, "done": [],
                                 "ahead": [], "until": self.epoch + 1}
             mine["loader"] = loader_state
         if not self.iterable and not finished and self.epoch in self.draws:
