@@ -22,6 +22,7 @@ is read by one replica per worker, each a streaming source (``procpipe.torch_ite
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import operator
 import os
@@ -44,9 +45,10 @@ from .core.tensors import DTYPE_NAMES as _DTYPE_NAMES
 from .core.tensors import numpy_tensor as _numpy_tensor
 from .core.tensors import tensor_numpy as _tensor_numpy
 from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
-from .torch_iterable import (BatchFetcher, RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise,
-                             sharding_init)
+from .torch_iterable import RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise, sharding_init
+from .torch_snapshots import ReplicaEnded
 from .api.validate import START_METHODS
+from .torch_state import FacadeState, none_sample_error, on_moved, on_value
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
@@ -335,6 +337,8 @@ class _TorchSource:
             return index  # _BulkFetch loads the whole list at once
         sample = self.dataset[index]
         if self.mode == DEFAULT:
+            if sample is None:
+                raise none_sample_error(index)
             return _sample_to_wire(sample)
         if self.mode == UNBATCHED:
             return _pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))
@@ -375,6 +379,12 @@ class _SamplerBatches:
         self.unbatched = unbatched
         self.bulk = False
         self._planned: list | None = None
+        self.before_draw: Callable[[], None] | None = None  # the facade's state, told before each draw
+
+    def _draw(self) -> list:
+        if self.before_draw is not None:
+            self.before_draw()
+        return list(self.index_sampler)
 
     def __len__(self) -> int:
         return len(self.index_sampler)
@@ -382,13 +392,13 @@ class _SamplerBatches:
     def plan(self) -> bool:
         """Draw the next epoch's items from the sampler now (the next call returns them);
         whether they are lists of indices (bulk loading)."""
-        self._planned = items = list(self.index_sampler)
+        self._planned = items = self._draw()
         return bool(items) and not _is_index(items[0])
 
     def __call__(self, epoch: int) -> list:
         items, self._planned = self._planned, None
         if items is None:
-            items = list(self.index_sampler)
+            items = self._draw()
         if not self.unbatched:
             return [list(batch) for batch in items]
         if not self.bulk:
@@ -448,6 +458,9 @@ class DataLoader(_tud.DataLoader[_T_co]):
     - ``prefetch_factor * num_workers`` ready batches are kept ahead (torch counts the same
       total; procpipe also keeps up to two tasks per worker in flight).
 
+    ``state_dict()`` / ``load_state_dict()`` and ``snapshot_every_n_steps`` are torchdata's
+    ``StatefulDataLoader``'s (``procpipe.torch_state``; docs/guide/pytorch-resume.md).
+
     Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
     on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
     ``max_worker_restarts``, ``worker_env``. ``close()`` ends the workers now.
@@ -478,6 +491,7 @@ class DataLoader(_tud.DataLoader[_T_co]):
         shm_dir: str = "/dev/shm",
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         self._pp_iterable = isinstance(dataset, _tud.IterableDataset)
         if not self._pp_iterable and not hasattr(dataset, "__getitem__"):
@@ -540,6 +554,15 @@ class DataLoader(_tud.DataLoader[_T_co]):
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
+        self._pp_state = FacadeState(
+            dataset=dataset, iterable=self._pp_iterable, num_workers=num_workers, persistent=persistent_workers,
+            generator=generator, snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0), shm_dir=shm_dir,
+            index_sampler=None if self._pp_iterable else self._index_sampler)
+        weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
+        if not self._pp_iterable:
+            # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
+            self._pp_options["batches"].before_draw = functools.partial(self._pp_state.before_draw,
+                                                                        self._index_sampler)
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> _DataLoaderIter:
@@ -565,6 +588,7 @@ class DataLoader(_tud.DataLoader[_T_co]):
         elif datapipe:
             _draw_seed(self.generator)  # torch's shared seed of this epoch (the replicas derive theirs)
         self._pp_iterated = True
+        base_seed, shared_seed = self._pp_state.begin(self._pp_epochs, base_seed, shared_seed)
         if self.pin_memory and torch.accelerator.is_available():
             accelerator = torch.accelerator.current_accelerator()
             pin = accelerator is not None and accelerator.type != "mps"
@@ -572,8 +596,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
         owned = None
         if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
             dataset = in_process(self.dataset, shared_seed)
-            epoch: Iterator = BatchFetcher(iter(dataset), self.batch_size if self._auto_collation else None,
-                                           self.drop_last, self.collate_fn)
+            epoch: Iterator = self._pp_state.in_process(dataset, self.batch_size if self._auto_collation else None,
+                                                        self.drop_last, self.collate_fn)
             convert = _same
             loader = None
         else:
@@ -587,28 +611,34 @@ class DataLoader(_tud.DataLoader[_T_co]):
                 loader = owned = self._pp_new_loader(base_seed, shared_seed)
                 self._pp_epoch_loader = weakref.ref(owned)
             loader.set_epoch(self._pp_epochs)
+            self._pp_state.resume_loader(loader, None)
             self._pp_current = loader
             self._pp_epochs += 1
             epoch = iter(loader)
-        stage: Stage | None = None  # the facade has no state_dict: its stages keep no state (keep_state=False)
+        stage: Stage | None = None  # a stage keeps its source's state with each batch (state_dict)
+        keep = loader is not None
         depth = self._pp_options["prefetch"]
         if self._pp_device is not None:
             if self._pp_transfer is None:
                 self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
-            stage = Stage(epoch, lambda b: transfer(b, convert, getattr(epoch, "position", None)), depth,
-                          self.timeout if self.num_workers else None, keep_state=False)
+            move = on_moved(transfer, convert)
+            stage = Stage(epoch, lambda b: move(b, getattr(epoch, "position", None)), depth,
+                          self.timeout if self.num_workers else None, keep_state=keep)
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-            stage = Stage(epoch, lambda b: (_pin(convert(b)), None), depth, self.timeout if self.num_workers else None,
-                          keep_state=False)
+            pin_value = on_value(_pin)
+            stage = Stage(epoch, lambda b: (pin_value(convert(b)), None), depth,
+                          self.timeout if self.num_workers else None, keep_state=keep)
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
-            stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=False)
+            stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
+        self._pp_state.set_stage(stage)
+        self._pp_state.started_iteration()
         if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
             return _DataLoaderIter(epoch, convert, stage, owned, None, loader, self._IterableDataset_len_called,
-                                   self.dataset, self.num_workers > 0)
-        return _DataLoaderIter(epoch, convert, stage, owned, len(self), loader)
+                                   self.dataset, self.num_workers > 0, self._pp_state)
+        return _DataLoaderIter(epoch, convert, stage, owned, len(self), loader, state=self._pp_state)
 
     def _pp_plan_unbatched(self) -> None:
         """``batch_size=None``: draw the epoch's sampler items, and load each as one index or,
@@ -635,7 +665,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
             init = self.worker_init_fn if shared_seed is None else sharding_init(self.worker_init_fn)
             source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
                                           self.batch_size if self._auto_collation else None, self.drop_last,
-                                          self.collate_fn, _pack, shared_seed, self._pp_epochs))
+                                          self.collate_fn, _pack, shared_seed, self._pp_epochs,
+                                          **self._pp_state.replica_options(self._pp_epochs)))
             # torch's seeds per worker, then the replica's own draws: no per-record reseeding
             loader = Loader(source, **{**self._pp_options, "seed_globals": False})
         else:
@@ -644,6 +675,27 @@ class DataLoader(_tud.DataLoader[_T_co]):
         # start the same way, though the training loop runs threads by then (torch forks each epoch too)
         self._pp_options["start_method"] = loader.start_method
         return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the iteration stands, as torchdata's ``StatefulDataLoader.state_dict()``: loaded into
+        a DataLoader built the same way, the next ``iter()`` goes on with the next batch (docs:
+        docs/guide/pytorch-resume.md; the logic: ``procpipe.torch_state``)."""
+        return self._pp_state.state_dict(self._pp_seed)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` at the next ``iter()`` (the persistent workers, if any, are
+        replaced, as torchdata's are); ``ValueError`` for a state of another kind of DataLoader."""
+        self._pp_epochs = self._pp_state.load(state_dict)
+        seed = state_dict["procpipe"].get("seed", self._pp_seed)
+        if self._pp_loader is not None:
+            self._pp_loader.close()
+            self._pp_loader = None
+        # the next iter() draws as the saved one's successor would (persistent workers: no new seeds)
+        self._pp_iterated = bool(state_dict["procpipe"].get("finished")) and self.persistent_workers
+        if seed != self._pp_seed:  # the per-sample seeds are the saved loader's
+            self._pp_seed = self._pp_options["seed"] = seed
+            if self._pp_source is not None:
+                self._pp_source.seed = seed
 
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
@@ -660,6 +712,7 @@ class DataLoader(_tud.DataLoader[_T_co]):
         transfer, self._pp_transfer = self._pp_transfer, None
         if transfer is not None:
             transfer.close()
+        self._pp_state.close()
         epoch_loader = self._pp_epoch_loader() if self._pp_epoch_loader is not None else None
         if epoch_loader is not None:
             epoch_loader.close()
@@ -694,7 +747,7 @@ class _DataLoaderIter:
 
     def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
                  length: int | None, loader: Loader | None, len_called: int | None = None,
-                 dataset: Any = None, with_workers: bool = False) -> None:
+                 dataset: Any = None, with_workers: bool = False, state: FacadeState | None = None) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
@@ -705,6 +758,7 @@ class _DataLoaderIter:
         self._with_workers = with_workers
         self._yielded = 0
         self._loader = loader  # None: an IterableDataset iterated in this process
+        self._state = state  # the DataLoader's state_dict keeper: told what is returned
 
     @property
     def _workers(self) -> list:
@@ -722,14 +776,19 @@ class _DataLoaderIter:
         return self._length
 
     def __next__(self) -> Any:
-        try:
-            if self._stage is not None:
-                batch = next(self._stage)
-            else:
-                batch = self._convert(next(self._epoch))
-        except StopIteration:
-            self._finish()
-            raise
+        while True:
+            try:
+                if self._stage is not None:
+                    batch = next(self._stage)
+                else:
+                    batch = self._convert(next(self._epoch))
+            except StopIteration:
+                self._finish()
+                if self._state is not None:
+                    self._state.finished()
+                raise
+            if self._state is None or type(batch := self._state.received(batch)) is not ReplicaEnded:
+                break
         if self._length is None:
             if type(batch) is RaisedInReplica:  # an error in a replica, in the place of its batch
                 reraise(batch)
@@ -749,6 +808,8 @@ class _DataLoaderIter:
             warnings.warn(message, stacklevel=3)
 
     def _finish(self) -> None:
+        if self._state is not None:
+            self._state.closing()  # (before the stage or the loader closes)
         if self._stage is not None:
             self._stage.close()
         if self._owned is not None:

@@ -31,11 +31,18 @@ torch's semantics, and how they are kept:
   ``_generate_state(base_seed, id)`` for numpy, once per worker process (when it first
   opens its replica, before ``worker_init_fn`` and ``__iter__``); ``base_seed`` is drawn from the loader's ``generator`` as torch
   draws it, so the replicas see the same random numbers as under torch's DataLoader.
-- **A worker crash** cannot be recovered exactly: an opaque iterator cannot be re-read
-  from where the dead worker was, so the engine's usual recovery (another process re-reads
-  the block) would lose or repeat data. ``Replicas.reopening`` refuses it: the epoch fails
-  with ``ReplicaLostError`` naming the worker. (A replica that had delivered nothing this
-  epoch is started again in the replacement process; that loses and repeats nothing.)
+- **State** (``procpipe.torch_snapshots``): every record carries its replica and position,
+  and every ``snapshot_every``-th one the replica's state (torchdata's ``Stateful``
+  protocol: the dataset's and its iterator's ``state_dict()``), which the facade's
+  ``state_dict()`` saves; each replica's records end with a ``ReplicaEnded`` one, carrying
+  its final state (the consumer drops it).
+- **A worker crash** is recovered exactly when the replica is ``Stateful``: the worker also
+  writes its last snapshots to a file (``SnapshotStore``), and the replacement process
+  restores the latest one at or before the first record not received and produces again
+  only the records between (``Replicas.open``). An opaque iterator cannot be re-read from
+  where the dead worker was: then the epoch fails with ``ReplicaLostError`` naming the
+  worker. (A replica that had delivered nothing this epoch is started again in the
+  replacement process; that loses and repeats nothing.)
 
 ``num_workers=0`` iterates the dataset in the calling process (``BatchFetcher`` directly,
 no replica, ``get_worker_info()`` is None), as torch does.
@@ -64,6 +71,7 @@ from torch.utils.data import default_collate
 
 from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
+from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 
 __all__ = ["BatchFetcher", "RaisedInReplica", "ReplicaLostError", "ReplicaSpec", "Replicas", "epoch_seed",
            "in_process", "reraise", "sharding_init"]
@@ -165,6 +173,10 @@ class ReplicaSpec:
     pack: Callable[[Any], Any]  # a batch (or a RaisedInReplica) -> what travels through the ring
     shared_seed: int | None = None  # an IterDataPipe's shared seed (of ``first_epoch``); None: not a datapipe
     first_epoch: int = 0  # the loader's epoch number of the first epoch these workers load
+    snapshot_every: int = 1  # a replica's state with every n-th record (0: only the first and the last)
+    store: SnapshotStore | None = None  # the snapshot files (a replacement process resumes from them)
+    resume_epoch: int | None = None  # a loaded state_dict's epoch: its replicas may re-read from the start
+    resume_positions: dict[int, int] | None = None  # ... up to these positions (those without a snapshot)
 
 
 def epoch_seed(shared_seed: int, epoch: int) -> int:
@@ -223,52 +235,106 @@ class _PrivateDefaultCollate:
 
 
 class _ReplicaBatches:
-    """One epoch of a replica, in its worker: the records ``Shards`` reads (packed batches,
-    or a packed ``RaisedInReplica`` in the place of a batch that failed)."""
+    """One epoch of a replica, in its worker: the records ``Shards`` reads, each a packed
+    ``Tagged`` (a batch, a ``RaisedInReplica`` in the place of a batch that failed, or the
+    final ``ReplicaEnded``), with the replica's snapshots (``procpipe.torch_snapshots``).
 
-    def __init__(self, replica: Replicas, worker: int, init_error: RaisedInReplica | None) -> None:
+    ``start``: ``(position, state)`` to restore the replica at (records before it are not
+    produced: ``Shards`` skips them); a state of an ended replica at position 0 is carried
+    over (the previous epoch's end, ``persistent_workers``): restored, then a new iterator.
+    """
+
+    def __init__(self, replica: Replicas, worker: int, init_error: RaisedInReplica | None,
+                 start: tuple[int, dict] | None = None) -> None:
         self.replica = replica
         self.worker = worker
         self.fetcher: BatchFetcher | None = None
+        self.iterator: Any = None
         self.position = 0
         self.done = False
+        self.ended = False  # the ReplicaEnded record was sent
         self.init_error = init_error  # worker_init_fn raised: the first record, then the end
+        self.skip_to, self.start_state = start if start is not None else (0, None)
+        self.initial: tuple[int, bytes] | None = None  # the snapshot at the epoch's start, sent with record 0
 
     def __iter__(self) -> _ReplicaBatches:
         return self
 
+    def _open(self) -> None:
+        spec, state = self.replica.spec, self.start_state
+        if state is None:
+            self.iterator = iter(spec.dataset)
+        else:
+            self.iterator = restore(spec.dataset, state, iter)
+            if state["fetcher_state"].get("fetcher_ended"):
+                if self.skip_to == 0:  # the previous epoch's end, carried over: this epoch's iterator
+                    self.iterator = iter(spec.dataset)
+                else:
+                    self.ended = True  # restored after its end: nothing more
+        self.fetcher = BatchFetcher(self.iterator, spec.batch_size, spec.drop_last,
+                                    _in_private_memory(spec.collate_fn))
+        if self.position == 0:
+            self.initial = self._snapshot(0, False)
+
+    def _snapshot(self, position: int, ended: bool) -> tuple[int, bytes] | None:
+        """The replica's state at ``position`` (pickled), also written to the store; None if stateless."""
+        state = capture(self.replica.spec.dataset, self.iterator, ended)
+        if not has_state(state):
+            return None
+        self.replica.keep_snapshot(self.worker, position, state)
+        return position, dill.dumps(state, protocol=dill.HIGHEST_PROTOCOL)
+
     def __next__(self) -> Any:
         if self.done:
             raise StopIteration
+        if self.position < self.skip_to:  # before the restored snapshot: never delivered, never produced
+            self.position += 1
+            return None
         spec = self.replica.spec
         if self.init_error is not None:
             error, self.init_error, self.done = self.init_error, None, True
-            return spec.pack(error)
+            self.position += 1
+            return spec.pack(Tagged(error, self.worker, self.position - 1))
         stage = "__next__ or collate_fn"
+        snapshot = None
         try:
             if self.fetcher is None:
                 stage = "__iter__"
-                self.fetcher = BatchFetcher(iter(spec.dataset), spec.batch_size, spec.drop_last,
-                                            _in_private_memory(spec.collate_fn))
+                self._open()
                 stage = "__next__ or collate_fn"
+            if self.ended:
+                raise StopIteration
             batch = next(self.fetcher)
         except StopIteration:
-            self.close()
-            raise
+            if self.ended or self.fetcher is None:
+                self.close()
+                raise
+            self.ended = True
+            batch = ReplicaEnded()
+            snapshot = self._snapshot(self.position + 1, True)
         except Exception as exc:
             if self.fetcher is None:
                 self.done = True  # no iterator: the replica has nothing more this epoch
             batch = _raised(exc, self.worker, self.position, stage)
         self.position += 1
+        every = spec.snapshot_every
+        if snapshot is None and every and self.position % every == 0 and self.fetcher is not None:
+            snapshot = self._snapshot(self.position, False)
+        if snapshot is None and self.initial is not None:
+            snapshot = self.initial
+        self.initial = None
+        snap_position, state = snapshot if snapshot is not None else (-1, None)
         try:
-            return spec.pack(batch)
+            return spec.pack(Tagged(batch, self.worker, self.position - 1, snap_position, state))
         except Exception as exc:  # e.g. collate_fn returned something that does not pickle
-            return spec.pack(_raised(exc, self.worker, self.position - 1, "packing the batch collate_fn returned"))
+            error = _raised(exc, self.worker, self.position - 1, "packing the batch collate_fn returned")
+            return spec.pack(Tagged(error, self.worker, self.position - 1, snap_position, state))
 
     def close(self) -> None:
         """Let the dataset's iterator go (a new epoch replaces it, as torch's does)."""
         self.done = True
         self.fetcher = None
+        self.iterator = None
 
 
 class Replicas(Shards):
@@ -290,10 +356,13 @@ class Replicas(Shards):
         self._init_error: RaisedInReplica | None = None
         self._current: _ReplicaBatches | None = None
         self._epoch = spec.first_epoch  # the epoch of the block being read (produce_block)
+        self._reopen_at = 0  # reopening(): the record the next open() must resume at
+        self._snapshots: list[tuple[int, int, dict]] = []  # this process's replica's last snapshots (the store's)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["_current"] = None
+        state["_snapshots"] = []
         return state
 
     def configured(self, block_length: int, mode: str, batch_size: int | None) -> Replicas:
@@ -309,13 +378,35 @@ class Replicas(Shards):
         return super().produce_block(spec, scope, epoch, block, *args, **kwargs)
 
     def reopening(self, block: Block) -> None:
+        self._reopen_at = block.first  # open() resumes there, from a snapshot (or refuses)
+
+    def keep_snapshot(self, worker: int, position: int, state: dict) -> None:
+        """Write a snapshot of this process's replica to the store (for a replacement process)."""
+        store = self.spec.store
+        if store is None:
+            return
+        self._snapshots.append((self._epoch, position, state))
+        del self._snapshots[:-8]
+        store.write(worker, self._snapshots)
+
+    def _start(self, worker: int) -> tuple[int, dict] | None:
+        """Where this epoch's replica starts: a snapshot to restore, or None (its start)."""
+        first, self._reopen_at = self._reopen_at, 0
+        spec = self.spec
+        found = None if spec.store is None else spec.store.best(worker, self._epoch, first)
+        if found is not None or first == 0:
+            return found
+        if spec.resume_epoch == self._epoch and (spec.resume_positions or {}).get(worker) == first:
+            return None  # a loaded state without a snapshot: re-read from the start (torchdata's fast-forward)
         raise ReplicaLostError(
-            f"procpipe.torch: the IterableDataset replica of worker {block.shard} was lost after it had "
-            f"delivered {block.first} batch(es) of this epoch: the worker's process died and procpipe started "
-            "a replacement, but an IterableDataset's iterator cannot be resumed in another process, so the "
-            "epoch cannot go on without losing or repeating that replica's data. Find why the worker died "
-            "(the out-of-memory killer, a crash in native code, os._exit or sys.exit in the dataset), or make "
-            "the dataset map-style (__getitem__), whose batches procpipe re-runs exactly once after a crash.")
+            f"procpipe.torch: the IterableDataset replica of worker {worker} was lost after it had "
+            f"delivered {first} batch(es) of this epoch: the worker's process died and procpipe started "
+            "a replacement, but neither the dataset nor its iterator is Stateful (state_dict() and "
+            "load_state_dict()), so the replica cannot be resumed in another process and the epoch cannot go "
+            "on without losing or repeating its data. Give the dataset or its iterator state_dict() / "
+            "load_state_dict() (the replacement then resumes from its last snapshot, exactly once), find why "
+            "the worker died (the out-of-memory killer, a crash in native code, os._exit or sys.exit in the "
+            "dataset), or make the dataset map-style (__getitem__).")
 
     def open(self, worker: int) -> _ReplicaBatches:
         """This epoch's iterator of replica ``worker`` (in the worker's process)."""
@@ -332,7 +423,7 @@ class Replicas(Shards):
         if spec.shared_seed is not None:  # an IterDataPipe: its random pipes seeded alike in every replica
             seed = spec.shared_seed if self._epoch == spec.first_epoch else epoch_seed(spec.shared_seed, self._epoch)
             spec.dataset = _seeded(spec.dataset, seed)
-        self._current = _ReplicaBatches(self, worker, self._init_error)
+        self._current = _ReplicaBatches(self, worker, self._init_error, self._start(worker))
         self._init_error = None
         return self._current
 

@@ -70,7 +70,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "streaming.even_ranks"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
-    "adapters": ("torch", "torch_iterable", "keras", "tf", "bench.*", "ray", "ray.*", "readers.*"),
+    "adapters": ("torch", "torch_iterable", "torch_state", "torch_snapshots", "keras", "tf", "bench.*", "ray", "ray.*",
+                 "readers.*"),
 }
 
 

@@ -110,7 +110,9 @@ class ShardPlan(EpochPlan):
         for slot in self.interleave.slots:
             if slot is not None:
                 position, block = slot
-                self.states[position] = _Shard(position, self.order[position], next_block=block, used=block)
+                index = self.order[position]  # (a shard bound to a worker stays bound after a resume)
+                self.states[position] = _Shard(position, index, next_block=block, used=block,
+                                               worker=self.config.source.worker_for(index))
         self.ended = self.completed_shards = self.opened - len(self.states)
 
     def sample_total(self) -> int | None:

@@ -1,0 +1,338 @@
+"""``procpipe.torch.DataLoader.state_dict()`` / ``load_state_dict()``: torchdata's
+``StatefulDataLoader`` contract (docs/guide/pytorch-resume.md).
+
+One parametrized test takes a state at each point of an epoch (before the first batch,
+mid-epoch, after the last batch, after ``StopIteration``) in one pass, and
+resumes each in a new DataLoader: the rest of that epoch, then the next epoch, must be
+the uninterrupted run's. Then the replica that survives a worker's death, and the
+differences from StatefulDataLoader that are on purpose.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.utils.data as tud
+
+from procpipe.torch import DataLoader
+from procpipe.torch_iterable import ReplicaLostError
+
+
+# ------------------------------------------------------------------ datasets, samplers
+class Squares(tud.Dataset):
+    def __init__(self, n: int = 22) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i])
+
+
+class Noisy(Squares):
+    """Draws from torch's global generator in ``__getitem__``, keeps no state of its own."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, int(torch.randint(1000, (1,)))])
+
+
+class StatefulNoisy(Noisy):
+    def state_dict(self) -> dict:
+        return {"calls": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class EpochSampler(tud.Sampler):
+    """A Stateful sampler: its order depends on its own epoch counter, saved in its state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.epoch)
+        self.epoch += 1
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+
+
+class LcgIterator:
+    """A Stateful iterator over ``range(start, stop, step)``, each value with a draw of its own generator."""
+
+    def __init__(self, start: int, stop: int, step: int) -> None:
+        self.i, self.stop, self.step, self.x = start, stop, step, start + 1
+
+    def __iter__(self) -> LcgIterator:
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.stop:
+            raise StopIteration
+        self.x = (self.x * 6364136223846793005 + 1442695040888963407) % 2**64
+        value = self.i * 1000 + self.x % 1000
+        self.i += self.step
+        return value
+
+    def state_dict(self) -> dict:
+        return {"i": self.i, "x": self.x}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i, self.x = state["i"], state["x"]
+
+
+def _shard() -> tuple[int, int]:
+    info = tud.get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class Stream(tud.IterableDataset):
+    """Sharded by worker; its iterator is Stateful. ``die_at``: worker 1's iterator ends its
+    process once (a marker file says it did) when it reaches that value."""
+
+    def __init__(self, n: int = 23, die_at: int | None = None, marker: str = "") -> None:
+        self.n, self.die_at, self.marker = n, die_at, marker
+
+    def __iter__(self):
+        w, k = _shard()
+        it = LcgIterator(w, self.n, k)
+        if self.die_at is None or w != 1:
+            return it
+        return _Dying(it, self.die_at, self.marker)
+
+
+class _Dying(LcgIterator):
+    def __init__(self, it: LcgIterator, die_at: int, marker: str) -> None:
+        self.__dict__.update(it.__dict__)
+        self.die_at, self.marker = die_at, marker
+
+    def __next__(self) -> int:
+        if self.i == self.die_at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(3)
+        return super().__next__()
+
+
+class PlainStream(tud.IterableDataset):
+    """Not Stateful at all: a resume makes the replica's first batches again and drops them."""
+
+    def __iter__(self):
+        w, k = _shard()
+        yield from range(w, 23, k)
+
+
+# ------------------------------------------------------------------ the resume matrix
+def _generator() -> torch.Generator:
+    return torch.Generator().manual_seed(7)
+
+
+CASES = {
+    "map": lambda: DataLoader(Squares(), batch_size=4, num_workers=2),
+    "map-inline": lambda: DataLoader(Squares(), batch_size=4),
+    "map-shuffle-global-inline": lambda: DataLoader(Squares(), batch_size=3, shuffle=True),
+    "map-stateful-sampler": lambda: DataLoader(Squares(), batch_size=4, sampler=EpochSampler(22), num_workers=2),
+    "map-batch-sampler": lambda: DataLoader(Squares(), num_workers=2, batch_sampler=tud.BatchSampler(
+        tud.RandomSampler(range(22), generator=_generator()), 3, drop_last=True)),
+    "map-unbatched": lambda: DataLoader(Squares(), batch_size=None, shuffle=True, generator=_generator(),
+                                        num_workers=2),
+    "map-persistent": lambda: DataLoader(Squares(), batch_size=4, shuffle=True, generator=_generator(),
+                                         num_workers=2, persistent_workers=True),
+    "map-unordered": lambda: DataLoader(Squares(), batch_size=2, num_workers=2, in_order=False),
+    "map-forkserver": lambda: DataLoader(Noisy(), batch_size=4, num_workers=2, multiprocessing_context="forkserver"),
+    "iterable": lambda: DataLoader(Stream(), batch_size=2, num_workers=2),
+    "iterable-inline": lambda: DataLoader(Stream(), batch_size=2),
+    "iterable-not-stateful": lambda: DataLoader(PlainStream(), batch_size=2, num_workers=2),
+    "iterable-persistent-every-3": lambda: DataLoader(Stream(), batch_size=2, num_workers=2, persistent_workers=True,
+                                                      snapshot_every_n_steps=3),
+}
+
+
+def _plain(batch) -> list:
+    return batch.tolist() if isinstance(batch, torch.Tensor) else [_plain(b) for b in batch]
+
+
+def _same(case: str, got: list, want: list) -> None:
+    if case.endswith("unordered"):  # as they finish: each batch exactly once, in any order
+        assert sorted(got) == sorted(want) and len(got) == len(want)
+    else:
+        assert got == want
+
+
+@pytest.mark.filterwarnings("ignore:.*neither the IterableDataset nor its iterator is Stateful")
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_state_taken_anywhere_in_an_epoch_resumes_to_the_next_batch(case):
+    """States taken before the first batch, mid-epoch, after the last batch (before
+    StopIteration) and after StopIteration: each, loaded into a new DataLoader (through JSON),
+    gives the rest of that epoch, then the next epoch, as the uninterrupted run."""
+    loader = CASES[case]()
+    it = iter(loader)
+    states = {0: loader.state_dict()}
+    epoch0: list = []
+    for batch in it:
+        epoch0.append(_plain(batch))
+        if len(epoch0) == 5:
+            states[len(epoch0)] = loader.state_dict()
+        states["last"] = loader.state_dict()
+    states["ended"] = loader.state_dict()
+    epoch1 = [_plain(b) for b in loader]
+    loader.close()
+    assert len(epoch0) > 5
+    for point, state in states.items():
+        before = len(epoch0) if point in ("last", "ended") else point
+        resumed = CASES[case]()
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+        rest = [] if point == "ended" else [_plain(b) for b in resumed]
+        _same(case, epoch0[:before] + rest, epoch0)
+        _same(case, [_plain(b) for b in resumed], epoch1)
+        resumed.close()
+
+
+# ------------------------------------------------------------------ a replica survives its worker's death
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_stateful_replica_survives_its_workers_death_exactly_once(tmp_path, every):
+    """Worker 1 dies mid-epoch (os._exit); its replacement restores the replica from its
+    last snapshot (every ``every`` batches) and makes again only the batches between:
+    the epoch is the uninterrupted one, every batch once, in order (torch: the loader fails)."""
+    want = [_plain(b) for b in DataLoader(Stream(), batch_size=2, num_workers=2)]
+    marker = tmp_path / "died"
+    loader = DataLoader(Stream(die_at=13, marker=str(marker)), batch_size=2, num_workers=2,
+                        snapshot_every_n_steps=every, multiprocessing_context="fork")
+    assert [_plain(b) for b in loader] == want
+    assert marker.exists()
+    loader.close()
+
+
+def test_a_replica_without_state_still_fails_on_its_workers_death():
+    """Nothing Stateful: the replica cannot be resumed in another process (ReplicaLostError)."""
+
+    class Dies(PlainStream):
+        def __iter__(self):
+            w, k = _shard()
+            for v in range(w, 23, k):
+                if w == 1 and v > 6:
+                    os._exit(3)
+                yield v
+
+    with pytest.raises(ReplicaLostError, match="neither the dataset nor its iterator is Stateful"):
+        list(DataLoader(Dies(), batch_size=2, num_workers=2, max_worker_restarts=1))
+
+
+# ------------------------------------------------------------------ differences on purpose
+def test_map_samples_come_from_per_sample_seeds_so_any_num_workers_resumes():
+    """Differences from StatefulDataLoader: a map-style sample's randomness comes from
+    (seed, epoch, index), not from the dataset's state, so a dataset drawing from torch's
+    generator resumes exactly without being Stateful; and the position is in batches of the
+    epoch, not per worker, so a state resumes with another ``num_workers`` (torchdata
+    raises AssertionError)."""
+    loader = DataLoader(Noisy(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    head = [_plain(next(it)) for _ in range(2)]
+    state = loader.state_dict()
+    want = head + [_plain(b) for b in it]
+    again = DataLoader(Noisy(), batch_size=4, num_workers=1, generator=torch.Generator().manual_seed(99))
+    again.load_state_dict(state)  # the saved per-sample seed is used, not this generator's
+    assert head + [_plain(b) for b in again] == want
+
+
+def test_map_workers_report_no_dataset_state():
+    """Difference: any worker loads any batch (the least busy one, not round-robin), so a
+    map-style dataset's per-worker state is not collected: each worker's
+    ``dataset_state`` is None (with ``num_workers=0`` it is the dataset's, as torchdata)."""
+    loader = DataLoader(StatefulNoisy(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    snapshots = loader.state_dict()["_snapshot"]["_worker_snapshots"]
+    assert set(snapshots) == {"worker_0", "worker_1"}
+    assert all(s["dataset_state"] is None for s in snapshots.values())
+    inline = DataLoader(StatefulNoisy(), batch_size=4)
+    next(iter(inline))
+    assert inline.state_dict()["dataset_state"] == {"calls": 1}
+    loader.close()
+
+
+def test_a_replica_has_no_state_before_its_first_batch_arrives():
+    """Difference: torchdata waits for every worker's initial state when the iterator is
+    created; procpipe's replicas send theirs with their first batch. A state taken before
+    says none (and resuming from it starts the replica from its beginning)."""
+    loader = DataLoader(Stream(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    state = loader.state_dict()
+    for s in state["_snapshot"]["_worker_snapshots"].values():
+        assert s["dataset_state"] is None and s["fetcher_state"]["dataset_iter_state"] is None
+    want = [_plain(b) for b in it]
+    again = DataLoader(Stream(), batch_size=2, num_workers=2)
+    again.load_state_dict(state)
+    assert [_plain(b) for b in again] == want
+
+
+def test_an_iterable_state_needs_the_same_num_workers():
+    loader = DataLoader(Stream(), batch_size=2, num_workers=2)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="num_workers=2, but this one has num_workers=1"):
+        DataLoader(Stream(), batch_size=2, num_workers=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="over an IterableDataset, but this one reads a map-style"):
+        DataLoader(Squares(), batch_size=2).load_state_dict(state)
+    loader.close()
+
+
+def test_state_dict_after_load_is_the_loaded_state():
+    loader = DataLoader(Squares(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    again = DataLoader(Squares(), batch_size=4, num_workers=2)
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+    loader.close()
+
+
+def test_snapshot_every_n_steps_is_checked():
+    with pytest.raises(ValueError, match="snapshot_every_n_steps must be an int >= 0"):
+        DataLoader(Stream(), snapshot_every_n_steps=-1)
+
+
+# ------------------------------------------------------------------ issue 21, item 5
+class ForgetsReturn(Squares):
+    def __getitem__(self, i: int):
+        if i == 37:
+            return None
+        return torch.zeros(2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sample_that_is_none_names_the_index_and_the_forgotten_return(num_workers):
+    loader = DataLoader(ForgetsReturn(64), batch_size=8, num_workers=num_workers)
+    with pytest.raises(TypeError, match=r"returned None for index 37.*forget a `return`") as caught:
+        list(loader)
+    assert "_Leaf" not in str(caught.value)
+    loader.close()
+
+
+@pytest.mark.parametrize("make", [lambda: DataLoader(Squares(), batch_size=4, num_workers=2),
+                                  lambda: DataLoader(Stream(), batch_size=2, num_workers=2)], ids=["map", "iterable"])
+def test_a_state_taken_after_the_loop_broke_off(make):
+    """``for batch in loader: ... break`` drops the iterator (its workers end, without
+    persistent_workers); ``state_dict()`` afterwards still resumes after the last batch."""
+    want = [_plain(b) for b in make()]
+    loader, got = make(), []
+    for batch in loader:
+        got.append(_plain(batch))
+        if len(got) == 3:
+            break
+    state = loader.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    assert got + [_plain(b) for b in again] == want
