@@ -18,7 +18,7 @@ from ..core.shm import check_private_dir
 from ..plan.mix import Mix
 from ..streaming import Shards
 
-START_METHODS = ("auto", "forkserver", "spawn", "fork")
+START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")
 
 
 def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,
