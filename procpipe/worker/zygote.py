@@ -12,9 +12,11 @@ multiprocess's forkserver protocol (its ``main`` loop and request format, unchan
 
 The zygote
 
-- imports procpipe's worker code (``procpipe.worker.process``: numpy, dill, multiprocess)
-  after it is forked, in the background, so neither the import of procpipe nor the
-  workers pay for it; it never imports the main script or anything else;
+- imports procpipe's worker code (``procpipe.worker.process``: numpy, dill, multiprocess),
+  and ``procpipe.torch`` when torch was imported, after it is forked, in the background, so
+  neither the import of procpipe nor the workers pay for it; it never imports the main
+  script or anything else (a module imported after the zygote was forked, that the
+  dataset references, each worker imports itself);
 - holds none of the parent's files, pipes or sockets: every inherited descriptor but
   stdout and stderr is pointed at ``/dev/null`` (its number stays taken, so no Python
   object inherited from the parent closes a descriptor the zygote opens later);
@@ -27,6 +29,7 @@ own forkserver, outside Linux, or with ``PROCPIPE_ZYGOTE=0`` in the environment.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -39,6 +42,7 @@ from . import fork_safety
 
 NAME = "procpipe-zygote"  # the zygote's process name (at most 15 bytes: the kernel's limit)
 ENV_SWITCH = "PROCPIPE_ZYGOTE"  # "0": never fork a zygote
+_ADAPTERS = (("torch", "procpipe.torch"),)  # (framework, procpipe's adapter the zygote imports beside it)
 
 
 @dataclass(frozen=True)
@@ -163,10 +167,13 @@ def _serve(listener_fd: int, alive_r: int) -> None:
     _neutralize_fds({listener_fd, alive_r})
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # not the program's handlers
-    try:
-        import procpipe.worker.process  # noqa: F401  (the workers' code: numpy, dill, multiprocess)
-    except Exception as exc:  # noqa: BLE001 - each worker imports it itself, and reports a failure
-        print(f"procpipe: the zygote could not import procpipe.worker.process: {exc!r}", file=sys.stderr)
+    # The workers' code (numpy, dill, multiprocess), and the adapter of a framework already
+    # imported (procpipe.torch.DataLoader's workers unpickle its functions).
+    for name in ["procpipe.worker.process"] + [a for f, a in _ADAPTERS if f in sys.modules]:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - each worker imports it itself, and reports a failure
+            print(f"procpipe: the zygote could not import {name}: {exc!r}", file=sys.stderr)
     from multiprocess import forkserver
 
     try:
