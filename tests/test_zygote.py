@@ -130,3 +130,35 @@ def test_the_zygote_exits_when_the_training_process_is_killed():
         parent.stdin.close()
         parent.stdout.close()
     assert wait_gone([pid], timeout=30) == [], "the zygote outlived its training process"
+
+
+SPAWNED = textwrap.dedent("""
+    import multiprocess
+    import numpy as np
+    import procpipe
+    from procpipe.worker import zygote
+
+    def rank(queue):  # a training process started by spawn: it re-imports this script
+        queue.put(zygote.pid() is not None)
+
+    def fn(i):  # in a worker procpipe spawned: it imports procpipe to unpickle its target
+        return np.int64(zygote.pid() is not None)
+
+    if __name__ == "__main__":
+        ctx = multiprocess.get_context("spawn")
+        queue = ctx.Queue()
+        p = ctx.Process(target=rank, args=(queue,))
+        p.start()
+        print(queue.get(timeout=60))
+        p.join(60)
+        with procpipe.Loader(list(range(2)), fn, batch_size=2, workers=1, start_method="spawn") as loader:
+            print(bool(next(iter(loader)).any()))
+""")
+
+
+def test_a_spawned_training_process_gets_a_zygote_and_a_spawned_worker_does_not(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SPAWNED)
+    result = run_python([str(script)], timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]

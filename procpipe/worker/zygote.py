@@ -24,8 +24,10 @@ The zygote
   and removes its socket; its name (``ps``, ``/proc/PID/comm``) is ``procpipe-zygote``.
 
 It is not forked where it is not wanted: in a process that is not fork-safe at import,
-in a process multiprocess is bootstrapping (a spawned or forkserver worker), in procpipe's
-own forkserver, outside Linux, or with ``PROCPIPE_ZYGOTE=0`` in the environment.
+in a worker process multiprocess is starting (one that imports procpipe to unpickle its
+target; a process that imports procpipe from the main script it re-imports, such as a
+rank of ``torch.multiprocessing.spawn``, is a training process and gets one), in
+procpipe's own forkserver, outside Linux, or with ``PROCPIPE_ZYGOTE=0`` in the environment.
 """
 from __future__ import annotations
 
@@ -89,10 +91,12 @@ def wanted() -> str | None:
         return "not Linux"
     if os.environ.get("PROCPIPE_PRELOAD_FILE"):
         return "procpipe's forkserver"
-    for name in ("multiprocess.process", "multiprocessing.process"):
-        process = sys.modules.get(name)
-        if process is not None and getattr(process.current_process(), "_inheriting", False):
-            return "a process multiprocess is starting"
+    for package in ("multiprocess", "multiprocessing"):
+        process, spawn = sys.modules.get(f"{package}.process"), sys.modules.get(f"{package}.spawn")
+        inheriting = process is not None and getattr(process.current_process(), "_inheriting", False)
+        rerunning_main = bool(getattr(spawn, "old_main_modules", None))  # a training process, e.g. a rank
+        if inheriting and not rerunning_main:  # of mp.spawn, re-imports the main script
+            return "a worker process multiprocess is starting"
     return fork_safety.why_not_safe()
 
 
