@@ -20,6 +20,7 @@ EARLY_MODULE = "marker_imported_early"
 
 FOREIGN_THREAD = textwrap.dedent(f"""
     import os, sys, threading
+    print("early output")  # still in the buffer (stdout is a pipe) when procpipe forks the zygote
     r, w = os.pipe()  # a pipe of the program's, open before procpipe is imported
     import {EARLY_MODULE}
     import numpy as np
@@ -52,7 +53,8 @@ def test_with_a_foreign_thread_auto_forks_workers_from_the_zygote(tmp_path):
     (tmp_path / f"{EARLY_MODULE}.py").write_text("VALUE = 1\n")
     result = run_python(["-W", "error::UserWarning", "-c", FOREIGN_THREAD], timeout=120, cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    method, batches, fds, name = result.stdout.strip().splitlines()
+    early, method, batches, fds, name = result.stdout.strip().splitlines()
+    assert early == "early output"  # once: no worker wrote out a copy of the buffer
     assert method == "zygote"  # no SlowStartWarning either (-W error)
     # the early module is in each worker; worker_env and the default env are applied
     assert batches == str([[[i, 1, 1, 1] for i in range(4)], [[i, 1, 1, 1] for i in range(4, 8)]])

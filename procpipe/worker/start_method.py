@@ -4,8 +4,8 @@
 (``fork_safety``: no thread runs but the main one, procpipe's own threads, and numpy's
 BLAS pool), else ``"zygote"`` where this process has one (``zygote``: forked at
 ``import procpipe`` while the process was still safe to fork; workers are forked from it
-through multiprocess's forkserver protocol), else ``"forkserver"``. Forking is the fastest start (nothing is imported or
-shipped). procpipe's own threads (an earlier loader's coordinator, a device stage) do not
+through multiprocess's forkserver protocol), else ``"forkserver"``. Forking is the fastest
+start (nothing is imported or shipped). procpipe's own threads (an earlier loader's coordinator, a device stage) do not
 prevent it: every fork of a procpipe worker holds ``fork_safety.forking()``, so none of
 them is inside native code then. A second loader therefore forks like the first. When
 ``"auto"`` cannot fork, it says why, once per process (``SlowStartWarning``), with the fix.
@@ -82,8 +82,9 @@ def _warn_once(why: str) -> None:
         f"procpipe: start_method='auto' starts workers from a forkserver, not by fork: {why}. "
         "The first batch takes longer (a fresh process imports what the dataset and functions reference, "
         "once per process). To fork, or start workers from a zygote: import procpipe before starting threads "
-        "and before libraries that start thread pools, and create loaders before starting threads; or pass start_method='fork' if those threads hold no lock the "
-        "workers need, or start_method='forkserver' to choose it (and silence this). See docs/guide/startup.md.",
+        "and before libraries that start thread pools, and create loaders before starting threads; or pass "
+        "start_method='fork' if those threads hold no lock the workers need, or start_method='forkserver' to "
+        "choose it (and silence this). See docs/guide/startup.md.",
         SlowStartWarning, stacklevel=4)
 
 
@@ -150,8 +151,8 @@ class ZygoteServer(_mp_forkserver.ForkServer):
 
         resource_tracker.ensure_running()
         if zygote.current() != self._zygote:
-            raise RuntimeError("procpipe: this process's zygote has exited; start_method='forkserver' starts "
-                               "workers without it")
+            raise RuntimeError("procpipe: this process's zygote has exited (was it killed?): no worker can be "
+                               "forked from it; pass start_method='forkserver' to start workers without it")
 
 
 class _ZygotePopen(_mp_popen_forkserver.Popen):
@@ -160,8 +161,8 @@ class _ZygotePopen(_mp_popen_forkserver.Popen):
     def _launch(self, process_obj: Any) -> None:
         z = zygote.current()
         if z is None:
-            raise RuntimeError("procpipe: this process's zygote has exited; start_method='forkserver' starts "
-                               "workers without it")
+            raise RuntimeError("procpipe: this process's zygote has exited (was it killed?): no worker can be "
+                               "forked from it; pass start_method='forkserver' to start workers without it")
         prep = _mp_spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         _mp_context.set_spawning_popen(self)

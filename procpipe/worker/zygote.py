@@ -112,6 +112,11 @@ def start() -> Zygote | None:
         listener.bind(address)
         listener.listen()
         alive_r, alive_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # or each worker would write out a copy of what is buffered
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
         with fork_safety.forking():
             child = os.fork()
         if child == 0:  # the zygote
