@@ -164,3 +164,30 @@ def test_a_spawned_training_process_gets_a_zygote_and_a_spawned_worker_does_not(
     result = run_python([str(script)], timeout=120, cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "False"]
+
+
+DATA_MODULE = textwrap.dedent("""
+    import numpy as np
+    import procpipe  # the zygote is forked here: this module's import is not finished yet
+
+    class Squares:  # defined after the fork: the zygote's copy of this module lacks it
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return np.int64(i * i)
+""")
+
+MAIN_IMPORTING_IT = textwrap.dedent("""
+    import threading
+    import mydata  # imports procpipe at its top
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    with mydata.procpipe.Loader(mydata.Squares(), batch_size=2, workers=2) as loader:
+        print(loader.start_method, [b.tolist() for b in loader])
+""")
+
+
+def test_a_module_that_imports_procpipe_at_its_top_is_imported_whole_in_the_workers(tmp_path):
+    (tmp_path / "mydata.py").write_text(DATA_MODULE)
+    result = run_python(["-c", MAIN_IMPORTING_IT], timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "zygote [[0, 1], [4, 9]]"

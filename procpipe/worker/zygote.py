@@ -16,7 +16,9 @@ The zygote
   and ``procpipe.torch`` when torch was imported, after it is forked, in the background, so
   neither the import of procpipe nor the workers pay for it; it never imports the main
   script or anything else (a module imported after the zygote was forked, that the
-  dataset references, each worker imports itself);
+  dataset references, each worker imports itself, as it does a module whose import was
+  under way when the zygote was forked: one of the program's that imports procpipe at
+  its top);
 - holds none of the parent's files, pipes or sockets: every inherited descriptor but
   stdout and stderr is pointed at ``/dev/null`` (its number stays taken, so no Python
   object inherited from the parent closes a descriptor the zygote opens later);
@@ -60,6 +62,7 @@ class Zygote:
 
 _zygote: Zygote | None = None
 _owner = 0  # the pid that forked it (a child process does not own its parent's zygote)
+_in_zygote = False  # this process is a zygote (or a worker forked from one)
 
 
 def current() -> Zygote | None:
@@ -85,6 +88,8 @@ def pid() -> int | None:
 
 def wanted() -> str | None:
     """Why no zygote should be forked in this process (None: one may be)."""
+    if _in_zygote:
+        return "a zygote, or a worker forked from one"
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return f"{ENV_SWITCH}=0"
     if not sys.platform.startswith("linux"):
@@ -162,9 +167,23 @@ def _neutralize_fds(keep: set[int]) -> None:
     os.close(null)
 
 
+def _forget_unfinished_imports() -> None:
+    """Remove from ``sys.modules`` the modules whose import was under way at the fork: procpipe
+    itself, and the program's modules that import procpipe at their top (``mydata.py``:
+    ``import procpipe``, then the dataset class). The zygote never finishes them (it never
+    returns from the fork); a worker that needs one imports it afresh, whole."""
+    for name, module in list(sys.modules.items()):
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            del sys.modules[name]
+
+
 def _serve(listener_fd: int, alive_r: int) -> None:
-    """The zygote's life: drop the parent's descriptors, import procpipe's worker code, serve
-    fork requests until the training process exits (multiprocess's forkserver loop)."""
+    """The zygote's life: drop the parent's descriptors and its unfinished imports, import
+    procpipe's worker code, serve fork requests until the training process exits
+    (multiprocess's forkserver loop)."""
+    global _in_zygote
+    _in_zygote = True
+    _forget_unfinished_imports()
     parent_name = ""
     try:
         with open("/proc/self/comm") as f:
