@@ -174,6 +174,8 @@ DATA_MODULE = textwrap.dedent("""
         def __len__(self):
             return 4
         def __getitem__(self, i):
+            import sys
+            assert sys.modules["procpipe.worker"] is procpipe.worker  # the package imported afresh, linked
             return np.int64(i * i)
 """)
 

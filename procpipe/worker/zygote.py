@@ -172,9 +172,23 @@ def _forget_unfinished_imports() -> None:
     itself, and the program's modules that import procpipe at their top (``mydata.py``:
     ``import procpipe``, then the dataset class). The zygote never finishes them (it never
     returns from the fork); a worker that needs one imports it afresh, whole."""
+    unfinished = [name for name, module in sys.modules.items()
+                  if getattr(getattr(module, "__spec__", None), "_initializing", False)]
+    for name in unfinished:
+        sys.modules.pop(name, None)
+        if name != "procpipe":  # (procpipe's finished submodules, this one among them, stay: _relink)
+            for sub in [n for n in sys.modules if n.startswith(name + ".")]:
+                del sys.modules[sub]
+
+
+def _relink(package: str) -> None:
+    """Bind ``package``'s modules that stayed in ``sys.modules`` as attributes of their parent
+    (``procpipe.worker`` on the ``procpipe`` imported afresh): an import binds a submodule
+    to its parent only when it loads it."""
     for name, module in list(sys.modules.items()):
-        if getattr(getattr(module, "__spec__", None), "_initializing", False):
-            del sys.modules[name]
+        parent, _, child = name.rpartition(".")
+        if name.startswith(package + ".") and parent in sys.modules and child not in vars(sys.modules[parent]):
+            setattr(sys.modules[parent], child, module)
 
 
 def _serve(listener_fd: int, alive_r: int) -> None:
@@ -202,6 +216,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - each worker imports it itself, and reports a failure
             print(f"procpipe: the zygote could not import {name}: {exc!r}", file=sys.stderr)
+    _relink("procpipe")
     from multiprocess import forkserver
 
     try:
