@@ -169,7 +169,7 @@ def _neutralize_fds(keep: set[int]) -> None:
 
 def _forget_unfinished_imports() -> None:
     """Remove from ``sys.modules`` the modules whose import was under way at the fork: procpipe
-    itself, and the program's modules that import procpipe at their top (``mydata.py``:
+    itself, and the program's modules that import procpipe at their top (a dataset module:
     ``import procpipe``, then the dataset class). The zygote never finishes them (it never
     returns from the fork); a worker that needs one imports it afresh, whole."""
     unfinished = [name for name, module in sys.modules.items()
