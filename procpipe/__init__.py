@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 # First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
 # start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
 from .worker import fork_safety as _fork_safety  # noqa: F401
+from .worker import zygote as _zygote
 from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
                      TaskTimeoutError, WorkerError)
 from .core.rng import batch_rng, sample_rng
@@ -61,3 +62,7 @@ __all__ = [
     "sample_rng",
 ]
 __version__ = "0.1.0"
+
+# Last, while the process is still safe to fork: the zygote that later workers are forked
+# from when it no longer is (a thread of the program runs; procpipe.worker.zygote).
+_zygote.start()

@@ -76,8 +76,9 @@ class Loader:
             replacing the default stacking (e.g. to pad variable-length samples).
         start_method: ``"auto"`` (default): ``"fork"`` when the calling process runs no other
             thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
-            ``"forkserver"`` (safe when the parent runs threads); or one of ``"forkserver"``, ``"spawn"``,
-            ``"fork"``. Resolved once, when the loader is created (``loader.start_method``).
+            ``"zygote"`` (forked from the copy of the process ``import procpipe`` made while it was
+            safe to fork), else ``"forkserver"`` (safe when the parent runs threads); or one of
+            ``"forkserver"``, ``"spawn"``, ``"fork"``, ``"zygote"``. Resolved once, when the loader is created (``loader.start_method``).
             Workers never import the main script (procpipe.worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
@@ -394,8 +395,8 @@ class Loader:
 
     @property
     def start_method(self) -> str:
-        """The start method of this loader's workers: ``"fork"``, ``"forkserver"`` or
-        ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
+        """The start method of this loader's workers: ``"fork"``, ``"zygote"``,
+        ``"forkserver"`` or ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
         return self._start_method
 
     @property

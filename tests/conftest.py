@@ -58,6 +58,7 @@ START_METHODS = ("fork", "forkserver", "spawn")  # every start method a test sui
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main",
                    "procpipe-reaper")  # (procpipe.core.reaper: one per process, it outlives it by design)
+_ZYGOTE = "procpipe-zygote"  # the process name of procpipe.worker.zygote (one per process, forked at import)
 
 
 # --------------------------------------------------------------------------- polling
@@ -96,9 +97,10 @@ def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
 def _is_infrastructure(proc: psutil.Process) -> bool:
     try:
         cmdline = " ".join(proc.cmdline())
+        name = proc.name()
     except psutil.Error:
         return False
-    return any(marker in cmdline for marker in _INFRASTRUCTURE)
+    return any(marker in cmdline for marker in _INFRASTRUCTURE) or name == _ZYGOTE
 
 
 def descendants(pid: int | None = None, include_infrastructure: bool = True) -> set[int]:

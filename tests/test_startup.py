@@ -20,7 +20,7 @@ import pytest
 from conftest import run_python
 
 import procpipe
-from procpipe.worker import fork_safety, start_method
+from procpipe.worker import fork_safety, start_method, zygote
 from procpipe.worker.preload_list import preload_list, referenced_modules
 from procpipe.worker.process import WorkerSpec, dump_spec
 
@@ -130,6 +130,7 @@ def test_a_fork_waits_until_no_procpipe_thread_is_in_native_code():
 
 def test_the_slow_start_warning_is_given_once_with_the_reason_and_the_fix(monkeypatch):
     monkeypatch.setattr(start_method, "_warned", False)
+    monkeypatch.setattr(zygote, "current", lambda: None)  # no zygote (procpipe imported after threads started)
     stop = threading.Event()
     user = threading.Thread(target=stop.wait, name="user-logging-thread")
     user.start()

@@ -18,7 +18,7 @@ from ..plan.mix import Mix
 from ..streaming import Shards
 from ..worker.cache import validate as validate_cache
 
-START_METHODS = ("auto", "forkserver", "spawn", "fork")
+START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")
 
 
 def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any, seed: Any, collate_fn: Any,
