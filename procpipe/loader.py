@@ -246,7 +246,7 @@ class Loader:
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
         # once: its restarted workers start the same way (a slower start is said once, if workers start here)
-        starts_here = (auto is not None or workers > 0) and backend is None
+        starts_here = (auto is not None or fixed_workers > 0) and backend is None
         self._start_method = resolve_start_method(start_method, warn=starts_here)
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)

@@ -21,6 +21,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from ..core import collate
@@ -277,7 +278,7 @@ class InlineIterator(EpochIterator):
         counters.wait_s += time.perf_counter() - started
         return (self._number, batch) if self._with_epoch else batch
 
-    def _load(self, seq: int, indices: list[int]) -> tuple[Any, list[int]]:
+    def _load(self, seq: int, indices: list[int]) -> tuple[Any, Sequence[int | tuple[int, int]]]:
         """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
         skips, scope = self._skips, self._scope
         try:

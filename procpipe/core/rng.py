@@ -29,6 +29,7 @@ each batch: the caller's own draws are not disturbed.
 """
 from __future__ import annotations
 
+import _random
 import random
 import sys
 import threading
@@ -98,8 +99,11 @@ def _torch_generator() -> Any:
 
 # ``random.seed(n)`` for an int n is the C seeding of the module's instance, then ``gauss_next
 # = None``: called directly, without ``Random.seed``'s Python-level type checks (once per sample).
-_RANDOM = random.seed.__self__
-_C_SEED = random.Random.__mro__[1].seed
+# ``random.seed`` is the bound method of the module's hidden ``random.Random`` instance, whose C
+# base class ``_random.Random`` holds the C ``seed``. ``Any``: typeshed declares ``random.seed`` a
+# plain function (no ``__self__``) and ``Random`` without its ``gauss_next`` attribute.
+_RANDOM: Any = random.seed.__self__  # type: ignore[attr-defined]  # typeshed: random.seed is a function
+_C_SEED = _random.Random.seed  # = random.Random.__mro__[1].seed
 
 
 def seed_global_generators(seed: int) -> None:
@@ -200,10 +204,12 @@ class SampleScope:
         """Seed the global generators again as they were when the current sample began (e.g.
         after a worker's set-up code re-seeded them; with ``"task"``, exact for a task's first
         sample, and the sample's own seed for a later one)."""
-        if self._per_sample or self.index != self._task_first:
-            self._seed_globals(self.epoch, self.index)
+        index = self.index
+        assert index is not None, "reseed_globals is called while a sample is being produced"
+        if self._per_sample or index != self._task_first:
+            self._seed_globals(self.epoch, index)
         else:
-            self._seed_globals(self.epoch, self.index, (_TASK_MARK,))
+            self._seed_globals(self.epoch, index, (_TASK_MARK,))
 
     @contextmanager
     def own_seed(self) -> Iterator[None]:
@@ -213,8 +219,10 @@ class SampleScope:
         if not self.seed_globals:
             yield
             return
+        index = self.index
+        assert index is not None, "own_seed is entered while a sample is being produced"
         saved = _global_states()
-        self._seed_globals(0, self.index)
+        self._seed_globals(0, index)
         try:
             yield
         finally:

@@ -17,7 +17,7 @@ class Attempt:
 
     A plain slotted class: one is made per batch, on the coordinator's hot path."""
 
-    __slots__ = ("id", "job", "worker", "slot", "started", "skipped")
+    __slots__ = ("id", "job", "skipped", "slot", "started", "worker")
 
     def __init__(self, id: int, job: Job, worker: Any, slot: int, started: float | None) -> None:
         self.id = id

@@ -38,9 +38,10 @@ The limit is the smallest of: ``max`` (default ``4 x CPUs``, at most 32), the wo
 ring was sized for, the CPU count unless the workers are I/O-bound (one more when the
 CPUs are contended: workers wait in the run queue more than a quarter of their busy
 time, because other processes hold the CPUs; like every addition, that worker stays
-only if it raises throughput by more than 5 %), and what available memory allows. Workers count as I/O-bound when they are busy at least half of the
-interval on average but spend less than half of that busy time on a CPU or waiting
-for one (they sleep, or wait on disk or network). ``/proc/<pid>/schedstat`` gives both
+only if it raises throughput by more than 5 %), and what available memory allows.
+Workers count as I/O-bound when they are busy at least half of the interval on average
+but spend less than half of that busy time on a CPU or waiting for one (they sleep, or
+wait on disk or network). ``/proc/<pid>/schedstat`` gives both
 CPU time and run-queue time, so a CPU-bound pipeline on a busy machine is not mistaken
 for an I/O-bound one; the share is smoothed over intervals. Only then may the count
 exceed the CPUs. Memory: a new worker needs the largest resident size seen in a worker, and ``psutil``'s available

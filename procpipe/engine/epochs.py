@@ -27,15 +27,25 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ..plan.index import IndexPlan
-from ..plan.base import EMPTY, EpochPlan, Failure, Offer, Work
+from ..core.notes import add_note
 from ..core.reassembly import ResumePoint
 from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters
+from ..plan.base import EMPTY, EpochPlan, Failure, Offer, Work
+from ..plan.index import IndexPlan
 
 __all__ = ["EMPTY", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
+
+
+class PlanClass(Protocol):
+    """A source kind's ``EpochPlan`` class: built once per epoch (``EpochPlan`` declares no
+    constructor; ``IndexPlan`` and ``ShardPlan`` share this one)."""
+
+    def __call__(self, sampler: Any, number: int, batches: Any, ordered: bool, resumed: Any, /) -> EpochPlan: ...
+
+    def unopened_state(self, resumed: Any) -> Any: ...
 
 
 def iteration_over(cancelled: str | None) -> None:
@@ -61,7 +71,7 @@ class Job:
 
     A plain slotted class (one is made per batch, on the coordinator's hot path)."""
 
-    __slots__ = ("epoch", "work", "attempts", "done", "timeouts", "slot")
+    __slots__ = ("attempts", "done", "epoch", "slot", "timeouts", "work")
 
     def __init__(self, epoch: Epoch, work: Work) -> None:
         self.epoch = epoch  # the epoch this job belongs to
@@ -266,7 +276,7 @@ class Stream:
         self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
         self.last: Epoch | None = None  # the epoch opened last
         # The source kind's per-epoch plan: a streaming source (procpipe.streaming) names its own.
-        self.plan_class: type[EpochPlan] = getattr(sampler, "plan_class", IndexPlan)
+        self.plan_class: PlanClass = getattr(sampler, "plan_class", IndexPlan)
         self.first = self._epoch(start, first_batches, done)
         self.opened[start] = self.first
 
@@ -307,8 +317,8 @@ class Stream:
             self.next_number += 1
             try:
                 batches = self.sampler.batches(number)
-            except Exception as exc:
-                exc.add_note(f"procpipe: raised while computing the batches of epoch {number}")
+            except Exception as exc:  # noqa: BLE001 - the user's sampler can raise anything: it fails the epoch
+                add_note(exc, f"procpipe: raised while computing the batches of epoch {number}")
                 failed = self._epoch(number, [], None)
                 self.epochs.append(failed)
                 self.fail_at(failed, Failure(exc))

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 import dill
 import psutil
 
-from ..plan.base import Failure
-from ..errors import RemoteTraceback, WorkerError, summarize_indices
 from ..core.messages import ErrorInfo
+from ..core.notes import add_note
 from ..core.skips import SkipBudget
+from ..errors import RemoteTraceback, WorkerError, summarize_indices
+from ..plan.base import Failure
 
 if TYPE_CHECKING:
     from .attempts import Attempt
@@ -43,6 +44,7 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
     failed (collation), or None. Returns False if the epoch failed.
     """
     skips = epoch.skips
+    assert skips is not None, "skip_or_fail runs only with on_error='skip', whose epochs carry a SkipBudget"
     within = True
     for info in samples:
         within = skips.add([info.index], f"index {info.index} (batch {job.seq}, worker {worker.index})",
@@ -53,9 +55,9 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
             break
     if within and batch_error is not None and not skips.whole_batches:
         exc = rebuild_error(batch_error, worker, job, epoch.number)
-        exc.add_note("procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
-                     "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
-                     "read past it).")
+        add_note(exc, "procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
+                      "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
+                      "read past it).")
         epoch.result(job, Failure(exc))
         return False
     if within and batch_error is not None:
@@ -69,7 +71,7 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
     if within:
         return True
     exc = rebuild_error(error, worker, job, epoch.number)
-    exc.add_note(skips.note())
+    add_note(exc, skips.note())
     epoch.result(job, Failure(exc))
     return False
 
@@ -80,14 +82,14 @@ def rebuild_error(error: ErrorInfo, worker: WorkerLink, job: Job, epoch: int) ->
     if error.exc_bytes is not None:
         try:
             exc = dill.loads(error.exc_bytes)
-        except Exception:
+        except Exception:  # noqa: BLE001 - unpickling the user's exception can raise anything; WorkerError stands in
             exc = None
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{error.type_name}: {error.message}")
     where = (f"while loading index {error.index}" if error.index is not None
              else f"while collating {summarize_indices(job.payload)}")
-    exc.add_note(f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
-                 "the worker's traceback is shown above.")
+    add_note(exc, f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
+                  "the worker's traceback is shown above.")
     exc.__cause__ = RemoteTraceback(error.traceback)
     return exc
 

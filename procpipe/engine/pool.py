@@ -27,17 +27,17 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 from multiprocess.connection import wait as wait_ready
 
 from ..core import wire
 from ..core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
-from .replies import unreadable_reply
 from ..core.shm import SharedFiles, create_file, map_file
 from ..core.stats import WorkerCounters
 from ..worker.process import ABANDON_SIGNAL, STARTING, worker_main
+from .replies import unreadable_reply
 
 if TYPE_CHECKING:
     from .attempts import Attempt
@@ -187,14 +187,14 @@ class WorkerPool(ABC):
     def stop(self, links: list[WorkerLink]) -> None:
         """Stop every link (the loader closes): never blocks for more than a few seconds."""
 
-    def sample_memory(self, links: list[WorkerLink]) -> None:
+    def sample_memory(self, links: list[WorkerLink]) -> None:  # noqa: B027 - an optional hook: nothing to do unless a pool overrides it
         """Record each live worker's resident size, where it can be read."""
 
-    def admit(self, batch_bytes: int, in_flight: int) -> None:
+    def admit(self, batch_bytes: int, in_flight: int) -> None:  # noqa: B027 - an optional hook: nothing to do unless a pool overrides it
         """The first batch is ``batch_bytes``; at most ``in_flight`` are outstanding: raise
         if the pool cannot hold that many (a remote object store), naming the fix."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: nothing to do unless a pool overrides it
         """Release what the pool itself holds (after ``stop``)."""
 
     def info(self) -> dict[str, Any] | None:
@@ -345,7 +345,7 @@ class LocalPool(WorkerPool):
         return LocalWorker(index, process, parent_conn, counters, self._status)
 
     def stop(self, links: list[WorkerLink]) -> None:
-        stop_all(links)
+        stop_all(cast("list[LocalWorker]", links))  # the links this pool made (start): LocalWorkers
 
     def sample_memory(self, links: list[WorkerLink]) -> None:
         sample_memory(links)

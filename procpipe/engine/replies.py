@@ -18,12 +18,14 @@ from __future__ import annotations
 import io
 import pickle
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import dill
 
 from ..core import collate, wire
 from ..core.messages import BatchDone, BatchFailed, ErrorInfo
+from ..core.notes import add_note
 
 
 class _Unreadable:
@@ -31,14 +33,17 @@ class _Unreadable:
 
 
 class _Diagnose(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be overridden
-    dispatch = dict(pickle._Unpickler.dispatch)
+    # The unpickler's value stack, set by ``load()`` (typeshed does not declare it).
+    stack: list[Any]
+    # ``Any``: the handlers take the unpickler they are overridden on (this subclass), not ``_Unpickler``.
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
 
     def _reduce(self) -> None:
         stack = self.stack
         args = stack.pop()
         try:
             stack[-1] = stack[-1](*args)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a user object's reconstruction can raise anything; the marker stands in
             stack[-1] = _Unreadable()
 
     dispatch[pickle.REDUCE[0]] = _reduce
@@ -93,9 +98,9 @@ def unreadable_reply(task_id: int, worker: int, data: bytes, exc: Exception, kep
     that raised ``exc`` when unpickled: ``exc``, with a note saying what happened."""
     index = unreadable_index(data, kept)
     what = f"index {index}" if index is not None else f"one of indices {kept}"
-    exc.add_note(f"procpipe: the reply of worker {worker} holding {what} could not be unpickled in the "
-                 "loader's process (it pickled in the worker). Check the sample's __reduce__ / __setstate__, "
-                 "and that its class can be imported in the main process.")
+    add_note(exc, f"procpipe: the reply of worker {worker} holding {what} could not be unpickled in the "
+                  "loader's process (it pickled in the worker). Check the sample's __reduce__ / __setstate__, "
+                  "and that its class can be imported in the main process.")
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - then the error is rebuilt from its type name and message

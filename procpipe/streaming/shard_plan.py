@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from ..plan.base import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
 from ..core.reassembly import Progress
+from ..plan.base import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
 from .batching import Output
 from .order import StreamProgress
 from .shards import Block, split_block_layout
+
+_NO_RECORDS: list[tuple[int, int, int]] = []  # the coverage of a batch not recorded (never modified)
 
 
 @dataclass(eq=False)
@@ -44,7 +46,7 @@ class _Shard:
 class BlockWork(Work):
     """A block of one shard as a task (``payload`` is the ``Block``; ``lane`` the shard's position)."""
 
-    __slots__ = ("shard", "block")
+    __slots__ = ("block", "shard")
 
     def __init__(self, key: int, payload: Block, lane: int, *, shard: _Shard, block: int) -> None:
         super().__init__(key, payload, lane)
@@ -106,8 +108,10 @@ class ShardPlan(EpochPlan):
 
     def _resume_at_cursor(self) -> None:
         """Open the shards the interleave holds, each at its block; those it is past are complete."""
-        self.opened = self.interleave.opened
-        for slot in self.interleave.slots:
+        interleave = self.interleave
+        assert interleave is not None, "called when a resume left an interleave"
+        self.opened = interleave.opened
+        for slot in interleave.slots:
             if slot is not None:
                 position, block = slot
                 index = self.order[position]  # (a shard bound to a worker stays bound after a resume)
@@ -155,11 +159,14 @@ class ShardPlan(EpochPlan):
         return offers
 
     def take(self, offer: Offer, worker: int) -> BlockWork:
-        state = self.states[offer.lane]
+        lane = offer.lane
+        assert lane is not None, "a shard plan's offers name their shard's lane"
+        state = self.states[lane]
         state.worker = worker  # the shard's reader from now on (affinity)
         if offer.retry is not None:
-            state.redo.remove(offer.retry)
-            return offer.retry
+            retry = cast(BlockWork, offer.retry)  # a retry offer carries the work this plan's take() made
+            state.redo.remove(retry)
+            return retry
         b, length = state.next_block, self.block_length
         state.next_block += 1
         key = self.next_key
@@ -171,9 +178,10 @@ class ShardPlan(EpochPlan):
         state.in_flight += 1
         return work
 
-    def lost(self, work: BlockWork) -> bool:
+    def lost(self, work: Work) -> bool:
         """A block whose worker died: again on its shard's worker, before the shard's later blocks
         (False: the shard ended before it, so there is nothing to read)."""
+        work = cast(BlockWork, work)  # the engine hands back the work this plan's take() made
         state = work.shard
         if state.end is not None and work.block > state.end:
             self.sent.pop(work.key, None)
@@ -184,10 +192,10 @@ class ShardPlan(EpochPlan):
         state.redo.sort(key=lambda w: w.block)
         return True
 
-    def moved(self, work: BlockWork, worker: int) -> None:
+    def moved(self, work: Work, worker: int) -> None:
         """The shard's reader is now ``worker`` (a speculative attempt at one of its blocks):
         its later blocks follow, rather than waiting behind the straggler's stalled block."""
-        work.shard.worker = worker
+        cast(BlockWork, work).shard.worker = worker  # the work this plan's take() made
 
     def lanes_held(self) -> dict[int, int]:
         """Worker index -> shards it reads whose end is not known yet."""
@@ -222,9 +230,10 @@ class ShardPlan(EpochPlan):
             return None
         return math.ceil(nbytes * self.block_length / kept) if kept < self.block_length else nbytes
 
-    def completed(self, work: BlockWork, result: Any) -> list[Ready]:
+    def completed(self, work: Work, result: Any) -> list[Ready]:
         """A block's result: its records (``Loaded``), none (``EMPTY``) or its ``Failure``, which
         ends the epoch whatever it was (a shard cannot be read past a failed block)."""
+        work = cast(BlockWork, work)  # the engine hands back the work this plan's take() made
         if self.sent.pop(work.key, None) is None or self.finished:
             return []
         if type(result) is Loaded:
@@ -286,6 +295,7 @@ class ShardPlan(EpochPlan):
     def _release_ordered(self) -> None:
         """Use the blocks the interleave waits for, in its order, as long as they are here."""
         interleave = self.interleave
+        assert interleave is not None, "ordered epochs keep an interleave"
         while not self.finished:
             key = interleave.awaited()
             if key is None:
@@ -324,7 +334,7 @@ class ShardPlan(EpochPlan):
             return
         try:
             items = self.output.add(work.payload, records, inner, lease)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the user's batching (collate_fn, shuffle) can raise anything: it ends the epoch
             self._fail(Failure(exc))
             return
         self._put(items)
@@ -339,7 +349,7 @@ class ShardPlan(EpochPlan):
     def _end(self) -> None:
         try:
             items = self.output.flush()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the user's collate_fn can raise anything: it ends the epoch
             self._fail(Failure(exc))
             return
         self._put(items)
@@ -363,7 +373,7 @@ class ShardPlan(EpochPlan):
     # ------------------------------------------------------------------ the consumer's side (resume)
     def taken(self, position: int) -> None:
         self.progress.add(position)
-        self.received.add(self.coverage.pop(position, ()), self.ends)
+        self.received.add(self.coverage.pop(position, _NO_RECORDS), self.ends)
 
     def state(self) -> dict | None:
         """What the consumer has received of this epoch, as ``StreamProgress.state()``; None: nothing."""

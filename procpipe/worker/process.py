@@ -27,17 +27,18 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import dill
 
 from ..core import collate, wire
 from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
-from .produce import produce
 from ..core.rng import SampleScope
 from ..core.shm import WorkerRings, map_file, open_owned
 from ..errors import CollateError
+from .produce import produce
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -134,8 +135,8 @@ class _ParentWatch:
 
 
 def _remove_files(files_prefix: str) -> None:
-    from .cache import remove_orphan
     from ..core.shm import SharedFiles
+    from .cache import remove_orphan
 
     remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
     SharedFiles.from_prefix(files_prefix).remove_all()
@@ -202,7 +203,7 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     try:
         try:
             loaded = _load_spec(spec)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the user's spec failing to load, however: the parent is told why
             wire.send(conn, WorkerFatal(traceback.format_exc()))
             return
         status = _status_view(files_prefix, worker_id)
@@ -263,7 +264,7 @@ def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
 def _refuses_pickle(value: Any) -> bool:
     try:
         wire.encode_value(value)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a user value's pickling can raise anything: that is the answer
         return True
     return False
 
@@ -318,11 +319,11 @@ def run_task(spec: WorkerSpec, scope: SampleScope, rings: WorkerRings, task: Tas
         buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
 
 
-def _error_info(index: int | None, exc: BaseException) -> ErrorInfo:
+def _error_info(index: int | tuple[int, ...] | None, exc: BaseException) -> ErrorInfo:
     """An exception, as faults.rebuild_error rebuilds it."""
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a user exception may not pickle, however: its type name and message go
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)

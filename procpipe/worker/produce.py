@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import collate
-from ..errors import summarize_indices
+from ..core.notes import add_note
 from ..core.rng import BatchScope, SampleScope, no_sample_rng
+from ..errors import summarize_indices
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
@@ -50,8 +51,10 @@ class Produced:
     layout: list | None  # None: every sample was skipped
     nbytes: int
     in_slot: bool
-    kept: list[int]  # the indices in the batch
-    skipped: list[tuple[int, Exception]]  # (index, exception) left out (spec.skip)
+    # The indices in the batch; a streaming source's block (``Shards.produce_block``): its records'
+    # ``RecordKey``s (tuples). Sequence: read only, and covariant (a ``list[RecordKey]`` fits).
+    kept: Sequence[int | tuple[int, int]]
+    skipped: Sequence[tuple[int | tuple[int, int], Exception]]  # (index or key, exception) left out (spec.skip)
 
 
 def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffer: Any | None,
@@ -133,5 +136,5 @@ def run_batch_fn(spec: Any, epoch: int, first: Any, batch: Any, what: str) -> An
         with no_sample_rng(_NO_SAMPLE_RNG_IN_BATCH_FN, BatchScope(spec.seed, epoch, first)):
             return spec.batch_fn(batch)
     except Exception as exc:
-        exc.add_note(f"procpipe: raised by batch_fn on the batch of {what} (epoch {epoch}).")
+        add_note(exc, f"procpipe: raised by batch_fn on the batch of {what} (epoch {epoch}).")
         raise

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.notes import add_note
 from ..core.rng import SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
@@ -391,8 +392,9 @@ def _first_record(spec: Any) -> tuple[Any, Any] | None:
         with no_sample_rng(NO_RNG):
             return key, record if spec.fn is None else spec.fn(record)
     except Exception as exc:
-        exc.add_note("procpipe: raised in the calling process while computing the first record to lay out the "
-                     "cache (cache=...): the first record of the cached stage is computed when the Loader is created.")
+        add_note(exc, "procpipe: raised in the calling process while computing the first record to lay out the "
+                      "cache (cache=...): the first record of the cached stage is computed when the Loader is "
+                      "created.")
         raise
     finally:
         scope.leave()
