@@ -31,23 +31,23 @@ import random
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypedDict, TypeVar, final
 
 import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .api.validate import START_METHODS
 from .core import classref
-from .loader import Loader
 from .core.rng import mix_seed as _mix
 from .core.rng import reseed_current_sample
 from .core.tensors import DTYPE_NAMES as _DTYPE_NAMES
 from .core.tensors import numpy_tensor as _numpy_tensor
 from .core.tensors import tensor_numpy as _tensor_numpy
-from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .loader import Loader
 from .torch_iterable import RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise, sharding_init
 from .torch_snapshots import ReplicaEnded
-from .api.validate import START_METHODS
 from .torch_state import FacadeState, none_sample_error, on_moved, on_value
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
@@ -60,15 +60,34 @@ _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
-_Leaf = NamedTuple("_Leaf", [("value", Any)])  # str/bytes/None/objects: torch's collate decides
-# A Mapping that is not a dict: its items, and an empty copy (its class and attributes)
-# wrapped in an _Opaque, so the core carries it as is instead of stacking it.
-_MappingOf = NamedTuple("_MappingOf", [("template", Any), ("items", dict)])
+class _Leaf(NamedTuple):  # str/bytes/None/objects: torch's collate decides
+    value: Any
+
+
+class _MappingOf(NamedTuple):
+    """A Mapping that is not a dict: its items, and an empty copy (its class and attributes)
+    wrapped in an _Opaque, so the core carries it as is instead of stacking it."""
+
+    template: Any
+    items: dict[Any, Any]
+
+
+def _bits_marker(name: str) -> type[tuple[Any]]:
+    """The one-field namedtuple class ``_Bits_<name>`` marking the raw bits of a ``name`` tensor."""
+
+    class _Bits(NamedTuple):
+        bits: Any
+
+    _Bits.__name__ = _Bits.__qualname__ = f"_Bits_{name}"
+    _Bits.__doc__ = f"_Bits_{name}(bits,)"  # (what the functional NamedTuple form writes)
+    _Bits.__module__ = __name__
+    return _Bits
+
+
 _BITS_MARKERS: dict[type, torch.dtype] = {}
 _MARKER_OF: dict[torch.dtype, type] = {}
 for _dt, _name in _DTYPE_NAMES.items():
-    _cls = NamedTuple(f"_Bits_{_name}", [("bits", Any)])
-    _cls.__module__ = __name__
+    _cls = _bits_marker(_name)
     globals()[_cls.__name__] = _cls  # importable, so it pickles by reference
     _BITS_MARKERS[_cls] = _dt
     _MARKER_OF[_dt] = _cls
@@ -107,7 +126,7 @@ def _sample_to_wire(x: Any) -> Any:
     return _Leaf(x)
 
 
-def _empty_like(mapping: Mapping) -> Any:
+def _empty_like(mapping: Mapping[Any, Any]) -> Any:
     """What default_collate rebuilds a Mapping subclass from: an emptied shallow copy of a
     mutable one (its class and attributes, e.g. a defaultdict's factory), else its class."""
     if isinstance(mapping, MutableMapping):
@@ -120,7 +139,7 @@ def _empty_like(mapping: Mapping) -> Any:
     return type(mapping)
 
 
-def _rebuild_mapping(template: Any, items: dict) -> Any:
+def _rebuild_mapping(template: Any, items: dict[Any, Any]) -> Any:
     """``items`` in the first sample's mapping class, as default_collate does (a dict if it cannot)."""
     try:
         if isinstance(template, MutableMapping):
@@ -158,14 +177,14 @@ def _from_default(x: Any, in_sequence: bool = False) -> Any:
 # ---- custom collate_fn / unbatched: pickle the object, its arrays through the ring ----
 class _Packed(NamedTuple):
     skeleton: bytes  # the object pickled with each tensor/array replaced by a reference
-    arrays: list  # those arrays, in the ring
+    arrays: list[Any]  # those arrays, in the ring
 
 
 class _RefPickler(classref.Pickler):
-    def __init__(self, file: Any, arrays: list) -> None:
+    def __init__(self, file: Any, arrays: list[Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays = arrays
-        self.seen: dict[int, tuple] = {}
+        self.seen: dict[int, tuple[Any, ...]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         return _persistent_id(self, obj)
@@ -192,7 +211,7 @@ def _persistent_id(pickler: Any, obj: Any) -> Any:
 
 
 def _pack(obj: Any) -> _Packed:
-    arrays: list = []
+    arrays: list[Any] = []
     buffer = io.BytesIO()
     try:
         _RefPickler(buffer, arrays).dump(obj)
@@ -209,7 +228,7 @@ def _pack(obj: Any) -> _Packed:
 
 
 class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, arrays: list) -> None:
+    def __init__(self, file: Any, arrays: list[Any]) -> None:
         super().__init__(file)
         self.arrays = arrays
 
@@ -221,6 +240,7 @@ class _RefUnpickler(pickle.Unpickler):
         return tensor.requires_grad_() if ref[3] else tensor
 
 
+@final  # (so that `type(packed) is _InProcess` tells a type checker the other case is a _Packed)
 class _InProcess:
     """A ``collate_fn`` result or unbatched sample made in this process (``num_workers=0``):
     handed over as is, so it is the very object (and class) torch's DataLoader would yield."""
@@ -248,10 +268,10 @@ def _unpack_convert(packed: _Packed) -> Any:
 class _PackingCollate:
     """The user's collate_fn, run in the worker; its result leaves as a ``_Packed``."""
 
-    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, samples: list) -> _Packed | _InProcess:
+    def __call__(self, samples: list[Any]) -> _Packed | _InProcess:
         return _pack_for_consumer(self.collate_fn(samples))
 
 
@@ -285,8 +305,8 @@ class _TorchSource:
     batches are scheduled (torch seeds per worker).
     """
 
-    def __init__(self, dataset: Any, mode: str, item_fn: Callable | None, worker_init_fn: Callable | None,
-                 num_workers: int, seed: int) -> None:
+    def __init__(self, dataset: Any, mode: str, item_fn: Callable[[Any], Any] | None,
+                 worker_init_fn: Callable[[int], Any] | None, num_workers: int, seed: int) -> None:
         self.dataset = dataset
         self.mode = mode
         self.item_fn = item_fn  # collate_fn applied to each sample (batch_size=None + collate_fn)
@@ -303,7 +323,7 @@ class _TorchSource:
     def __len__(self) -> int:
         return self.length
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_pid"] = None
         return state
@@ -312,7 +332,7 @@ class _TorchSource:
         self._pid = os.getpid()
         worker_id = _worker_index()
         self._in_worker = worker_id is not None
-        if not self._in_worker:
+        if worker_id is None:
             return  # num_workers=0: like torch, the main process's generators are left alone
         torch.set_num_threads(1)
         seed = (self.seed + worker_id) & _MASK64
@@ -324,7 +344,7 @@ class _TorchSource:
 
             _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=self.num_workers, seed=seed,
                                                       dataset=self.dataset)
-        except Exception:  # noqa: BLE001 - private torch API; get_worker_info() then returns None
+        except Exception:  # noqa: BLE001, S110 - private torch API; get_worker_info() then returns None
             pass
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
@@ -352,7 +372,7 @@ class _BulkFetch:
     def __init__(self, source: _TorchSource) -> None:
         self.source = source
 
-    def __call__(self, indices: list) -> _Packed | _InProcess:
+    def __call__(self, indices: list[Any]) -> _Packed | _InProcess:
         source = self.source
         data = source.dataset[list(indices)]
         return _pack_for_consumer(data if source.item_fn is None else source.item_fn(data))
@@ -378,10 +398,10 @@ class _SamplerBatches:
         self.index_sampler = index_sampler
         self.unbatched = unbatched
         self.bulk = False
-        self._planned: list | None = None
+        self._planned: list[Any] | None = None
         self.before_draw: Callable[[], None] | None = None  # the facade's state, told before each draw
 
-    def _draw(self) -> list:
+    def _draw(self) -> list[Any]:
         if self.before_draw is not None:
             self.before_draw()
         return list(self.index_sampler)
@@ -395,7 +415,7 @@ class _SamplerBatches:
         self._planned = items = self._draw()
         return bool(items) and not _is_index(items[0])
 
-    def __call__(self, epoch: int) -> list:
+    def __call__(self, epoch: int) -> list[list[Any]]:
         items, self._planned = self._planned, None
         if items is None:
             items = self._draw()
@@ -429,7 +449,27 @@ def _start_method(context: Any) -> str:
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(_tud.DataLoader[_T_co]):
+class _LoaderOptions(TypedDict):
+    """The facade's keyword arguments for each ``procpipe.Loader`` it makes (a plain dict at run
+    time; typed so that a checker matches each key to the ``Loader`` parameter of that name)."""
+
+    batch_size: int | None
+    workers: int
+    ordered: bool
+    prefetch: int
+    seed: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    start_method: str
+    shm_dir: str
+    slot_bytes: int | None
+    max_worker_restarts: int
+    worker_env: dict[str, str] | None
+    batches: _SamplerBatches | None
+    seed_globals: bool
+    stage_slots: int
+
+
+class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is typed as Any (pyproject's [tool.mypy])
     """``torch.utils.data.DataLoader``, loading with procpipe's engine.
 
     Accepts torch's arguments with torch's meaning and yields the same batches, in the
@@ -474,11 +514,11 @@ class DataLoader(_tud.DataLoader[_T_co]):
         sampler: Any = None,
         batch_sampler: Any = None,
         num_workers: int = 0,
-        collate_fn: Callable | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         pin_memory: bool = False,
         drop_last: bool = False,
         timeout: float = 0,
-        worker_init_fn: Callable | None = None,
+        worker_init_fn: Callable[[int], Any] | None = None,
         multiprocessing_context: Any = None,
         generator: torch.Generator | None = None,
         *,
@@ -514,13 +554,14 @@ class DataLoader(_tud.DataLoader[_T_co]):
         self._pp_device = None if device is None else resolve_device(device)
         if self._pp_device is not None and self._pp_device.type == "cpu":
             self._pp_device = None  # batches are CPU tensors already
+        self._pp_convert: Callable[[Any], Any]
         if self._pp_iterable:  # batches are collated and packed in the worker (procpipe.torch_iterable)
             mode, item_fn = CUSTOM, None
             self._pp_convert = _unpack
         elif not self._auto_collation:  # collate_fn (default: default_convert) applies to each sample
             default = self.collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else self.collate_fn)
-            self._pp_convert: Callable = _unpack_convert if default else _unpack
+            self._pp_convert = _unpack_convert if default else _unpack
         elif self.collate_fn is _tud.default_collate:
             mode, item_fn = DEFAULT, None
             self._pp_convert = _from_default
@@ -530,7 +571,8 @@ class DataLoader(_tud.DataLoader[_T_co]):
         self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
         self._pp_source = None if self._pp_iterable else _TorchSource(dataset, mode, item_fn, worker_init_fn,
                                                                       num_workers, self._pp_seed)
-        self._pp_options = dict(
+        batches = None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED)
+        self._pp_options = _LoaderOptions(
             batch_size=None if mode == UNBATCHED or self._pp_iterable else 1,  # sizes: the batch sampler's
             workers=num_workers,
             ordered=bool(in_order),
@@ -542,15 +584,15 @@ class DataLoader(_tud.DataLoader[_T_co]):
             slot_bytes=slot_bytes,
             max_worker_restarts=max_worker_restarts,
             worker_env=worker_env,
-            batches=None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED),
+            batches=batches,
             seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
             # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
             stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )
-        self._pp_bulk_collate = _BulkFetch(self._pp_source)
+        self._pp_bulk_collate = None if self._pp_source is None else _BulkFetch(self._pp_source)
         self._pp_loader: Loader | None = None
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
-        self._pp_epoch_loader: weakref.ref | None = None  # the running epoch's (persistent_workers=False)
+        self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -559,9 +601,9 @@ class DataLoader(_tud.DataLoader[_T_co]):
             generator=generator, snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0), shm_dir=shm_dir,
             index_sampler=None if self._pp_iterable else self._index_sampler)
         weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
-        if not self._pp_iterable:
+        if batches is not None:
             # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
-            self._pp_options["batches"].before_draw = functools.partial(self._pp_state.before_draw,
+            batches.before_draw = functools.partial(self._pp_state.before_draw,
                                                                         self._index_sampler)
 
     # ---------------------------------------------------------------- iteration
@@ -596,12 +638,12 @@ class DataLoader(_tud.DataLoader[_T_co]):
         owned = None
         if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
             dataset = in_process(self.dataset, shared_seed)
-            epoch: Iterator = self._pp_state.in_process(dataset, self.batch_size if self._auto_collation else None,
+            epoch: Iterator[Any] = self._pp_state.in_process(dataset, self.batch_size if self._auto_collation else None,
                                                         self.drop_last, self.collate_fn)
             convert = _same
             loader = None
         else:
-            if not self._pp_iterable and self._pp_source.mode in (UNBATCHED, BULK):
+            if self._pp_source is not None and self._pp_source.mode in (UNBATCHED, BULK):  # (map-style)
                 self._pp_plan_unbatched()
             if self.persistent_workers or self.num_workers == 0:
                 if self._pp_loader is None:
@@ -643,9 +685,10 @@ class DataLoader(_tud.DataLoader[_T_co]):
     def _pp_plan_unbatched(self) -> None:
         """``batch_size=None``: draw the epoch's sampler items, and load each as one index or,
         for lists of indices, as one ``dataset[list]`` call (a loader's workers do one or the other)."""
-        batches: _SamplerBatches = self._pp_options["batches"]
+        batches, source = self._pp_options["batches"], self._pp_source
+        assert batches is not None and source is not None  # (map-style: __iter__ calls this for those only)
         bulk = batches.plan()
-        if bulk == (self._pp_source.mode == BULK):
+        if bulk == (source.mode == BULK):
             return
         if self._pp_loader is not None:
             raise TypeError(
@@ -653,14 +696,14 @@ class DataLoader(_tud.DataLoader[_T_co]):
                 "persistent procpipe.torch.DataLoader load one kind: create a new DataLoader"
             )
         batches.bulk = bulk
-        self._pp_source.mode = BULK if bulk else UNBATCHED
+        source.mode = BULK if bulk else UNBATCHED
         self._pp_options["batch_size"] = 1 if bulk else None
         self._pp_options["collate_fn"] = self._pp_bulk_collate if bulk else None
 
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
         (``shared_seed``: an IterDataPipe's, see ``procpipe.torch_iterable``)."""
-        source = self._pp_source
+        source: _TorchSource | Replicas | None = self._pp_source
         if self._pp_iterable:
             init = self.worker_init_fn if shared_seed is None else sharding_init(self.worker_init_fn)
             source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
@@ -668,7 +711,9 @@ class DataLoader(_tud.DataLoader[_T_co]):
                                           self.collate_fn, _pack, shared_seed, self._pp_epochs,
                                           **self._pp_state.replica_options(self._pp_epochs)))
             # torch's seeds per worker, then the replica's own draws: no per-record reseeding
-            loader = Loader(source, **{**self._pp_options, "seed_globals": False})
+            options = self._pp_options.copy()
+            options["seed_globals"] = False
+            loader = Loader(source, **options)
         else:
             loader = Loader(source, **self._pp_options)
         # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
@@ -745,7 +790,7 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
-    def __init__(self, epoch: Iterator, convert: Callable, stage: Stage | None, owned: Loader | None,
+    def __init__(self, epoch: Iterator[Any], convert: Callable[[Any], Any], stage: Stage | None, owned: Loader | None,
                  length: int | None, loader: Loader | None, len_called: int | None = None,
                  dataset: Any = None, with_workers: bool = False, state: FacadeState | None = None) -> None:
         self._epoch = epoch
@@ -761,7 +806,7 @@ class _DataLoaderIter:
         self._state = state  # the DataLoader's state_dict keeper: told what is returned
 
     @property
-    def _workers(self) -> list:
+    def _workers(self) -> list[Any]:
         """The worker processes (``multiprocess.Process``), as torch's iterator's ``_workers``
         (code that reaches into it: ``pid``, ``is_alive()``, ``join()``). Empty once closed."""
         return [] if self._loader is None else self._loader.worker_processes
@@ -778,10 +823,7 @@ class _DataLoaderIter:
     def __next__(self) -> Any:
         while True:
             try:
-                if self._stage is not None:
-                    batch = next(self._stage)
-                else:
-                    batch = self._convert(next(self._epoch))
+                batch = next(self._stage) if self._stage is not None else self._convert(next(self._epoch))
             except StopIteration:
                 self._finish()
                 if self._state is not None:
@@ -819,5 +861,5 @@ class _DataLoaderIter:
     def __del__(self) -> None:
         try:
             self._finish()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass

@@ -29,8 +29,9 @@ torch's semantics, and how they are kept:
   ``worker_init_fn`` or ``__iter__``, which leave no iterator, the replica has ended).
 - **Seeds**: torch's, per worker: ``base_seed + id`` for ``random`` and torch,
   ``_generate_state(base_seed, id)`` for numpy, once per worker process (when it first
-  opens its replica, before ``worker_init_fn`` and ``__iter__``); ``base_seed`` is drawn from the loader's ``generator`` as torch
-  draws it, so the replicas see the same random numbers as under torch's DataLoader.
+  opens its replica, before ``worker_init_fn`` and ``__iter__``); ``base_seed`` is drawn from the
+  loader's ``generator`` as torch draws it, so the replicas see the same random numbers as under
+  torch's DataLoader.
 - **State** (``procpipe.torch_snapshots``): every record carries its replica and position,
   and every ``snapshot_every``-th one the replica's state (torchdata's ``Stateful``
   protocol: the dataset's and its iterator's ``state_dict()``), which the facade's
@@ -69,6 +70,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from .core.notes import add_note
 from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
 from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
@@ -92,7 +94,7 @@ class BatchFetcher:
     usable: the next call asks the iterator again (a finished generator then ends).
     """
 
-    def __init__(self, iterator: Iterator, batch_size: int | None, drop_last: bool,
+    def __init__(self, iterator: Iterator[Any], batch_size: int | None, drop_last: bool,
                  collate_fn: Callable[[Any], Any]) -> None:
         self.iterator = iterator
         self.batch_size = batch_size
@@ -144,8 +146,8 @@ def reraise(raised: RaisedInReplica) -> NoReturn:
             exc = None
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{raised.type_name}: {raised.message}")
-    exc.add_note(f"procpipe: raised in {raised.stage} of the IterableDataset replica of worker {raised.worker}, "
-                 f"at its batch {raised.position} of this epoch; the worker's traceback is shown above.")
+    add_note(exc, f"procpipe: raised in {raised.stage} of the IterableDataset replica of worker {raised.worker}, "
+                  f"at its batch {raised.position} of this epoch; the worker's traceback is shown above.")
     raise exc from RemoteTraceback(raised.traceback)
 
 
@@ -245,7 +247,7 @@ class _ReplicaBatches:
     """
 
     def __init__(self, replica: Replicas, worker: int, init_error: RaisedInReplica | None,
-                 start: tuple[int, dict] | None = None) -> None:
+                 start: tuple[int, dict[str, Any]] | None = None) -> None:
         self.replica = replica
         self.worker = worker
         self.fetcher: BatchFetcher | None = None
@@ -254,13 +256,14 @@ class _ReplicaBatches:
         self.done = False
         self.ended = False  # the ReplicaEnded record was sent
         self.init_error = init_error  # worker_init_fn raised: the first record, then the end
+        self.start_state: dict[str, Any] | None
         self.skip_to, self.start_state = start if start is not None else (0, None)
         self.initial: tuple[int, bytes] | None = None  # the snapshot at the epoch's start, sent with record 0
 
     def __iter__(self) -> _ReplicaBatches:
         return self
 
-    def _open(self) -> None:
+    def _open(self) -> BatchFetcher:
         spec, state = self.replica.spec, self.start_state
         if state is None:
             self.iterator = iter(spec.dataset)
@@ -275,6 +278,7 @@ class _ReplicaBatches:
                                     _in_private_memory(spec.collate_fn))
         if self.position == 0:
             self.initial = self._snapshot(0, False)
+        return self.fetcher
 
     def _snapshot(self, position: int, ended: bool) -> tuple[int, bytes] | None:
         """The replica's state at ``position`` (pickled), also written to the store; None if stateless."""
@@ -298,13 +302,14 @@ class _ReplicaBatches:
         stage = "__next__ or collate_fn"
         snapshot = None
         try:
-            if self.fetcher is None:
+            fetcher = self.fetcher
+            if fetcher is None:
                 stage = "__iter__"
-                self._open()
+                fetcher = self._open()
                 stage = "__next__ or collate_fn"
             if self.ended:
                 raise StopIteration
-            batch = next(self.fetcher)
+            batch = next(fetcher)
         except StopIteration:
             if self.ended or self.fetcher is None:
                 self.close()
@@ -312,7 +317,7 @@ class _ReplicaBatches:
             self.ended = True
             batch = ReplicaEnded()
             snapshot = self._snapshot(self.position + 1, True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the user's error goes to the consumer as a record (as torch's)
             if self.fetcher is None:
                 self.done = True  # no iterator: the replica has nothing more this epoch
             batch = _raised(exc, self.worker, self.position, stage)
@@ -326,7 +331,7 @@ class _ReplicaBatches:
         snap_position, state = snapshot if snapshot is not None else (-1, None)
         try:
             return spec.pack(Tagged(batch, self.worker, self.position - 1, snap_position, state))
-        except Exception as exc:  # e.g. collate_fn returned something that does not pickle
+        except Exception as exc:  # noqa: BLE001 - e.g. collate_fn returned something that does not pickle
             error = _raised(exc, self.worker, self.position - 1, "packing the batch collate_fn returned")
             return spec.pack(Tagged(error, self.worker, self.position - 1, snap_position, state))
 
@@ -357,9 +362,10 @@ class Replicas(Shards):
         self._current: _ReplicaBatches | None = None
         self._epoch = spec.first_epoch  # the epoch of the block being read (produce_block)
         self._reopen_at = 0  # reopening(): the record the next open() must resume at
-        self._snapshots: list[tuple[int, int, dict]] = []  # this process's replica's last snapshots (the store's)
+        # this process's replica's last snapshots (the store's): (epoch, position, state)
+        self._snapshots: list[tuple[int, int, dict[str, Any]]] = []
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_current"] = None
         state["_snapshots"] = []
@@ -367,6 +373,7 @@ class Replicas(Shards):
 
     def configured(self, block_length: int, mode: str, batch_size: int | None) -> Replicas:
         clone = super().configured(block_length, mode, batch_size)
+        assert isinstance(clone, Replicas)  # (Shards.configured copies self)
         clone.open_fn = clone.open  # the copy opens its own replicas
         return clone
 
@@ -380,7 +387,7 @@ class Replicas(Shards):
     def reopening(self, block: Block) -> None:
         self._reopen_at = block.first  # open() resumes there, from a snapshot (or refuses)
 
-    def keep_snapshot(self, worker: int, position: int, state: dict) -> None:
+    def keep_snapshot(self, worker: int, position: int, state: dict[str, Any]) -> None:
         """Write a snapshot of this process's replica to the store (for a replacement process)."""
         store = self.spec.store
         if store is None:
@@ -389,7 +396,7 @@ class Replicas(Shards):
         del self._snapshots[:-8]
         store.write(worker, self._snapshots)
 
-    def _start(self, worker: int) -> tuple[int, dict] | None:
+    def _start(self, worker: int) -> tuple[int, dict[str, Any]] | None:
         """Where this epoch's replica starts: a snapshot to restore, or None (its start)."""
         first, self._reopen_at = self._reopen_at, 0
         spec = self.spec
@@ -443,6 +450,6 @@ class Replicas(Shards):
         if spec.worker_init_fn is not None:
             try:
                 spec.worker_init_fn(worker)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - sent to the consumer as the replica's first record
                 self._init_error = _raised(exc, worker, 0, "worker_init_fn")
 

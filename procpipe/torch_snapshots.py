@@ -32,14 +32,22 @@ import pickle
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]
 
 KEEP = 8  # snapshots kept per replica in its file: more than the records one worker has in flight
 
 
-def is_stateful(obj: Any) -> bool:
+class Stateful(Protocol):
+    """torchdata's ``Stateful`` protocol, for type checkers (``is_stateful`` is the run-time check)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def is_stateful(obj: Any) -> TypeGuard[Stateful]:
     """torchdata's ``Stateful`` protocol: ``state_dict()`` and ``load_state_dict(state)``."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -84,12 +92,12 @@ class ReplicaEnded:
 class Tagged:
     """A replica's record as the consumer receives it: ``value`` (a packed batch, a
     ``RaisedInReplica``, or ``ReplicaEnded``), the replica (``worker``), its ``position``,
-    and a snapshot (``snap_position``, ``state``) or ``state=None``."""
+    and a snapshot (``snap_position``, ``state``: the replica's state, dill-pickled) or ``state=None``."""
 
     __slots__ = ("position", "snap_position", "state", "value", "worker")
 
     def __init__(self, value: Any, worker: int, position: int, snap_position: int = -1,
-                 state: dict[str, Any] | None = None) -> None:
+                 state: bytes | None = None) -> None:
         self.value = value
         self.worker = worker
         self.position = position

@@ -128,7 +128,7 @@ class InProcessReplica:
         self.dataset = dataset
         self.yielded = 0
         state = None if start is None else start.get("state")
-        if state is not None and has_state(state):
+        if start is not None and state is not None and has_state(state):
             self.iterator = restore(dataset, state, iter)
             ended = bool(state["fetcher_state"].get("fetcher_ended"))
             if ended and carry:  # the previous epoch's end: this epoch's iterator
@@ -235,9 +235,10 @@ class FacadeState:
         generators = _generators(index_sampler, self.generator)
         if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
             draw = pending["draw"]
-            for g, text in zip(generators, draw["generators"]):
+            # (strict=False: the draw was saved by a DataLoader built the same way; zip's shortest wins)
+            for g, text in zip(generators, draw["generators"], strict=False):
                 g.set_state(_decode_rng(text))
-            for obj, state in zip(_samplers(index_sampler), draw["samplers"]):
+            for obj, state in zip(_samplers(index_sampler), draw["samplers"], strict=False):
                 obj.load_state_dict(copy.deepcopy(state))
         self.draws[epoch] = {"generators": [_encode_rng(g) for g in generators],
                              "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)]}
@@ -252,7 +253,7 @@ class FacadeState:
         pending = self.pending
         if pending is None:
             return options
-        for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
+        for key, (_delivered, position, state) in (pending.get("replicas") or {}).items():
             if state is not None:
                 start = pending["epoch"] if not pending["finished"] else pending["epoch"] + 1
                 self.store.write(int(key), [(start, 0 if pending["finished"] else position, _decoded(state))])
@@ -306,10 +307,10 @@ class FacadeState:
 
     def started_iteration(self) -> None:
         """The iteration is set up: a loaded state has been used."""
-        if self.pending is not None and self.pending["finished"] is False and self.pending["epoch"] == self.epoch:
-            if self.num_workers == 0 and not self.iterable and self.pending.get("dataset_state") is not None:
-                if is_stateful(self.dataset):
-                    self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
+        if (self.pending is not None and self.pending["finished"] is False and self.pending["epoch"] == self.epoch
+                and self.num_workers == 0 and not self.iterable and self.pending.get("dataset_state") is not None
+                and is_stateful(self.dataset)):
+            self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
         self.pending = None
 
     def received(self, record: Any) -> Any:
@@ -371,7 +372,7 @@ class FacadeState:
             workers: dict[str, Any] = {}
             replicas: dict[str, Any] = {}
             for w in range(self.num_workers):
-                snapshot = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
+                snapshot: dict[str, Any] = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
                 if self.iterable:
                     position, saved = self.snaps.get(w, (0, None))
                     decoded = _decoded(saved) if saved is not None else None
@@ -413,9 +414,11 @@ class FacadeState:
         if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
-            for g, text in zip(_generators(self.index_sampler, self.generator), pending.get("generators") or ()):
+            # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
+            for g, text in zip(_generators(self.index_sampler, self.generator), pending.get("generators") or (),
+                               strict=False):
                 g.set_state(_decode_rng(text))
-            for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or ()):
+            for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
                 obj.load_state_dict(copy.deepcopy(saved))
             if not (self.persistent or self.num_workers == 0):
                 pending["replicas"] = {}  # fresh replicas each epoch: nothing carries over
