@@ -350,7 +350,12 @@ PARENT = textwrap.dedent('''
         ia, ib = iter(a), iter(b)
         next(ia), next(ib)
         print(a.shm_prefix, b.shm_prefix, *a.worker_pids, *b.worker_pids, flush=True)
-        next(ia)  # blocks: the workers are stuck
+        # Block for good: a's batches of indices 0-7 come back, the one of 8 and 9 never does. (A
+        # single next() returned the ready second batch, and the test only passed while closing at
+        # exit waited 2 s per loader for the stuck workers: a busy worker now leaves at once.)
+        for _ in ia:
+            pass
+        sys.exit("the loader ended instead of blocking on its stuck workers")
 ''')
 
 
@@ -371,6 +376,7 @@ def test_sigkilled_parent_while_workers_are_mid_task(tmp_path):
                    f"all four workers {pids} to be inside a long task")
         tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | set(pids)
         assert all(shm_files(p) for p in prefixes)
+        assert proc.poll() is None, "the parent ended by itself: it must be blocked in next() when killed"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
         survivors = wait_gone(pids, 2.0)

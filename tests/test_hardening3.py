@@ -132,6 +132,26 @@ def test_speculation_lets_a_stream_go_on_past_a_stalled_block(tmp_path) -> None:
     assert got == list(range(80))
 
 
+def test_a_straggling_workers_lane_moves_even_without_a_copied_task() -> None:
+    """A shard's lane held by a straggler that has no task of that shard to copy (its queue
+    holds another shard's blocks) goes to a healthy worker: it used to stay, and the shard's
+    later blocks waited for the straggler's reply (the test above, now and then, under load)."""
+    from types import SimpleNamespace
+
+    from procpipe.engine.roster import Roster
+
+    def link(index: int, stalled: bool) -> SimpleNamespace:
+        return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, tasks={})
+
+    straggler, healthy = link(0, True), link(1, False)
+    roster = SimpleNamespace(links=[straggler, healthy])
+    epoch = SimpleNamespace(plan=SimpleNamespace(lanes_held=lambda: {0: 2, 1: 2}))
+    assert Roster.for_lane(roster, SimpleNamespace(worker=0), epoch) is healthy  # the lane moves
+    assert Roster.for_lane(roster, SimpleNamespace(worker=None), epoch) is healthy  # a new lane avoids it
+    straggler.stalled = False  # it replied: its lane is its own again
+    assert Roster.for_lane(roster, SimpleNamespace(worker=0), epoch) is straggler
+
+
 # --------------------------------------------------------------------------- 3: streams without lengths
 def _fails_on_multiples(every: int):
     def fn(record: int) -> np.float32:

@@ -121,18 +121,20 @@ class Roster:
 
     def for_lane(self, offer: Offer, epoch: Epoch) -> WorkerLink | None:
         """The worker for ``offer``, which has a lane: the lane's (None while that one cannot take
-        it), else (a lane not held yet, or its worker gone or retiring) the least loaded healthy
-        one. (An offer without a lane goes to ``idle``.)"""
+        it), else (a lane not held yet, or its worker gone, retiring or straggling) the least loaded
+        healthy one. (An offer without a lane goes to ``idle``.) A straggler (``stalled``, speculate=)
+        gets no more work: its lane moves even when none of its tasks was copied elsewhere (the
+        lane's later blocks would otherwise wait for the straggler's reply)."""
         if offer.worker is not None:
             for w in self.links:
                 if w.index == offer.worker:
-                    if w.retiring:
-                        break  # autotune is retiring it: the lane moves
+                    if w.retiring or w.stalled:
+                        break  # autotune is retiring it, or it straggles: the lane moves
                     return w if w.usable else None
         # The lane's first task, or its worker is gone: the worker with the fewest lanes takes it
         # (if it is not the lane's first task, that worker opens the shard again and skips ahead).
         load = epoch.plan.lanes_held()
-        usable = [w for w in self.links if w.usable]
+        usable = [w for w in self.links if w.usable and not w.stalled]
         if not usable:
             return None
         return min(usable, key=lambda w: (load.get(w.index, 0), len(w.tasks), w.index))
