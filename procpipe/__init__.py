@@ -4,15 +4,43 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
+import importlib as _importlib
+from typing import TYPE_CHECKING
+
+# First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
+# start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
+from .worker import fork_safety as _fork_safety  # noqa: F401
 from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
                      TaskTimeoutError, WorkerError)
-from .engine.autotune import AutoWorkers
-from .loader import Loader
-from .worker.records import Records
-from .streaming import Shards
-from .plan.mix import Mix
 from .core.rng import batch_rng, sample_rng
-from .api.elastic import combine_states
+
+if TYPE_CHECKING:
+    from .api.elastic import combine_states
+    from .engine.autotune import AutoWorkers
+    from .loader import Loader
+    from .plan.mix import Mix
+    from .streaming import Shards
+    from .worker.records import Records
+
+# The rest of the API is imported when first used (PEP 562): a worker started from a
+# forkserver imports this package for its own modules, and needs none of the engine
+# (~0.15 s less before the first batch: docs/guide/startup.md).
+_LAZY = {"AutoWorkers": "engine.autotune", "Loader": "loader", "Mix": "plan.mix", "Records": "worker.records",
+         "Shards": "streaming", "combine_states": "api.elastic"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'procpipe' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) - {"TYPE_CHECKING"} | set(_LAZY))
+
 
 __all__ = [
     "AutoWorkers",
@@ -24,8 +52,8 @@ __all__ = [
     "Records",
     "RemoteTraceback",
     "ShardLengthError",
-    "SharedMemoryError",
     "Shards",
+    "SharedMemoryError",
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def summarize_indices(indices: Sequence[int], shown: int = 32) -> str:
+def summarize_indices(indices: Sequence[object], shown: int = 32) -> str:
     """``indices`` for an error message: all of them when few, else the count, the first and
     the last few (a batch of 20,000 indices would make a 100 KB message)."""
     if not isinstance(indices, (list, tuple)) or len(indices) <= shown:  # (or a streaming task's Block)

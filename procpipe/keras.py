@@ -37,7 +37,7 @@ from keras.utils import PyDataset
 try:  # Keras >= 3.x accepts a DataAdapter instance as `x`: exact epoch boundaries
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter as _DataAdapter
 except ImportError:  # pragma: no cover - older Keras: the PyDataset protocol alone
-    _DataAdapter = object  # type: ignore[assignment,misc]
+    _DataAdapter = object
 
 __all__ = ["KerasDataset", "dataset"]
 
@@ -67,7 +67,7 @@ def _standardize(batch: Any) -> Any:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or hasattr(x, "__array__") and hasattr(x, "dtype")
+    return isinstance(x, np.ndarray) or (hasattr(x, "__array__") and hasattr(x, "dtype"))
 
 
 def _to_numpy(x: Any) -> Any:
@@ -78,7 +78,7 @@ def _to_numpy(x: Any) -> Any:
     return np.asarray(x)
 
 
-def _start_state(loader: Any) -> dict | None:
+def _start_state(loader: Any) -> dict[str, Any] | None:
     """``loader.state_dict()`` if the iteration just started is at the start of an epoch (so
     that putting it back replays that epoch whole), else None (nothing to put back)."""
     save = getattr(loader, "state_dict", None)
@@ -90,7 +90,8 @@ def _start_state(loader: Any) -> dict | None:
     return state if fresh else None
 
 
-class KerasDataset(PyDataset, _DataAdapter):
+# (keras is typed Any for mypy, installed or not: pyproject's [tool.mypy] overrides)
+class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassing Any: keras' classes
     """A procpipe loader as Keras input data.
 
     A ``keras.utils.PyDataset`` (so anything that accepts one accepts it) that is also a
@@ -109,10 +110,10 @@ class KerasDataset(PyDataset, _DataAdapter):
                             f"got {type(loader).__name__}")
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=1)
         self.loader = loader
-        self._stream: Iterator | None = None
+        self._stream: Iterator[Any] | None = None
         self._element_spec = element_spec
         self._tf_dataset: Any = None
-        self._abandoned: dict | None = None  # where a pass closed after its first batch had started
+        self._abandoned: dict[str, Any] | None = None  # where a pass closed after its first batch had started
 
     # ---------------------------------------------------------------- PyDataset
     def __len__(self) -> int:

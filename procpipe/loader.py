@@ -16,27 +16,32 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from .engine.autotune import resolve as resolve_autotune
-from .worker.cache import open_cache
-from .core.checks import check_int
-from .engine.coordinator import Coordinator, EngineConfig
 from .api.iteration import IterationContext, LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
+from .api.mixing import sampler_for, stream_plan_for
 from .api.nodes import Node
 from .api.position import encode_position, start_position
-from .core.reassembly import ResumePoint
 from .api.resume import load_state, save_state
 from .api.shutdown import close_engine, watch_exit
-from .plan.sampler import ExplicitBatches
-from .api.mixing import sampler_for, stream_plan_for
+from .api.validate import validate, validate_backend, validate_epochs
+from .core.checks import check_int
+from .core.reassembly import ResumePoint
+from .core.rng import seeding_mode
+from .engine.autotune import resolve as resolve_autotune
+from .engine.coordinator import Coordinator, EngineConfig
 from .engine.start import start_engine
-from .worker.start_method import resolve as resolve_start_method
+from .plan.base import BatchPlan
+from .plan.sampler import ExplicitBatches
 from .streaming import InlineStream, StreamPlan
 from .streaming.even_ranks import check_even_ranks
-from .api.validate import validate, validate_backend, validate_epochs
 from .worker.process import WorkerSpec
+from .worker.start_method import resolve as resolve_start_method
+from .worker.stream_cache import open_loader_cache
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -145,12 +150,16 @@ class Loader:
             through a buffer of this many records in the calling process, like tf.data's
             ``shuffle(buffer_size)``; deterministic from ``(seed, epoch)`` with ``ordered=True``.
             See README.md, "Streaming sources: shards and parallel interleave".
-        seed_globals: ``True`` (default): before each sample, Python's ``random``, ``np.random``
+        seed_globals: ``True`` (default, the same as ``"task"``): Python's ``random``, ``np.random``
             and torch's default generator (if torch is imported; it is never imported for
-            this) are seeded from ``(seed, epoch, index)``, so code drawing from them
+            this) are seeded once per batch (a streaming source: per block), before its first
+            sample, from ``(seed, epoch, the batch's first index)``, so code drawing from them
             (torchvision-style transforms) gets distinct, reproducible values per sample,
-            whatever the worker count. With ``workers=0`` the caller's generator states are
-            put back after each batch. ``False``: leave them alone (about 20 us per sample).
+            whatever the worker count, the schedule or re-runs. ``"sample"``: seeded before
+            every sample from ``(seed, epoch, index)`` (a sample's draws then do not depend on
+            which batch it is in; ~12 us a sample). ``False``: leave them alone. With
+            ``workers=0`` the caller's generator states are put back after each batch.
+            See docs/guide/startup.md.
         backend: None (default): worker processes on this machine. ``procpipe.ray.Backend(...)``:
             the workers run on a Ray cluster (``workers`` per node); see README.md, "Beyond one
             machine: Ray". Every other argument keeps its meaning.
@@ -177,7 +186,7 @@ class Loader:
         reshuffle: bool = True,
         epochs: int | None = 1,
         with_epoch: bool = False,
-        collate_fn: Callable[[list], Any] | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         start_method: str = "auto",
         shm_dir: str = "/dev/shm",
         slot_bytes: int | None = None,
@@ -195,7 +204,7 @@ class Loader:
         augment: Callable[[Any], Any] | None = None,
         shuffle_buffer: int | None = None,
         device_fn: Callable[[Any], Any] | None = None,
-        seed_globals: bool = True,
+        seed_globals: bool | str = True,
         stage_slots: int = 0,
         backend: Any = None,
         even_ranks: bool = False,
@@ -210,12 +219,15 @@ class Loader:
         check_int("stage_slots", stage_slots, 0)
         check_even_ranks(even_ranks, shard)
         auto = resolve_autotune(workers)
+        fixed_workers = 0 if auto is not None else cast(int, workers)  # (validated: an int unless autotuned)
+        self._sampler: BatchPlan
         if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
-            self._sampler = stream_plan(source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                                       reshuffle=reshuffle, shard=shard, collate_fn=collate_fn,
-                                       shuffle_buffer=shuffle_buffer, on_error=on_error, max_skipped=max_skipped, speculate=speculate,
-                                       batches=batches, batch_fn=batch_fn, cache=cache, even_ranks=even_ranks)
-            source = self._sampler.source  # the copy that knows how to lay out blocks
+            self._sampler = plan = stream_plan(
+                source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, reshuffle=reshuffle,
+                shard=shard, collate_fn=collate_fn, shuffle_buffer=shuffle_buffer, on_error=on_error,
+                max_skipped=max_skipped, speculate=speculate, batches=batches, batch_fn=batch_fn, cache=cache,
+                even_ranks=even_ranks)
+            source = plan.source  # the copy that knows how to lay out blocks
         elif shuffle_buffer is not None:
             raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
                              "source is shuffled whole with shuffle=True")
@@ -229,20 +241,22 @@ class Loader:
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
-                                batch_fn=batch_fn, augment=augment, seed_globals=bool(seed_globals))
+                                batch_fn=batch_fn, augment=augment, seed_globals=seeding_mode(seed_globals))
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
-        self._start_method = resolve_start_method(start_method)  # once: its restarted workers start the same way
+        # once: its restarted workers start the same way (a slower start is said once, if workers start here)
+        starts_here = (auto is not None or workers > 0) and backend is None
+        self._start_method = resolve_start_method(start_method, warn=starts_here)
         self._with_epoch = bool(with_epoch)
         self._ordered = bool(ordered)
         self._active: LoaderIterator | None = None  # the source node of the latest iteration
         self._root: Node | None = None  # the node the consumer iterates: the source, or a device stage over it
         self._closed = False
         self._coordinator: Coordinator | None = None
-        if auto is not None or workers > 0:
+        if auto is not None or fixed_workers > 0:
             env = dict(DEFAULT_WORKER_ENV)
             env.update(worker_env or {})
-            engine_workers = workers if auto is None else auto.first
+            engine_workers = fixed_workers if auto is None else auto.first
             if backend is not None:  # workers= is per node: the coordinator sees them all
                 engine_workers = backend.lanes(workers)
             config = EngineConfig(engine_workers, self._ordered, prefetch, slot_bytes,
@@ -253,7 +267,7 @@ class Loader:
                                                              else self._device_stage.slots_held))
             self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
-            self._spec.cache = open_cache(self._spec, cache, None, shm_dir)
+            self._spec.cache = open_loader_cache(self._spec, cache, None, shm_dir)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
                                          self._coordinator, epochs)
@@ -372,10 +386,10 @@ class Loader:
         if self._spec.cache is not None:
             self._spec.cache.close()
 
-    def __enter__(self) -> Loader:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -506,7 +520,9 @@ class Loader:
             if w.index < len(pids):
                 pids[w.index] = w.pid
         out = snapshot(
-            self._standing.counters, workers=coordinator.n_workers if coordinator.tuner is not None else self._workers,
+            self._standing.counters,
+            # (without a tuner, workers is a count)
+            workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._workers),
             running=running, consumed=None if active is None else active.consumed, ring=coordinator.ring,
             worker_counters=counters, pids=pids,
         )
@@ -525,7 +541,7 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
 
 
-def _device_stage(device: Any, prefetch: int, device_fn: Callable | None, seed: int) -> Any:
+def _device_stage(device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None, seed: int) -> Any:
     from .api import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
 
     return adapter.device_stage(device, prefetch, device_fn, seed)

@@ -169,7 +169,7 @@ def _where(path: tuple) -> str:
     return "batch" + "".join(f"[{p!r}]" for p in path)
 
 
-def _leading(shape: tuple, batch: int | None | bool) -> tuple:
+def _leading(shape: tuple, batch: int | bool | None) -> tuple:
     """``shape`` with its first dimension made the batch dimension (``batch=False``: unbatched)."""
     if batch is False or not shape:
         return tuple(shape)
@@ -192,7 +192,7 @@ def _unsupported(value: Any, path: tuple, why: str = "") -> ValueError:
     )
 
 
-def _spec(value: Any, path: tuple, batch: int | None | bool) -> Any:
+def _spec(value: Any, path: tuple, batch: int | bool | None) -> Any:
     value = _numpy(value)
     if isinstance(value, Mapping):
         return {k: _spec(v, path + (k,), batch) for k, v in value.items()}
@@ -228,7 +228,7 @@ def _spec(value: Any, path: tuple, batch: int | None | bool) -> Any:
 class _Leaf:
     """One ``tf.TensorSpec`` of the element_spec, compiled for the per-batch check."""
 
-    __slots__ = ("path", "dims", "string", "dtype")
+    __slots__ = ("dims", "dtype", "path", "string")
 
     def __init__(self, path: tuple, spec: tf.TensorSpec) -> None:
         self.path = path
@@ -240,7 +240,7 @@ class _Leaf:
 class _Node:
     """A dict (``keys``) or a tuple / namedtuple (``kind``) of the element_spec."""
 
-    __slots__ = ("path", "keys", "kind", "children")
+    __slots__ = ("children", "keys", "kind", "path")
 
     def __init__(self, path: tuple, keys: tuple | None, kind: Any, children: list) -> None:
         self.path = path
@@ -340,11 +340,11 @@ def _convert(node: Any, value: Any, batch: _Batch) -> Any:
             got = f"a mapping with keys {sorted(map(str, value))}" if isinstance(value, Mapping) else \
                 f"a {type(value).__name__}"
             raise _mismatch(node.path, got, f"a dict with keys {sorted(map(str, node.keys))}")
-        return {k: _convert(child, value[k], batch) for k, child in zip(node.keys, node.children)}
+        return {k: _convert(child, value[k], batch) for k, child in zip(node.keys, node.children, strict=True)}
     if not isinstance(value, (tuple, list)) or len(value) != len(node.children):
         got = f"a {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (tuple, list)) else "")
         raise _mismatch(node.path, got, f"a {node.kind.__name__} of {len(node.children)}")
-    items = [_convert(child, v, batch) for child, v in zip(node.children, value)]
+    items = [_convert(child, v, batch) for child, v in zip(node.children, value, strict=True)]
     return tuple(items) if node.kind is tuple else node.kind(*items)
 
 
@@ -375,7 +375,7 @@ def _check_shape(leaf: _Leaf, shape: tuple) -> None:
     dims = leaf.dims
     if dims is None:
         return
-    if len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape)):
+    if len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape, strict=True)):
         raise _mismatch(leaf.path, f"of shape {tuple(shape)}", f"shape {dims}")
 
 

@@ -277,8 +277,8 @@ def _worker_index() -> int | None:
 class _TorchSource:
     """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
 
-    In a worker, before each sample, the core seeds torch's, numpy's and Python's global
-    generators from ``(seed, epoch, index)`` (``Loader(seed_globals=True)``, procpipe.core.rng),
+    In a worker, before each batch, the core seeds torch's, numpy's and Python's global
+    generators from ``(seed, epoch, its first index)`` (``Loader(seed_globals=True)``, procpipe.core.rng),
     so augmentation drawn from them is the same whatever ``num_workers`` and however
     batches are scheduled (torch seeds per worker).
     """
@@ -666,6 +666,13 @@ class DataLoader(_tud.DataLoader[_T_co]):
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
+
+    @property
+    def start_method(self) -> str:
+        """How the workers start: ``"fork"``, ``"forkserver"`` or ``"spawn"`` once the first
+        iteration has created the engine (``"auto"`` is resolved then, and kept for every later
+        epoch: ``procpipe.Loader.start_method``); until then, the method asked for."""
+        return self._pp_options["start_method"]
 
     @property
     def worker_pids(self) -> list[int]:

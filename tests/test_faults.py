@@ -400,7 +400,7 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
     import multiprocess
     from types import SimpleNamespace
 
-    from procpipe.engine.coordinator import Coordinator
+    from procpipe.engine.delivery import Delivery
     from procpipe.engine.pool import LocalWorker
     from procpipe.core.stats import WorkerCounters
 
@@ -415,6 +415,6 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
         raise KeyError(fd)  # already unregistered by the death handler
 
     handled = []
-    coordinator = SimpleNamespace(_on_message=lambda *a: handled.append(a), _selector=SimpleNamespace(unregister=unregister))
-    Coordinator._on_readable(coordinator, link)
+    coordinator = SimpleNamespace(on_message=lambda *a: handled.append(a), selector=SimpleNamespace(unregister=unregister))
+    Delivery.on_readable(coordinator, link)
     assert handled == []

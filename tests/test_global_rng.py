@@ -137,7 +137,7 @@ def test_the_per_sample_seeding_is_random_seed_and_np_random_seed(seed):
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
     assert got == (random.getstate(), random.gauss(0, 1), np.random.normal(), np.random.randint(1 << 30))
-    scope = SampleScope(seed, seed_globals=True)
+    scope = SampleScope(seed, seed_globals="sample")
     for epoch, index in [(0, 3), (0, 4), (2, 3), (2, (1, 7))]:
         scope.enter(epoch, index)
         got = random.getrandbits(64)

@@ -164,9 +164,14 @@ def test_cache_runs_fn_once_per_record_and_later_epochs_read_no_shard(tmp_path, 
         assert [b.tolist() for b in first + second] == uncached
 
 
-def test_cache_needs_lengths():
-    with pytest.raises(ValueError, match=r"cache.*lengths="):
-        Loader(Shards(SHARDS, open_shard), batch_size=4, workers=0, cache=True)
+def test_cache_without_lengths_grows_as_records_arrive():
+    """No refusal without ``lengths`` (test_stream_cache.py has the rest): the cache starts with the
+    first record and learns the record count as the shards end."""
+    with Loader(Shards(SHARDS, open_shard), batch_size=4, workers=0, cache=True) as loader:
+        assert loader.cache_info()["filled"] == 1 and loader.cache_info()["samples"] is None
+        records = sorted(int(r) for b in loader for r in b)
+        assert records == sorted(s * 1000 + i for s, n in SHARDS for i in range(n))
+        assert loader.cache_info()["filled"] == loader.cache_info()["samples"] == sum(LENGTHS)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

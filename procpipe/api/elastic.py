@@ -31,7 +31,7 @@ Limits, said in errors: every rank of the old run must be given once, all at the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -120,7 +120,7 @@ def _checked(states: Any) -> list[dict[str, Any]]:
     if any(w != world for _, w in shards) or sorted(r for r, _ in shards) != list(range(world)):
         raise ValueError(f"procpipe.combine_states: the states must be those of every rank of one run, each once; "
                          f"got shard= {sorted(shards)} (world_size {world} needs ranks 0 to {world - 1})")
-    return [state for _, state in sorted(zip(shards, states), key=lambda pair: pair[0])]
+    return [state for _, state in sorted(zip(shards, states, strict=True), key=lambda pair: pair[0])]
 
 
 # ---------------------------------------------------------------------- indexed sources
@@ -227,7 +227,7 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
         raise ValueError(f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
                          f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
                          f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first")
-    epoch = state.get("epoch")
+    epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
     out = {key: value for key, value in state.items() if key != "combined"}
     out["shard"] = None if mine is None else list(mine)
     if streaming:
@@ -240,17 +240,19 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
                                           if isinstance(entry, list) and entry and entry[0] in order]}
         return out
     if not isinstance(getattr(sampler, "resumed", None), dict):
-        raise ValueError("a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
-                         "own sampler; this loader's come from batches=..., which cannot be split anew")
+        # (not a type error: a setting this loader has, batches=..., that a combined state cannot resume)
+        raise ValueError(  # noqa: TRY004 - a setting of the loader, not the type of an argument
+            "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
+            "own sampler; this loader's come from batches=..., which cannot be split anew")
     settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
     for key in ("length", "batch_size", "shuffle", "seed", "drop_last", "reshuffle"):
         if settings.get(key, True if key == "reshuffle" else None) != getattr(sampler, key):
             return out  # (the usual checks name the setting that differs)
     rank, world = mine if mine is not None else (0, 1)
     combined = state["combined"]
-    order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
+    rank_order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
     sampler.resumed.clear()
-    sampler.resumed[epoch] = (order, combined)
+    sampler.resumed[epoch] = (rank_order, combined)
     return out
 
 

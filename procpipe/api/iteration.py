@@ -21,8 +21,8 @@ from .position import decode_position, encode_position, start_position
 
 if TYPE_CHECKING:
     from ..core.reassembly import ResumePoint
-    from ..engine.coordinator import Coordinator
     from ..core.stats import EpochCounters
+    from ..engine.coordinator import Coordinator
     from ..worker.process import WorkerSpec
 
 
@@ -37,7 +37,7 @@ class Standing:
     number the user chose meanwhile (``set_epoch``) or a newer iteration set is left alone.
     """
 
-    __slots__ = ("epoch", "counters")
+    __slots__ = ("counters", "epoch")
 
     def __init__(self, epoch: int = 0) -> None:
         self.epoch = epoch

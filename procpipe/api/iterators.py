@@ -21,17 +21,21 @@ import itertools
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core import collate
-from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
-from ..errors import summarize_indices
-from ..core.skips import SkipBudget
-from .iteration import IterationContext, LoaderIterator
-from ..worker.produce import produce
+from ..core.notes import add_note
 from ..core.reassembly import Progress, ResumePoint
 from ..core.rng import SampleScope
+from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters, array_bytes
+from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
+from ..errors import summarize_indices
+from ..worker.produce import produce
+from .iteration import IterationContext, LoaderIterator
+
+if TYPE_CHECKING:
+    from ..engine.coordinator import Coordinator
 
 _generations = itertools.count()
 _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinator is alive
@@ -49,7 +53,7 @@ class EpochIterator(LoaderIterator):
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
-        self._coordinator = context.coordinator
+        self._coordinator = cast("Coordinator", context.coordinator)  # (with workers there is one)
         self._with_epoch = context.with_epoch
         self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
         self._done = True  # no iteration yet (reset starts one)
@@ -188,16 +192,19 @@ class EpochIterator(LoaderIterator):
         if not self._done and self._coordinator is not None:
             try:
                 self._coordinator.submit("cancel", self._stream.gen)
-            except Exception:  # noqa: BLE001 - interpreter teardown (modules already emptied): nothing to cancel
+            except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass
 
 
 class InlineIterator(EpochIterator):
     """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
 
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
+
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
-        self._coordinator = None
+        # workers=0: no coordinator; this class overrides every method of EpochIterator that uses one
+        self._coordinator = None  # type: ignore[assignment]  # (see above)
         self._with_epoch = context.with_epoch
         self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
         self._lock = threading.Lock()
@@ -237,7 +244,8 @@ class InlineIterator(EpochIterator):
                 now = time.perf_counter()
                 self._counters.ended = now
                 following = self._number + 1
-                if (self._until is not None and following >= self._until) or (self._until is None and not self.batch_count):
+                if ((self._until is not None and following >= self._until)
+                        or (self._until is None and not self.batch_count)):
                     self._done = self._complete = True
                     raise StopIteration
                 try:
@@ -281,16 +289,19 @@ class InlineIterator(EpochIterator):
                 raise
             # on_error="skip": a sample's Exception would have been skipped, so collation failed
             if skips is not None and isinstance(exc, Exception):
-                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"):
+                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})",
+                             f"collating it failed: {_describe(exc)}"):
                     return None, indices
-                exc.add_note(skips.note())
-            where = f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
-            exc.add_note(f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
+                add_note(exc, skips.note())
+            where = (f"while loading index {index}" if index is not None
+                     else f"while collating {summarize_indices(indices)}")
+            add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
-        for index, exc in batch.skipped:
-            if not skips.add([index], f"index {index} (batch {seq})", _describe(exc)):
-                exc.add_note(skips.note())
-                raise exc
+        for index, error in batch.skipped:  # (skips is set: on_error="skip" is what leaves samples out)
+            budget = cast(SkipBudget, skips)
+            if not budget.add([index], f"index {index} (batch {seq})", _describe(error)):
+                add_note(error, budget.note())
+                raise error
         return batch.layout, batch.kept
 
     @property

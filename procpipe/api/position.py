@@ -19,10 +19,13 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.checks import is_count
 from ..core.reassembly import Progress, ResumePoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
 
@@ -32,7 +35,7 @@ class Resume(tuple):
     for a streaming source ``StreamProgress`` states (or None); ``until`` an int, None (endless)
     or ``LOADER_EPOCHS`` (not saved: the loader's own ``epochs``)."""
 
-    def __new__(cls, epoch: int, done: Any, until: Any, ahead: dict[int, Any]) -> Resume:
+    def __new__(cls, epoch: int, done: Any, until: Any, ahead: dict[int, Any]) -> Self:
         return super().__new__(cls, (epoch, done, until, ahead))
 
     epoch = property(lambda self: self[0])
@@ -79,7 +82,9 @@ def decode_position(state: Any, sampler: Any) -> Resume:
     """A position (``encode_position``'s dict, or a whole saved state), checked against ``sampler``;
     raises ``ValueError`` naming what is corrupt."""
     if not isinstance(state, dict):
-        raise ValueError(f"not a procpipe position (a dict from get_state() or Loader.state_dict()): {state!r:.200}")
+        # (a corrupt saved state is a ValueError whatever is wrong with it: callers catch ValueError)
+        raise ValueError(  # noqa: TRY004 - a corrupt state, see above
+            f"not a procpipe position (a dict from get_state() or Loader.state_dict()): {state!r:.200}")
     epoch = state.get("epoch")
     if not is_count(epoch, 0):
         raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
@@ -117,7 +122,7 @@ def _until_and_ahead(state: dict[str, Any], epoch: int,
     ahead: dict[int, Any] = {}
     raw = state.get("ahead", [])
     if not isinstance(raw, list):
-        raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")
+        raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")  # noqa: TRY004 - a corrupt state
     for entry in raw:
         n = entry[0] if isinstance(entry, list) and entry else None
         if (not is_count(n, epoch + 1) or n in ahead

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..engine.epochs import iteration_over
+from ..worker import fork_safety
 from .nodes import Node
 
 __all__ = ["Mapped", "Prefetcher"]
@@ -103,7 +104,8 @@ def _stage_main(source: Iterator, transfer: Transfer, out: queue.Queue, stop: th
             else:
                 state = snapshot()
                 try:
-                    item = _Batch(*transfer(batch), state)
+                    with fork_safety.native_region():  # a CUDA copy may hold the driver's locks: no fork now
+                        item = _Batch(*transfer(batch), state)
                 except Exception as exc:  # noqa: BLE001 - as above: this batch's error
                     item = _Raised(exc, False, state)
                 del batch  # (a ring slot is free once the transfer no longer needs it)
@@ -162,12 +164,13 @@ class Prefetcher(Node):
         self._requests: queue.SimpleQueue | None = queue.SimpleQueue() if self._depth == 0 else None
         self._pending = False
         self._finished = False
-        self._thread = threading.Thread(
-            target=_stage_main, args=(self._source, self._transfer, self._queue, self._stop, self._requests,
-                                      self._snapshot),
-            name="procpipe-device-stage", daemon=True,
-        )
-        self._thread.start()
+        args = (self._source, self._transfer, self._queue, self._stop, self._requests, self._snapshot)
+        if getattr(self._source, "runs_user_code", False):  # workers=0: the user's fn runs in this thread,
+            self._thread = threading.Thread(target=_stage_main, args=args,  # which is then theirs, not
+                                            name="procpipe-device-stage", daemon=True)  # procpipe's (fork_safety)
+            self._thread.start()
+        else:
+            self._thread = fork_safety.start_thread(_stage_main, "procpipe-device-stage", args)
 
     def __next__(self) -> Any:
         if self._finished:

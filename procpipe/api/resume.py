@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..streaming import StreamPlan
 from . import elastic
 from .position import Resume, decode_position
-from ..streaming import StreamPlan
 
 _STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
 

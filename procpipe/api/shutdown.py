@@ -24,14 +24,14 @@ _watching = False  # the hook that sets it is registered
 def watch_exit() -> None:
     """Register the hook that notes the interpreter's exit. Called after a ``weakref.finalize``
     exists, whose own exit hook is then registered before ours, so ours runs first."""
-    global _watching
+    global _watching  # noqa: PLW0603 - once per process: the module is the singleton
     if not _watching:
         _watching = True
         atexit.register(_note_exit)
 
 
 def _note_exit() -> None:
-    global _exiting
+    global _exiting  # noqa: PLW0603 - a process-wide fact, read by every Loader's finalizer
     _exiting = True
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..engine.autotune import resolve as resolve_autotune
-from ..worker.cache import validate as validate_cache
 from ..core.checks import check_int, is_count
 from ..core.shm import check_private_dir
+from ..engine.autotune import resolve as resolve_autotune
 from ..plan.mix import Mix
 from ..streaming import Shards
+from ..worker.cache import validate as validate_cache
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork")
 
@@ -75,7 +75,8 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
-        raise ValueError(f"shm_dir={shm_dir!r} is not a writable directory; pass a directory procpipe can create files in")
+        raise ValueError(f"shm_dir={shm_dir!r} is not a writable directory; "
+                         "pass a directory procpipe can create files in")
     check_private_dir(shm_dir, "shm_dir")
     if batches is not None:
         if not callable(batches):
@@ -88,11 +89,11 @@ def validate(source: Any, fn: Any, batch_size: Any, workers: Any, prefetch: Any,
                 "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "
                 "(leave them at their defaults and shuffle, drop or shard inside the callable)"
             )
-    if shard is not None:
-        if (not isinstance(shard, (tuple, list)) or len(shard) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
-                or not (shard[1] >= 1 and 0 <= shard[0] < shard[1])):
-            raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
+    if shard is not None and (
+            not isinstance(shard, (tuple, list)) or len(shard) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+            or not (shard[1] >= 1 and 0 <= shard[0] < shard[1])):
+        raise ValueError(f"shard must be (rank, world_size) with 0 <= rank < world_size, got {shard!r}")
 
 
 def validate_epochs(epochs: Any, reshuffle: Any, with_epoch: Any, batches: Any) -> None:

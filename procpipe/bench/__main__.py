@@ -2,7 +2,8 @@
 
 With no arguments, sweeps the worker count on the built-in reference workloads (cpu,
 transfer, straggler, tiny with batch 1 and 64) in about a minute (``--budget``) and prints
-one line of advice per workload; ``--table`` adds each workload's table and the reasoning. With ``--pipeline module:factory``, sweeps your own pipeline (``FACTORY_HELP``
+one line of advice per workload; ``--table`` adds each workload's table and the reasoning.
+With ``--pipeline module:factory``, sweeps your own pipeline (``FACTORY_HELP``
 below: the factory's contract, with an example), a ``procpipe.Loader`` or a
 ``procpipe.torch.DataLoader`` (its ``num_workers``).
 
@@ -33,7 +34,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from . import sweep
 from .workloads import WORKLOADS, resolve
@@ -177,7 +178,9 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
         is_dict = isinstance(made, Mapping)
         facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
         if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
-            have = made.num_workers if facade is not None and isinstance(made, facade.DataLoader) else made.workers_setting
+            is_facade = facade is not None and isinstance(made, facade.DataLoader)
+            # (the facade, procpipe.torch, is typed Any here: mypy does not follow torch)
+            have = cast(Any, made).num_workers if is_facade else made.workers_setting
             if have != workers or not isinstance(have, int):
                 made.close()
                 what = f"{have} workers" if isinstance(have, int) else f"workers={have!r} (autotuned)"

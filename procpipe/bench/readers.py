@@ -16,6 +16,7 @@ machine's noise only ever slows a run down).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -110,9 +111,10 @@ def measure(records: int = 50_000, size: int = 256, repeat: int = 3) -> list[dic
     rows = []
     with tempfile.TemporaryDirectory(prefix="procpipe-bench-readers-") as folder:
         paths = _write_files(folder, records, size)
-        makers = {"tfrecord": readers.tfrecord, "tfrecord-example": lambda: readers.tfrecord(parse=True),
-                  "jsonl": readers.jsonl, "parquet": readers.parquet, "webdataset": readers.webdataset}
-        ours = {}
+        makers: dict[str, Callable[[], Any]] = {
+            "tfrecord": readers.tfrecord, "tfrecord-example": lambda: readers.tfrecord(parse=True),
+            "jsonl": readers.jsonl, "parquet": readers.parquet, "webdataset": readers.webdataset}
+        ours: dict[str, Any] = {}
         for fmt, make in makers.items():
             try:
                 ours[fmt] = make()
@@ -124,7 +126,7 @@ def measure(records: int = 50_000, size: int = 256, repeat: int = 3) -> list[dic
             theirs = _theirs(fmt, path)
             best_ours, best_theirs = 0.0, 0.0
             for _ in range(repeat):
-                rate, n = _rate(lambda: ours[fmt](path))
+                rate, n = _rate(functools.partial(ours[fmt], path))
                 assert n == records, (fmt, n)
                 best_ours = max(best_ours, rate)
                 if theirs is not None:

@@ -63,10 +63,10 @@ def default_worker_counts(cpus: int | None = None) -> list[int]:
     """0, 1, 2, ... up to twice the CPU count (every count up to 8, then about x1.5 steps)."""
     cpus = cpus or cpu_count()
     top = 2 * cpus
-    counts = list(range(0, min(top, 8) + 1))
+    counts = list(range(min(top, 8) + 1))
     w = 8
     while w < top:
-        w = min(top, int(math.ceil(w * 1.5)))
+        w = min(top, math.ceil(w * 1.5))
         counts.append(w)
     for extra in (cpus, top):
         if extra not in counts:
@@ -209,7 +209,7 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
     seconds = max(end - start, 1e-9)
     per_batch_samples = s1["samples"] / s1["batches"] if s1["batches"] else 0.0
     per_batch_bytes = s1["bytes"] / s1["batches"] if s1["batches"] else 0.0
-    samples = int(round(consumed * per_batch_samples))
+    samples = round(consumed * per_batch_samples)
     wait = min(1.0, max(0.0, waited / seconds))
     busy_pct = cpu_pct = peak = total = uss = runq_pct = None
     contended = False
@@ -372,8 +372,8 @@ def format_table(settings: list[Setting]) -> str:
     head = ("workers", "samples/s", "spread", "batches/s", "MB/s", "wait %", "busy %", "CPU %", "runq %",
             "USS MiB/worker", "first batch s", "vs best")
     rows = [head]
-    for s in settings:
-        rows.append((
+    rows.extend(
+        (
             str(s.workers), f"{s.samples_per_s:,.0f}", f"±{50 * spread(s):.0f} %" if s.repeats > 1 else "-",
             f"{s.batches_per_s:,.0f}", f"{s.mb_per_s:,.1f}",
             f"{s.wait_pct:.1f}", "-" if s.worker_busy_pct is None else f"{s.worker_busy_pct:.1f}",
@@ -381,9 +381,11 @@ def format_table(settings: list[Setting]) -> str:
             "-" if s.worker_runq_pct is None else f"{s.worker_runq_pct:.0f}" + ("!" if s.contended else ""),
             "-" if s.uss_mib is None else f"{s.uss_mib:.0f}", f"{s.first_batch_s:.3f}",
             f"{100 * s.samples_per_s / best:.0f} %",
-        ))
+        )
+        for s in settings
+    )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -398,7 +400,7 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
-    for ax, run in zip(axes, runs):
+    for ax, run in zip(axes, runs, strict=True):
         settings = run["settings"]
         ws = [s["workers"] for s in settings]
         ax.plot(ws, [s["samples_per_s"] for s in settings], "o-", color="tab:blue", label="samples/s")

@@ -167,7 +167,7 @@ def simple_collate(samples: list) -> Any:
     if isinstance(first, Mapping):
         return {k: simple_collate([s[k] for s in samples]) for k in first}
     if isinstance(first, (tuple, list)):
-        columns = [simple_collate(list(col)) for col in zip(*samples)]
+        columns = [simple_collate(list(col)) for col in zip(*samples, strict=False)]
         return columns if isinstance(first, list) else tuple(columns)
     return np.asarray(samples)
 

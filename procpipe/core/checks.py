@@ -6,10 +6,10 @@ stream states) all use it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 
-def is_count(value: Any, minimum: int) -> bool:
+def is_count(value: Any, minimum: int) -> TypeGuard[int]:
     """``value`` is an int (not a bool) ``>= minimum``."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 

@@ -69,20 +69,22 @@ class _Planner:
         return node
 
     # -- stacking samples into a batch (the default collate) --------------------------
-    def stack(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+    def stack(self, values: list, path: tuple, indices: Sequence[object]) -> list:
         first = values[0]
         if isinstance(first, Mapping):
             keys = tuple(first.keys())
-            for v, i in zip(values, indices):
-                if not isinstance(v, Mapping) or tuple(v.keys()) != keys and set(v.keys()) != set(keys):
+            for v, i in zip(values, indices, strict=False):
+                if not isinstance(v, Mapping) or (tuple(v.keys()) != keys and set(v.keys()) != set(keys)):
+                    got = (_describe(v) if not isinstance(v, Mapping)
+                           else "a mapping with keys " + str(sorted(map(str, v.keys()))))
                     raise CollateError(
                         f"cannot collate {_path_str(path)}: index {indices[0]} is a mapping with keys "
-                        f"{sorted(map(str, keys))} but index {i} is {_describe(v) if not isinstance(v, Mapping) else 'a mapping with keys ' + str(sorted(map(str, v.keys())))}. "
+                        f"{sorted(map(str, keys))} but index {i} is {got}. "
                         "Every sample must have the same structure; pass collate_fn=... to combine them yourself."
                     )
             return [DICT, keys, [self.stack([v[k] for v in values], path + (k,), indices) for k in keys]]
         if isinstance(first, (tuple, list)):
-            for v, i in zip(values, indices):
+            for v, i in zip(values, indices, strict=False):
                 if not isinstance(v, (tuple, list)) or len(v) != len(first):
                     raise CollateError(
                         f"cannot collate {_path_str(path)}: index {indices[0]} is a {type(first).__name__} "
@@ -101,12 +103,12 @@ class _Planner:
             return self._stack_tensors(values, path, indices, tensor)
         return [INLINE, list(values), True]  # (True: one value per sample, for find_inline)
 
-    def _stack_tensors(self, values: list, path: tuple, indices: Sequence[int], tensor: type) -> list:
+    def _stack_tensors(self, values: list, path: tuple, indices: Sequence[object], tensor: type) -> list:
         """Stack torch tensors like arrays (through numpy views); they come back as a tensor."""
         from .tensors import dtype_name, tensor_numpy
 
         arrays, dtypes = [], set()
-        for v, i in zip(values, indices):
+        for v, i in zip(values, indices, strict=False):
             if not isinstance(v, tensor):
                 raise CollateError(
                     f"cannot collate {_path_str(path)}: index {indices[0]} is a torch tensor but index {i} is "
@@ -122,7 +124,7 @@ class _Planner:
         node.append(dtypes.pop())
         return node
 
-    def _stack_arrays(self, values: list, path: tuple, indices: Sequence[int]) -> list:
+    def _stack_arrays(self, values: list, path: tuple, indices: Sequence[object]) -> list:
         first = values[0]
         if first.dtype.hasobject:
             raise CollateError(
@@ -130,18 +132,19 @@ class _Planner:
                 "which cannot be placed in shared memory. Convert it to a numeric or fixed-width dtype "
                 "in fn, or pass collate_fn=... to build the batch yourself."
             )
-        for v, i in zip(values, indices):
+        for v, i in zip(values, indices, strict=False):
             if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
                 raise CollateError(
                     f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: index {indices[0]} is an "
-                    f"{_describe(first)} but index {i} is {'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
+                    f"{_describe(first)} but index {i} is "
+                    f"{'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
                     "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
                     "(for example to pad variable-length samples), or resize/cast them in fn."
                 )
         return self._array_node(first.dtype, (len(values),) + first.shape, values, True)
 
-    def _stack_numbers(self, values: list, path: tuple, indices: Sequence[int]) -> list:
-        for v, i in zip(values, indices):
+    def _stack_numbers(self, values: list, path: tuple, indices: Sequence[object]) -> list:
+        for v, i in zip(values, indices, strict=False):
             if not isinstance(v, _NUMBER_TYPES):
                 raise CollateError(
                     f"cannot collate {_path_str(path)}: index {indices[0]} is a number "
@@ -215,7 +218,8 @@ def _seq_type(value: Any) -> type:
     return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
 
 
-def layout_batch(samples: list, indices: Sequence[int], buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
+def layout_batch(samples: list, indices: Sequence[object], buffer: Any | None,
+                 capacity: int) -> tuple[list, int, bool]:
     """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``."""
     planner = _Planner()
     layout = planner.stack(samples, (), indices)
@@ -245,7 +249,7 @@ def find_inline(node: list, refuses: Any, path: tuple = ()) -> tuple[tuple, int 
                     return path, position, value
         return path, None, node[1]
     keys = node[1] if kind == DICT else range(len(node[2]))
-    for key, child in zip(keys, node[2]):
+    for key, child in zip(keys, node[2], strict=True):
         found = find_inline(child, refuses, path + (key,))
         if found is not None:
             return found
@@ -293,7 +297,7 @@ def build(node: list, buffer: Any | None) -> Any:
     if kind == INLINE:
         return node[1]
     if kind == DICT:
-        return dict(zip(node[1], [build(child, buffer) for child in node[2]]))
+        return dict(zip(node[1], [build(child, buffer) for child in node[2]], strict=True))
     seq_type = node[1]
     items = [build(child, buffer) for child in node[2]]
     if seq_type is list:

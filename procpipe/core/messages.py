@@ -85,7 +85,7 @@ class WorkerLost(NamedTuple):
 
     task_id: int
     exitcode: int | None
-    index: int | None  # what it was loading (-1: collating), if known
+    index: int | None  # type: ignore[assignment]  # the field's name on the wire; it shadows tuple.index, unused here
 
 
 Reply = BatchDone | BatchFailed | SamplesSkipped | WorkerReady | WorkerFatal | WorkerLost

@@ -186,7 +186,7 @@ _client: _Client | None = None
 
 
 def _current() -> _Client:
-    global _client
+    global _client  # noqa: PLW0603 - one reaper client per process (re-made after a fork)
     if _client is None or _client.owner != os.getpid():
         _client = _Client()
     return _client
@@ -241,7 +241,7 @@ def reaper_pid() -> int | None:
 def _after_fork_in_child() -> None:
     """A forked child is not the training process: it drops the pipe and the locks (its
     parent keeps them), so the reaper and the sweep follow the parent alone."""
-    global _client, _lock
+    global _client, _lock  # noqa: PLW0603 - the per-process state, dropped in a forked child
     _lock = threading.Lock()  # (another thread may have held it at the fork)
     client, _client = _client, None
     if client is None:

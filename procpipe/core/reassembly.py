@@ -75,13 +75,15 @@ class Progress:
     """The positions of an epoch that are done: every one below ``below``, plus ``beyond``."""
 
     __slots__ = ("below", "beyond")
+    below: int
+    beyond: set[int]
 
     def __init__(self, done: Iterable[int] = ()) -> None:
         if type(done) is Progress:  # a copy, without walking every position below the watermark
             self.below, self.beyond = done.below, set(done.beyond)
             return
         self.below = 0
-        self.beyond: set[int] = set()
+        self.beyond = set()
         for seq in done:
             self.add(seq)
 

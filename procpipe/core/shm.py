@@ -27,7 +27,7 @@ import stat
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -84,8 +84,10 @@ def check_capacity(directory: str, needed: int, what: str) -> None:
     if needed > free:
         raise SharedMemoryError(
             f"procpipe needs {_mib(needed)} in {directory} for {what}, but only {_mib(free)} is free. "
-            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
-            "plus workers with speculate=, and 3 with device='cuda'); in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
+            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, "
+            "or prefetch + 4*workers + 1 for batches up to 1 MiB; "
+            "plus workers with speculate=, and 3 with device='cuda'); "
+            "in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
             "or pass shm_dir='/path/on/a/larger/filesystem'."
         )
 
@@ -253,8 +255,9 @@ class Ring:
         # One exporter type per ring: its length is the slot size; ``ring_ref`` finds the ring
         # from a batch. A weak reference: the ring holds the type, and a strong one back would
         # make a cycle that keeps a closed ring's mapping alive until the cycle collector runs.
-        self._lease_type = type("SlotLease", (ctypes.Array,),
-                                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)})
+        self._lease_type = cast("type[ctypes.Array[ctypes.c_char]]", type(
+            "SlotLease", (ctypes.Array,),
+            {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)}))
 
     def owns(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.slots

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 from .stats import EpochCounters
 
@@ -28,7 +28,9 @@ class SkipBudget:
                  whole_batches: bool = True) -> None:
         self._fraction = max_skipped if isinstance(max_skipped, float) else None
         self._samples = samples
-        self._limit = max_skipped if self._fraction is None or callable(samples) else math.ceil(max_skipped * samples)
+        # a count, or a fraction of a known epoch size (of an unknown one, `limit` asks `samples` at each skip)
+        self._limit = (math.ceil(max_skipped * samples) if self._fraction is not None and not callable(samples)
+                       else int(max_skipped))
         self.counters = counters
         self.whole_batches = whole_batches
 
@@ -39,8 +41,9 @@ class SkipBudget:
             return math.ceil(self._fraction * self._samples())
         return self._limit
 
-    def add(self, indices: list[int], what: str, error: str) -> bool:
-        """Record ``indices`` as skipped; False once the epoch has skipped more than allowed."""
+    def add(self, indices: Sequence[int | tuple[int, int]], what: str, error: str) -> bool:
+        """Record ``indices`` (a streaming source's: ``(shard, record)`` keys) as skipped; False once
+        the epoch has skipped more than allowed."""
         self.counters.skipped.extend(indices)
         logger.warning("procpipe skipped %s (epoch %d): %s", what, self.counters.epoch, error)
         return len(self.counters.skipped) <= self.limit

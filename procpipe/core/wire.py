@@ -46,7 +46,7 @@ def encode(message: Any) -> bytes:
         message = (_TAGS[type(message)], *message)
     try:
         return pickle.dumps(message, PROTOCOL)
-    except Exception:  # classes pickle cannot find by name, lambdas...: see classref.py
+    except Exception:  # noqa: BLE001 - pickle fails in many types (classes it cannot find by name, lambdas...): see classref.py
         return classref.dumps(message, PROTOCOL)
 
 
@@ -54,7 +54,7 @@ def encode_value(value: Any) -> bytes:
     """``value`` pickled as ``encode`` would pickle it inside a message (raises if it cannot be)."""
     try:
         return pickle.dumps(value, PROTOCOL)
-    except Exception:
+    except Exception:  # noqa: BLE001 - as in encode: whatever pickle refuses, classref tries
         return classref.dumps(value, PROTOCOL)
 
 

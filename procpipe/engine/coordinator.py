@@ -7,14 +7,23 @@ runs in it). The worker writes the collated batch into a ring slot (shm.py, coll
 replies with its layout; here the reply becomes a batch of views of that slot, which the
 epoch passes through reassembly (reassembly.py) into the stream's queue the consumer reads.
 
-The coordinator owns the slot free list, the task table (which batch is on which worker
-since when), worker health and the stream in progress. Its loop is::
+The coordinator is a loop of named steps over parts, each in its own module:
 
-    apply commands from the consumer (start a stream, cancel, close)
-    watch for stragglers (speculate=...) and stuck workers (task_timeout=...)
-    dispatch tasks: one per free slot, a few per worker (one running, the rest queued)
-    wait (epoll) for: a reply on a worker's pipe, a worker's death, a wake-up byte
-    turn replies into batches (views of their slot) and deliver them to their epoch
+- ``RingSet`` (rings.py): the ring generations and their slot free lists;
+- ``Roster`` (roster.py): the workers, their counters and states, who gets the next task;
+- ``Dispatcher`` (dispatch.py): the dispatch round, speculation, the task table;
+- ``settle`` (deaths.py): what a worker's death means (re-runs, timeouts, restart or fail);
+- typed commands from the consumer (commands.py) and a ``WakePipe`` (core/wakeup.py).
+
+Its loop (``_loop``)::
+
+    apply commands      start a stream, cancel it, close
+    safe point          nothing in flight is half-handled here (a fork gate parks here)
+    watch               stragglers (speculate=...) and stuck workers (task_timeout=...)
+    autotune            workers="auto": start or retire workers
+    dispatch            one task per free slot, a few per worker (one running, the rest queued)
+    wait and handle     epoll: a reply on a worker's pipe, a worker's death, a wake-up byte
+    sample health       worker memory, every half second
 
 It sleeps in ``select`` whenever there is nothing to do, so it does not compete with the
 training loop for the GIL.
@@ -30,9 +39,8 @@ batch is ever delivered twice. What the consumer is told when a batch fails is b
 in faults.py.
 
 Autotune. With ``workers="auto"`` a ``Tuner`` (autotune.py) is consulted every control
-interval; the coordinator starts workers (``_add_worker``) or retires them (no more
-tasks, then ``None`` once idle; ``_retire_worker``). The ring and the status words are
-sized for the most workers the tuner may use.
+interval; the coordinator starts workers or retires them (no more tasks, then ``None``
+once idle). The ring and the status words are sized for the most workers the tuner may use.
 """
 from __future__ import annotations
 
@@ -45,28 +53,32 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from .attempts import Attempt
-from .autotune import Meter, Tuner, memory_room, ring_workers
-from .epochs import Epoch, Job, Stream
-from ..plan.base import EMPTY, Failure, Offer, loaded
-from ..errors import SharedMemoryError, TaskTimeoutError, WorkerError
-from .faults import death_message, rebuild_error, skip_or_fail, startup_message, timeout_message
-from ..core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from ..core.shm import Ring, SharedFiles
+from ..core.stats import WorkerCounters, worker_baseline
+from ..core.wakeup import WakePipe
+from ..errors import TaskTimeoutError, WorkerError
+from ..worker import fork_safety
+from .autotune import Meter, Tuner, memory_room
+from .commands import CancelStream, CloseEngine, Command, StartStream, command_of
+from .deaths import Next, settle
+from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
+from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
+from .epochs import Epoch, Stream
+from .faults import death_message, startup_message, timeout_message
 from .pool import Watchdog, WorkerLink, WorkerPool
-from ..core.shm import Ring, SharedFiles, round_slot_bytes
-from ..core.stats import EpochCounters, WorkerCounters, array_bytes, worker_baseline
+from .rings import RingSet
+from .roster import Roster
+
+__all__ = ["SMALL_BATCH_BYTES", "TASKS_PER_WORKER", "TASKS_PER_WORKER_SMALL", "TIMEOUT_ATTEMPTS", "Coordinator",
+           "EngineConfig"]
 
 logger = logging.getLogger("procpipe")
-_new_tuple = tuple.__new__  # a Task without NamedTuple's argument handling (one per batch)
 
 # Tasks a worker holds at once: one running, the others queued so it never waits for the
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
-# ones would only cost ring memory.
+# ones would only cost ring memory (TASKS_PER_WORKER_SMALL, SMALL_BATCH_BYTES: delivery.py).
 TASKS_PER_WORKER = 2
-TASKS_PER_WORKER_SMALL = 4
-SMALL_BATCH_BYTES = 1 << 20
 _HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled
-TIMEOUT_ATTEMPTS = 2  # attempts a batch may have at once, or time out on before the epoch fails
 
 
 @dataclass
@@ -96,77 +108,100 @@ class Coordinator:
         self.pool = pool
         self.files = files
         self.owner = os.getpid()  # the only process that may stop the workers or remove the files
-        # deepened once the first batch shows it is small; a remote pool asks for its own depth
-        self.tasks_per_worker = pool.tasks_per_worker or TASKS_PER_WORKER
-        self.n_workers = config.workers  # workers given tasks (autotune changes it; retiring ones excluded)
         # The most workers at once: status words and worker indices are sized for it.
-        self.capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
-        self.max_outstanding = config.prefetch + self.tasks_per_worker * config.workers
-        # Speculative attempts need slots of their own, beyond those of the batches in flight.
-        self.spare_slots = config.workers if config.speculate is not None else 0
+        capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
+        # deepened once the first batch shows it is small; a remote pool asks for its own depth
+        self.roster = Roster(pool, capacity, config.workers, pool.tasks_per_worker or TASKS_PER_WORKER)
+        self._wakeup = WakePipe()
+        self.rings = RingSet(files, self._wakeup)
+        self.dispatcher = Dispatcher(self.roster, self.rings, pool.uses_ring, config.prefetch, self._flush)
+        self._attempts = self.dispatcher.attempts  # (the same table)
         self.tuner: Tuner | None = None
         self._meter: Meter | None = None  # measures the tuner's control intervals
         if config.autotune is not None:
-            self.tuner = Tuner(config.autotune, self.capacity, config.workers, time.monotonic())
+            self.tuner = Tuner(config.autotune, capacity, config.workers, time.monotonic())
             self._meter = Meter(config.autotune)
-        self.ring: Ring | None = None  # the current ring (the latest generation)
-        self._retired: list[Ring] = []  # earlier generations some of whose slots are still in use
-        self._grow_failed = False  # a larger ring did not fit in shm_dir: overflows stay inline
-        self._sized = False  # the ring was made (or the pool admitted the batch size)
-        if config.slot_bytes is not None and pool.uses_ring:
-            self._sized = True
-            self._make_ring(config.slot_bytes)
         self.stream: Stream | None = None
-        self.workers: list[WorkerLink] = []
-        self.worker_counters: list[WorkerCounters] = []
-        self._attempts: dict[int, Attempt] = {}
-        self._next_attempt_id = 0
         self._watchdog = Watchdog(config.speculate, config.task_timeout)
         self._watching = config.speculate is not None or config.task_timeout is not None
+        self._selector = selectors.DefaultSelector()
+        self.delivery = Delivery(config, pool, self.dispatcher, self._watchdog if self._watching else None,
+                                 self.tuner, self._selector)
+        if config.slot_bytes is not None and pool.uses_ring:
+            self.delivery.make_ring(config.slot_bytes)
         self._restarts_this_epoch = 0
         self._broken: BaseException | None = None
         self._overflow_warned = False
-        self._commands: deque = deque()
+        self._commands: deque[Command] = deque()
         self._closing = False
         self._shut_down = False
-        self.starved = False  # read by the consumer: wake me when capacity frees up
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._selector.register(self._wakeup.fileno(), selectors.EVENT_READ, None)
         try:
             for i in range(config.workers):
-                self.worker_counters.append(WorkerCounters())
-                self.workers.append(self._start_worker(i))
+                self.roster.links.append(self._start_worker(i))
         except BaseException:  # (the caller removes the files and closes the pool)
-            self.pool.stop(self.workers)
+            self.pool.stop(self.roster.links)
             self._selector.close()
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
+            self._wakeup.close()
             raise
         self._last_health = 0.0
-        self._thread = threading.Thread(target=self._run, name="procpipe-coordinator", daemon=True)
-        self._thread.start()
+        # procpipe's own thread: it does not stop a later loader's start_method="auto" from forking
+        self._thread = fork_safety.start_thread(self._run, "procpipe-coordinator")
+
+    # ---------------------------------------------------------------- what others read
+    @property
+    def workers(self) -> list[WorkerLink]:
+        """The workers (``WorkerLink``), retiring ones included."""
+        return self.roster.links
+
+    @property
+    def worker_counters(self) -> list[WorkerCounters]:
+        """Each worker index's counters, kept across restarts."""
+        return self.roster.counters
+
+    @property
+    def n_workers(self) -> int:
+        """Workers given tasks (autotune changes it; retiring ones excluded)."""
+        return self.roster.n_workers
+
+    @property
+    def capacity(self) -> int:
+        return self.roster.capacity
+
+    @property
+    def tasks_per_worker(self) -> int:
+        return self.roster.tasks_per_worker
+
+    @property
+    def max_outstanding(self) -> int:
+        return self.dispatcher.max_outstanding
+
+    @property
+    def ring(self) -> Ring | None:
+        """The current ring (the latest generation); None before the first batch sizes it."""
+        return self.rings.current
+
+    @property
+    def starved(self) -> bool:
+        """The coordinator found nothing to send: a freed slot or a consumed batch wakes it."""
+        return self._wakeup.starved
 
     # ---------------------------------------------------------------- consumer side
     def submit(self, *command: Any) -> None:
-        """Queue a command for the coordinator thread and wake it."""
-        self._commands.append(command)
-        self.wake()
+        """Queue a command (commands.py: ``StartStream(stream)``, or by name: ``"start", stream``)
+        for the coordinator thread and wake it."""
+        self._commands.append(command_of(*command))
+        self._wakeup.wake()
 
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # already awake (pipe full) or closing
+        self._wakeup.wake()
 
     def consumed_one(self, stream: Stream, epoch: Epoch, seq: int) -> None:
         epoch.mark_consumed(seq)
         stream.consumed += 1
-        if self.starved:
-            self.starved = False
-            self.wake()
+        wakeup = self._wakeup
+        if wakeup.starved:
+            wakeup.wake_if_starved()
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -177,7 +212,7 @@ class Coordinator:
 
     def autotune_info(self) -> dict[str, Any] | None:
         """``stats()["autotune"]``: None unless ``workers="auto"``."""
-        return None if self.tuner is None else self.tuner.info(self.n_workers)
+        return None if self.tuner is None else self.tuner.info(self.roster.n_workers)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread, end every worker, remove every shared file. Idempotent.
@@ -189,93 +224,17 @@ class Coordinator:
         """
         if self.foreign():
             return
-        self.submit("close")
+        self.submit(CloseEngine())
         if threading.current_thread() is self._thread:
             return
         self._thread.join(timeout)
         self._shutdown_workers()
 
-    # ---------------------------------------------------------------- workers
-    def _start_worker(self, index: int) -> WorkerLink:
-        """Start worker ``index``; the selector then reports its replies and its death."""
-        link = self.pool.start(index, self.worker_counters[index])
-        self._selector.register(link.reply_fd(), selectors.EVENT_READ, (self._on_readable, link))
-        self._selector.register(link.exit_fd(), selectors.EVENT_READ, (self._on_exit, link))
-        return link
-
-    def _add_worker(self) -> bool:
-        """Autotune: start one more worker, at the lowest free index; False if none is free."""
-        used = {w.index for w in self.workers}
-        index = next((i for i in range(self.capacity) if i not in used), None)
-        if index is None:
-            return False
-        while len(self.worker_counters) <= index:
-            self.worker_counters.append(WorkerCounters())
-        self.workers.append(self._start_worker(index))
-        self.n_workers += 1
-        self._set_outstanding()
-        return True
-
-    def _retire_worker(self) -> bool:
-        """Autotune: the live worker with the highest index gets no more tasks, and stops once idle."""
-        live = [w for w in self.workers if not (w.retiring or w.dead)]
-        if len(live) <= 1:
-            return False
-        worker = max(live, key=lambda w: w.index)
-        worker.retiring = True
-        self.n_workers -= 1
-        self._set_outstanding()
-        worker.stop_if_idle()
-        self._flush(worker)
-        return True
-
-    def _set_outstanding(self) -> None:
-        self.max_outstanding = self.config.prefetch + self.tasks_per_worker * self.n_workers
-
-    def _tune(self, now: float) -> None:
-        """Autotune: close a control interval (if long enough), ask the tuner, follow it."""
-        stream = self.stream
-        if stream is None or stream.finished or self.ring is None:
-            stream = None  # between iterations (or before the first batch): nothing to measure
-        sample = self._meter.measure(now, stream, self.workers, self.worker_counters)
-        if sample is None:
-            return
-        tuner = self.tuner
-        rss = max((w.counters.rss_bytes for w in self.workers), default=0)
-        tuner.memory_room = memory_room(rss) if rss else None
-        target = tuner.step(now, sample)
-        while self.n_workers < target and self._add_worker():
-            pass
-        while self.n_workers > target and self._retire_worker():
-            pass
-        tuner.workers = self.n_workers
-
-    def _shutdown_workers(self) -> None:
-        if self._shut_down:
-            return
-        self._shut_down = True
-        workers, self.workers = self.workers, []
-        try:
-            self.pool.stop(workers)
-        finally:
-            self.pool.close()
-            self.files.remove_all()
-        for ring in [self.ring, *self._retired]:
-            if ring is not None:
-                ring.close()
-        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
-        for fd in fds:  # a late wake() (a batch dropped after close) now fails instead of writing to a reused fd
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._selector.close()
-
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # a bug here must reach the consumer, not hang it
+        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
             self._broken = exc
             self._fail(exc)
         finally:
@@ -283,189 +242,120 @@ class Coordinator:
                 self._shutdown_workers()
 
     def _loop(self) -> None:
+        """The manager loop: one named step after another, until closed."""
         while True:
-            while self._commands:
-                self._apply(*self._commands.popleft())
+            if self._commands:
+                self._apply_commands()
             if self._closing:
                 return
-            wait = _HEALTH_INTERVAL_S
-            if self._watching:
-                wait = self._watchdog.look(self.workers, time.perf_counter(), _HEALTH_INTERVAL_S)
+            self._safe_point()
+            wait = self._watch() if self._watching else _HEALTH_INTERVAL_S
             if self.tuner is not None:
-                now = time.monotonic()
-                if now >= self._meter.next_at:
-                    self._tune(now)
-                wait = min(wait, max(0.001, self._meter.next_at - now))
-            if self._retired:
-                self._remove_idle_rings()
+                wait = self._autotune(wait)
+            if self.rings.retired:
+                self.rings.remove_idle()
             self._dispatch()
-            registered = self._selector.get_map()
-            for key, _ in self._selector.select(wait):
-                if registered.get(key.fd) is not key:
-                    continue  # unregistered by an earlier callback of this round (its worker died)
-                if key.data is None:
-                    _drain(self._wake_r)
-                else:
-                    callback, handle = key.data
-                    callback(handle)
-            now = time.monotonic()
-            if now - self._last_health >= _HEALTH_INTERVAL_S:
-                self._last_health = now
-                self.pool.sample_memory(self.workers)
+            self._wait_and_handle(wait)
+            self._sample_health()
 
-    def _apply(self, command: str, *args: Any) -> None:
-        if command == "start":
-            if self.stream is not None:
-                self.stream.abandon()
-            stream = self.stream = args[0]
-            stream.on_open = self._on_open
-            stream.open(stream.first)
-            for w in list(self.workers):
-                if w.dead:  # it died past the previous epoch's budget: a fresh start
-                    self._start_replacement(w)
-            if self._broken is not None:
-                self._fail(self._broken)
-        elif command == "cancel":
-            if self.stream is not None and self.stream.gen == args[0]:
-                self.stream.abandon()
-        elif command == "close":
-            self._closing = True
-            if self.stream is not None:
-                self.stream.abandon()
+    def _apply_commands(self) -> None:
+        """Step: apply the consumer's commands, in order."""
+        commands = self._commands
+        while commands:
+            command = commands.popleft()
+            if isinstance(command, StartStream):
+                self._start_stream(command.stream)
+            elif isinstance(command, CancelStream):
+                if self.stream is not None and self.stream.gen == command.gen:
+                    self.stream.abandon()
+            else:  # CloseEngine
+                self._closing = True
+                if self.stream is not None:
+                    self.stream.abandon()
+
+    def _safe_point(self) -> None:
+        """Step: a point where no reply, death or send is half-handled and no lock is held;
+        whatever must stop the loop for a while (a fork gate parking this thread around
+        ``os.fork()``) waits here. Nothing does yet."""
+
+    def _watch(self) -> float:
+        """Step: mark stragglers (speculate), kill workers stuck past task_timeout; the wait."""
+        return self._watchdog.look(self.roster.links, time.perf_counter(), _HEALTH_INTERVAL_S)
+
+    def _autotune(self, wait: float) -> float:
+        """Step: at the end of a control interval, ask the tuner and follow it."""
+        meter = self._meter
+        now = time.monotonic()
+        if now >= meter.next_at:  # type: ignore[union-attr]
+            self._tune(now)
+        return min(wait, max(0.001, meter.next_at - now))  # type: ignore[union-attr]
+
+    def _dispatch(self) -> None:
+        """Step: send what may go now (dispatch.py); with nothing sent for want of capacity,
+        a freed slot or a consumed batch wakes the loop."""
+        stream = self.stream
+        wakeup = self._wakeup
+        if stream is None or stream.finished:
+            wakeup.starved = False
+            return
+        wakeup.starved = True  # published before looking, so a release after the look wakes us
+        if self._watching:
+            self.dispatcher.speculate()
+        wakeup.starved = self.dispatcher.round(stream)
+
+    def _wait_and_handle(self, wait: float) -> None:
+        """Step: sleep in select for at most ``wait`` s; handle each reply, death and wake-up."""
+        selector = self._selector
+        registered = selector.get_map()
+        for key, _ in selector.select(wait):
+            if registered.get(key.fd) is not key:
+                continue  # unregistered by an earlier callback of this round (its worker died)
+            if key.data is None:
+                self._wakeup.drain()
+            else:
+                callback, handle = key.data
+                callback(handle)
+
+    def _sample_health(self) -> None:
+        """Step: every half second, the workers' memory."""
+        now = time.monotonic()
+        if now - self._last_health >= _HEALTH_INTERVAL_S:
+            self._last_health = now
+            self.pool.sample_memory(self.roster.links)
+
+    # ---------------------------------------------------------------- streams and epochs
+    def _start_stream(self, stream: Stream) -> None:
+        if self.stream is not None:
+            self.stream.abandon()
+        self.stream = stream
+        stream.on_open = self._on_open
+        stream.open(stream.first)
+        for w in list(self.roster.links):
+            if w.dead:  # it died past the previous epoch's budget: a fresh start
+                self._start_replacement(w)
+        if self._broken is not None:
+            self._fail(self._broken)
 
     def _on_open(self, epoch: Epoch) -> None:
         """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
-        epoch.on_drop = self._release
+        epoch.on_drop = self.rings.release
         if self.config.on_error == "skip":
             epoch.skips = epoch.skip_budget(self.config.max_skipped)
-        epoch.counters.worker_base = worker_baseline(self.worker_counters)
+        epoch.counters.worker_base = worker_baseline(self.roster.counters)
         self._restarts_this_epoch = 0
 
-    def _idle_worker(self) -> WorkerLink | None:
-        """The healthy worker with the fewest tasks, if it can take one more."""
-        best = None
-        for w in self.workers:
-            if not w.usable or w.stalled or len(w.tasks) >= self.tasks_per_worker:
-                continue
-            if best is None or len(w.tasks) < len(best.tasks):
-                best = w
-        return best
-
-    def take_slot(self, epoch: Epoch) -> int | None:
-        """A free ring slot for a task of ``epoch``, or None: no ring yet, or every slot is in
-        use (the caller may then send the task with slot -1: its arrays come back through the
-        pipe)."""
-        ring = self.ring
-        if ring is None or not ring.free:
-            return None
-        slot = ring.free.popleft()
-        epoch.counters.peak_slots_in_use = max(epoch.counters.peak_slots_in_use, ring.slots - len(ring.free))
-        return slot
-
-    def _dispatch(self) -> None:
-        """Send what may go now, for any source kind: the open epochs' plans offer tasks, best
-        first (plan/base.py); each goes to a worker (its lane's, or the least loaded) with a ring
-        slot. The stream opens the next epoch once the open ones have nothing new, so workers
-        go on across the boundary."""
+    def _fail(self, exc: BaseException) -> None:
         stream = self.stream
-        if stream is None or stream.finished:
-            self.starved = False
-            return
-        self.starved = True  # published before looking, so a release after the look wakes us
-        if self._watching:
-            self._speculate()
-        # Tasks in flight and batches not taken yet, counted once: only this thread adds to it
-        # (the consumer may take batches meanwhile, which only makes the count high).
-        outstanding = stream.outstanding()
-        starved = False
-        while not stream.finished:
-            last = stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
-            for epoch in list(stream.epochs):
-                while True:  # the earlier epoch first: its tasks to run again, then its new ones
-                    sent, held_back = self._send_one(stream, epoch, outstanding)
-                    starved = starved or held_back
-                    if sent is None:
-                        break
-                    if sent:
-                        outstanding += 1
-            # Again only if the epoch that had new tasks has sent them all: the next one may open.
-            if last is None or last.fresh or held_back:
-                break
-        self.starved = starved
+        if stream is not None and not stream.finished:
+            stream.fail(exc)
 
-    def _send_one(self, stream: Stream, epoch: Epoch, outstanding: int) -> tuple[bool | None, bool]:
-        """Send ``epoch``'s best task that may go now: (None: none went, else whether it was a
-        new one; whether one was held back for want of a slot, a worker or consumption)."""
-        if epoch.finished:
-            return None, False
-        held_back = False
-        for offer in epoch.offers(self.tasks_per_worker):
-            worker = self._idle_worker() if offer.lane is None else self._worker_for(offer, epoch)
-            if worker is None or len(worker.tasks) >= self.tasks_per_worker:
-                held_back = True
-                continue
-            if offer.retry is not None:
-                job = epoch.take(offer, worker.index)
-                slot, job.slot = job.slot, -1  # it has the slot of its lost attempt
-            else:
-                if not offer.urgent and outstanding >= self.max_outstanding:
-                    held_back = True
-                    continue
-                slot = self.take_slot(epoch)
-                if slot is None:
-                    # No free slot: before the ring exists (the first batches size it), or when
-                    # the consumer holds every slot (e.g. list(loader)). Through the pipe, for
-                    # the task the epoch waits for or an idle worker, keeps the pipeline moving
-                    # instead of deadlocking; a busy worker has work meanwhile.
-                    if self.pool.uses_ring and worker.tasks and not offer.urgent:
-                        held_back = True
-                        continue
-                    slot = -1
-                job = epoch.take(offer, worker.index)
-            self.send(worker, job, slot)
-            return offer.retry is None, held_back
-        return None, held_back
-
-    def _worker_for(self, offer: Offer, epoch: Epoch) -> WorkerLink | None:
-        """The worker for ``offer``, which has a lane: the lane's (None while that one cannot take
-        it), else (a lane not held yet, or its worker gone or retiring) the least loaded healthy
-        one. (An offer without a lane goes to ``_idle_worker``.)"""
-        if offer.worker is not None:
-            for w in self.workers:
-                if w.index == offer.worker:
-                    if w.retiring:
-                        break  # autotune is retiring it: the lane moves
-                    return w if w.usable else None
-        # The lane's first task, or its worker is gone: the worker with the fewest lanes takes it
-        # (if it is not the lane's first task, that worker opens the shard again and skips ahead).
-        load = epoch.plan.lanes_held()
-        usable = [w for w in self.workers if w.usable]
-        if not usable:
-            return None
-        return min(usable, key=lambda w: (load.get(w.index, 0), len(w.tasks), w.index))
-
-    def send(self, worker: WorkerLink, job: Job, slot: int) -> None:
-        """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
-        ``slot`` (from ``take_slot``; -1: none)."""
-        ring = self.ring
-        if slot >= 0 and not ring.owns(slot):  # a re-run job's slot in a ring since replaced
-            self._release(slot)
-            slot = self.take_slot(job.epoch)
-            slot = -1 if slot is None else slot
-        started = None if worker.tasks or not worker.ready else time.perf_counter()  # else: when it starts it
-        attempt = Attempt(self._next_attempt_id, job, worker, slot, started)
-        self._next_attempt_id += 1
-        self._attempts[attempt.id] = attempt
-        worker.tasks[attempt.id] = attempt
-        job.attempts.append(attempt)
-        slot_bytes = ring.slot_bytes if slot >= 0 else 0
-        ring_id = ring.ring_id if ring is not None else -1
-        local = slot - ring.first_slot if slot >= 0 else -1
-        # Never a blocking write (a large task to a worker busy in a slow sample would stall
-        # the loop): what its pipe does not take now is written when it becomes writable.
-        # A worker that is dying drops it; its sentinel fires and the task is redone.
-        worker.put(_new_tuple(Task, (attempt.id, job.epoch.number, job.work.payload, ring_id, local, slot_bytes)))
-        self._flush(worker)
+    # ---------------------------------------------------------------- workers
+    def _start_worker(self, index: int) -> WorkerLink:
+        """Start worker ``index``; the selector then reports its replies and its death."""
+        link = self.roster.start(index)
+        self._selector.register(link.reply_fd(), selectors.EVENT_READ, (self.delivery.on_readable, link))
+        self._selector.register(link.exit_fd(), selectors.EVENT_READ, (self._on_exit, link))
+        return link
 
     def _flush(self, worker: WorkerLink) -> None:
         """Send what ``worker``'s channel takes now; while some is left, the selector watches for room."""
@@ -476,240 +366,63 @@ class Coordinator:
             self._selector.unregister(worker.write_fd())
         worker.writing = waiting
 
-    # ---------------------------------------------------------------- stragglers
-    def _speculate(self) -> None:
-        """Give the batches held by straggling workers to healthy ones too; the first result wins."""
-        for w in self.workers:
-            if not w.stalled:
-                continue
-            for attempt in list(w.tasks.values()):
-                job = attempt.job
-                epoch = job.epoch
-                if (job.done or epoch.finished or any(a.worker.healthy for a in job.attempts)
-                        or len(job.attempts) + job.timeouts >= TIMEOUT_ATTEMPTS):
-                    continue  # done, healthy elsewhere, or already tried as often as a batch may be
-                target = self._idle_worker()
-                if target is None:
-                    return
-                slot = self.take_slot(epoch) if self.ring is not None else -1
-                if slot is None:
-                    return
-                epoch.counters.speculative_tasks += 1
-                self.send(target, job, slot)  # (and a shard's later blocks follow, not behind the straggler:)
-                epoch.moved(job, target.index)
-
-    # ---------------------------------------------------------------- replies
-    def _on_readable(self, worker: WorkerLink) -> None:
-        """The selector saw replies: handle every one waiting."""
-        replies = worker.read()
-        if replies is None:  # the channel is closed: its death is handled by exit_fd
-            try:
-                self._selector.unregister(worker.reply_fd())
-            except (KeyError, ValueError):
-                pass  # its death was handled earlier in this select() round
-            return
-        for reply in replies:
-            self._on_message(worker, reply)
-
-    def _on_message(self, worker: WorkerLink, message: Reply) -> None:
-        kind = type(message)
-        if kind is not BatchDone and kind is not BatchFailed:  # (the common case first: a batch)
-            self._on_notice(worker, message)
-            return
-        attempt = self._attempts.pop(message.task_id, None)
-        worker.tasks.pop(message.task_id, None)
-        if worker.retiring:
-            worker.stop_if_idle()
-            self._flush(worker)
-        busy = message.busy_s
-        worker.counters.tasks += 1
-        worker.counters.busy_s += busy
-        if self._watching:
-            self._watchdog.finished(busy)
-            worker.stalled = False
-            if worker.tasks:  # the worker starts its queued task now
-                next(iter(worker.tasks.values())).started = time.perf_counter()
-        if attempt is None:
-            return
-        job = attempt.job
-        job.attempts.remove(attempt)
-        epoch = job.epoch
-        if job.done or epoch.finished:
-            self._release_unused(attempt.slot)  # a lost race, or a cancelled epoch
-            return
-        job.done = True
-        if isinstance(message, BatchDone):
-            self._on_batch(worker, attempt, message)
-            return
-        self._release_unused(attempt.slot)
-        error = message.error
-        if epoch.skips is None:
-            epoch.result(job, Failure(rebuild_error(error, worker, job, epoch.number), batch_only=True))
-        elif skip_or_fail(epoch, job, worker, attempt.skipped or [], error):
-            epoch.result(job, EMPTY)
-
-    def _on_notice(self, worker: WorkerLink, message: Reply) -> None:
-        """A message that is not a batch's reply: a worker ready, a worker's fatal error, samples skipped."""
-        if isinstance(message, WorkerReady):
-            worker.ready = True
-            if worker.tasks:  # its first task starts now, not when its process was started
-                next(iter(worker.tasks.values())).started = time.perf_counter()
-        elif isinstance(message, WorkerFatal):
-            worker.fatal = message.traceback
-        elif isinstance(message, SamplesSkipped):
-            attempt = self._attempts.get(message.task_id)
-            if attempt is not None:
-                attempt.skipped = message.samples
-        # (anything else, e.g. a remote pool's own WorkerLost, never reaches here)
-
-    def _on_batch(self, worker: WorkerLink, attempt: Attempt, done: BatchDone) -> None:
-        """A batch arrived for a job still waiting for it: deliver it (or its skips, or its error)."""
-        job, epoch = attempt.job, attempt.job.epoch
-        layout, nbytes = done.layout, done.nbytes
-        skipped = len(attempt.skipped or ())
-        if attempt.skipped and not skip_or_fail(epoch, job, worker, attempt.skipped, None):
-            self._release_unused(attempt.slot)
-            return
-        if layout is None:  # every sample was skipped
-            self._release_unused(attempt.slot)
-            epoch.result(job, EMPTY)
-            return
-        if self.ring is None and not self._sized:
-            slot_bytes = epoch.plan.slot_bytes(job.work, layout, nbytes, skipped)
-            if slot_bytes is not None:
-                self._size_for(slot_bytes)
-        counters = epoch.counters
-        if done.in_slot:
-            lease = self._ring_of(attempt.slot).lease(attempt.slot, self._release)
-            counters.bytes_in_slots += nbytes
-        else:
-            self._release_unused(attempt.slot)
-            lease = None
-            counters.bytes_inline += nbytes
-            if attempt.slot >= 0:
-                counters.overflow_batches += 1
-                self._grow_ring(nbytes, counters)
-        counters.array_bytes += array_bytes(layout)
-        epoch.result(job, loaded(layout, lease, skipped))
-
-    def _release_unused(self, slot: int) -> None:
-        if slot >= 0:
-            self._release(slot)
-
-    def _release(self, slot: int) -> None:
-        """Return a slot to its ring (runs in whichever thread drops a batch's last view)."""
-        ring = self._ring_of(slot)
-        if ring is not None:
-            ring.free.append(slot)
-            if self.starved and ring is self.ring:
-                self.starved = False
-                self.wake()
-
-    def _ring_of(self, slot: int) -> Ring | None:
-        """The ring (current or retired generation) slot number ``slot`` belongs to."""
-        ring = self.ring
-        if ring is None or ring.owns(slot):
-            return ring
-        for old in list(self._retired):  # (a copy: the coordinator thread may remove one meanwhile)
-            if old.owns(slot):
-                return old
-        return None
-
-    def _remove_idle_rings(self) -> None:
-        """Remove retired rings whose slots have all come back (coordinator thread)."""
-        for old in [r for r in self._retired if r.idle]:
-            self._retired.remove(old)
-            old.remove()
-
-    def _grow_ring(self, nbytes: int, counters: EpochCounters) -> None:
-        """A batch of ``nbytes`` did not fit its slot: replace the ring by one whose slots hold
-        it with a margin (the old ring is retired, and removed once its slots are back), so
-        later batches of that size go through the ring, not the pipes. If ``shm_dir`` has no
-        room for it, the ring stays and such batches stay inline (with a warning).
-
-        The new file is created and its pages populated here, on the coordinator thread:
-        ``counters`` (``stats()["ring_growths"]``/``["ring_growth_s"]``) records the time."""
-        old = self.ring
-        if self._grow_failed or nbytes <= old.slot_bytes:
-            return
-        started = time.perf_counter()
-        try:
-            ring = Ring(self.files, old.ring_id + 1, old.slots, round_slot_bytes(nbytes + nbytes // 4),
-                        old.first_slot + old.slots)
-        except SharedMemoryError as exc:
-            self._grow_failed = True
-            self._warn_overflow(nbytes, f" A larger ring did not fit: {exc}")
-            return
-        finally:
-            counters.ring_growth_s += time.perf_counter() - started
-        counters.ring_growths += 1
-        old.retired = True
-        self._retired.append(old)
-        self.ring = ring
-        if old.idle:
-            self._remove_idle_rings()
-
-    def _make_ring(self, slot_bytes: int) -> None:
-        """Create the ring, its slots sized for a full batch (from the first batch to arrive,
-        its plan's ``slot_bytes``) or ``Loader(slot_bytes=)``."""
-        if slot_bytes <= SMALL_BATCH_BYTES:
-            self.tasks_per_worker = TASKS_PER_WORKER_SMALL
-        self._set_outstanding()
-        slot_bytes = round_slot_bytes(slot_bytes)
-        workers = self.config.workers
-        if self.tuner is not None:  # sized once, for the most workers the tuner may use
-            per_worker = self.tasks_per_worker + (1 if self.config.speculate is not None else 0)
-            workers = self.tuner.capacity = ring_workers(self.files.directory, slot_bytes, per_worker,
-                                                         self.config.prefetch + 1, self.n_workers, self.capacity)
-        if self.config.speculate is not None:
-            self.spare_slots = workers
-        # + the batch the consumer is working on
-        slots = self.config.prefetch + self.tasks_per_worker * workers + 1 + self.spare_slots + self.config.stage_slots
-        self.ring = Ring(self.files, 0, slots, slot_bytes)
-
-    def _size_for(self, batch_bytes: int) -> None:
-        """The first batch tells the size of a full one: make the ring (a pool whose workers
-        write into it), or let the pool check that the batches in flight fit (a remote one)."""
-        self._sized = True
-        try:
-            if self.pool.uses_ring:
-                self._make_ring(batch_bytes)
-            else:
-                self.pool.admit(batch_bytes, self.max_outstanding)
-        except BaseException as exc:
-            self._broken = exc
-            raise
-
-    def _warn_overflow(self, nbytes: int, why: str) -> None:
-        if not self._overflow_warned:
-            import warnings
-
-            self._overflow_warned = True
-            warnings.warn(
-                f"procpipe: a batch of {nbytes} bytes did not fit the ring's {self.ring.slot_bytes}-byte "
-                f"slots and took the slower inline path.{why} Such batches keep taking it; pass "
-                "slot_bytes=<largest batch> to Loader, or give shm_dir more room.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _fail(self, exc: BaseException) -> None:
+    def _tune(self, now: float) -> None:
+        """Autotune: close a control interval (if long enough), ask the tuner, follow it."""
         stream = self.stream
-        if stream is not None and not stream.finished:
-            stream.fail(exc)
+        if stream is None or stream.finished or self.rings.current is None:
+            stream = None  # between iterations (or before the first batch): nothing to measure
+        roster = self.roster
+        sample = self._meter.measure(now, stream, roster.links, roster.counters)  # type: ignore[union-attr]
+        if sample is None:
+            return
+        tuner = self.tuner
+        assert tuner is not None
+        rss = max((w.counters.rss_bytes for w in roster.links), default=0)
+        tuner.memory_room = memory_room(rss) if rss else None
+        target = tuner.step(now, sample)
+        while roster.n_workers < target:
+            index = roster.free_index()
+            if index is None:
+                break
+            roster.links.append(self._start_worker(index))
+            roster.n_workers += 1
+            self.dispatcher.set_outstanding()
+        while roster.n_workers > target:
+            worker = roster.to_retire()
+            if worker is None:
+                break
+            roster.retire(worker)
+            self.dispatcher.set_outstanding()
+            self._flush(worker)
+        tuner.workers = roster.n_workers
+
+    def _shutdown_workers(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        workers, self.roster.links = self.roster.links, []
+        try:
+            self.pool.stop(workers)
+        finally:
+            self.pool.close()
+            self.files.remove_all()
+        self.rings.close()
+        self._wakeup.close()  # a late wake() (a batch dropped after close) is now ignored
+        self._selector.close()
 
     # ---------------------------------------------------------------- deaths
     def _on_exit(self, worker: WorkerLink) -> None:
-        """A worker died (or was killed): re-run what it held, and replace it."""
-        self._selector.unregister(worker.exit_fd())
+        """A worker died (or was killed): re-run what it held (deaths.py), and replace it."""
+        selector = self._selector
+        selector.unregister(worker.exit_fd())
         try:
-            self._selector.unregister(worker.reply_fd())
+            selector.unregister(worker.reply_fd())
         except (KeyError, ValueError):
             pass
         for reply in worker.read() or ():  # replies sent before it died: finished work is not redone
-            self._on_message(worker, reply)
+            self.delivery.on_message(worker, reply)
         if worker.writing:
-            self._selector.unregister(worker.write_fd())
+            selector.unregister(worker.write_fd())
             worker.writing = False
         worker.reap()
         lost = list(worker.tasks.values())
@@ -719,60 +432,41 @@ class Coordinator:
         if self._closing:
             return
         if worker.retiring:  # autotune retired it: it leaves for good
-            self._meter.forget(worker.pid)
-            if worker in self.workers:
-                self.workers.remove(worker)
+            self._meter.forget(worker.pid)  # type: ignore[union-attr,arg-type]
+            self.roster.remove(worker)
             if not lost:
                 return
-        killed_for = worker.killed_for or (lost[0] if lost else None)
-        stuck_on = None if killed_for is None else worker.stuck_on(killed_for)
         stream = self.stream
         if stream is not None:
             counters = stream.current_counters()
             if counters is not None:
                 counters.worker_deaths += 1
-        redo, timed_out = [], None
-        for attempt in lost:
-            job = attempt.job
-            job.attempts.remove(attempt)
-            if job.done or job.epoch.finished:
-                self._release_unused(attempt.slot)  # finished elsewhere, or a stale epoch's
-                continue
-            if attempt is worker.killed_for:
-                job.timeouts += 1
-                job.epoch.counters.timed_out_tasks += 1
-            if job.attempts:
-                self._release_unused(attempt.slot)  # still running elsewhere (speculation)
-                continue
-            if job.timeouts >= TIMEOUT_ATTEMPTS:
-                timed_out = job
-            job.slot = attempt.slot
-            redo.append(job)
-        for job in redo:
+        death = settle(worker, lost, self.rings.release, self._restarts_this_epoch, self.config.max_worker_restarts)
+        for job in death.redo:
             job.epoch.lost(job)
+        timed_out = death.timed_out
         if timed_out is not None:
-            self._fail(TaskTimeoutError(timeout_message(timed_out, stuck_on, self.config.task_timeout,
-                                                        timed_out.epoch.number), stuck_on))
-        if worker.retiring:
+            self._fail(TaskTimeoutError(timeout_message(timed_out, death.stuck_on, self.config.task_timeout,
+                                                        timed_out.epoch.number), death.stuck_on))
+        step = death.next
+        if step is Next.GONE:
             return
-        if worker.fatal is not None:
-            exc = WorkerError(
+        if step is Next.FATAL:
+            self._broken = WorkerError(
                 f"procpipe worker {worker.index} could not start: loading the dataset, fn or collate_fn "
                 f"failed in the worker process.\n{worker.fatal}"
             )
-            self._broken = exc
-            self._fail(exc)
+            self._fail(self._broken)
             return
-        if worker.failed_to_start():
-            # It failed before reaching any user code: restarting would fail the same way.
+        if step is Next.CANNOT_START:  # it failed before reaching any user code
             self._broken = WorkerError(startup_message(worker, self.config.start_method))
             self._fail(self._broken)
             return
-        if worker.killed_for is None and worker.counts_as_restart:  # it died by itself: that counts
-            if self._restarts_this_epoch >= self.config.max_worker_restarts:
-                self._fail(WorkerError(death_message(worker, lost, stuck_on, self.config.max_worker_restarts)))
-                worker.dead = True  # no restart (a crash loop must not spin between epochs)
-                return
+        if step is Next.OVER_BUDGET:
+            self._fail(WorkerError(death_message(worker, lost, death.stuck_on, self.config.max_worker_restarts)))
+            self.roster.mark_dead(worker)  # no restart (a crash loop must not spin between epochs)
+            return
+        if death.counts:
             self._restarts_this_epoch += 1
         worker.counters.restarts += 1
         self._start_replacement(worker)
@@ -782,21 +476,12 @@ class Coordinator:
         lost nodes) leaves it dead: the others go on with its work, and the next epoch tries
         again; only when no worker is left does the error end the iteration."""
         try:
-            self.workers[self.workers.index(worker)] = self._start_worker(worker.index)
+            self.roster.replace(worker, self._start_worker(worker.index))
         except Exception as exc:  # noqa: BLE001 - the pool's verdict, given to the user below
-            worker.dead = True
-            if any(w.usable for w in self.workers):
+            self.roster.mark_dead(worker)
+            if self.roster.any_usable():
                 logger.warning("procpipe: %s could not be replaced (%s); the other "
                                "workers take its batches", worker.describe(), exc)
                 return
             self._broken = exc
             self._fail(exc)
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-

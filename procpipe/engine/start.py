@@ -1,24 +1,26 @@
 """Starting a Loader's engine, in the calling process: everything before the first worker runs.
 
-``start_engine`` creates the loader's shared files, gets the multiprocess context
-(``context``: with ``"forkserver"``, the server is started with the workers' environment
-and told to preload the modules the parent has imported, see preload.py), opens the
-cache (which computes the first sample), ships the user's objects to the workers
-(``ship_spec``: pickled once with dill into a shared file each worker reads, see
-worker/process.py; with ``"fork"`` they are inherited instead) and starts the ``Coordinator``,
+``start_engine`` creates the loader's shared files, opens the cache (which computes the
+first sample), ships the user's objects to the workers (pickled once with dill into a
+shared file each worker reads, see worker/process.py; with ``"fork"`` they are inherited instead),
+gets the multiprocess context (``context``: with ``"forkserver"``, the server is started
+with the workers' environment and told to preload the modules the pickle references, in
+the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
 which starts the workers. If any step fails, every file made so far is removed.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
-from ..worker.cache import open_cache
+from ..worker.stream_cache import open_loader_cache
 from .coordinator import Coordinator, EngineConfig
 from .pool import LocalPool
 from ..core.shm import SharedFiles, check_capacity, create_file
 from ..worker.start_method import context as start_context
+from ..worker.preload_list import preload_list
 from ..worker.process import WorkerSpec, dump_spec
 
 
@@ -45,30 +47,34 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
 
 def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles,
                own_session: bool = False) -> LocalPool:
-    """Worker processes on this machine: the start method's context, the cache (which runs the
-    first sample here), and the user's objects shipped to them (``own_session``: see
-    ``process.worker_main``)."""
+    """Worker processes on this machine: the cache (which runs the first sample here), the
+    user's objects shipped to them (``own_session``: see ``process.worker_main``), and the
+    start method's context (a forkserver preloads the modules the shipped objects reference)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
-    ctx = context(config.start_method, config.worker_env, files)
-    spec.cache = open_cache(spec, cache, files, files.directory)
-    shipped = spec if config.start_method == "fork" else ship_spec(spec, files, config.start_method)
-    return LocalPool(ctx, shipped, files, config.worker_env, capacity, own_session)
+    spec.cache = open_loader_cache(spec, cache, files, files.directory)
+    if config.start_method == "fork":
+        return LocalPool(start_context("fork"), spec, files, config.worker_env, capacity, own_session)
+    data = serialize_spec(spec, config.start_method)
+    ctx = context(config.start_method, config.worker_env, files, preload_list(data))
+    return LocalPool(ctx, write_spec(data, files), files, config.worker_env, capacity, own_session)
 
 
-def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
-    """The multiprocess context; a forkserver preloads what the parent has imported, once."""
+def context(start_method: str, env: dict[str, str], files: SharedFiles, preload: list[str] = ()) -> Any:
+    """The multiprocess context; a forkserver (if this starts it) preloads ``preload`` (preload.py)."""
     ctx = start_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["procpipe.worker.preload"])
         # The forkserver process inherits the environment when it starts: start it with
         # the workers' settings so libraries it preloads (numpy's BLAS) see them. The
         # module list goes in a file (it can be too long for an environment variable);
-        # a server that starts reads it before it forks the first worker.
+        # a server that starts reads it before it forks the first worker. A server that is
+        # already running (an earlier loader's) keeps what it preloaded.
         from multiprocess import forkserver
 
-        preload = files.path("preload")
-        create_file(preload, 0, "the forkserver's module list", "\n".join(_imported_modules()).encode())
-        server_env = dict(env, PROCPIPE_PRELOAD_FILE=preload)
+        path = files.path("preload")
+        listing = json.dumps({"sys_path": sys.path, "modules": list(preload)}).encode()
+        create_file(path, 0, "the forkserver's module list", listing)
+        server_env = dict(env, PROCPIPE_PRELOAD_FILE=path)
         saved = {k: os.environ.get(k) for k in server_env}
         os.environ.update(server_env)
         try:
@@ -82,29 +88,18 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles) -> Any:
     return ctx
 
 
-def _imported_modules() -> list[str]:
-    """The modules the parent has imported, for the forkserver to preload.
-
-    Every worker imports what the dataset and functions it unpickles need: torch alone
-    takes about a second, and a script's standard-library and own imports add up to tens
-    of milliseconds more. Preloading them once in the forkserver makes each worker start
-    in milliseconds. (Workers do not import the main script: start_method.py.) Sorted, so packages
-    come before their submodules; private and built-in modules come with their parents.
-    """
-    return sorted(
-        name for name, module in list(sys.modules.items())
-        if not name.startswith("_") and name not in sys.builtin_module_names
-        and getattr(module, "__spec__", None) is not None
-    )
-
-
 _INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle Value, Array, Lock, Event...
 
 
 def ship_spec(spec: WorkerSpec, files: SharedFiles, start_method: str = "forkserver") -> str:
     """Pickle the dataset, fn and collate_fn once (dill), into a shared file every worker reads."""
+    return write_spec(serialize_spec(spec, start_method), files)
+
+
+def serialize_spec(spec: WorkerSpec, start_method: str) -> bytes:
+    """The dataset, fn and collate_fn pickled by dill, or a ``TypeError`` saying why they cannot be."""
     try:
-        data = dump_spec(spec)
+        return dump_spec(spec)
     except Exception as exc:
         if _INHERITED_ONLY in str(exc):
             raise TypeError(
@@ -121,6 +116,10 @@ def ship_spec(spec: WorkerSpec, files: SharedFiles, start_method: str = "forkser
             "should be opened lazily inside __getitem__ or fn instead. start_method='fork' avoids "
             "serialization altogether."
         ) from exc
+
+
+def write_spec(data: bytes, files: SharedFiles) -> str:
+    """``data`` in the loader's shared file every worker reads; its path."""
     path = files.path("spec")
     check_capacity(files.directory, len(data), "the serialized dataset and functions")
     create_file(path, len(data), "the serialized dataset and functions", data)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 class EmptyBatch:
@@ -56,7 +56,7 @@ class Failure:
 class Work:
     """One task of an epoch, as its plan describes it (a plain slotted class: one per batch)."""
 
-    __slots__ = ("key", "payload", "lane")
+    __slots__ = ("key", "lane", "payload")
 
     def __init__(self, key: int, payload: Any, lane: int | None = None) -> None:
         self.key = key  # dispatch order within the epoch (an indexed source: the batch's position)
@@ -199,3 +199,14 @@ class EpochPlan:
     def unopened_state(cls, resumed: Any) -> Any:
         """``state()`` of an epoch not opened yet: what a resume said of it, if anything."""
         raise NotImplementedError
+
+
+class BatchPlan(Protocol):
+    """What a Loader holds for its source, whatever its kind (``Sampler``, ``MixSampler``,
+    ``ExplicitBatches``, ``StreamPlan``): the batches of each epoch (lists of indices; for a
+    stream, the order its shards are read in), and how many there are (``TypeError`` where
+    that is not known in advance)."""
+
+    def __len__(self) -> int: ...
+
+    def batches(self, epoch: int) -> Sequence[Any]: ...

@@ -9,11 +9,12 @@ is a set of positions (``Progress``); a resumed epoch leaves those out. The cont
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import Any
 
 from ..core import collate
-from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 from ..core.reassembly import Ordered, Progress, Sloppy
+from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 
@@ -47,7 +48,7 @@ class IndexPlan(EpochPlan):
     def exhausted(self) -> bool:
         return self._next >= len(self.batches)
 
-    def offers(self, per_lane: int) -> list[Offer]:
+    def offers(self, per_lane: int) -> Sequence[Offer]:
         if self._retries:
             return [Offer((0,), retry=self._retries[0][1])]
         return () if self._next >= len(self.batches) else _FRESH

@@ -74,9 +74,10 @@ class Sampler:
         return -(-self.length // self.shard[1])
 
     def __len__(self) -> int:
+        # (count >= 0 and step >= 1, so both are >= 0; ceil division written without negation)
         if self.drop_last:
             return self.count // self.step
-        return -(-self.count // self.step)
+        return (self.count + self.step - 1) // self.step
 
     def epoch_batches(self, epoch: int) -> int:
         """Batches in ``epoch``: ``len(self)``, except in an epoch ``resumed`` gives the order of."""

@@ -21,7 +21,7 @@ neither this package nor any of them; ``import procpipe.readers`` imports only t
 library and numpy (each dependency is imported where it is first needed).
 """
 from .example import make_example, parse_example
-from .io import ReadError, Reader, RetryingFile, open_url
+from .io import Reader, ReadError, RetryingFile, open_url
 from .jsonl import Jsonl, jsonl
 from .parquet import Parquet, parquet
 from .tfrecord import TFRecord, frame, masked_crc, tfrecord

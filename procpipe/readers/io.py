@@ -108,7 +108,7 @@ class RetryingFile(io.RawIOBase):
         if self._file is not None:
             try:
                 self._file.seek(target)
-            except Exception:  # a broken file: the next read reopens it
+            except Exception:  # noqa: BLE001 - a broken file, whatever the error: the next read reopens it
                 self._drop()
         return target
 
@@ -165,7 +165,7 @@ class RetryingFile(io.RawIOBase):
         if file is not None:
             try:
                 file.close()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - dropping a broken file: its close may fail in any way
                 pass
 
     def _attempt(self, action: Any, what: str) -> Any:

@@ -5,15 +5,15 @@ import io
 import json
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 
 class Jsonl(Reader):
     """``open_fn`` for JSON Lines shards: yields ``json.loads`` of each non-blank line.
 
     A line that is not valid JSON is a ``ReadError`` naming the file and the line number.
-    Text is UTF-8 (a byte-order mark is refused by ``json``). Blank lines (only whitespace) are passed over, every time alike, so a
-    shard's record count is its number of non-blank lines.
+    Text is UTF-8 (a byte-order mark is refused by ``json``). Blank lines (only whitespace) are passed
+    over, every time alike, so a shard's record count is its number of non-blank lines.
     """
 
     def records(self, file: io.BufferedReader, url: str) -> Any:

@@ -44,8 +44,8 @@ class Parquet(Reader):
             names = table.column_names
             columns = [table.column(name).to_pylist() for name in names]
             del table
-            for row in zip(*columns):
-                yield dict(zip(names, row))
+            for row in zip(*columns, strict=True):
+                yield dict(zip(names, row, strict=True))
 
     def lengths(self, shards: Iterable[Any]) -> list[int]:
         """The rows of each shard, from the files' footers (for ``Shards(lengths=...)``)."""

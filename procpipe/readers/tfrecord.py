@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 _MASK_DELTA = 0xA282EAD8
 _HEADER = struct.Struct("<QI")
@@ -70,7 +71,7 @@ class TFRecord(Reader):
 
     def records(self, file: io.BufferedReader, url: str) -> Any:
         crc = _crc32c()
-        parse = None
+        parse: Callable[[bytes], dict[str, Any]] | None = None
         if self.parse:
             from .example import parse_example as parse
         unpack_header, unpack_footer, check = _HEADER.unpack, _FOOTER.unpack, self.check_crc
@@ -90,12 +91,14 @@ class TFRecord(Reader):
                 raise _corrupt(url, offset, number, f"truncated record ({len(data)} of {length} bytes)")
             if check and _mask(crc(data)) != unpack_footer(footer)[0]:
                 raise _corrupt(url, offset, number, "the data's checksum does not match")
-            if parse is not None:
+            if parse is None:
+                yield data
+            else:
                 try:
-                    data = parse(data)
+                    parsed = parse(data)
                 except ValueError as exc:
                     raise _corrupt(url, offset, number, str(exc)) from None
-            yield data
+                yield parsed
             offset += 16 + length
             number += 1
 

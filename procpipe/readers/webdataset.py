@@ -6,14 +6,14 @@ import posixpath
 import tarfile
 from typing import Any
 
-from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, ReadError, Reader
+from .io import DEFAULT_READ_AHEAD, DEFAULT_RETRIES, Reader, ReadError
 
 
 def split_key(name: str) -> tuple[str, str]:
     """``(key, extension)`` of a member name, as WebDataset splits it: the key is the path up
     to the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
     directory, base = posixpath.split(name)
-    stem, dot, extension = base.partition(".")
+    stem, _, extension = base.partition(".")
     return posixpath.join(directory, stem) if directory else stem, extension
 
 
@@ -39,7 +39,10 @@ class WebDataset(Reader):
                     base = posixpath.basename(member.name)
                     if base.startswith(("__", ".")) or not extension:
                         continue
-                    data = tar.extractfile(member).read()
+                    extracted = tar.extractfile(member)
+                    if extracted is None:  # (a regular file always has its bytes)
+                        continue
+                    data = extracted.read()
                     if sample is not None and sample["__key__"] != key:
                         yield sample
                         sample = None

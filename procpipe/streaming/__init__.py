@@ -45,7 +45,8 @@ collation, leases, the coordinator's loop, worker-death recovery):
 
 - **The indexed features, per record**: ``Shards(lengths=...)`` gives ``len()`` and is a
   promise the reader checks (``ShardLengthError``); ``cache=`` keys ``fn``'s output by
-  ``(shard, record)`` (``Shards.cache_index``) and serves fully cached blocks without
+  ``(shard, record)`` (``Shards.cache_index``; without ``lengths`` a cache that grows as
+  records arrive, worker/stream_cache.py) and serves fully cached blocks without
   reading their shard; ``on_error="skip"`` leaves out records whose ``fn``/``augment``
   raised (the block's layout names them); ``speculate`` races a block on another worker,
   which reopens the shard and skips ahead (``Shards.replayable``).
@@ -63,9 +64,9 @@ Modules, in the order a block meets them on the data path:
 - ``batching.py``: blocks into batches in the loader's process, and the shuffle buffer
   (``Output``).
 """
-from .shard_plan import ShardPlan
 from .order import Interleave, StreamProgress
 from .plan import InlineStream, StreamPlan
+from .shard_plan import ShardPlan
 from .shards import Block, RecordKey, Shards
 
 __all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]

@@ -14,15 +14,15 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..core import collate
 from ..core.collate import ARRAY, DICT, INLINE, SEQ
+from ..core.rng import buffer_rng
 from ..errors import CollateError
 from ..worker.produce import collate_privately
-from ..core.rng import buffer_rng
 from .shards import CHUNKS, STACK, Block, RecordKey
 
 
@@ -77,16 +77,17 @@ class Output:
         """A block's layout ``inner`` holding ``records`` (record numbers in its shard): the items it completes."""
         shard = block.shard
         out: list[tuple[Any, int, list]] = []
-        if self.capacity is not None:
-            for record, node in zip(records, inner[2]):
-                self._shuffled((RecordKey(shard, record), _own(collate.build(node, lease))), out)
+        if (capacity := self.capacity) is not None:
+            for record, node in zip(records, inner[2], strict=False):
+                self._shuffled((RecordKey(shard, record), _own(collate.build(node, lease))), out, capacity)
         elif self.mode == STACK:
             self.parts.append([inner, lease, 0, len(records), shard, records])
             self.pending += len(records)
-            while self.pending >= self.batch_size:
-                self._item(*self._take(self.batch_size), self.batch_size, out)
+            size = cast(int, self.batch_size)  # (STACK and CHUNKS batch a fixed number of records)
+            while self.pending >= size:
+                self._item(*self._take(size), size, out)
         elif self.mode == CHUNKS:
-            size = self.batch_size
+            size = cast(int, self.batch_size)
             for i, node in enumerate(inner[2]):
                 chunk = _spans(shard, records[i * size:(i + 1) * size])
                 if len(records) - i * size >= size or not self.drop_last:
@@ -94,7 +95,7 @@ class Output:
                 else:
                     self.dropped += chunk
         else:
-            for record, node in zip(records, inner[2]):
+            for record, node in zip(records, inner[2], strict=False):
                 self._item(collate.build(node, lease), [(shard, record, record + 1)], 1, out)
         return out
 
@@ -158,15 +159,15 @@ class Output:
     # -- shuffle buffer --------------------------------------------------------------
     def _draw(self, n: int) -> int:
         if self.drawn == len(self.draws):
-            self.draws = self.rng.random(1024)
+            self.draws = cast(np.random.Generator, self.rng).random(1024)  # (set with a shuffle buffer)
             self.drawn = 0
         u = self.draws[self.drawn]
         self.drawn += 1
         return int(u * n)
 
-    def _shuffled(self, record: tuple, out: list) -> None:
+    def _shuffled(self, record: tuple, out: list, capacity: int) -> None:
         buffer = self.buffer
-        if len(buffer) < self.capacity:
+        if len(buffer) < capacity:
             buffer.append(record)
             return
         i = self._draw(len(buffer))
@@ -240,7 +241,7 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
     if first[0] == DICT:
         keys = first[1]
         children = []
-        for i, key in enumerate(keys):
+        for key in keys:
             column = []
             for node, lease, a, b in pieces:
                 if set(node[1]) != set(keys):

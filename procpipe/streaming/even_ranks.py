@@ -65,7 +65,7 @@ class RankLimits:
         self.records = min(self.totals)
         self.limits: dict[int, int] = {}
         left = self.records
-        for shard, count in zip(order[rank::world].tolist(), counts[rank::world]):
+        for shard, count in zip(order[rank::world].tolist(), counts[rank::world], strict=True):
             take = min(count, left)
             if chunking is None or take == count:
                 self.limits[shard] = lengths[shard] if take == count else take

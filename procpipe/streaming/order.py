@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from typing import cast
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Interleave:
 
     def advance(self, count: int) -> None:
         """The awaited block held ``count`` records: on to the next turn."""
-        slot = self.slots[self.turn]
+        slot = cast("list[int]", self.slots[self.turn])  # (the awaited slot: not None)
         slot[1] += 1
         if count < self.block_length:
             self.slots[self.turn] = None
@@ -133,7 +134,7 @@ class StreamProgress:
         (ordered), or mark shards complete."""
         self._merge_pending()
         if self.cursor is not None:
-            self._advance(ends)
+            self._advance(self.cursor, ends)
             return
         for shard in [s for s, ranges in self.received.items() if ranges.starts[0] == 0]:
             end = ends.get(shard)
@@ -147,7 +148,8 @@ class StreamProgress:
         return {"cursor": None if self.cursor is None else self.cursor.state(),
                 "complete": sorted(self.complete),
                 "received": [[shard, start, stop] for shard in sorted(self.received)
-                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops)]}
+                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops,
+                                                    strict=True)]}
 
     def skips(self, shard: int, block: int) -> tuple[tuple[int, int], ...]:
         """The ranges of records of ``block`` of ``shard`` already received (a ``Block``'s ``skip``)."""
@@ -171,11 +173,11 @@ class StreamProgress:
                             3 * len(self.pending)).reshape(-1, 3)
         self.pending = []
         offsets = spans[:, 0] << _SHARD_SHIFT
-        starts, stops = [spans[:, 1] + offsets], [spans[:, 2] + offsets]
+        start_parts, stop_parts = [spans[:, 1] + offsets], [spans[:, 2] + offsets]
         for shard, ranges in self.received.items():
-            starts.append(np.array(ranges.starts, np.int64) + (shard << _SHARD_SHIFT))
-            stops.append(np.array(ranges.stops, np.int64) + (shard << _SHARD_SHIFT))
-        starts, stops = np.concatenate(starts), np.concatenate(stops)
+            start_parts.append(np.array(ranges.starts, np.int64) + (shard << _SHARD_SHIFT))
+            stop_parts.append(np.array(ranges.stops, np.int64) + (shard << _SHARD_SHIFT))
+        starts, stops = np.concatenate(start_parts), np.concatenate(stop_parts)
         order = np.argsort(starts, kind="stable")
         starts, stops = starts[order], stops[order]
         reach = np.maximum.accumulate(stops)
@@ -185,13 +187,13 @@ class StreamProgress:
         shards = starts >> _SHARD_SHIFT
         cuts = np.flatnonzero(np.diff(shards)) + 1
         self.received = {}
-        for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts)):
+        for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts), strict=True):
             offset = int(shard_starts[0] >> _SHARD_SHIFT) << _SHARD_SHIFT
             self.received[offset >> _SHARD_SHIFT] = _Ranges((shard_starts - offset).tolist(),
                                                             (shard_stops - offset).tolist())
 
-    def _advance(self, ends: dict[int, int]) -> None:
-        cursor, length = self.cursor, self.block_length
+    def _advance(self, cursor: Interleave, ends: dict[int, int]) -> None:
+        length = self.block_length
         while (key := cursor.awaited()) is not None:
             position, block = key
             shard = self.order[position]

@@ -13,21 +13,21 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-
-from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
 from ..api.iteration import IterationContext, LoaderIterator
-from ..plan.base import EMPTY, Loaded
-from ..worker.produce import produce
+from ..core.checks import check_int, is_count
+from ..core.notes import add_note
 from ..core.reassembly import ResumePoint
 from ..core.rng import SampleScope
+from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
+from ..plan.base import EMPTY, Loaded
 from ..plan.sampler import epoch_order
+from ..worker.produce import produce
 from .batching import BatchingConfig
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
-from ..core.checks import check_int, is_count
-from .shards import CHUNKS, RECORDS, STACK, Shards
+from .shards import CHUNKS, RECORDS, STACK, RecordKey, Shards
 
 
 class StreamPlan:
@@ -55,9 +55,6 @@ class StreamPlan:
              ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
               "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
               "function to each batch in your loop, or transform records in fn)")),
-            (cache not in (None, False) and shards.lengths is None,
-             "cache without the shards' record counts (the cache file is laid out for every record: pass "
-             "Shards(..., lengths=[records of each shard]))"),
         ]
         for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards):
             if bad:
@@ -72,7 +69,7 @@ class StreamPlan:
         self.reshuffle = bool(reshuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
-        self.shard = None if shard is None else tuple(shard)
+        self.shard = None if shard is None else (shard[0], shard[1])  # (validated: a pair)
         self.collate_fn = collate_fn
         self.shuffle_buffer = shuffle_buffer
         self.max_skipped = max_skipped
@@ -106,11 +103,13 @@ class StreamPlan:
     def batch_count(self, order: list[int], limits: RankLimits | None = None) -> int:
         """The batches an epoch over the shards ``order`` yields, from their ``lengths`` (or the
         records ``even_ranks`` leaves this rank: ``limits``)."""
-        lengths = self.shards.lengths
+        lengths = cast("tuple[int, ...]", self.shards.lengths)  # (known: the callers check)
         size = self.batch_size
         if limits is not None:  # (with CHUNKS, limits count batches)
             return limits.records if size is None or self.mode == CHUNKS else (
                 limits.records // size if self.drop_last else -(-limits.records // size))
+        if size is None:  # one item per record
+            return sum(lengths[s] for s in order)
 
         def batches(records: int) -> int:
             return records // size if self.drop_last else -(-records // size)
@@ -118,8 +117,7 @@ class StreamPlan:
         if self.mode == CHUNKS:  # batches never span blocks: a block's last chunk may be smaller
             block = self.block_length
             return sum(lengths[s] // block * batches(block) + batches(lengths[s] % block) for s in order)
-        records = sum(lengths[s] for s in order)
-        return records if size is None else batches(records)
+        return batches(sum(lengths[s] for s in order))
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
@@ -134,14 +132,19 @@ class StreamPlan:
             return None
         if self._limits is None or self._limits[0] != epoch:
             order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
-            chunking = Chunking(self.block_length, self.batch_size, self.drop_last) if self.mode == CHUNKS else None
-            self._limits = (epoch, RankLimits(self.shards.lengths, order, self.shard[1], self.shard[0], chunking))
+            # (CHUNKS has a batch size; even_ranks, lengths and a shard: checked in __init__)
+            chunking = (Chunking(self.block_length, cast(int, self.batch_size), self.drop_last)
+                        if self.mode == CHUNKS else None)
+            rank, world = cast("tuple[int, int]", self.shard)
+            lengths = cast("tuple[int, ...]", self.shards.lengths)
+            self._limits = (epoch, RankLimits(lengths, order, world, rank, chunking))
         return self._limits[1]
 
     def settings(self) -> dict[str, Any]:
         """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
         return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "seed": self.seed, "drop_last": self.drop_last, "shard": None if self.shard is None else list(self.shard),
+                "seed": self.seed, "drop_last": self.drop_last,
+                "shard": None if self.shard is None else list(self.shard),
                 "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
                 "mode": self.mode, "shuffle_buffer": self.shuffle_buffer, "even_ranks": self.even_ranks}
 
@@ -203,6 +206,7 @@ class InlineStream(LoaderIterator):
     """
 
     position: tuple[int, int] | None = None
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
 
     def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
         self._attach(context)
@@ -216,7 +220,8 @@ class InlineStream(LoaderIterator):
 
     def _start(self, number: int, done: dict | None, until: int | None, ahead: dict[int, dict]) -> None:
         plan: StreamPlan = self._context.sampler
-        self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        # (engine/epochs.py's Stream is annotated for an indexed source's batches and positions only)
+        self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)  # type: ignore[arg-type]
         self._stream.open(self._stream.first)
         self._epoch = self._stream.first
         self.number = number
@@ -292,17 +297,18 @@ class InlineStream(LoaderIterator):
             scope.leave()
             if isinstance(exc, SystemExit):
                 raise
-            exc.add_note(f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
+            add_note(exc, f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
                          f"(epoch {epoch.number}).")
             raise
         if produced.skipped:  # on_error="skip": records whose fn or augment raised
             if epoch.skips is None:
                 epoch.skips = epoch.skip_budget(self._max_skipped)
-            for key, exc in produced.skipped:
+            # (a streaming source's samples are named by RecordKey, not by an int index)
+            for key, error in cast("list[tuple[RecordKey, Exception]]", produced.skipped):
                 if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.payload})",
-                                       f"{type(exc).__name__}: {exc}"):
-                    exc.add_note(epoch.skips.note())
-                    raise exc
+                                       f"{type(error).__name__}: {error}"):
+                    add_note(error, epoch.skips.note())
+                    raise error
         epoch.result(job, EMPTY if produced.layout is None else Loaded(produced.layout, None, 0))
 
     def _stop(self) -> None:

@@ -16,14 +16,18 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ..core import collate
-from ..core.collate import INLINE, SEQ
-from ..worker.produce import Produced, collate_privately, run_batch_fn
 from ..core.checks import check_int, is_count
-from ..errors import ShardLengthError
+from ..core.collate import INLINE, SEQ
+from ..core.notes import add_note
 from ..core.rng import SampleScope
+from ..errors import ShardLengthError
+from ..worker.produce import Produced, collate_privately, run_batch_fn
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -43,7 +47,7 @@ class RecordKey(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, shard: int, record: int) -> RecordKey:
+    def __new__(cls, shard: int, record: int) -> Self:
         return tuple.__new__(cls, (shard, record))
 
     def __getnewargs__(self) -> tuple[int, int]:
@@ -196,7 +200,7 @@ class Shards:
         layout of those (by mode: a stacked batch, a list of batches, or a list of records;
         ``[INLINE, None]`` if none is kept). A block with no record at all has no layout (``None``).
         """
-        _, mode, batch_size = self._config
+        _, mode, batch_size = cast("tuple[int, str, int | None]", self._config)  # (set: the loader's copy runs)
         skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
         read_all = (self._from_cache(spec, scope, epoch, block, skipped)
                     if getattr(spec, "cache", None) is not None else None)
@@ -210,8 +214,9 @@ class Shards:
             return Produced(block_layout(BlockRead(read, 0, failed), [INLINE, None]), 0, buffer is not None, [],
                             skipped)
         if mode == CHUNKS:
-            batches = [self._chunk(spec, scope, epoch, samples[i:i + batch_size], keys[i:i + batch_size])
-                       for i in range(0, len(samples), batch_size)]
+            size = cast(int, batch_size)  # (CHUNKS has a batch size)
+            batches = [self._chunk(spec, scope, epoch, samples[i:i + size], keys[i:i + size])
+                       for i in range(0, len(samples), size)]
             scope.leave()
             layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
         else:
@@ -221,7 +226,7 @@ class Shards:
                 else:
                     layout, nbytes, in_slot = collate.layout_value(samples, buffer, capacity)
             except Exception as exc:
-                exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+                add_note(exc, f"procpipe: raised while collating {self._records(keys)}.")
                 raise
         return Produced(block_layout(BlockRead(read, len(samples), failed), layout), nbytes, in_slot, keys, skipped)
 
@@ -258,6 +263,8 @@ class Shards:
                 samples.append(record)
         finally:
             self._keep(epoch, block.shard, reader)
+        if reader.done and self.lengths is None and getattr(spec, "cache", None) is not None:
+            spec.cache.set_end(block.shard, reader.position)  # (a growing cache: where the shard ends)
         scope.leave()
         if status is not None:
             status[1] = -1
@@ -278,7 +285,7 @@ class Shards:
             augment = getattr(spec, "augment", None)
             return record if augment is None else augment(record)
         except Exception as exc:
-            exc.add_note(f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
+            add_note(exc, f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
             raise
 
     def _from_cache(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
@@ -287,7 +294,8 @@ class Shards:
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
         cache, augment = spec.cache, getattr(spec, "augment", None)
-        end = min(block.first + block.length, self.lengths[block.shard])
+        known = self.lengths[block.shard] if self.lengths is not None else cache.shard_end(block.shard)
+        end = block.first + block.length if known is None else min(block.first + block.length, known)
         keys: list[RecordKey] = []
         samples: list[Any] = []
         for record in range(block.first, end):
@@ -301,13 +309,13 @@ class Shards:
             samples.append(sample)
         if augment is not None:
             kept_keys, kept = [], []
-            for key, sample in zip(keys, samples):
+            for key, sample in zip(keys, samples, strict=True):
                 scope.enter(epoch, key)
                 try:
                     kept.append(augment(sample))
                     kept_keys.append(key)
                 except Exception as exc:
-                    exc.add_note(f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
+                    add_note(exc, f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
                                  f"({self.name(key[0])}).")
                     if not getattr(spec, "skip", False):
                         raise
@@ -324,19 +332,22 @@ class Shards:
                              "file out: pass Shards(..., lengths=[records of each shard])")
         return sum(self.lengths)
 
-    def cache_index(self, key: RecordKey) -> int:
-        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``."""
+    def cache_index(self, key: RecordKey) -> int | RecordKey:
+        """The cache's index of record ``(shard, record)``: the records of the shards before it, plus ``record``;
+        the key itself without ``lengths`` (the cache then grows as records arrive: worker/stream_cache.py)."""
+        if self.lengths is None:
+            return key
         if self._offsets is None:
             self._offsets = [0]
             for n in self.lengths:
                 self._offsets.append(self._offsets[-1] + n)
         return self._offsets[key[0]] + key[1]
 
-    def first_record(self, scope: SampleScope) -> tuple[int, RecordKey, Any]:
+    def first_record(self, scope: SampleScope) -> tuple[Any, RecordKey, Any] | None:
         """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
-        (the calling process lays the cache out from ``fn`` of it, as for an index source)."""
-        for shard, n in enumerate(self.lengths):
-            if not n:
+        (the calling process lays the cache out from ``fn`` of it); None if every shard is empty (no lengths)."""
+        for shard in range(len(self.shards)):
+            if self.lengths is not None and not self.lengths[shard]:
                 continue
             key = RecordKey(shard, 0)
             scope.enter(0, key)
@@ -346,14 +357,18 @@ class Shards:
                 record = reader.next(self, key)
                 reader.close()
             except Exception as exc:
-                exc.add_note(f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
+                add_note(exc, f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
                              f"({self.name(shard)}) to lay out the cache (cache=...).")
                 raise
             finally:
                 scope.leave()
+            if record is _END and self.lengths is None:
+                continue
             if record is _END:
                 raise ShardLengthError(self.length_mismatch(shard, "ended after 0 records"))
             return self.cache_index(key), key, record
+        if self.lengths is None:
+            return None
         raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
     def _chunk(self, spec: Any, scope: SampleScope, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
@@ -364,7 +379,7 @@ class Shards:
         try:
             batch = collate_privately(spec.collate_fn, samples, keys)
         except Exception as exc:
-            exc.add_note(f"procpipe: raised while collating {self._records(keys)}.")
+            add_note(exc, f"procpipe: raised while collating {self._records(keys)}.")
             raise
         if spec.batch_fn is None:
             return batch
@@ -381,7 +396,8 @@ class Shards:
     def length_mismatch(self, shard: int, what: str) -> str:
         """The message of a shard that broke the ``lengths`` promise."""
         return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
-                f"{self.lengths[shard]}: the epoch cannot have the len() the loader reported. Fix lengths[{shard}] "
+                f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader "
+                f"reported. Fix lengths[{shard}] "
                 "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
                 "every time.")
 
@@ -411,7 +427,7 @@ class Shards:
             try:
                 reader = _Reader(iter(self.open_fn(self.shards[block.shard])))
             except Exception as exc:
-                exc.add_note(f"procpipe: raised by open_fn opening shard {block.shard} ({self.name(block.shard)}).")
+                add_note(exc, f"procpipe: raised by open_fn opening shard {block.shard} ({self.name(block.shard)}).")
                 raise
         try:
             while reader.position < block.first:  # a reopened shard: skip what earlier blocks had
@@ -483,12 +499,13 @@ class _Reader:
             self.close()
             if promised is not None and self.position != promised:
                 self.broken = True
-                raise ShardLengthError(shards.length_mismatch(key[0], f"ended after {self.position} records"))
+                raise ShardLengthError(
+                    shards.length_mismatch(key[0], f"ended after {self.position} records")) from None
             return _END
         except Exception as exc:
             self.broken = True
             self.close()
-            exc.add_note(f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
+            add_note(exc, f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
                          "in the iterator open_fn returned.")
             raise
         if promised is not None and self.position >= promised:
@@ -504,5 +521,5 @@ class _Reader:
         if close is not None:
             try:
                 close()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the iterator is done or broken; an error closing it changes nothing
                 pass

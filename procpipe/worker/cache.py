@@ -40,13 +40,14 @@ import os
 import weakref
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from ..errors import CacheError, SharedMemoryError
-from ..core.rng import SampleScope, no_sample_rng
+from ..core.notes import add_note
+from ..core.rng import SAMPLE, SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
+from ..errors import CacheError, SharedMemoryError
 
 MEMORY = "memory"
 ALIGN = 64
@@ -77,7 +78,7 @@ class _Field:
     """One leaf of the sample tree: ``kind`` is ``"array"``, ``"scalar"`` (a numpy scalar) or a
     Python number type's name (``"int"``...), restored as that type."""
 
-    __slots__ = ("kind", "dtype", "shape", "path", "offset", "itemsize")
+    __slots__ = ("dtype", "itemsize", "kind", "offset", "path", "shape")
 
     def __init__(self, kind: str, dtype: np.dtype, shape: tuple, path: tuple) -> None:
         self.kind, self.dtype, self.shape, self.path = kind, dtype, shape, path
@@ -162,11 +163,11 @@ class Cache:
                 "nbytes": self.nbytes, "directory": self.directory, "crc_offset": self.crc_offset}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        type(self).__init__(self, **state)
 
     # -------------------------------------------------------------- mapping
-    def _attach(self) -> None:
-        """Map the file (without populating it: a directory cache may be larger than memory).
+    def _attach(self) -> np.ndarray:
+        """Map the file, without populating it (a directory cache may be larger than memory); its ``_flags``.
 
         Only the loader's own file (``open_owned``: no symlink, owner-only), of its full size:
         a truncated file would kill the process with SIGBUS at the first read past its end.
@@ -183,12 +184,13 @@ class Cache:
             self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        self._flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
+        self._flags = flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
         if self.crc_offset is not None:
             self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
             self._bytes = np.ndarray((self.nbytes,), np.uint8, buffer=self._map)
         self._arrays = [np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset)
                         for f in self.fields]
+        return flags
 
     def _check(self, size: int | None = None) -> None:
         """``CacheError`` naming the file unless it still has its full size (``size``; by default
@@ -211,7 +213,7 @@ class Cache:
 
     def _crc(self, index: int) -> int:
         """CRC-32 of the stored bytes of sample ``index`` (every field's row, in field order)."""
-        crc, raw = 0, self._bytes
+        crc, raw = 0, cast(Any, self._bytes)  # (an ndarray: a buffer, which numpy's stubs say from Python 3.12)
         for f in self.fields:
             start = f.offset + index * f.itemsize
             crc = zlib.crc32(raw[start:start + f.itemsize], crc)
@@ -232,10 +234,10 @@ class Cache:
     # -------------------------------------------------------------- samples
     def get(self, index: int) -> Any | None:
         """A private copy of the cached sample ``index``, or None if it was never filled."""
-        if self._flags is None:
-            self._attach()
+        if (flags := self._flags) is None:
+            flags = self._attach()
         self._check()
-        flag = self._flags[index]
+        flag = flags[index]
         if not flag:
             return None
         if flag != 1:
@@ -255,7 +257,7 @@ class Cache:
                     return value
                 return value.item()  # a Python int/float/bool/complex, as fn returned it
             if kind == _DICT:
-                return dict(zip(node[1], [build(child) for child in node[2]]))
+                return dict(zip(node[1], [build(child) for child in node[2]], strict=True))
             items = [build(child) for child in node[2]]
             seq_type = node[1]
             if seq_type is list:
@@ -268,18 +270,18 @@ class Cache:
 
     def put(self, index: int, sample: Any) -> None:
         """Store ``sample`` as index ``index``; ``CacheError`` if it does not match the first sample."""
-        if self._flags is None:
-            self._attach()
+        if (flags := self._flags) is None:
+            flags = self._attach()
         leaves: list[Any] = [None] * len(self.fields)
         self._match(self.skeleton, sample, (), leaves, index)
         self._check()
-        for array, value in zip(self._arrays, leaves):
+        for array, value in zip(self._arrays, leaves, strict=False):
             array[index] = value
         if self._crcs is not None:
             self._crcs[index] = self._crc(index)
         # The data is written before the flag; a reader checks the flag first. (Stores are not reordered
         # on x86; elsewhere, the interpreter does far more than a barrier's worth of work between the two.)
-        self._flags[index] = 1
+        flags[index] = 1
 
     def _match(self, node: list, value: Any, path: tuple, leaves: list, index: int) -> None:
         kind = node[0]
@@ -288,7 +290,7 @@ class Cache:
                 self._mismatch(index, path, f"a mapping with keys {sorted(map(str, node[1]))}",
                                f"a mapping with keys {sorted(map(str, value.keys()))}"
                                if isinstance(value, Mapping) else _describe(value))
-            for key, child in zip(node[1], node[2]):
+            for key, child in zip(node[1], node[2], strict=True):
                 self._match(child, value[key], path + (key,), leaves, index)
             return
         if kind == _SEQ:
@@ -319,10 +321,10 @@ class Cache:
 
     def filled(self) -> int:
         """How many indices are in the cache."""
-        if self._flags is None:
-            self._attach()
+        if (flags := self._flags) is None:
+            flags = self._attach()
         self._check()
-        return int(np.count_nonzero(self._flags))
+        return int(np.count_nonzero(flags))
 
     def compute(self, index: int, source: Any, fn: Any) -> Any:
         """Run the cached stage for ``index``, store it, and return the stored copy."""
@@ -408,7 +410,7 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
             "stage's output smaller (e.g. uint8 instead of float32, smaller images); or pass cache=False."
         ) from None
     create_file(path, nbytes, what)
-    if outside:
+    if outside and files is not None:  # (outside implies files)
         # A directory outside the loader's files: name it in a pointer file under the loader's
         # prefix, so a worker whose parent was killed removes it too (remove_orphan).
         try:
@@ -432,8 +434,9 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
 
 def _first_scope(spec: Any) -> SampleScope:
     """The scope the first sample is computed in: the global generators seeded as a worker
-    seeds them for epoch 0 (the sample is cached), and the caller's states put back after."""
-    return SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
+    seeds a cached stage for epoch 0 (from its sample's own seed: ``SampleScope.own_seed``),
+    and the caller's states put back after."""
+    return SampleScope(spec.seed, seed_globals=SAMPLE if spec.seed_globals else None, restore_globals=True)
 
 
 def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
@@ -448,7 +451,7 @@ def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
                     sample = spec.fn(sample)
             return index, sample
         except Exception as exc:
-            exc.add_note(f"procpipe: raised in the calling process while computing index {index} to lay out "
+            add_note(exc, f"procpipe: raised in the calling process while computing index {index} to lay out "
                          "the cache (cache=...): the first sample of the cached stage is computed when the "
                          "Loader is created.")
             error = exc
@@ -469,7 +472,7 @@ def _first_stream_sample(spec: Any) -> tuple[int, Any]:
         with no_sample_rng(_NO_RNG):
             return index, record if spec.fn is None else spec.fn(record)
     except Exception as exc:
-        exc.add_note("procpipe: raised in the calling process while computing the first record to lay out the "
+        add_note(exc, "procpipe: raised in the calling process while computing the first record to lay out the "
                      "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.")
         raise
     finally:

@@ -59,7 +59,7 @@ class WorkerSpec:
     batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
     augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
     cache: Any = None  # a procpipe.worker.cache.Cache: fn's output per index, computed once
-    seed_globals: bool = True  # seed random/np.random/torch per sample (rng.SampleScope)
+    seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
 
 
 class _SpecPickler(dill.Pickler):

@@ -77,7 +77,8 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
             if cache is not None:
                 sample = cache.get(index)
                 if sample is None:
-                    sample = cache.compute(index, source, fn)
+                    with scope.own_seed():  # the task's draws go on as if the cache had been hit
+                        sample = cache.compute(index, source, fn)
             else:
                 sample = source[index]
                 if fn is not None:

@@ -28,11 +28,14 @@ import secrets
 import struct
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..core.shm import open_new_file
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 MAGIC = b"PPRECS01"
 _ALIGN = 64
@@ -146,26 +149,27 @@ class Records(Sequence):
     def column(self, name: Any) -> Any:
         """A numeric column as a read-only numpy array (a view, no copy); a text column as a list."""
         store = self._store
-        store.check_open()
+        getters = store.check_open()
         try:
             k = store.names.index(name)
         except ValueError:
             raise KeyError(f"no column {name!r}; the columns are {store.names}") from None
-        if store.arrays[k] is None:
-            get = store.getters[k]
+        array = store.arrays[k]
+        if array is None:
+            get = getters[k]
             return [get(j) for j in self._span]
         span = self._span
-        return store.arrays[k][span.start:None if span.stop < 0 else span.stop:span.step]
+        return array[span.start:None if span.stop < 0 else span.stop:span.step]
 
     # ------------------------------------------------------------------ lifetime, pickling
     def close(self) -> None:
         """Release the memory (of this Records and every view of it); workers keep their mapping."""
         self._store.close()
 
-    def __enter__(self) -> Records:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __reduce__(self) -> tuple:
@@ -179,7 +183,7 @@ class Records(Sequence):
         if store.getters is None:
             return "<procpipe.Records, closed>"
         fields = ", ".join(f"{n}: {c['type'] if c['type'] in _TEXT else np.dtype(c['type'])}"
-                           for n, c in zip(store.names, store.header["columns"]))
+                           for n, c in zip(store.names, store.header["columns"], strict=True))
         return f"<procpipe.Records: {len(self)} {store.kind} records ({fields}), {store.nbytes / 2**20:.1f} MiB>"
 
 
@@ -191,6 +195,7 @@ class _Store:
         if size < 16:
             raise ValueError(f"not a procpipe.Records file (only {size} bytes): {where[-1]}")
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self.map: mmap.mmap | None
         self.map = mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
         self.where, self.nbytes = where, size
         if mm[:8] != MAGIC:
@@ -211,27 +216,31 @@ class _Store:
                 array = np.frombuffer(mm, np.dtype(c["type"]), self.length, base + c["offset"])
                 self.arrays.append(array)
                 self.getters.append(array.item)
-        self.named = list(zip(self.names, self.getters))
+        self.named = list(zip(self.names, self.getters, strict=True))
         # The owner keeps its descriptor open (others reach the file through it) until close or GC.
         self._close_fd = weakref.finalize(self, os.close, fd) if own_fd else None
 
     def record(self, j: int) -> Any:
-        if self.getters is None:
-            self.check_open()
+        getters = self.getters
+        if getters is None:
+            raise _closed()
         if self.kind == "dict":
             return {name: get(j) for name, get in self.named}
         if self.kind == "tuple":
-            return tuple([get(j) for get in self.getters])
-        return self.getters[0](j)
+            return tuple([get(j) for get in getters])
+        return getters[0](j)
 
-    def check_open(self) -> None:
+    def check_open(self) -> list[Any]:
+        """The column getters; ``ValueError`` once closed."""
         if self.getters is None:
-            raise ValueError("this procpipe.Records is closed")
+            raise _closed()
+        return self.getters
 
     def close(self) -> None:
         if self.map is None:
             return
-        self.getters = self.named = None
+        self.getters = None
+        self.named = []  # (record() looks at getters first)
         self.arrays = []
         try:
             self.map.close()
@@ -279,6 +288,8 @@ def _rebuild(where: tuple, token: str, span: tuple[int, int, int]) -> Records:
 def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
     """Validate and pack records: (header bytes, [(file position, buffer)], file size)."""
     items = items if isinstance(items, (list, tuple)) else list(items)
+    names: list[Any]  # a dict's keys, a tuple's positions, or [0]
+    values: list[Sequence[Any]]  # one sequence per column
     if not items:
         raise ValueError("procpipe.Records needs at least one record")
     first = items[0]
@@ -317,29 +328,30 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
     chunks: list[tuple[int, Any]] = []  # (position after the header, buffer)
     text: list[tuple[np.ndarray, dict]] = []
     pos = 0
-    for name, column in zip(names, values):
+    for name, column in zip(names, values, strict=True):
         label = {"dict": f" field {name!r}", "tuple": f" item {name}", "scalar": ""}[kind]
         typ, array, data = _column(column, label)
         entry: dict[str, Any] = {"name": name, "type": typ}
+        payload: np.ndarray | bytes = array
         if data is not None:  # text: the offsets, then the bytes
             entry["offsets"] = pos
             chunks.append((pos, array))
             text.append((array, entry))
             pos = _align(pos + array.nbytes)
-            array = data
+            payload = data
         entry["offset"] = pos
-        chunks.append((pos, array))
-        pos = _align(pos + memoryview(array).nbytes)
+        chunks.append((pos, payload))
+        pos = _align(pos + (payload.nbytes if isinstance(payload, np.ndarray) else len(payload)))
         columns.append(entry)
     header = json.dumps({"version": 1, "token": secrets.token_hex(8), "kind": kind, "length": len(items),
                          "columns": columns}).encode()
     base = _align(16 + len(header))
     for offsets, entry in text:  # offsets into the text become absolute file positions
-        offsets += base + entry["offset"]
+        np.add(offsets, base + entry["offset"], out=offsets)  # in place: the arrays in `chunks` are these
     return MAGIC + struct.pack("<Q", len(header)) + header, [(base + p, a) for p, a in chunks], base + pos
 
 
-def _column(values: list, label: str) -> tuple[str, np.ndarray, bytes | None]:
+def _column(values: Sequence[Any], label: str) -> tuple[str, np.ndarray, bytes | None]:
     """One column: (type, array, None) for numbers and bools; (type, offsets, data) for text."""
     types = set(map(type, values))
     if all(issubclass(t, str) for t in types):
@@ -407,3 +419,7 @@ def _pwrite(fd: int, buffer: Any, pos: int) -> None:
         done = 0
         while done < len(flat):
             done += os.pwrite(fd, flat[done:], pos + done)
+
+
+def _closed() -> ValueError:
+    return ValueError("this procpipe.Records is closed")

@@ -1,18 +1,15 @@
 """Which start method a Loader's workers get, and starting them without the main script.
 
-``start_method="auto"`` (the default) picks ``"fork"`` when the calling process runs no
-thread but its main one and those that existed when procpipe was imported, else
-``"forkserver"``. Forking is the fastest start (nothing is imported or shipped) and is
-safe while no other thread can hold a lock the child would inherit or leave a thread
-pool the child cannot use. Threads are counted at the OS level (``/proc/self/task``), so
-native pools (torch's OpenMP intra-op pool once a parallel op ran) count as well as
-Python's. The baseline taken at import is numpy's BLAS pool, which OpenBLAS makes
-fork-safe itself (``pthread_atfork``); a script that imports torch but has not run a
-parallel op yet has no more threads than that. The choice is made once per loader: its
-workers started later (replacing a dead one, or added by ``workers="auto"``) are forked
-the same way, from the coordinator thread, as torch's DataLoader forks each epoch's
-workers from a training process that runs threads by then. Native threads that were
-already running when procpipe was imported count in the baseline: import procpipe early.
+``start_method="auto"`` (the default) picks ``"fork"`` while forking is safe
+(``fork_safety``: no thread runs but the main one, procpipe's own threads, and numpy's
+BLAS pool), else ``"forkserver"``. Forking is the fastest start (nothing is imported or
+shipped). procpipe's own threads (an earlier loader's coordinator, a device stage) do not
+prevent it: every fork of a procpipe worker holds ``fork_safety.forking()``, so none of
+them is inside native code then. A second loader therefore forks like the first. When
+``"auto"`` cannot fork, it says why, once per process (``SlowStartWarning``), with the fix.
+The choice is made once per loader: its workers started later (replacing a dead one, or
+added by ``workers="auto"``) start the same way, as torch's DataLoader forks each epoch's
+workers from a training process that runs threads by then.
 
 With ``"forkserver"`` and ``"spawn"``, multiprocess makes every new process import the
 main script again (as ``__mp_main__``) before it runs anything: a second or more when
@@ -23,13 +20,15 @@ value. ``context`` returns contexts whose processes start without importing it.
 """
 from __future__ import annotations
 
-import os
 import threading
+import warnings
 from typing import Any
 
 import multiprocess
 from multiprocess import context as _mp_context
 from multiprocess import spawn as _mp_spawn
+
+from . import fork_safety
 
 AUTO = "auto"
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
@@ -38,31 +37,42 @@ _install_lock = threading.Lock()
 _installed = False
 
 
-def os_thread_count() -> int:
-    """Threads of this process as the OS sees them (Python's and native libraries')."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        import psutil
-
-        return psutil.Process().num_threads()
+class SlowStartWarning(UserWarning):
+    """``start_method="auto"`` could not fork: workers start from a forkserver (said once per process)."""
 
 
-# OS threads when procpipe was imported, Python threads but the main one left out
-# (numpy, imported first, has started its BLAS pool by then).
-_BASELINE_THREADS = os_thread_count() - (threading.active_count() - 1)
+_warned = False
 
 
 def fork_is_safe() -> bool:
-    """No thread runs in this process but the main one and the import-time baseline."""
-    return threading.active_count() == 1 and os_thread_count() <= _BASELINE_THREADS
+    """Whether ``"auto"`` may fork now (``fork_safety``)."""
+    return fork_safety.fork_is_safe()
 
 
-def resolve(requested: str) -> str:
-    """The start method to use for ``requested`` (``"auto"``: see the module doc)."""
+def resolve(requested: str, warn: bool = True) -> str:
+    """The start method to use for ``requested`` (``"auto"``: see the module doc); ``warn``: say
+    once per process why ``"auto"`` cannot fork (False where no worker starts here)."""
     if requested != AUTO:
         return requested
-    return "fork" if fork_is_safe() else "forkserver"
+    if fork_is_safe():
+        return "fork"
+    if warn:
+        _warn_once(fork_safety.why_not_safe() or "forking this process is not safe now")
+    return "forkserver"
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"procpipe: start_method='auto' starts workers from a forkserver, not by fork: {why}. "
+        "The first batch takes longer (a fresh process imports what the dataset and functions reference, "
+        "once per process). To fork: create loaders before starting threads, and import procpipe before "
+        "libraries that start thread pools; or pass start_method='fork' if those threads hold no lock the "
+        "workers need, or start_method='forkserver' to choose it (and silence this). See docs/guide/startup.md.",
+        SlowStartWarning, stacklevel=4)
 
 
 def _install() -> None:
@@ -98,12 +108,24 @@ class _WithoutMain:
             _launching.without_main = False
 
 
+class ForkWorker(_mp_context.ForkProcess):
+    """A forked process; the fork waits until no procpipe thread is in native code (``fork_safety``)."""
+
+    def start(self) -> None:
+        with fork_safety.forking():
+            super().start()
+
+
 class ForkServerWorker(_WithoutMain, _mp_context.ForkServerProcess):
     """A forkserver process that does not import the main script (module doc)."""
 
 
 class SpawnWorker(_WithoutMain, _mp_context.SpawnProcess):
     """A spawned process that does not import the main script (module doc)."""
+
+
+class _ForkContext(_mp_context.ForkContext):
+    Process = ForkWorker
 
 
 class _ForkServerContext(_mp_context.ForkServerContext):
@@ -120,4 +142,6 @@ def context(start_method: str) -> Any:
         return _ForkServerContext()
     if start_method == "spawn":
         return _SpawnContext()
+    if start_method == "fork":
+        return _ForkContext()
     return multiprocess.get_context(start_method)

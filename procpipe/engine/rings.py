@@ -1,0 +1,118 @@
+"""``RingSet``: the coordinator's ring generations and their slot free lists.
+
+The ring (core/shm.py) is made once the first batch tells the size of a full one. A batch
+that does not fit its slot grows it: a new generation, with larger slots, replaces the
+current one; the old one is *retired* and removed once all its slots have come back (the
+consumer may still hold views of them). Slot numbers never repeat across generations, so
+``ring_of(slot)`` finds the generation a slot belongs to.
+
+Threads: ``take``, ``grow`` and ``remove_idle`` run on the coordinator thread; ``release``
+runs in whichever thread drops a batch's last view (usually the consumer's), and wakes the
+coordinator if it said it was starved of slots.
+"""
+from __future__ import annotations
+
+import time
+
+from ..core.shm import Ring, SharedFiles, round_slot_bytes
+from ..core.stats import EpochCounters
+from ..core.wakeup import WakePipe
+from ..errors import SharedMemoryError
+
+
+class RingSet:
+    """The current ring (``current``, None before the first batch) and the retired ones."""
+
+    def __init__(self, files: SharedFiles, wakeup: WakePipe) -> None:
+        self.files = files
+        self.wakeup = wakeup
+        self.current: Ring | None = None
+        self.retired: list[Ring] = []  # earlier generations some of whose slots are still in use
+        self.grow_failed = False  # a larger ring did not fit in shm_dir: overflows stay inline
+
+    def make(self, slots: int, slot_bytes: int) -> Ring:
+        """Create the first generation: ``slots`` slots of ``slot_bytes`` (rounded up)."""
+        self.current = Ring(self.files, 0, slots, round_slot_bytes(slot_bytes))
+        return self.current
+
+    def take(self, counters: EpochCounters) -> int | None:
+        """A free slot of the current ring, or None: no ring yet, or every slot is in use.
+        ``counters`` records the peak number in use."""
+        ring = self.current
+        if ring is None or not ring.free:
+            return None
+        slot = ring.free.popleft()
+        in_use = ring.slots - len(ring.free)
+        if in_use > counters.peak_slots_in_use:
+            counters.peak_slots_in_use = in_use
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Return ``slot`` to its ring (any thread); a slot of the current ring wakes a
+        starved coordinator."""
+        ring = self.current
+        if ring is None:
+            return
+        if not ring.owns(slot):
+            old = self.ring_of(slot)
+            if old is not None:
+                old.free.append(slot)
+            return
+        ring.free.append(slot)
+        if self.wakeup.starved:
+            self.wakeup.wake_if_starved()
+
+    def release_unused(self, slot: int) -> None:
+        """``release`` for an attempt's slot, which is -1 when it had none."""
+        if slot >= 0:
+            self.release(slot)
+
+    def ring_of(self, slot: int) -> Ring | None:
+        """The generation (current or retired) slot number ``slot`` belongs to."""
+        ring = self.current
+        if ring is None or ring.owns(slot):
+            return ring
+        for old in list(self.retired):  # (a copy: the coordinator thread may remove one meanwhile)
+            if old.owns(slot):
+                return old
+        return None
+
+    def remove_idle(self) -> None:
+        """Remove the retired generations whose slots have all come back (coordinator thread)."""
+        for old in [r for r in self.retired if r.idle]:
+            self.retired.remove(old)
+            old.remove()
+
+    def grow(self, nbytes: int, counters: EpochCounters) -> str | None:
+        """A batch of ``nbytes`` did not fit its slot: replace the current ring by one whose
+        slots hold it with a margin (the old one is retired), so later batches of that size
+        go through the ring, not the pipes. Returns why it could not (``shm_dir`` has no room:
+        such batches then stay inline), else None.
+
+        The new file is created and its pages populated here, on the coordinator thread:
+        ``counters`` (``stats()["ring_growths"]``/``["ring_growth_s"]``) records the time."""
+        old = self.current
+        if old is None or self.grow_failed or nbytes <= old.slot_bytes:
+            return None
+        started = time.perf_counter()
+        try:
+            ring = Ring(self.files, old.ring_id + 1, old.slots, round_slot_bytes(nbytes + nbytes // 4),
+                        old.first_slot + old.slots)
+        except SharedMemoryError as exc:
+            self.grow_failed = True
+            return f" A larger ring did not fit: {exc}"
+        finally:
+            counters.ring_growth_s += time.perf_counter() - started
+        counters.ring_growths += 1
+        old.retired = True
+        self.retired.append(old)
+        self.current = ring
+        if old.idle:
+            self.remove_idle()
+        return None
+
+    def close(self) -> None:
+        """Unmap every generation (the files are removed with the others, by ``SharedFiles``)."""
+        for ring in [self.current, *self.retired]:
+            if ring is not None:
+                ring.close()

@@ -1,0 +1,399 @@
+"""The coordinator's parts, tested in-process against a fake pool (no worker processes).
+
+The coordinator (engine/coordinator.py) is a loop of named steps over parts: the worker
+``Roster`` (roster.py), the ``Dispatcher`` with its speculation (dispatch.py), the verdict
+on a death (``deaths.settle``), the ring generations (``RingSet``), typed commands and the
+``WakePipe`` (core/wakeup.py). Each is driven here with ``FakePool``/``FakeLink`` (the
+``WorkerPool``/``WorkerLink`` interface of engine/pool.py, recording what is sent) and
+stand-in epochs, so deaths, timeouts and speculation are checked without a process.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from procpipe.core.messages import Task
+from procpipe.core.shm import SharedFiles
+from procpipe.core.stats import EpochCounters, WorkerCounters
+from procpipe.core.wakeup import WakePipe
+from procpipe.engine.commands import CancelStream, CloseEngine, StartStream, command_of
+from procpipe.engine.deaths import Next, settle
+from procpipe.engine.dispatch import Dispatcher, needs_copy
+from procpipe.engine.epochs import Job
+from procpipe.engine.pool import WorkerLink, WorkerPool
+from procpipe.engine.rings import RingSet
+from procpipe.engine.roster import Roster, WorkerState, state_of
+
+
+# --------------------------------------------------------------------------- fakes
+class FakeLink(WorkerLink):
+    """A worker with no process: what is put on it is recorded; how it ended is set by the test."""
+
+    def __init__(self, index: int, counters: WorkerCounters) -> None:
+        super().__init__(index, counters)
+        self.sent: list[Any] = []
+        self.killed = False
+        self.start_failed = False
+        self.stuck_index: int | None = None
+
+    pid = None  # type: ignore[assignment]
+    exitcode = None  # type: ignore[assignment]
+
+    def describe(self) -> str:
+        return f"fake worker {self.index}"
+
+    def reply_fd(self) -> int:
+        return -1
+
+    def exit_fd(self) -> int:
+        return -1
+
+    def read(self) -> list | None:
+        return []
+
+    def put(self, message: Any) -> None:
+        self.sent.append(message)
+
+    def flush(self) -> bool:
+        return True
+
+    def write_fd(self) -> int:
+        return -1
+
+    def reap(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def stuck_on(self, attempt: Any) -> int | None:
+        return self.stuck_index
+
+    def failed_to_start(self) -> bool:
+        return self.start_failed
+
+
+class FakePool(WorkerPool):
+    uses_ring = False
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def start(self, index: int, counters: WorkerCounters) -> WorkerLink:
+        self.started.append(index)
+        return FakeLink(index, counters)
+
+    def stop(self, links: list[WorkerLink]) -> None:
+        pass
+
+
+def fake_epoch(number: int = 0) -> Any:
+    """The parts of an ``Epoch`` the dispatcher and ``settle`` touch."""
+    return SimpleNamespace(number=number, finished=False, counters=EpochCounters(),
+                           moved=lambda job, worker: epoch_moves.append((job, worker)))
+
+
+epoch_moves: list = []
+
+
+def make_job(epoch: Any, key: int = 0) -> Job:
+    return Job(epoch, SimpleNamespace(key=key, payload=[key]))
+
+
+def engine(workers: int = 2, tasks_per_worker: int = 2) -> tuple[Roster, Dispatcher, FakePool]:
+    pool = FakePool()
+    roster = Roster(pool, workers, workers, tasks_per_worker)
+    for i in range(workers):
+        link = roster.start(i)
+        roster.mark_ready(link)
+        roster.links.append(link)
+    rings = RingSet(SimpleNamespace(directory="/nonexistent"), WakePipe())  # type: ignore[arg-type]
+    return roster, Dispatcher(roster, rings, False, 2, lambda worker: None), pool
+
+
+# --------------------------------------------------------------------------- wake pipe, commands
+def test_wake_pipe_wakes_select_once_starved_and_ignores_a_wake_after_close():
+    wakeup = WakePipe()
+    with selectors.DefaultSelector() as selector:
+        selector.register(wakeup.fileno(), selectors.EVENT_READ)
+        wakeup.wake_if_starved()  # not starved: no byte
+        assert selector.select(0) == []
+        wakeup.starved = True
+        wakeup.wake_if_starved()
+        assert not wakeup.starved and len(selector.select(0)) == 1
+        for _ in range(100_000):  # a full pipe means "already awake": never blocks
+            wakeup.wake()
+        wakeup.drain()
+        assert selector.select(0) == []
+        selector.unregister(wakeup.fileno())
+    wakeup.close()
+    wakeup.close()
+    wakeup.wake()  # after close: ignored, not written to a reused descriptor
+    assert wakeup.fileno() == -1
+
+
+def test_commands_are_typed_and_the_names_still_work():
+    stream = object()
+    assert command_of("start", stream).stream is stream  # type: ignore[union-attr]
+    assert command_of("cancel", 3).gen == 3  # type: ignore[union-attr]
+    assert isinstance(command_of("close"), CloseEngine)
+    typed = StartStream(stream)  # type: ignore[arg-type]
+    assert command_of(typed) is typed and isinstance(command_of(CancelStream(1)), CancelStream)
+    with pytest.raises(ValueError, match=r"unknown coordinator command.*StartStream"):
+        command_of("stat")
+
+
+# --------------------------------------------------------------------------- roster
+def test_roster_states_from_start_to_death():
+    roster = Roster(FakePool(), 3, 3, 2)
+    link = roster.start(2)
+    assert len(roster.counters) == 3 and link.counters is roster.counters[2]
+    assert state_of(link) is WorkerState.STARTING
+    roster.mark_ready(link)
+    assert state_of(link) is WorkerState.READY
+    link.tasks[0] = object()  # type: ignore[assignment]
+    assert state_of(link) is WorkerState.BUSY
+    link.retiring = True
+    assert state_of(link) is WorkerState.RETIRING
+    roster.mark_dead(link)
+    assert state_of(link) is WorkerState.DEAD
+
+
+def test_roster_picks_the_least_loaded_healthy_worker_and_retires_the_highest():
+    roster, dispatcher, _ = engine(workers=3)
+    a, b, c = roster.links
+    a.tasks.update({1: object(), 2: object()})  # type: ignore[dict-item]
+    b.tasks[3] = object()  # type: ignore[assignment]
+    c.stalled = True
+    assert roster.idle() is b  # a is full, c straggles
+    b.tasks[4] = object()  # type: ignore[assignment]
+    assert roster.idle() is None
+    assert roster.to_retire() is c
+    roster.retire(c)
+    assert c.retiring and c.stop_sent and roster.n_workers == 2  # idle: told to stop at once
+    dispatcher.set_outstanding()
+    assert dispatcher.max_outstanding == 2 + 2 * 2
+    roster.retire(roster.to_retire())  # type: ignore[arg-type]
+    assert roster.to_retire() is None  # never the last live worker
+    assert roster.free_index() is None and roster.states()[0] is WorkerState.BUSY
+
+
+# --------------------------------------------------------------------------- dispatch and speculation
+def test_send_records_the_attempt_and_puts_a_task_without_a_ring():
+    roster, dispatcher, _ = engine()
+    epoch = fake_epoch(number=5)
+    job = make_job(epoch, key=7)
+    worker = roster.links[0]
+    dispatcher.send(worker, job, -1)
+    (attempt,) = job.attempts
+    assert dispatcher.attempts == {attempt.id: attempt} and worker.tasks == {attempt.id: attempt}
+    (task,) = worker.sent
+    assert type(task) is Task and tuple(task) == (attempt.id, 5, [7], -1, -1, 0)
+    assert attempt.started is not None  # an idle, ready worker starts it now
+
+
+def test_speculation_copies_a_stragglers_batch_to_a_healthy_worker_once():
+    roster, dispatcher, _ = engine(workers=3)
+    slow, fast, other = roster.links
+    epoch = fake_epoch()
+    job = make_job(epoch)
+    dispatcher.send(slow, job, -1)
+    assert needs_copy(roster.links) == []  # nobody straggles yet
+    slow.stalled = True
+    assert needs_copy(roster.links) == [job.attempts[0]]
+    epoch_moves.clear()
+    dispatcher.speculate()
+    assert [a.worker for a in job.attempts] == [slow, fast]
+    assert epoch.counters.speculative_tasks == 1 and epoch_moves == [(job, 0 + 1)]
+    dispatcher.speculate()  # running on a healthy worker now: no third copy
+    assert len(job.attempts) == 2 and not other.sent
+    assert needs_copy(roster.links) == []
+
+
+def test_no_speculation_for_a_batch_that_timed_out_already_or_is_done():
+    roster, dispatcher, _ = engine()
+    slow = roster.links[0]
+    timed, done = make_job(fake_epoch(), 0), make_job(fake_epoch(), 1)
+    dispatcher.send(slow, timed, -1)
+    dispatcher.send(slow, done, -1)
+    timed.timeouts = 1  # one attempt + one timeout: as often as a batch may be tried
+    done.done = True
+    slow.stalled = True
+    assert needs_copy(roster.links) == []
+
+
+# --------------------------------------------------------------------------- deaths and timeouts
+def died(dispatcher: Dispatcher, worker: WorkerLink, **kwargs: Any):
+    """What the coordinator does on a death: take the worker's attempts out, then settle."""
+    lost = list(worker.tasks.values())
+    for attempt in lost:
+        dispatcher.attempts.pop(attempt.id)
+    worker.tasks.clear()
+    released: list[int] = []
+    death = settle(worker, lost, released.append, kwargs.get("used", 0), kwargs.get("budget", 3))
+    return death, released
+
+
+def test_a_crash_reruns_its_batches_and_restarts_the_worker():
+    roster, dispatcher, _ = engine()
+    worker = roster.links[0]
+    jobs = [make_job(fake_epoch(), k) for k in range(2)]
+    dispatcher.send(worker, jobs[0], -1)
+    dispatcher.send(worker, jobs[1], -1)
+    jobs[0].attempts[0].slot = 3  # (as if sent into ring slot 3)
+    worker.stuck_index = 11
+    death, released = died(dispatcher, worker)
+    assert death.redo == jobs and [j.slot for j in jobs] == [3, -1]  # each keeps its lost slot
+    assert death.next is Next.RESTART and death.counts and death.stuck_on == 11
+    assert death.timed_out is None and released == [] and not dispatcher.attempts
+
+
+def test_past_the_restart_budget_the_death_fails_the_epoch():
+    roster, dispatcher, _ = engine()
+    worker = roster.links[0]
+    dispatcher.send(worker, make_job(fake_epoch()), -1)
+    death, _ = died(dispatcher, worker, used=3, budget=3)
+    assert death.next is Next.OVER_BUDGET
+
+
+def test_a_batch_killed_twice_for_task_timeout_fails_the_epoch():
+    roster, dispatcher, _ = engine()
+    epoch = fake_epoch()
+    job = make_job(epoch)
+    for round_ in (1, 2):
+        worker = roster.links[0]
+        dispatcher.send(worker, job, -1)
+        worker.killed_for = job.attempts[0]  # the Watchdog killed it
+        death, _ = died(dispatcher, worker)
+        assert death.redo == [job] and not death.counts  # a kill is not the worker's own death
+        assert job.timeouts == round_ and epoch.counters.timed_out_tasks == round_
+        assert death.timed_out is (job if round_ == 2 else None)
+        roster.replace(worker, roster.start(0))
+        roster.mark_ready(roster.links[0])
+
+
+def test_a_death_gives_back_the_slots_of_batches_finished_or_running_elsewhere():
+    roster, dispatcher, _ = engine()
+    slow, fast = roster.links
+    finished, copied = make_job(fake_epoch(), 0), make_job(fake_epoch(), 1)
+    dispatcher.send(slow, finished, -1)
+    dispatcher.send(slow, copied, -1)
+    dispatcher.send(fast, copied, -1)  # speculation: a copy runs on the healthy worker
+    for attempt, slot in zip([*finished.attempts, *copied.attempts], (4, 5, 6), strict=True):
+        attempt.slot = slot  # (as if sent into these ring slots)
+    finished.done = True
+    death, released = died(dispatcher, slow)
+    assert death.redo == [] and released == [4, 5] and [a.worker for a in copied.attempts] == [fast]
+
+
+@pytest.mark.parametrize("how, expected", [("retiring", Next.GONE), ("fatal", Next.FATAL),
+                                           ("start_failed", Next.CANNOT_START)])
+def test_what_becomes_of_a_worker_that_cannot_go_on(how: str, expected: Next):
+    roster, dispatcher, _ = engine()
+    worker = roster.links[1]
+    setattr(worker, how, "traceback" if how == "fatal" else True)
+    death, _ = died(dispatcher, worker)
+    assert death.next is expected
+
+
+# --------------------------------------------------------------------------- ring generations
+def test_ring_set_grows_retires_and_removes_the_old_generation(tmp_path):
+    wakeup = WakePipe()
+    rings = RingSet(SharedFiles(str(tmp_path)), wakeup)
+    counters = EpochCounters()
+    try:
+        assert rings.take(counters) is None  # no ring before the first batch
+        rings.make(2, 4096)
+        first = rings.take(counters)
+        assert first == 0 and counters.peak_slots_in_use == 1
+        assert rings.grow(100, counters) is None and rings.current.ring_id == 0  # it fits: no growth
+        assert rings.grow(1 << 20, counters) is None and counters.ring_growths == 1
+        old, new = rings.retired[0], rings.current
+        assert new.slot_bytes >= 1 << 20 and rings.ring_of(first) is old and rings.ring_of(2) is new
+        wakeup.starved = True
+        rings.release(first)  # the old generation's last slot: no wake-up (not the current ring)
+        assert wakeup.starved
+        rings.remove_idle()
+        assert rings.retired == []
+        rings.release(rings.take(counters))  # the current ring's slot wakes a starved coordinator
+        assert not wakeup.starved
+    finally:
+        rings.close()
+        wakeup.close()
+        SharedFiles.remove_all(rings.files)
+
+
+# --------------------------------------------------------------------------- the loop, with a fake pool
+class PipeLink(FakeLink):
+    """A fake worker with real descriptors, so the coordinator's selector can watch it:
+    closing ``die()`` makes its exit descriptor readable, as a dead process's sentinel is."""
+
+    def __init__(self, index: int, counters: WorkerCounters) -> None:
+        super().__init__(index, counters)
+        self.replies_r, self.replies_w = os.pipe()
+        self.exit_r, self.exit_w = os.pipe()
+
+    def reply_fd(self) -> int:
+        return self.replies_r
+
+    def exit_fd(self) -> int:
+        return self.exit_r
+
+    def die(self) -> None:
+        os.close(self.exit_w)
+        self.exit_w = -1
+
+    def reap(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for name in ("replies_r", "replies_w", "exit_r", "exit_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+class PipePool(FakePool):
+    def __init__(self, expect: int) -> None:
+        super().__init__()
+        self.links: list[PipeLink] = []
+        self.expect = expect
+        self.all_started = threading.Event()
+
+    def start(self, index: int, counters: WorkerCounters) -> WorkerLink:
+        link = PipeLink(index, counters)
+        self.links.append(link)
+        self.started.append(index)
+        if len(self.started) >= self.expect:
+            self.all_started.set()
+        return link
+
+    def stop(self, links: list[WorkerLink]) -> None:
+        self.stopped = list(links)
+        for link in self.links:
+            link.close()
+
+
+def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
+    from procpipe.engine.coordinator import Coordinator, EngineConfig
+
+    config = EngineConfig(workers=2, ordered=True, prefetch=2, slot_bytes=None, max_worker_restarts=3,
+                          worker_env={}, start_method="fork")
+    pool = PipePool(expect=3)
+    coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    try:
+        assert pool.started == [0, 1] and coordinator.is_alive()
+        pool.links[0].die()
+        assert pool.all_started.wait(30), "the dead worker was not replaced"
+    finally:
+        coordinator.close()  # (joins the thread: what it did is all done now)
+    assert not coordinator.is_alive() and pool.started == [0, 1, 0]
+    assert pool.stopped == [pool.links[2], pool.links[1]]  # the replacement took the dead one's place
+    assert coordinator.worker_counters[0].restarts == 1
+    assert all(link.exit_r == -1 for link in pool.links)
