@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.notes import add_note
 from ..core.rng import device_scope
 from .nodes import Node
 from .prefetch import Mapped
@@ -55,9 +56,7 @@ def apply_device_fn(device_fn: Callable[[Any], Any], seed: int, position: tuple[
         with device_scope(seed, epoch, seq):
             return device_fn(batch)
     except Exception as exc:
-        add_note = getattr(exc, "add_note", None)  # Python 3.11+
-        if add_note is not None:
-            add_note(f"procpipe: raised by device_fn on batch {seq} of epoch {epoch}.")
+        add_note(exc, f"procpipe: raised by device_fn on batch {seq} of epoch {epoch}.")
         raise
 
 
