@@ -12,7 +12,7 @@ import torch.utils.data as tud
 from conftest import mappings
 
 import procpipe
-import procpipe.api.torch_device as ppd
+import procpipe.api.cuda_transfer as ppc
 from procpipe.torch import DataLoader
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -81,7 +81,7 @@ class Done:
 
 
 def test_staging_pool_reuses_buffers_of_several_sizes():
-    pool = ppd._StagingPool(lambda n: torch.zeros(n, dtype=torch.uint8), capacity=3)
+    pool = ppc._StagingPool(lambda n: torch.zeros(n, dtype=torch.uint8), capacity=3)
     small, large = pool.take(10), pool.take(20)
     pool.give(small, Done())
     pool.give(large, Done())
@@ -105,7 +105,7 @@ def busy(stream_work: torch.Tensor) -> None:
 @pytest.mark.parametrize("path", ["direct", "staged"])
 def test_cuda_batches_are_exact_under_slot_reuse_with_a_busy_consumer(ordered, path, monkeypatch):
     if path == "staged":  # registration refused: the staging fallback
-        monkeypatch.setattr(ppd.RingPins, "find", lambda self, ring: None)
+        monkeypatch.setattr(ppc.RingPins, "find", lambda self, ring: None)
     work = torch.randn(2048, 2048, device="cuda")
     seen = []
     with procpipe.Loader(range(600), sample, batch_size=8, workers=3, prefetch=1, ordered=ordered,
@@ -212,7 +212,7 @@ def test_facade_cuda_ring_has_slots_for_the_transfer_and_close_unmaps_it_without
         finally:
             loader.close()
 
-    assert ring_slots(device="cuda") == ring_slots() + ppd.CudaTransfer.SLOTS_HELD
+    assert ring_slots(device="cuda") == ring_slots() + ppc.CudaTransfer.SLOTS_HELD
     gc.disable()  # the ring must go by reference counting alone
     try:
         loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)

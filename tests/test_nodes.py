@@ -7,11 +7,11 @@ uninterrupted run. ``k = 0`` resumes from the start, ``k = all`` from the end: t
 node then gives the next iteration (the epochs after ``until``), as the Loader does.
 
 Kinds: the engine's source (workers) x {indexed, Shards} x {ordered, sloppy}; the inline
-sources (``workers=0``) for both; the device stage's ``Stage`` (a prefetching thread) over
+sources (``workers=0``) for both; the device stage's ``Prefetcher`` (a prefetching thread) over
 a source; ``Mapped`` over a source; and the Loader's root (``state_dict`` /
 ``load_state_dict``) with ``device="cpu"`` and a ``device_fn``.
 
-Also the defect the ``Stage`` fixes: its thread runs ahead of the consumer, and a state
+Also the defect the ``Prefetcher`` fixes: its thread runs ahead of the consumer, and a state
 taken then used to count the prefetched batches as returned, so a resumed epoch ended
 short, silently.
 """
@@ -31,7 +31,7 @@ from procpipe import Loader, Shards
 
 torch = pytest.importorskip("torch")
 from procpipe.api import torch_device  # noqa: E402  (needs torch)
-from procpipe.api.torch_device import Mapped, Stage  # noqa: E402
+from procpipe.api.prefetch import Mapped, Prefetcher  # noqa: E402
 
 EPOCHS = 2
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)
@@ -91,8 +91,8 @@ def loader_for(stack: contextlib.ExitStack, kind: str, workers: int, ordered: bo
     return loader
 
 
-def stage_over(stack: contextlib.ExitStack, source: Iterator) -> Stage:
-    stage = Stage(source, identity_transfer, depth=3)
+def stage_over(stack: contextlib.ExitStack, source: Iterator) -> Prefetcher:
+    stage = Prefetcher(source, identity_transfer, depth=3)
     stack.callback(stage.close)
     return stage
 
@@ -176,10 +176,10 @@ def test_state_of_a_prefetching_device_stage_does_not_count_batches_it_holds(mon
     goes through it: taken while the thread holds batches, it must not count them as returned."""
     transfers: list[_CountingTransfer] = []
 
-    def threaded(self, it):  # DeviceStage.__call__ as on CUDA: a Stage thread over the source
+    def threaded(self, it):  # DeviceStage.__call__ as on CUDA: a Prefetcher thread over the source
         transfer = _CountingTransfer()
         transfers.append(transfer)
-        return Stage(it, transfer, depth=self.prefetch)
+        return Prefetcher(it, transfer, depth=self.prefetch)
 
     monkeypatch.setattr(torch_device.DeviceStage, "__call__", threaded)
     k, prefetch = 3, 3
@@ -203,7 +203,7 @@ def test_stage_state_before_any_batch_is_its_sources_start():
         source = iter(loader_for(stack, "indexed", 0, True, 0))
         start = source.get_state()
         transfer = _CountingTransfer()
-        stage = Stage(source, transfer, depth=2)
+        stage = Prefetcher(source, transfer, depth=2)
         stack.callback(stage.close)
         wait_until(lambda: transfer.count >= 2, 30, "the stage thread to run ahead")
         assert stage.get_state() == start  # the source ran ahead; the consumer has had nothing

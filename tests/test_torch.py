@@ -25,7 +25,8 @@ from batch_compare import assert_batches_equal
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.api.torch_device as ppd
+import procpipe.api.cuda_transfer as ppc
+import procpipe.api.prefetch as ppp
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")
@@ -508,7 +509,7 @@ def test_stage_thread_delivers_propagates_and_stops():
     # ring slots go back (4 epochs through a small ring would stall otherwise).
     with procpipe.Loader(range(24), sample, batch_size=4, workers=2, prefetch=1) as loader:
         for _ in range(4):
-            stage = ppd.Stage(iter(loader), lambda b: ({k: (v.copy() if isinstance(v, np.ndarray) else v)
+            stage = ppp.Prefetcher(iter(loader), lambda b: ({k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                          for k, v in b.items()}, None), depth=2)
             assert [int(b["y"][0]) for b in stage] == [0, 4, 8, 12, 16, 20]
         stats = loader.stats()
@@ -518,13 +519,14 @@ def test_stage_thread_delivers_propagates_and_stops():
             raise KeyError("transfer failed")
 
         with pytest.raises(KeyError, match="transfer failed"):
-            next(ppd.Stage(iter(loader), boom, depth=2))
+            next(ppp.Prefetcher(iter(loader), boom, depth=2))
 
         # an abandoned stage: a new epoch cancels it, its thread (blocked on a full queue) exits
-        stage = ppd.Stage(iter(loader), lambda b: (b, None), depth=1)
+        stage = ppp.Prefetcher(iter(loader), lambda b: (b, None), depth=1)
         next(stage)
         wait_until(lambda: stage._queue.full(), 10, "the stage to fill its queue")
-        assert [int(b["y"][0]) for b in ppd.Stage(iter(loader), lambda b: (b, None), depth=1)] == [0, 4, 8, 12, 16, 20]
+        fresh = ppp.Prefetcher(iter(loader), lambda b: (b, None), depth=1)
+        assert [int(b["y"][0]) for b in fresh] == [0, 4, 8, 12, 16, 20]
         stage._thread.join(10)
         assert not stage._thread.is_alive()
         with pytest.raises(RuntimeError, match="ended early"):
@@ -538,7 +540,7 @@ def test_stage_timeout_and_on_demand_fetch():
         release.wait(30)
         yield 1
 
-    stage = ppd.Stage(slow(), lambda b: (b, None), depth=0, timeout=0.2)
+    stage = ppp.Prefetcher(slow(), lambda b: (b, None), depth=0, timeout=0.2)
     with pytest.raises(RuntimeError, match="timed out after 0.2 seconds"):
         next(stage)
     release.set()
@@ -561,7 +563,7 @@ class FakeEvent:
 
 
 def test_staging_pool_reuses_a_buffer_only_after_its_copy_completed():
-    pool = ppd._StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), capacity=2)
+    pool = ppc._StagingPool(lambda n: torch.empty(n, dtype=torch.uint8), capacity=2)
     a = pool.take(100)
     ea = FakeEvent()
     pool.give(a, ea)
@@ -581,7 +583,7 @@ def test_map_tensors_keeps_containers():
     P = namedtuple("P", "a b")
     batch = {"t": torch.ones(2), "od": OrderedDict(x=torch.zeros(1)), "p": P(torch.ones(1), "s"),
              "tup": (torch.ones(1), 3), "l": [torch.ones(1)], "np": np.ones(2), "obj": object}
-    out = ppd._map_tensors(batch, lambda t: t + 1)
+    out = ppc._map_tensors(batch, lambda t: t + 1)
     assert type(out["od"]) is OrderedDict and type(out["p"]) is P and type(out["tup"]) is tuple
     assert out["t"].tolist() == [2, 2] and out["p"].a.tolist() == [2] and out["p"].b == "s"
     assert out["np"] is batch["np"] and out["obj"] is object and out["tup"][1] == 3
