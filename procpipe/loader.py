@@ -78,7 +78,8 @@ class Loader:
             thread (beyond numpy's BLAS pool; fastest: nothing is imported or shipped), else
             ``"zygote"`` (forked from the copy of the process ``import procpipe`` made while it was
             safe to fork), else ``"forkserver"`` (safe when the parent runs threads); or one of
-            ``"forkserver"``, ``"spawn"``, ``"fork"``, ``"zygote"``. Resolved once, when the loader is created (``loader.start_method``).
+            ``"forkserver"``, ``"spawn"``, ``"fork"``, ``"zygote"``. Resolved once, when the loader is
+            created (``loader.start_method``).
             Workers never import the main script (procpipe.worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).

@@ -13,15 +13,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
+from ..core.shm import SharedFiles, check_capacity, create_file
+from ..worker.preload_list import preload_list
+from ..worker.process import WorkerSpec, dump_spec
+from ..worker.start_method import context as start_context
 from ..worker.stream_cache import open_loader_cache
 from .coordinator import Coordinator, EngineConfig
 from .pool import LocalPool
-from ..core.shm import SharedFiles, check_capacity, create_file
-from ..worker.start_method import context as start_context
-from ..worker.preload_list import preload_list
-from ..worker.process import WorkerSpec, dump_spec
 
 
 def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str, backend: Any = None) -> Coordinator:
@@ -33,10 +34,7 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
     files = SharedFiles(shm_dir)
     pool = None
     try:
-        if backend is None:
-            pool = local_pool(config, spec, cache, files)
-        else:
-            pool = backend.pool(spec, config, files, cache)
+        pool = local_pool(config, spec, cache, files) if backend is None else backend.pool(spec, config, files, cache)
         return Coordinator(config, pool, files)
     except BaseException:
         if pool is not None:
@@ -59,7 +57,7 @@ def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: Shared
     return LocalPool(ctx, write_spec(data, files), files, config.worker_env, capacity, own_session)
 
 
-def context(start_method: str, env: dict[str, str], files: SharedFiles, preload: list[str] = ()) -> Any:
+def context(start_method: str, env: dict[str, str], files: SharedFiles, preload: Sequence[str] = ()) -> Any:
     """The multiprocess context; a forkserver (if this starts it) preloads ``preload`` (preload.py)."""
     ctx = start_context(start_method)
     if start_method == "forkserver":

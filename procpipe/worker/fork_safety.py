@@ -78,7 +78,7 @@ def _measure_safe_native() -> tuple[int, str]:
     """The native threads known to be fork-safe, and how that was established (module doc)."""
     if "numpy" not in sys.modules:
         before = _python_native_split()[1]
-        import numpy  # noqa: F401  (procpipe imports it anyway: its BLAS pool starts here)
+        import numpy  # (procpipe imports it anyway: its BLAS pool starts here)
         import numpy.random  # noqa: F401
 
         return max(0, _python_native_split()[1] - before), "measured: the threads importing numpy started"

@@ -46,7 +46,8 @@ def _preload_file(path: str) -> None:
         with os.fdopen(open_owned(path, os.O_RDONLY)) as f:  # the loader's own file only
             listing = json.load(f)
     except (OSError, ValueError) as exc:
-        warnings.warn(f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning)
+        warnings.warn(f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning,
+                      stacklevel=1)
         return
     # The parent's sys.path (its script's directory, a path added by the program): multiprocess
     # gives it to each worker, not to the server, where the same modules are imported first.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickletools
 import sys
+from typing import cast
 
 _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
 _GET_OPS = frozenset({"BINGET", "LONG_BINGET", "GET"})
@@ -37,17 +38,17 @@ def referenced_modules(data: bytes) -> set[str]:
         if name in _STRING_OPS:
             value = arg
         elif name in _GET_OPS:
-            value = memo.get(arg)
+            value = memo.get(cast(int, arg))  # (pickletools types every argument as Any | None)
         elif name == "MEMOIZE":
             memo[len(memo)] = recent[-1]
             continue
         elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = recent[-1]
+            memo[cast(int, arg)] = recent[-1]
             continue
         elif name in _NO_STACK_OPS:
             continue
         elif name == "STACK_GLOBAL" or name == "GLOBAL":
-            module, attr = (recent[-2], recent[-1]) if name == "STACK_GLOBAL" else arg.split(" ", 1)
+            module, attr = (recent[-2], recent[-1]) if name == "STACK_GLOBAL" else str(arg).split(" ", 1)
             if module is not None:
                 modules.add(module)
                 want_module = (module, attr) == _IMPORT_MODULE
