@@ -4,6 +4,7 @@ Workers run your own Python on your own dataset and collate numpy batches straig
 a preallocated shared-memory ring; the consumer receives zero-copy views, in order or
 first-finished first. See README.md for the guarantees.
 """
+
 import importlib as _importlib
 from typing import TYPE_CHECKING
 
@@ -11,8 +12,16 @@ from typing import TYPE_CHECKING
 # start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
 from .worker import fork_safety as _fork_safety  # noqa: F401
 from .worker import zygote as _zygote
-from .errors import (CacheError, CollateError, ProcpipeError, RemoteTraceback, ShardLengthError, SharedMemoryError,
-                     TaskTimeoutError, WorkerError)
+from .errors import (
+    CacheError,
+    CollateError,
+    ProcpipeError,
+    RemoteTraceback,
+    ShardLengthError,
+    SharedMemoryError,
+    TaskTimeoutError,
+    WorkerError,
+)
 from .core.rng import batch_rng, sample_rng
 
 if TYPE_CHECKING:
@@ -26,8 +35,14 @@ if TYPE_CHECKING:
 # The rest of the API is imported when first used (PEP 562): a worker started from a
 # forkserver imports this package for its own modules, and needs none of the engine
 # (~0.15 s less before the first batch: docs/guide/startup.md).
-_LAZY = {"AutoWorkers": "engine.autotune", "Loader": "loader", "Mix": "plan.mix", "Records": "worker.records",
-         "Shards": "streaming", "combine_states": "api.elastic"}
+_LAZY = {
+    "AutoWorkers": "engine.autotune",
+    "Loader": "loader",
+    "Mix": "plan.mix",
+    "Records": "worker.records",
+    "Shards": "streaming",
+    "combine_states": "api.elastic",
+}
 
 
 def __getattr__(name: str) -> object:

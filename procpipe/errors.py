@@ -4,6 +4,7 @@ Errors raised by user code in a worker (``fn``, ``__getitem__``, ``collate_fn``)
 re-raised with their *original* type; the classes here are for what procpipe itself
 detects.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,8 +16,9 @@ def summarize_indices(indices: Sequence[object], shown: int = 32) -> str:
     if not isinstance(indices, (list, tuple)) or len(indices) <= shown:  # (or a streaming task's Block)
         return f"indices {list(indices) if isinstance(indices, tuple) else indices}"
     half = 8
-    return (f"{len(indices)} indices [{', '.join(map(str, indices[:half]))}, ..., "
-            f"{', '.join(map(str, indices[-half:]))}]")
+    return (
+        f"{len(indices)} indices [{', '.join(map(str, indices[:half]))}, ..., {', '.join(map(str, indices[-half:]))}]"
+    )
 
 
 class ProcpipeError(RuntimeError):

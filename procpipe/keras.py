@@ -25,6 +25,7 @@ then put back (``load_state_dict``), so ``loader.epoch`` advances by exactly ``e
 and the first epoch trained on is the loader's next one, whole. Import this module after
 choosing the backend (``KERAS_BACKEND`` must be set before Keras is first imported).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -85,8 +86,9 @@ def _start_state(loader: Any) -> dict[str, Any] | None:
     if not (callable(save) and callable(getattr(loader, "load_state_dict", None))):
         return None
     state = save()
-    fresh = not state.get("done_below") and not state.get("done") and state.get("stream") is None \
-        and not state.get("ahead")
+    fresh = (
+        not state.get("done_below") and not state.get("done") and state.get("stream") is None and not state.get("ahead")
+    )
     return state if fresh else None
 
 
@@ -106,8 +108,9 @@ class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassin
 
     def __init__(self, loader: Any, element_spec: Any = None) -> None:
         if not (hasattr(loader, "__iter__") and hasattr(loader, "__len__")):
-            raise TypeError("procpipe.keras.dataset needs a loader with __iter__ and __len__, "
-                            f"got {type(loader).__name__}")
+            raise TypeError(
+                f"procpipe.keras.dataset needs a loader with __iter__ and __len__, got {type(loader).__name__}"
+            )
         super().__init__(workers=1, use_multiprocessing=False, max_queue_size=1)
         self.loader = loader
         self._stream: Iterator[Any] | None = None

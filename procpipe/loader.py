@@ -12,6 +12,7 @@ scope and collation, so results are identical. The iterator is a chain of nodes
 the root node's ``get_state()`` with the sampler's settings, and ``load_state_dict``
 checks one and leaves it for the next ``iter()`` (resume.py).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -211,11 +212,32 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        validate(source, fn, batch_size, workers, prefetch, seed, collate_fn, start_method, shm_dir,
-                 slot_bytes, max_worker_restarts, batches=batches, shard=shard, shuffle=shuffle,
-                 drop_last=drop_last, on_error=on_error, max_skipped=max_skipped,
-                 task_timeout=task_timeout, speculate=speculate, batch_fn=batch_fn, cache=cache,
-                 augment=augment, device=device, device_fn=device_fn)
+        validate(
+            source,
+            fn,
+            batch_size,
+            workers,
+            prefetch,
+            seed,
+            collate_fn,
+            start_method,
+            shm_dir,
+            slot_bytes,
+            max_worker_restarts,
+            batches=batches,
+            shard=shard,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            task_timeout=task_timeout,
+            speculate=speculate,
+            batch_fn=batch_fn,
+            cache=cache,
+            augment=augment,
+            device=device,
+            device_fn=device_fn,
+        )
         validate_epochs(epochs, reshuffle, with_epoch, batches)
         validate_backend(backend, workers)
         check_int("stage_slots", stage_slots, 0)
@@ -225,25 +247,56 @@ class Loader:
         self._sampler: BatchPlan
         if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
             self._sampler = plan = stream_plan(
-                source, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, reshuffle=reshuffle,
-                shard=shard, collate_fn=collate_fn, shuffle_buffer=shuffle_buffer, on_error=on_error,
-                max_skipped=max_skipped, speculate=speculate, batches=batches, batch_fn=batch_fn, cache=cache,
-                even_ranks=even_ranks)
+                source,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+                reshuffle=reshuffle,
+                shard=shard,
+                collate_fn=collate_fn,
+                shuffle_buffer=shuffle_buffer,
+                on_error=on_error,
+                max_skipped=max_skipped,
+                speculate=speculate,
+                batches=batches,
+                batch_fn=batch_fn,
+                cache=cache,
+                even_ranks=even_ranks,
+            )
             source = plan.source  # the copy that knows how to lay out blocks
         elif shuffle_buffer is not None:
-            raise ValueError("shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
-                             "source is shuffled whole with shuffle=True")
+            raise ValueError(
+                "shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
+                "source is shuffled whole with shuffle=True"
+            )
         elif batches is None:
-            self._sampler = sampler_for(source)(len(source), batch_size, bool(shuffle), int(seed), bool(drop_last),
-                                                None if shard is None else tuple(shard), bool(reshuffle))
+            self._sampler = sampler_for(source)(
+                len(source),
+                batch_size,
+                bool(shuffle),
+                int(seed),
+                bool(drop_last),
+                None if shard is None else tuple(shard),
+                bool(reshuffle),
+            )
             if not len(self._sampler):
                 warn_no_batches(len(source), batch_size, bool(drop_last))
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
-        self._spec = WorkerSpec(source, fn, collate_fn, batch_size is not None, int(seed), skip=on_error == "skip",
-                                batch_fn=batch_fn, augment=augment, seed_globals=seeding_mode(seed_globals))
+        self._spec = WorkerSpec(
+            source,
+            fn,
+            collate_fn,
+            batch_size is not None,
+            int(seed),
+            skip=on_error == "skip",
+            batch_fn=batch_fn,
+            augment=augment,
+            seed_globals=seeding_mode(seed_globals),
+        )
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
         # once: its restarted workers start the same way (a slower start is said once, if workers start here)
@@ -261,18 +314,28 @@ class Loader:
             engine_workers = fixed_workers if auto is None else auto.first
             if backend is not None:  # workers= is per node: the coordinator sees them all
                 engine_workers = backend.lanes(workers)
-            config = EngineConfig(engine_workers, self._ordered, prefetch, slot_bytes,
-                                  max_worker_restarts, env, self._start_method,
-                                  on_error=on_error, max_skipped=max_skipped, task_timeout=task_timeout,
-                                  speculate=speculate, autotune=auto,
-                                  stage_slots=stage_slots + (0 if self._device_stage is None
-                                                             else self._device_stage.slots_held))
+            config = EngineConfig(
+                engine_workers,
+                self._ordered,
+                prefetch,
+                slot_bytes,
+                max_worker_restarts,
+                env,
+                self._start_method,
+                on_error=on_error,
+                max_skipped=max_skipped,
+                task_timeout=task_timeout,
+                speculate=speculate,
+                autotune=auto,
+                stage_slots=stage_slots + (0 if self._device_stage is None else self._device_stage.slots_held),
+            )
             self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
         else:
             self._spec.cache = open_loader_cache(self._spec, cache, None, shm_dir)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
-        self._context = IterationContext(self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped,
-                                         self._coordinator, epochs)
+        self._context = IterationContext(
+            self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped, self._coordinator, epochs
+        )
         # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
         self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
         watch_exit()  # (after a finalize exists: see api/shutdown.py)
@@ -288,8 +351,10 @@ class Loader:
         if self._closed:
             raise RuntimeError("this procpipe.Loader is closed; create a new one to load more data")
         if self._coordinator is not None and self._coordinator.foreign():
-            raise RuntimeError("this procpipe.Loader was created in another process (this one is a fork of it); "
-                               "its workers serve that process only: create a new Loader here")
+            raise RuntimeError(
+                "this procpipe.Loader was created in another process (this one is a fork of it); "
+                "its workers serve that process only: create a new Loader here"
+            )
         if self._active is not None:
             self._active.cancel("a new iteration over the loader started")
         epoch = self._standing.epoch
@@ -370,8 +435,12 @@ class Loader:
             self._active.cancel("load_state_dict() was called")
             self._active = self._root = None
         self._standing.epoch = resume.epoch
-        self._resume = encode_position(self._sampler, ResumePoint(
-            resume.epoch, resume.done, resume.ahead, resume.until_or(self._context.default_until(resume.epoch))))
+        self._resume = encode_position(
+            self._sampler,
+            ResumePoint(
+                resume.epoch, resume.done, resume.ahead, resume.until_or(self._context.default_until(resume.epoch))
+            ),
+        )
 
     def close(self) -> None:
         """End every worker and remove every shared-memory file. Safe to call twice.
@@ -525,8 +594,11 @@ class Loader:
             self._standing.counters,
             # (without a tuner, workers is a count)
             workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._workers),
-            running=running, consumed=None if active is None else active.consumed, ring=coordinator.ring,
-            worker_counters=counters, pids=pids,
+            running=running,
+            consumed=None if active is None else active.consumed,
+            ring=coordinator.ring,
+            worker_counters=counters,
+            pids=pids,
         )
         out["autotune"] = coordinator.autotune_info()
         out["backend"] = coordinator.pool.info()
@@ -538,8 +610,11 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     """An epoch of this loader would yield nothing: say why (called from ``Loader.__init__``)."""
     import warnings
 
-    why = ("the source is empty (len(source) == 0)" if not length else
-           f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})")
+    why = (
+        "the source is empty (len(source) == 0)"
+        if not length
+        else f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})"
+    )
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
 
 

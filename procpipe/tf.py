@@ -48,6 +48,7 @@ What it guarantees, and why:
 
 ``import procpipe`` never imports this module (nor TensorFlow).
 """
+
 from __future__ import annotations
 
 import threading
@@ -129,16 +130,17 @@ def element_spec(loader: Any, *, map_batch: Callable[[Any], Any] | None = None) 
     try:
         first = next(it)
     except StopIteration:
-        raise ValueError("procpipe.tf: the loader's next iteration yields no batch, so there is no element_spec to "
-                         "infer; pass element_spec=...") from None
+        raise ValueError(
+            "procpipe.tf: the loader's next iteration yields no batch, so there is no element_spec to "
+            "infer; pass element_spec=..."
+        ) from None
     finally:
         del it
         loader.load_state_dict(start)
     if map_batch is not None:
         first = map_batch(first)
     batch_size = start.get("batch_size")
-    return spec_of(first, batched=batch_size is not None,
-                   batch_size=batch_size if start.get("drop_last") else None)
+    return spec_of(first, batched=batch_size is not None, batch_size=batch_size if start.get("drop_last") else None)
 
 
 _infer = element_spec  # dataset()'s argument of the same name hides the function there
@@ -206,8 +208,13 @@ def _spec(value: Any, path: tuple, batch: int | bool | None) -> Any:
             return _spec(np.asarray(value), path, batch)
         if value and all(isinstance(v, (np.ndarray, Mapping, tuple, list)) for v in value):
             return tuple(_spec(v, path + (i,), batch) for i, v in enumerate(value))
-        raise _unsupported(value, path, " of " + ", ".join(sorted({type(v).__name__ for v in value})) if value
-                           else " (empty: its element type is unknown)")
+        raise _unsupported(
+            value,
+            path,
+            " of " + ", ".join(sorted({type(v).__name__ for v in value}))
+            if value
+            else " (empty: its element type is unknown)",
+        )
     if isinstance(value, (str, bytes)):
         return tf.TensorSpec((), tf.string)
     if isinstance(value, _NUMBER_TYPES):
@@ -221,7 +228,6 @@ def _spec(value: Any, path: tuple, batch: int | bool | None) -> Any:
             raise _unsupported(value, path) from None
         return tf.TensorSpec(_leading(value.shape, batch), dtype)
     raise _unsupported(value, path)
-
 
 
 # ------------------------------------------------------------------------------ converting batches
@@ -258,9 +264,11 @@ def _compile(spec: Any, path: tuple) -> Any:
     if isinstance(spec, tuple):
         kind = type(spec) if hasattr(spec, "_fields") else tuple
         return _Node(path, None, kind, [_compile(s, path + (i,)) for i, s in enumerate(spec)])
-    raise TypeError(f"procpipe.tf: element_spec{''.join(f'[{p!r}]' for p in path)} is a {type(spec).__name__}; "
-                    "an element_spec is a dict, tuple or namedtuple of tf.TensorSpec (procpipe.tf.spec_of(batch) "
-                    "builds one)")
+    raise TypeError(
+        f"procpipe.tf: element_spec{''.join(f'[{p!r}]' for p in path)} is a {type(spec).__name__}; "
+        "an element_spec is a dict, tuple or namedtuple of tf.TensorSpec (procpipe.tf.spec_of(batch) "
+        "builds one)"
+    )
 
 
 def _mismatch(path: tuple, got: str, want: str) -> ValueError:
@@ -276,7 +284,7 @@ def _copy(array: np.ndarray) -> np.ndarray:
     """``array`` copied once into a fresh buffer aligned to ``ALIGN`` bytes, which TensorFlow adopts as is."""
     raw = np.empty(array.nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
-    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    out = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
     np.copyto(out, array, casting="no")
     return out
 
@@ -337,8 +345,11 @@ def _convert(node: Any, value: Any, batch: _Batch) -> Any:
         return _leaf(node, value, batch)
     if node.keys is not None:
         if not isinstance(value, Mapping) or len(value) != len(node.keys) or any(k not in value for k in node.keys):
-            got = f"a mapping with keys {sorted(map(str, value))}" if isinstance(value, Mapping) else \
-                f"a {type(value).__name__}"
+            got = (
+                f"a mapping with keys {sorted(map(str, value))}"
+                if isinstance(value, Mapping)
+                else f"a {type(value).__name__}"
+            )
             raise _mismatch(node.path, got, f"a dict with keys {sorted(map(str, node.keys))}")
         return {k: _convert(child, value[k], batch) for k, child in zip(node.keys, node.children, strict=True)}
     if not isinstance(value, (tuple, list)) or len(value) != len(node.children):

@@ -19,6 +19,7 @@ dataclass, custom batch class...), and handed to ``procpipe.api.torch_device``'s
 when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one. An ``IterableDataset``
 is read by one replica per worker, each a streaming source (``procpipe.torch_iterable``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,6 +58,7 @@ _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a
 
 # --------------------------------------------------------------------------- tensors <-> numpy
 # (procpipe.core.tensors, shared with the core's collation of tensor samples)
+
 
 # Default-collate mode: a sample's special leaves become one-field namedtuples, which the
 # core stacks like any namedtuple; the consumer recognises the class.
@@ -198,8 +200,12 @@ def _persistent_id(pickler: Any, obj: Any) -> Any:
         if ref is None:
             array, dtype = _tensor_numpy(obj)
             pickler.arrays.append(array)
-            ref = pickler.seen[id(obj)] = ("t", len(pickler.arrays) - 1, _DTYPE_NAMES.get(dtype),
-                                           bool(obj.requires_grad))
+            ref = pickler.seen[id(obj)] = (
+                "t",
+                len(pickler.arrays) - 1,
+                _DTYPE_NAMES.get(dtype),
+                bool(obj.requires_grad),
+            )
         return ref
     if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
         ref = pickler.seen.get(id(obj))
@@ -216,6 +222,7 @@ def _pack(obj: Any) -> _Packed:
     try:
         _RefPickler(buffer, arrays).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
+
         class _DillRefPickler(classref.DillPickler):  # lambdas, local classes...
             def persistent_id(self, o: Any) -> Any:
                 return _persistent_id(self, o)
@@ -291,7 +298,7 @@ def _worker_index() -> int | None:
     if not name.startswith(_WORKER_NAME):
         return None
     try:
-        return int(name[len(_WORKER_NAME):])
+        return int(name[len(_WORKER_NAME) :])
     except ValueError:
         return 0
 
@@ -305,8 +312,15 @@ class _TorchSource:
     batches are scheduled (torch seeds per worker).
     """
 
-    def __init__(self, dataset: Any, mode: str, item_fn: Callable[[Any], Any] | None,
-                 worker_init_fn: Callable[[int], Any] | None, num_workers: int, seed: int) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        mode: str,
+        item_fn: Callable[[Any], Any] | None,
+        worker_init_fn: Callable[[int], Any] | None,
+        num_workers: int,
+        seed: int,
+    ) -> None:
         self.dataset = dataset
         self.mode = mode
         self.item_fn = item_fn  # collate_fn applied to each sample (batch_size=None + collate_fn)
@@ -342,8 +356,9 @@ class _TorchSource:
         try:
             from torch.utils.data._utils import worker as _worker
 
-            _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=self.num_workers, seed=seed,
-                                                      dataset=self.dataset)
+            _worker._worker_info = _worker.WorkerInfo(
+                id=worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
+            )
         except Exception:  # noqa: BLE001, S110 - private torch API; get_worker_info() then returns None
             pass
         if self.worker_init_fn is not None:
@@ -537,10 +552,23 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         if not self._pp_iterable and not hasattr(dataset, "__getitem__"):
             raise TypeError(f"dataset must support indexing (__getitem__); got {type(dataset).__name__}")
         super().__init__(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
-            drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device, in_order=in_order,
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
         )
         try:
             if not self._pp_iterable:  # (an IterableDataset's sampler is torch's endless one)
@@ -569,8 +597,11 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             mode, item_fn = CUSTOM, None
             self._pp_convert = _unpack
         self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
-        self._pp_source = None if self._pp_iterable else _TorchSource(dataset, mode, item_fn, worker_init_fn,
-                                                                      num_workers, self._pp_seed)
+        self._pp_source = (
+            None
+            if self._pp_iterable
+            else _TorchSource(dataset, mode, item_fn, worker_init_fn, num_workers, self._pp_seed)
+        )
         batches = None if self._pp_iterable else _SamplerBatches(self._index_sampler, mode == UNBATCHED)
         self._pp_options = _LoaderOptions(
             batch_size=None if mode == UNBATCHED or self._pp_iterable else 1,  # sizes: the batch sampler's
@@ -597,14 +628,19 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
         self._pp_state = FacadeState(
-            dataset=dataset, iterable=self._pp_iterable, num_workers=num_workers, persistent=persistent_workers,
-            generator=generator, snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0), shm_dir=shm_dir,
-            index_sampler=None if self._pp_iterable else self._index_sampler)
+            dataset=dataset,
+            iterable=self._pp_iterable,
+            num_workers=num_workers,
+            persistent=persistent_workers,
+            generator=generator,
+            snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0),
+            shm_dir=shm_dir,
+            index_sampler=None if self._pp_iterable else self._index_sampler,
+        )
         weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
         if batches is not None:
             # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
-            batches.before_draw = functools.partial(self._pp_state.before_draw,
-                                                                        self._index_sampler)
+            batches.before_draw = functools.partial(self._pp_state.before_draw, self._index_sampler)
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> _DataLoaderIter:
@@ -617,11 +653,17 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             # What torch's iterator does when it is created: the same warnings, and the same
             # draw from the generator (so shuffling stays in step with torch's DataLoader).
             if self.pin_memory and self.pin_memory_device:
-                warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
-                              f"device,ignore pin_memory_device='{self.pin_memory_device}'.", stacklevel=2)
+                warnings.warn(
+                    "pin_memory_device is deprecated, the current accelerator will be used as the "
+                    f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                    stacklevel=2,
+                )
             if self.pin_memory and not torch.accelerator.is_available():
-                warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
-                              "pinned memory won't be used.", stacklevel=2)
+                warnings.warn(
+                    "'pin_memory' argument is set as true but no accelerator is found, then device "
+                    "pinned memory won't be used.",
+                    stacklevel=2,
+                )
             if datapipe:  # torch: a shared seed for the datapipe's random pipes, then the workers' base seed
                 shared_seed = _draw_seed(self.generator)
             base_seed = _draw_seed(self.generator)
@@ -638,8 +680,9 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         owned = None
         if self._pp_iterable and self.num_workers == 0:  # as torch: iterated here (errors in __iter__ raise now)
             dataset = in_process(self.dataset, shared_seed)
-            epoch: Iterator[Any] = self._pp_state.in_process(dataset, self.batch_size if self._auto_collation else None,
-                                                        self.drop_last, self.collate_fn)
+            epoch: Iterator[Any] = self._pp_state.in_process(
+                dataset, self.batch_size if self._auto_collation else None, self.drop_last, self.collate_fn
+            )
             convert = _same
             loader = None
         else:
@@ -665,21 +708,41 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
                 self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
             transfer = self._pp_transfer
             move = on_moved(transfer, convert)
-            stage = Stage(epoch, lambda b: move(b, getattr(epoch, "position", None)), depth,
-                          self.timeout if self.num_workers else None, keep_state=keep)
+            stage = Stage(
+                epoch,
+                lambda b: move(b, getattr(epoch, "position", None)),
+                depth,
+                self.timeout if self.num_workers else None,
+                keep_state=keep,
+            )
         elif pin:
             from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
             pin_value = on_value(_pin)
-            stage = Stage(epoch, lambda b: (pin_value(convert(b)), None), depth,
-                          self.timeout if self.num_workers else None, keep_state=keep)
+            stage = Stage(
+                epoch,
+                lambda b: (pin_value(convert(b)), None),
+                depth,
+                self.timeout if self.num_workers else None,
+                keep_state=keep,
+            )
         elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
         self._pp_state.set_stage(stage)
         self._pp_state.started_iteration()
         if self._pp_iterable:  # torch: no len() for its iterator; it warns past the len() the dataset gave
-            return _DataLoaderIter(epoch, convert, stage, owned, None, loader, self._IterableDataset_len_called,
-                                   self.dataset, self.num_workers > 0, self._pp_state)
+            return _DataLoaderIter(
+                epoch,
+                convert,
+                stage,
+                owned,
+                None,
+                loader,
+                self._IterableDataset_len_called,
+                self.dataset,
+                self.num_workers > 0,
+                self._pp_state,
+            )
         return _DataLoaderIter(epoch, convert, stage, owned, len(self), loader, state=self._pp_state)
 
     def _pp_plan_unbatched(self) -> None:
@@ -706,10 +769,21 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         source: _TorchSource | Replicas | None = self._pp_source
         if self._pp_iterable:
             init = self.worker_init_fn if shared_seed is None else sharding_init(self.worker_init_fn)
-            source = Replicas(ReplicaSpec(self.dataset, self.num_workers, base_seed, init,
-                                          self.batch_size if self._auto_collation else None, self.drop_last,
-                                          self.collate_fn, _pack, shared_seed, self._pp_epochs,
-                                          **self._pp_state.replica_options(self._pp_epochs)))
+            source = Replicas(
+                ReplicaSpec(
+                    self.dataset,
+                    self.num_workers,
+                    base_seed,
+                    init,
+                    self.batch_size if self._auto_collation else None,
+                    self.drop_last,
+                    self.collate_fn,
+                    _pack,
+                    shared_seed,
+                    self._pp_epochs,
+                    **self._pp_state.replica_options(self._pp_epochs),
+                )
+            )
             # torch's seeds per worker, then the replica's own draws: no per-record reseeding
             options = self._pp_options.copy()
             options["seed_globals"] = False
@@ -790,9 +864,19 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 class _DataLoaderIter:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
-    def __init__(self, epoch: Iterator[Any], convert: Callable[[Any], Any], stage: Stage | None, owned: Loader | None,
-                 length: int | None, loader: Loader | None, len_called: int | None = None,
-                 dataset: Any = None, with_workers: bool = False, state: FacadeState | None = None) -> None:
+    def __init__(
+        self,
+        epoch: Iterator[Any],
+        convert: Callable[[Any], Any],
+        stage: Stage | None,
+        owned: Loader | None,
+        length: int | None,
+        loader: Loader | None,
+        len_called: int | None = None,
+        dataset: Any = None,
+        with_workers: bool = False,
+        state: FacadeState | None = None,
+    ) -> None:
         self._epoch = epoch
         self._convert = convert
         self._stage = stage
@@ -816,8 +900,10 @@ class _DataLoaderIter:
 
     def __len__(self) -> int:
         if self._length is None:
-            raise TypeError("an iterator over an IterableDataset has no len() (as torch's); len(loader) "
-                            "gives the length the dataset reports")
+            raise TypeError(
+                "an iterator over an IterableDataset has no len() (as torch's); len(loader) "
+                "gives the length the dataset reports"
+            )
         return self._length
 
     def __next__(self) -> Any:
@@ -841,12 +927,16 @@ class _DataLoaderIter:
         """torch's check (and message, which code may filter on): more batches than the dataset's len()."""
         self._yielded += 1
         if self._len_called is not None and self._yielded > self._len_called:
-            message = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
-                       f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. ")
+            message = (
+                f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. "
+            )
             if self._with_workers:
-                message += ("For multiprocessing data-loading, this could be caused by not properly configuring "
-                            "the IterableDataset replica at each worker (shard it in __iter__ with "
-                            "torch.utils.data.get_worker_info()).")
+                message += (
+                    "For multiprocessing data-loading, this could be caused by not properly configuring "
+                    "the IterableDataset replica at each worker (shard it in __iter__ with "
+                    "torch.utils.data.get_worker_info())."
+                )
             warnings.warn(message, stacklevel=3)
 
     def _finish(self) -> None:

@@ -56,6 +56,7 @@ workers, torch sends each later epoch's shared seed to its workers; procpipe's r
 derive it from the first one and the epoch (``epoch_seed``): the same for every replica,
 not torch's value.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +76,17 @@ from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
 from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 
-__all__ = ["BatchFetcher", "RaisedInReplica", "ReplicaLostError", "ReplicaSpec", "Replicas", "epoch_seed",
-           "in_process", "reraise", "sharding_init"]
+__all__ = [
+    "BatchFetcher",
+    "RaisedInReplica",
+    "ReplicaLostError",
+    "ReplicaSpec",
+    "Replicas",
+    "epoch_seed",
+    "in_process",
+    "reraise",
+    "sharding_init",
+]
 
 
 class ReplicaLostError(WorkerError):
@@ -94,8 +104,9 @@ class BatchFetcher:
     usable: the next call asks the iterator again (a finished generator then ends).
     """
 
-    def __init__(self, iterator: Iterator[Any], batch_size: int | None, drop_last: bool,
-                 collate_fn: Callable[[Any], Any]) -> None:
+    def __init__(
+        self, iterator: Iterator[Any], batch_size: int | None, drop_last: bool, collate_fn: Callable[[Any], Any]
+    ) -> None:
         self.iterator = iterator
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -146,8 +157,11 @@ def reraise(raised: RaisedInReplica) -> NoReturn:
             exc = None
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{raised.type_name}: {raised.message}")
-    add_note(exc, f"procpipe: raised in {raised.stage} of the IterableDataset replica of worker {raised.worker}, "
-                  f"at its batch {raised.position} of this epoch; the worker's traceback is shown above.")
+    add_note(
+        exc,
+        f"procpipe: raised in {raised.stage} of the IterableDataset replica of worker {raised.worker}, "
+        f"at its batch {raised.position} of this epoch; the worker's traceback is shown above.",
+    )
     raise exc from RemoteTraceback(raised.traceback)
 
 
@@ -156,9 +170,15 @@ def _raised(exc: BaseException, worker: int, position: int, stage: str) -> Raise
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - unpicklable: the consumer gets a WorkerError with the text
         exc_bytes = None
-    return RaisedInReplica(exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
-                           "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                           worker, position, stage)
+    return RaisedInReplica(
+        exc_bytes,
+        f"{type(exc).__module__}.{type(exc).__qualname__}",
+        str(exc),
+        "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        worker,
+        position,
+        stage,
+    )
 
 
 @dataclass
@@ -246,8 +266,13 @@ class _ReplicaBatches:
     over (the previous epoch's end, ``persistent_workers``): restored, then a new iterator.
     """
 
-    def __init__(self, replica: Replicas, worker: int, init_error: RaisedInReplica | None,
-                 start: tuple[int, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        replica: Replicas,
+        worker: int,
+        init_error: RaisedInReplica | None,
+        start: tuple[int, dict[str, Any]] | None = None,
+    ) -> None:
         self.replica = replica
         self.worker = worker
         self.fetcher: BatchFetcher | None = None
@@ -274,8 +299,7 @@ class _ReplicaBatches:
                     self.iterator = iter(spec.dataset)
                 else:
                     self.ended = True  # restored after its end: nothing more
-        self.fetcher = BatchFetcher(self.iterator, spec.batch_size, spec.drop_last,
-                                    _in_private_memory(spec.collate_fn))
+        self.fetcher = BatchFetcher(self.iterator, spec.batch_size, spec.drop_last, _in_private_memory(spec.collate_fn))
         if self.position == 0:
             self.initial = self._snapshot(0, False)
         return self.fetcher
@@ -413,7 +437,8 @@ class Replicas(Shards):
             "on without losing or repeating its data. Give the dataset or its iterator state_dict() / "
             "load_state_dict() (the replacement then resumes from its last snapshot, exactly once), find why "
             "the worker died (the out-of-memory killer, a crash in native code, os._exit or sys.exit in the "
-            "dataset), or make the dataset map-style (__getitem__).")
+            "dataset), or make the dataset map-style (__getitem__)."
+        )
 
     def open(self, worker: int) -> _ReplicaBatches:
         """This epoch's iterator of replica ``worker`` (in the worker's process)."""
@@ -423,7 +448,8 @@ class Replicas(Shards):
             raise ReplicaLostError(
                 f"procpipe.torch: the IterableDataset replica of worker {worker} was sent to the process of "
                 f"worker {self._worker} (worker {worker}'s process died); a replica cannot move to another "
-                "worker's process, which already iterates its own.")
+                "worker's process, which already iterates its own."
+            )
         if self._current is not None:
             self._current.close()  # the previous epoch's iterator, if it was not read to its end
         spec = self.spec
@@ -445,11 +471,11 @@ class Replicas(Shards):
         from torch.utils.data._utils import worker as _torch_worker  # private: torch's own worker set-up
 
         np.random.seed(_torch_worker._generate_state(spec.base_seed, worker))
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(id=worker, num_workers=spec.num_workers, seed=seed,
-                                                              dataset=spec.dataset)
+        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+            id=worker, num_workers=spec.num_workers, seed=seed, dataset=spec.dataset
+        )
         if spec.worker_init_fn is not None:
             try:
                 spec.worker_init_fn(worker)
             except Exception as exc:  # noqa: BLE001 - sent to the consumer as the replica's first record
                 self._init_error = _raised(exc, worker, 0, "worker_init_fn")
-

@@ -24,6 +24,7 @@ Snapshots travel two ways:
   and produces again only what lies between: the replica goes on exactly once. A loaded
   ``state_dict`` is written there too, for the workers to resume from.
 """
+
 from __future__ import annotations
 
 import copy
@@ -56,8 +57,10 @@ def capture(dataset: Any, iterator: Any, ended: bool, private: bool = False) -> 
     """The replica's state now (``private``: deep-copied, for a state kept in this process)."""
     dataset_state = dataset.state_dict() if is_stateful(dataset) and iterator is not dataset else None
     iter_state = iterator.state_dict() if iterator is not None and is_stateful(iterator) else None
-    state = {"dataset_state": dataset_state,
-             "fetcher_state": {"dataset_iter_state": iter_state, "fetcher_ended": bool(ended)}}
+    state = {
+        "dataset_state": dataset_state,
+        "fetcher_state": {"dataset_iter_state": iter_state, "fetcher_ended": bool(ended)},
+    }
     return copy.deepcopy(state) if private else state
 
 
@@ -96,8 +99,9 @@ class Tagged:
 
     __slots__ = ("position", "snap_position", "state", "value", "worker")
 
-    def __init__(self, value: Any, worker: int, position: int, snap_position: int = -1,
-                 state: bytes | None = None) -> None:
+    def __init__(
+        self, value: Any, worker: int, position: int, snap_position: int = -1, state: bytes | None = None
+    ) -> None:
         self.value = value
         self.worker = worker
         self.position = position

@@ -23,6 +23,7 @@ with ``dataset_state`` and ``fetcher_state``; with ``num_workers=0``, ``dataset_
 ``fetcher_state`` at the top), plus a ``procpipe`` entry holding the rest. It is JSON
 serializable when the user's states are (generator states are base64 text).
 """
+
 from __future__ import annotations
 
 import base64
@@ -48,22 +49,26 @@ def none_sample_error(index: Any) -> TypeError:
     return TypeError(
         f"the dataset's __getitem__ returned None for index {index}: a sample must be a value (a tensor, an "
         "array, a number, a dict or tuple of them); did __getitem__ forget a `return`? (To batch None values "
-        "on purpose, pass a collate_fn that handles them.)")
+        "on purpose, pass a collate_fn that handles them.)"
+    )
 
 
 def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn`` applied to a ``Tagged`` record's batch (pinning), or to the batch itself."""
+
     def apply(x: Any) -> Any:
         if type(x) is Tagged:
             x.value = fn(x.value)
             return x
         return fn(x)
+
     return apply
 
 
 def on_moved(transfer: Callable[..., tuple[Any, Any]], convert: Callable[[Any], Any]) -> Callable[..., tuple[Any, Any]]:
     """The device stage's copy of a batch (``CudaTransfer``), for a ``Tagged`` record: its batch
     is moved, its tag goes on to the consumer (``received``)."""
+
     def move(batch: Any, position: Any) -> tuple[Any, Any]:
         tags: list[Tagged] = []
 
@@ -73,11 +78,13 @@ def on_moved(transfer: Callable[..., tuple[Any, Any]], convert: Callable[[Any], 
                 tags.append(value)
                 return value.value
             return value
+
         moved, ready = transfer(batch, unwrap, position)
         if tags:
             tags[0].value = moved
             return tags[0], ready
         return moved, ready
+
     return move
 
 
@@ -105,8 +112,9 @@ def _generators(index_sampler: Any, loader_generator: torch.Generator | None) ->
 
 def _samplers(index_sampler: Any) -> list[Any]:
     """The ``Stateful`` samplers (the batch sampler, and the sampler inside it)."""
-    return [obj for obj in (index_sampler, getattr(index_sampler, "sampler", None))
-            if obj is not None and is_stateful(obj)]
+    return [
+        obj for obj in (index_sampler, getattr(index_sampler, "sampler", None)) if obj is not None and is_stateful(obj)
+    ]
 
 
 def _decoded(state: Any) -> Any:
@@ -123,8 +131,15 @@ class InProcessReplica:
     state is carried over (restored, then a new iterator: the epoch after it).
     """
 
-    def __init__(self, dataset: Any, batch_size: int | None, drop_last: bool, collate_fn: Callable,
-                 start: dict[str, Any] | None, carry: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None,
+        drop_last: bool,
+        collate_fn: Callable,
+        start: dict[str, Any] | None,
+        carry: bool = False,
+    ) -> None:
         self.dataset = dataset
         self.yielded = 0
         state = None if start is None else start.get("state")
@@ -142,8 +157,11 @@ class InProcessReplica:
         self.fetcher.ended = ended and not carry
         skip = 0 if start is None or (state is not None and has_state(state)) else int(start.get("yielded", 0))
         if skip:
-            warnings.warn(f"procpipe.torch.DataLoader: neither the IterableDataset nor its iterator is Stateful: "
-                          f"resuming makes its first {skip} batches again and drops them", stacklevel=4)
+            warnings.warn(
+                f"procpipe.torch.DataLoader: neither the IterableDataset nor its iterator is Stateful: "
+                f"resuming makes its first {skip} batches again and drops them",
+                stacklevel=4,
+            )
             for _ in range(skip):
                 next(self.fetcher)
             self.yielded = skip
@@ -163,9 +181,18 @@ class InProcessReplica:
 class FacadeState:
     """The state of one ``procpipe.torch.DataLoader``: kept during its iterations, saved and loaded."""
 
-    def __init__(self, *, dataset: Any, iterable: bool, num_workers: int, persistent: bool,
-                 generator: torch.Generator | None, snapshot_every: int, shm_dir: str,
-                 index_sampler: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        dataset: Any,
+        iterable: bool,
+        num_workers: int,
+        persistent: bool,
+        generator: torch.Generator | None,
+        snapshot_every: int,
+        shm_dir: str,
+        index_sampler: Any = None,
+    ) -> None:
         self.dataset = dataset
         self.index_sampler = index_sampler
         self.iterable = iterable
@@ -199,8 +226,10 @@ class FacadeState:
     @staticmethod
     def check_every(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"snapshot_every_n_steps must be an int >= 0 (0: a replica's state only at the start "
-                             f"and the end of its epoch), got {value!r}")
+            raise ValueError(
+                f"snapshot_every_n_steps must be an int >= 0 (0: a replica's state only at the start "
+                f"and the end of its epoch), got {value!r}"
+            )
         return value
 
     # ---------------------------------------------------------------- the iteration
@@ -208,8 +237,11 @@ class FacadeState:
         """A new iteration (epoch ``epoch``) starts, with these freshly drawn seeds; returns the
         seeds it uses (a resumed epoch's are the saved ones)."""
         pending = self.pending
-        if pending is not None and pending.get("base_seed") is not None and (
-                pending["epoch"] == epoch or (pending["finished"] and self.persistent and self.num_workers)):
+        if (
+            pending is not None
+            and pending.get("base_seed") is not None
+            and (pending["epoch"] == epoch or (pending["finished"] and self.persistent and self.num_workers))
+        ):
             base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")  # the saved workers' seeds
         self.epoch, self.started, self.done = epoch, True, False
         self.seeds = (base_seed, shared_seed)
@@ -240,8 +272,10 @@ class FacadeState:
                 g.set_state(_decode_rng(text))
             for obj, state in zip(_samplers(index_sampler), draw["samplers"], strict=False):
                 obj.load_state_dict(copy.deepcopy(state))
-        self.draws[epoch] = {"generators": [_encode_rng(g) for g in generators],
-                             "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)]}
+        self.draws[epoch] = {
+            "generators": [_encode_rng(g) for g in generators],
+            "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
+        }
 
     def replica_options(self, epoch: int) -> dict[str, Any]:
         """``ReplicaSpec`` fields for a new loader's replicas (workers), starting at ``epoch``; writes
@@ -292,8 +326,9 @@ class FacadeState:
                 pass
         return state
 
-    def in_process(self, dataset: Any, batch_size: int | None, drop_last: bool,
-                   collate_fn: Callable) -> InProcessReplica:
+    def in_process(
+        self, dataset: Any, batch_size: int | None, drop_last: bool, collate_fn: Callable
+    ) -> InProcessReplica:
         """The iteration's ``IterableDataset`` in this process (``num_workers=0``), resumed if loaded so."""
         pending = self.pending
         start = None
@@ -301,15 +336,22 @@ class FacadeState:
             start = {"state": pending.get("in_process"), "yielded": pending.get("yielded", 0)}
         elif pending is not None and pending["finished"] and pending["epoch"] + 1 == self.epoch:
             start = {"state": pending.get("in_process"), "yielded": 0}
-        self.replica = InProcessReplica(dataset, batch_size, drop_last, collate_fn, start,
-                                        carry=pending is not None and pending["finished"])
+        self.replica = InProcessReplica(
+            dataset, batch_size, drop_last, collate_fn, start, carry=pending is not None and pending["finished"]
+        )
         return self.replica
 
     def started_iteration(self) -> None:
         """The iteration is set up: a loaded state has been used."""
-        if (self.pending is not None and self.pending["finished"] is False and self.pending["epoch"] == self.epoch
-                and self.num_workers == 0 and not self.iterable and self.pending.get("dataset_state") is not None
-                and is_stateful(self.dataset)):
+        if (
+            self.pending is not None
+            and self.pending["finished"] is False
+            and self.pending["epoch"] == self.epoch
+            and self.num_workers == 0
+            and not self.iterable
+            and self.pending.get("dataset_state") is not None
+            and is_stateful(self.dataset)
+        ):
             self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
         self.pending = None
 
@@ -342,9 +384,16 @@ class FacadeState:
             return copy.deepcopy(self.pending["saved"])
         self.seed = seed
         finished = self.started and self.done
-        mine: dict[str, Any] = {"version": VERSION, "epoch": self.epoch, "finished": finished, "seed": seed,
-                                "num_workers": self.num_workers, "iterable": self.iterable,
-                                "base_seed": self.seeds[0], "shared_seed": self.seeds[1]}
+        mine: dict[str, Any] = {
+            "version": VERSION,
+            "epoch": self.epoch,
+            "finished": finished,
+            "seed": seed,
+            "num_workers": self.num_workers,
+            "iterable": self.iterable,
+            "base_seed": self.seeds[0],
+            "shared_seed": self.seeds[1],
+        }
         if finished:  # the next epoch draws from the generator as it is now
             mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
@@ -352,8 +401,14 @@ class FacadeState:
             if loader_state.get("epoch", self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
                 if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
                     return self._ended_state()
-                loader_state = {**loader_state, "epoch": self.epoch, "done_below": self.batches, "done": [],
-                                "ahead": [], "until": self.epoch + 1}
+                loader_state = {
+                    **loader_state,
+                    "epoch": self.epoch,
+                    "done_below": self.batches,
+                    "done": [],
+                    "ahead": [],
+                    "until": self.epoch + 1,
+                }
             mine["loader"] = loader_state
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
@@ -385,10 +440,16 @@ class FacadeState:
                 workers[f"worker_{w}"] = snapshot
             if self.iterable:
                 mine["replicas"] = replicas
-            state = {"_snapshot": {"_worker_snapshots": workers,
-                                   "_main_snapshot": {"_num_workers": self.num_workers,
-                                                      "_base_seed": self.seeds[0],
-                                                      "_iterator_finished": finished}}}
+            state = {
+                "_snapshot": {
+                    "_worker_snapshots": workers,
+                    "_main_snapshot": {
+                        "_num_workers": self.num_workers,
+                        "_base_seed": self.seeds[0],
+                        "_iterator_finished": finished,
+                    },
+                }
+            }
         state["procpipe"] = mine
         return state
 
@@ -396,17 +457,21 @@ class FacadeState:
         """Check a saved state and keep it for the next iteration; returns that iteration's epoch."""
         mine = state.get("procpipe") if isinstance(state, dict) else None
         if not isinstance(mine, dict) or mine.get("version") != VERSION:
-            raise ValueError("not a procpipe.torch.DataLoader state (from DataLoader.state_dict()): "
-                             f"{str(state)[:200]}")
+            raise ValueError(
+                f"not a procpipe.torch.DataLoader state (from DataLoader.state_dict()): {str(state)[:200]}"
+            )
         if bool(mine.get("iterable")) != self.iterable:
             kinds = ("a map-style dataset", "an IterableDataset")
-            raise ValueError(f"this state was saved by a DataLoader over {kinds[bool(mine.get('iterable'))]}, but this "
-                             f"one reads {kinds[self.iterable]}; resume with a DataLoader built the same way")
+            raise ValueError(
+                f"this state was saved by a DataLoader over {kinds[bool(mine.get('iterable'))]}, but this "
+                f"one reads {kinds[self.iterable]}; resume with a DataLoader built the same way"
+            )
         if self.iterable and mine.get("num_workers") != self.num_workers:
             raise ValueError(
                 f"this state was saved by a DataLoader with num_workers={mine.get('num_workers')}, but this one has "
                 f"num_workers={self.num_workers}: an IterableDataset has one replica per worker, each with its own "
-                "state, so it resumes with the same num_workers (a map-style dataset resumes with any)")
+                "state, so it resumes with the same num_workers (a map-style dataset resumes with any)"
+            )
         pending = copy.deepcopy(mine)
         pending["saved"] = copy.deepcopy(state)
         if self.num_workers == 0 and not self.iterable:
@@ -415,8 +480,9 @@ class FacadeState:
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
             # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
-            for g, text in zip(_generators(self.index_sampler, self.generator), pending.get("generators") or (),
-                               strict=False):
+            for g, text in zip(
+                _generators(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
+            ):
                 g.set_state(_decode_rng(text))
             for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
                 obj.load_state_dict(copy.deepcopy(saved))
@@ -438,4 +504,3 @@ class FacadeState:
         holds the running Loader and must be collectable with the DataLoader)."""
         while stores:
             stores.pop().remove()
-

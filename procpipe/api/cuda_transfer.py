@@ -9,6 +9,7 @@ registration fails, through reused pinned staging buffers (``_StagingPool``).
 the tensors are ``record_stream``-ed to it (``_Ready``, run by the consumer just before it
 returns the batch), so ``next()`` costs nothing when the pipeline keeps up.
 """
+
 from __future__ import annotations
 
 import collections
@@ -215,8 +216,9 @@ class CudaTransfer:
         self._stale = False  # a registered ring may be retired: look for rings to unregister
         self._lock = threading.Lock()  # two epochs' threads may overlap briefly
 
-    def __call__(self, batch: Any, convert: Callable[[Any], Any] = to_torch,
-                 position: tuple[int, int] | None = None) -> tuple[Any, _Ready | None]:
+    def __call__(
+        self, batch: Any, convert: Callable[[Any], Any] = to_torch, position: tuple[int, int] | None = None
+    ) -> tuple[Any, _Ready | None]:
         """``batch`` (numpy views of a ring slot) on the device, and what the consumer runs
         before using it. ``convert`` makes the tensors (views of the same memory);
         ``position`` is ``(epoch, seq)`` of the batch, which seeds ``device_fn``'s
@@ -292,11 +294,11 @@ class CudaTransfer:
         hi = max(p + n for p, n in used)
         if hi - lo > entry.ring.slot_bytes:
             return None
-        whole = entry.host[lo - base:hi - base].to(self.device, non_blocking=True)
+        whole = entry.host[lo - base : hi - base].to(self.device, non_blocking=True)
         moved = []
         for t, (ptr, n) in zip(sources, spans, strict=True):
             if n:
-                piece = whole[ptr - lo:ptr - lo + n]
+                piece = whole[ptr - lo : ptr - lo + n]
                 if t.dtype != torch.uint8:
                     piece = piece.view(t.dtype)
                 moved.append(piece.view(t.shape))
@@ -312,7 +314,7 @@ class CudaTransfer:
         buffer = self.pool.take(total)  # may wait for the copy that last read it
         staged, offset = [], 0
         for tensor, n in zip(sources, sizes, strict=True):
-            view = buffer[offset:offset + n].view(tensor.dtype).view(tensor.shape)
+            view = buffer[offset : offset + n].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)  # host copy out of the ring (synchronous)
             staged.append(view)
             offset += -(-n // _ALIGN) * _ALIGN
@@ -322,8 +324,7 @@ class CudaTransfer:
         self.pool.give(buffer, event)
         return moved, event
 
-    def _apply(self, device_fn: Callable[[Any], Any], batch: Any,
-               position: tuple[int, int] | None) -> tuple[Any, Any]:
+    def _apply(self, device_fn: Callable[[Any], Any], batch: Any, position: tuple[int, int] | None) -> tuple[Any, Any]:
         """``device_fn(batch)`` on the transfer's stream (made current by ``_use_stream``),
         ``batch_rng()`` seeded by the batch's position, and the event recorded after it."""
         if position is None:
@@ -403,4 +404,3 @@ def _collect_device(x: Any, out: list) -> None:
     elif isinstance(x, (list, tuple)):
         for v in x:
             _collect_device(v, out)
-

@@ -28,6 +28,7 @@ Limits, said in errors: every rank of the old run must be given once, all at the
 (``ordered=False`` across an epoch boundary); not with ``batches=``, ``even_ranks=True`` or a ``Mix``.
 ``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -65,12 +66,20 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     epoch = min(state["epoch"] for state in states)
     untils = {repr(state.get("until")) for state in states if state["epoch"] == epoch}
     if len(untils) > 1:
-        raise ValueError(f"procpipe.combine_states: the ranks' states stop at different epochs (until = "
-                         f"{', '.join(sorted(untils))}); they must come from one run")
+        raise ValueError(
+            f"procpipe.combine_states: the ranks' states stop at different epochs (until = "
+            f"{', '.join(sorted(untils))}); they must come from one run"
+        )
     first = next(state for state in states if state["epoch"] == epoch)
     settings = {key: value for key, value in first.items() if key not in _POSITION_KEYS}
-    out = {"version": 1, "epoch": epoch, **({"until": first["until"]} if "until" in first else {}), **settings,
-           "shard": None, "ahead": []}
+    out = {
+        "version": 1,
+        "epoch": epoch,
+        **({"until": first["until"]} if "until" in first else {}),
+        **settings,
+        "shard": None,
+        "ahead": [],
+    }
     if streaming:
         out["stream"] = _combined_stream(states, epoch, settings)
         out["combined"] = {"world_size": len(states)}
@@ -84,42 +93,60 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _checked(states: Any) -> list[dict[str, Any]]:
     """``states`` as a list sorted by rank, checked: one state per rank of one run."""
     if isinstance(states, dict) or not isinstance(states, (list, tuple)):
-        raise TypeError("procpipe.combine_states takes a list of state dicts, one per rank "
-                        f"(Loader.state_dict() of each), got {type(states).__name__}")
+        raise TypeError(
+            "procpipe.combine_states takes a list of state dicts, one per rank "
+            f"(Loader.state_dict() of each), got {type(states).__name__}"
+        )
     if not states:
         raise ValueError("procpipe.combine_states: no state given (one per rank is needed)")
     for i, state in enumerate(states):
         if not isinstance(state, dict) or state.get("version") != 1 or "epoch" not in state:
-            raise ValueError(f"procpipe.combine_states: states[{i}] is not a procpipe Loader state "
-                             f"(from Loader.state_dict()): {state!r:.200}")
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] is not a procpipe Loader state "
+                f"(from Loader.state_dict()): {state!r:.200}"
+            )
         if state.get("ahead"):
-            raise ValueError(f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
-                             "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
-                             "states with ordered=True, or between epochs")
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
+                "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
+                "states with ordered=True, or between epochs"
+            )
         if "mix" in state:
-            raise ValueError("procpipe.combine_states: states of a loader over a procpipe.Mix cannot be combined yet "
-                             "(the mixture's order is drawn from its sources, which the states do not hold)")
+            raise ValueError(
+                "procpipe.combine_states: states of a loader over a procpipe.Mix cannot be combined yet "
+                "(the mixture's order is drawn from its sources, which the states do not hold)"
+            )
         if state.get("even_ranks"):
-            raise ValueError("procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
-                             "(the records each rank left out depend on the world size)")
+            raise ValueError(
+                "procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
+                "(the records each rank left out depend on the world size)"
+            )
         if state.get("shard") is None and "combined" in state and "stream" not in state:
-            raise ValueError(f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
-                             "any rank; load it into the new ranks' loaders (or use it as it is)")
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
+                "any rank; load it into the new ranks' loaders (or use it as it is)"
+            )
     kinds = {"stream" in state for state in states}
     if len(kinds) > 1:
-        raise ValueError("procpipe.combine_states: the states mix an indexable source and a streaming source "
-                         "(procpipe.Shards); they must come from one run")
+        raise ValueError(
+            "procpipe.combine_states: the states mix an indexable source and a streaming source "
+            "(procpipe.Shards); they must come from one run"
+        )
     settings = [{k: v for k, v in state.items() if k not in _POSITION_KEYS} for state in states]
     for i, other in enumerate(settings[1:], 1):
         if other != settings[0]:
             diff = sorted(k for k in set(other) | set(settings[0]) if other.get(k) != settings[0].get(k))
-            raise ValueError(f"procpipe.combine_states: states[{i}] was saved by a loader with other settings than "
-                             f"states[0] ({', '.join(diff)}); the states must come from the ranks of one run")
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] was saved by a loader with other settings than "
+                f"states[0] ({', '.join(diff)}); the states must come from the ranks of one run"
+            )
     shards = [tuple(state["shard"]) if state.get("shard") is not None else (0, 1) for state in states]
     world = shards[0][1]
     if any(w != world for _, w in shards) or sorted(r for r, _ in shards) != list(range(world)):
-        raise ValueError(f"procpipe.combine_states: the states must be those of every rank of one run, each once; "
-                         f"got shard= {sorted(shards)} (world_size {world} needs ranks 0 to {world - 1})")
+        raise ValueError(
+            f"procpipe.combine_states: the states must be those of every rank of one run, each once; "
+            f"got shard= {sorted(shards)} (world_size {world} needs ranks 0 to {world - 1})"
+        )
     return [state for _, state in sorted(zip(shards, states, strict=True), key=lambda pair: pair[0])]
 
 
@@ -134,16 +161,19 @@ def _rank_entry(state: dict[str, Any], epoch: int, base: dict | None) -> dict[st
     elif state["epoch"] == epoch + 1 and not state.get("done_below") and not state.get("done"):
         entry, own = {"shard": shard, "done_below": None, "done": []}, base
     else:
-        raise ValueError(f"procpipe.combine_states: rank {shard[0]}'s state is at epoch {state['epoch']} (with "
-                         f"batches of it returned), the others' at epoch {epoch}; save every rank in the same epoch")
+        raise ValueError(
+            f"procpipe.combine_states: rank {shard[0]}'s state is at epoch {state['epoch']} (with "
+            f"batches of it returned), the others' at epoch {epoch}; save every rank in the same epoch"
+        )
     if own is not None:
         entry["combined"] = own
     return entry
 
 
 def _full_order(settings: dict[str, Any], epoch: int) -> np.ndarray:
-    return epoch_order(settings["length"], epoch, settings["shuffle"], settings["seed"],
-                       settings.get("reshuffle", True), None)
+    return epoch_order(
+        settings["length"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), None
+    )
 
 
 def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -> np.ndarray:
@@ -163,16 +193,22 @@ def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -
             order = remaining[id(inner)][rank::world]
         else:
             if padded is None:
-                count = Sampler(length, settings["batch_size"], settings["shuffle"], settings["seed"],
-                                settings["drop_last"], (rank, world)).count
+                count = Sampler(
+                    length,
+                    settings["batch_size"],
+                    settings["shuffle"],
+                    settings["seed"],
+                    settings["drop_last"],
+                    (rank, world),
+                ).count
                 padded = np.resize(_full_order(settings, epoch), count * world)
             order = padded[rank::world]
         below = entry["done_below"]
         if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
             below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
-        mask[order[:below * step]] = True
+        mask[order[: below * step]] = True
         for position in entry["done"]:
-            mask[order[position * step:(position + 1) * step]] = True
+            mask[order[position * step : (position + 1) * step]] = True
     return mask
 
 
@@ -189,19 +225,28 @@ def _combined_stream(states: list[dict[str, Any]], epoch: int, settings: dict[st
     received: list[list[int]] = []
     for state in states:
         rank, world = state["shard"] if state.get("shard") is not None else (0, 1)
-        order = epoch_order(settings["shards"], epoch, settings["shuffle"], settings["seed"],
-                            settings.get("reshuffle", True), (rank, world)).tolist()
+        order = epoch_order(
+            settings["shards"],
+            epoch,
+            settings["shuffle"],
+            settings["seed"],
+            settings.get("reshuffle", True),
+            (rank, world),
+        ).tolist()
         if state["epoch"] != epoch:
             if state["epoch"] == epoch + 1 and state.get("stream") is None:
                 complete.update(order)  # past the epoch: every shard of it read
                 continue
-            raise ValueError(f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
-                             f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
-                             "epoch")
+            raise ValueError(
+                f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
+                f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
+                "epoch"
+            )
         if state.get("stream") is None:
             continue
-        progress = StreamProgress(order, settings["cycle_length"], settings["block_length"], False,
-                                  state["stream"]).state()  # (a cursor unfolded into complete / received)
+        progress = StreamProgress(
+            order, settings["cycle_length"], settings["block_length"], False, state["stream"]
+        ).state()  # (a cursor unfolded into complete / received)
         complete.update(progress["complete"])
         received.extend(progress["received"])
     received.sort()
@@ -224,9 +269,11 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
     mine = getattr(sampler, "shard", None)
     saved = state.get("shard")
     if saved is not None and (mine is None or list(mine) != list(saved)):
-        raise ValueError(f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
-                         f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
-                         f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first")
+        raise ValueError(
+            f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
+            f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
+            f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
+        )
     epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
     out = {key: value for key, value in state.items() if key != "combined"}
     out["shard"] = None if mine is None else list(mine)
@@ -234,16 +281,22 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
         progress = state.get("stream")
         if progress is not None and isinstance(progress, dict):
             order = set(sampler.batches(epoch))
-            out["stream"] = {"cursor": None,
-                             "complete": [s for s in progress.get("complete", []) if s in order],
-                             "received": [entry for entry in progress.get("received", [])
-                                          if isinstance(entry, list) and entry and entry[0] in order]}
+            out["stream"] = {
+                "cursor": None,
+                "complete": [s for s in progress.get("complete", []) if s in order],
+                "received": [
+                    entry
+                    for entry in progress.get("received", [])
+                    if isinstance(entry, list) and entry and entry[0] in order
+                ],
+            }
         return out
     if not isinstance(getattr(sampler, "resumed", None), dict):
         # (not a type error: a setting this loader has, batches=..., that a combined state cannot resume)
         raise ValueError(  # noqa: TRY004 - a setting of the loader, not the type of an argument
             "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
-            "own sampler; this loader's come from batches=..., which cannot be split anew")
+            "own sampler; this loader's come from batches=..., which cannot be split anew"
+        )
     settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
     for key in ("length", "batch_size", "shuffle", "seed", "drop_last", "reshuffle"):
         if settings.get(key, True if key == "reshuffle" else None) != getattr(sampler, key):

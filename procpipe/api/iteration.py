@@ -11,6 +11,7 @@ along as the consumer enters later epochs, and the counters ``loader.stats()`` s
 (procpipe/api/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
 procpipe/api/position.py) and whose ``reset(state)`` restarts it there.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -15,6 +15,7 @@ the counters ``loader.stats()`` shows), and are source nodes (procpipe/api/nodes
 ``get_state()`` says where the consumer stands (``Loader.state_dict``), ``reset(state)``
 restarts there (``load_state_dict`` then ``iter()``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -63,8 +64,16 @@ class EpochIterator(LoaderIterator):
     def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
         context = self._context
         self.number = number
-        self._stream = Stream(next(_generations), context.sampler, number, until, context.ordered,
-                              context.sampler.batches(number), done, ahead)
+        self._stream = Stream(
+            next(_generations),
+            context.sampler,
+            number,
+            until,
+            context.ordered,
+            context.sampler.batches(number),
+            done,
+            ahead,
+        )
         self._epoch = self._stream.first  # the epoch the consumer is in
         self.batch_count = len(self._epoch.batches)
         self._low = number
@@ -98,8 +107,10 @@ class EpochIterator(LoaderIterator):
     def _over(self) -> None:
         """``next()`` on an iterator that has ended: StopIteration, or why it ended otherwise."""
         if self._failed is not None:
-            raise RuntimeError("this epoch's iterator has already ended with an error, raised by an earlier "
-                               "next() (perhaps in another thread)") from self._failed
+            raise RuntimeError(
+                "this epoch's iterator has already ended with an error, raised by an earlier "
+                "next() (perhaps in another thread)"
+            ) from self._failed
         iteration_over(self._cancelled)
 
     def _next(self) -> Any:
@@ -231,8 +242,9 @@ class InlineIterator(EpochIterator):
         self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
         self._progress = Progress(done)
         self._counters = self._standing.counters = EpochCounters(epoch=number, started=started)
-        self._skips = (SkipBudget(context.max_skipped, sum(map(len, batches)), self._counters)
-                       if context.spec.skip else None)
+        self._skips = (
+            SkipBudget(context.max_skipped, sum(map(len, batches)), self._counters) if context.spec.skip else None
+        )
         self._set_epoch(number + 1)
 
     def _next(self) -> Any:
@@ -245,8 +257,9 @@ class InlineIterator(EpochIterator):
                 now = time.perf_counter()
                 self._counters.ended = now
                 following = self._number + 1
-                if ((self._until is not None and following >= self._until)
-                        or (self._until is None and not self.batch_count)):
+                if (self._until is not None and following >= self._until) or (
+                    self._until is None and not self.batch_count
+                ):
                     self._done = self._complete = True
                     raise StopIteration
                 try:
@@ -290,12 +303,14 @@ class InlineIterator(EpochIterator):
                 raise
             # on_error="skip": a sample's Exception would have been skipped, so collation failed
             if skips is not None and isinstance(exc, Exception):
-                if skips.add(indices, f"batch {seq} ({summarize_indices(indices)})",
-                             f"collating it failed: {_describe(exc)}"):
+                if skips.add(
+                    indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"
+                ):
                     return None, indices
                 add_note(exc, skips.note())
-            where = (f"while loading index {index}" if index is not None
-                     else f"while collating {summarize_indices(indices)}")
+            where = (
+                f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
+            )
             add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
             raise
         for index, error in batch.skipped:  # (skips is set: on_error="skip" is what leaves samples out)

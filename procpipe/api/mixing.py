@@ -10,6 +10,7 @@ tf.data's interleave (``streaming.order.Interleave``), resume through ``StreamPr
 (whose epoch order is the mixed one, rebuilt from the weights the state pins). So the cost
 is per open shard (``cycle_length``), not per source.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,17 +66,25 @@ def combined_shards(mix: Mix) -> Shards:
     for name in ("cycle_length", "block_length"):
         values = {getattr(stream, name) for stream in streams}
         if len(values) > 1:
-            raise ValueError(f"Mix: the streams of a mixture are read as one interleave, so they must share "
-                             f"{name}; got {sorted(values, key=str)}: give every Shards the same {name}")
+            raise ValueError(
+                f"Mix: the streams of a mixture are read as one interleave, so they must share "
+                f"{name}; got {sorted(values, key=str)}: give every Shards the same {name}"
+            )
     tags = None
     if mix.with_source:
-        tags = [k for k, source in enumerate(mix.sources)
-                for _ in (source.leaves() if isinstance(source, Mix) else [source])]
+        tags = [
+            k
+            for k, source in enumerate(mix.sources)
+            for _ in (source.leaves() if isinstance(source, Mix) else [source])
+        ]
     lengths = [stream.lengths for stream in streams]
-    combined = Shards([(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
-                      OpenMixed([stream.open_fn for stream in streams], tags),
-                      cycle_length=streams[0].cycle_length, block_length=streams[0].block_length,
-                      lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part])
+    combined = Shards(
+        [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
+        OpenMixed([stream.open_fn for stream in streams], tags),
+        cycle_length=streams[0].cycle_length,
+        block_length=streams[0].block_length,
+        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part],
+    )
     combined.replayable = all(stream.replayable for stream in streams)
     return combined
 
@@ -94,15 +103,17 @@ class MixStreamPlan(StreamPlan):
         """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""
         order = self.mixing.mixed_order(epoch)
         if self.shard is not None:
-            order = order[self.shard[0]::self.shard[1]]
+            order = order[self.shard[0] :: self.shard[1]]
         return order.tolist()
 
     def __len__(self) -> int:
         """Batches of an epoch reading every shard (an upper bound with ``stop_on_empty`` or a
         weight 0), from ``Shards(lengths=...)``; ``TypeError`` without them, or with ``shard``."""
         if self.shards.lengths is None or self.shard is not None:
-            raise TypeError("a Loader over a mixture of streams has a len() only with every Shards' lengths=... "
-                            "and without shard=(rank, world_size) (each rank's shards, hence records, differ)")
+            raise TypeError(
+                "a Loader over a mixture of streams has a len() only with every Shards' lengths=... "
+                "and without shard=(rank, world_size) (each rank's shards, hence records, differ)"
+            )
         return self.batch_count(list(range(len(self.shards.shards))))
 
     def settings(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ workers' stream; ``iterators.InlineIterator``: ``workers=0``, indexed;
 ``torch_device.Stage`` (a prefetching thread) or ``torch_device.Mapped`` (a function per
 batch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

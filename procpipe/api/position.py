@@ -14,6 +14,7 @@ own progress states (``check_progress``: the ``StreamPlan`` of a ``procpipe.Shar
 source) is a streaming one; this module does not import ``streaming`` (whose ``workers=0``
 node uses it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,11 @@ def encode_position(sampler: Any, point: ResumePoint) -> dict[str, Any]:
     else:
         done = _as_progress(done)
         ahead = {n: _as_progress(p) for n, p in ahead.items()}
-        progress = {"done_below": done.below, "done": sorted(done.beyond),
-                    "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())]}
+        progress = {
+            "done_below": done.below,
+            "done": sorted(done.beyond),
+            "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())],
+        }
     return {"epoch": epoch, **progress, "until": until}
 
 
@@ -84,7 +88,8 @@ def decode_position(state: Any, sampler: Any) -> Resume:
     if not isinstance(state, dict):
         # (a corrupt saved state is a ValueError whatever is wrong with it: callers catch ValueError)
         raise ValueError(  # noqa: TRY004 - a corrupt state, see above
-            f"not a procpipe position (a dict from get_state() or Loader.state_dict()): {state!r:.200}")
+            f"not a procpipe position (a dict from get_state() or Loader.state_dict()): {state!r:.200}"
+        )
     epoch = state.get("epoch")
     if not is_count(epoch, 0):
         raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
@@ -92,6 +97,7 @@ def decode_position(state: Any, sampler: Any) -> Resume:
         done = sampler.check_progress(state.get("stream"), epoch)
         until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, sampler))
     else:
+
         def progress(number: int, rest: list) -> frozenset:
             return _index_progress(_batch_count(sampler, number), number, rest)
 
@@ -110,8 +116,9 @@ def _batch_count(sampler: Any, epoch: int) -> int | None:
         return None
 
 
-def _until_and_ahead(state: dict[str, Any], epoch: int,
-                     progress: Callable[[int, list], Any]) -> tuple[Any, dict[int, Any]]:
+def _until_and_ahead(
+    state: dict[str, Any], epoch: int, progress: Callable[[int, list], Any]
+) -> tuple[Any, dict[int, Any]]:
     """``until`` and ``ahead`` of a saved state, checked (both optional: older states lack them).
 
     ``ahead`` entries are ``[epoch, ...]``; ``progress(epoch, rest)`` checks and converts the rest.
@@ -125,8 +132,7 @@ def _until_and_ahead(state: dict[str, Any], epoch: int,
         raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")  # noqa: TRY004 - a corrupt state
     for entry in raw:
         n = entry[0] if isinstance(entry, list) and entry else None
-        if (not is_count(n, epoch + 1) or n in ahead
-                or (isinstance(until, int) and n >= until)):
+        if not is_count(n, epoch + 1) or n in ahead or (isinstance(until, int) and n >= until):
             raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
         ahead[n] = progress(n, entry[1:])
     return until, ahead
@@ -141,14 +147,15 @@ def _index_progress(count: int | None, epoch: int, rest: list) -> frozenset:
     ok = len(rest) == 2
     if ok:
         below, beyond = rest
-        ok = (is_count(below, 0) and isinstance(beyond, list)
-              and all(is_count(x, below + 1) for x in beyond))
+        ok = is_count(below, 0) and isinstance(beyond, list) and all(is_count(x, below + 1) for x in beyond)
     if not ok:
         raise ValueError(f"corrupt procpipe Loader state: done_below, done = {rest!r:.200} for epoch {epoch}")
     if count is not None and (below > count or (beyond and max(beyond) >= count)):
-        raise ValueError(f"procpipe Loader state out of range: done_below, done = {rest!r:.200} for epoch {epoch}, "
-                         f"but an epoch of this loader has {count} batches (positions 0 to {count - 1}); "
-                         "the state is corrupt or from another loader")
+        raise ValueError(
+            f"procpipe Loader state out of range: done_below, done = {rest!r:.200} for epoch {epoch}, "
+            f"but an epoch of this loader has {count} batches (positions 0 to {count - 1}); "
+            "the state is corrupt or from another loader"
+        )
     return frozenset(itertools.chain(range(below), beyond))
 
 

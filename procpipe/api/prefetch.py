@@ -23,6 +23,7 @@ The thread talks to the consumer through one queue of small typed items, one cla
 meaning: ``_Batch`` (a batch, its ``ready`` and the source's state), ``_Ended`` (the source is
 exhausted) and ``_Raised`` (an exception to raise in the consumer).
 """
+
 from __future__ import annotations
 
 import queue
@@ -84,8 +85,14 @@ def _no_state() -> None:
 
 
 # --------------------------------------------------------------------------- the thread
-def _stage_main(source: Iterator, transfer: Transfer, out: queue.Queue, stop: threading.Event,
-                requests: queue.SimpleQueue | None, snapshot: Callable[[], dict | None]) -> None:
+def _stage_main(
+    source: Iterator,
+    transfer: Transfer,
+    out: queue.Queue,
+    stop: threading.Event,
+    requests: queue.SimpleQueue | None,
+    snapshot: Callable[[], dict | None],
+) -> None:
     """The prefetching thread: one item per batch of ``source`` into ``out``, each with the
     source's ``get_state()`` right after ``next()`` gave the batch (what the consumer will have
     had once the node returns it). With ``requests``, it fetches one batch per request."""
@@ -145,8 +152,9 @@ class Prefetcher(Node):
 
     _JOIN_S = 60.0  # the most reset() waits for the old thread to stop
 
-    def __init__(self, source: Iterator, transfer: Transfer, depth: int, timeout: float | None = None, *,
-                 keep_state: bool = True) -> None:
+    def __init__(
+        self, source: Iterator, transfer: Transfer, depth: int, timeout: float | None = None, *, keep_state: bool = True
+    ) -> None:
         self._source = source
         self._keep_state = keep_state
         self._transfer = transfer
@@ -166,8 +174,12 @@ class Prefetcher(Node):
         self._finished = False
         args = (self._source, self._transfer, self._queue, self._stop, self._requests, self._snapshot)
         if getattr(self._source, "runs_user_code", False):  # workers=0: the user's fn runs in this thread,
-            self._thread = threading.Thread(target=_stage_main, args=args,  # which is then theirs, not
-                                            name="procpipe-device-stage", daemon=True)  # procpipe's (fork_safety)
+            self._thread = threading.Thread(
+                target=_stage_main,
+                args=args,  # which is then theirs, not
+                name="procpipe-device-stage",
+                daemon=True,
+            )  # procpipe's (fork_safety)
             self._thread.start()
         else:
             self._thread = fork_safety.start_thread(_stage_main, "procpipe-device-stage", args)
@@ -198,8 +210,10 @@ class Prefetcher(Node):
         """The source's state when it gave the batch returned last (the batches held ahead are not
         counted); before any, the source's when the thread started."""
         if self._state is None:
-            raise TypeError(f"this stage keeps no state (keep_state=False, or its source, a "
-                            f"{type(self._source).__name__}, has no get_state())")
+            raise TypeError(
+                f"this stage keeps no state (keep_state=False, or its source, a "
+                f"{type(self._source).__name__}, has no get_state())"
+            )
         return self._state
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -208,8 +222,10 @@ class Prefetcher(Node):
         self.close()
         self._thread.join(self._JOIN_S)
         if self._thread.is_alive():
-            raise RuntimeError(f"procpipe's device stage thread did not stop within {self._JOIN_S:.0f} s "
-                               "(the source's next() has not returned)")
+            raise RuntimeError(
+                f"procpipe's device stage thread did not stop within {self._JOIN_S:.0f} s "
+                "(the source's next() has not returned)"
+            )
         reset = getattr(self._source, "reset", None)
         if reset is None:
             raise TypeError(f"this stage cannot restart: its source, a {type(self._source).__name__}, has no reset()")

@@ -7,6 +7,7 @@ JSON-serializable dict. ``load_state`` checks such a dict against this loader's 
 (same kind of source, same data, same settings) and for corruption (position.py's
 decoder), and returns the ``Resume`` the next ``iter(loader)`` starts from.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,13 +38,17 @@ def load_state(state: Any, sampler: Any) -> Resume:
     streaming = isinstance(sampler, StreamPlan)
     if ("stream" in state) != streaming:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
-        raise ValueError(f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
-                         f"reads {kinds[streaming]}; resume with a loader built with the same arguments")
+        raise ValueError(
+            f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
+            f"reads {kinds[streaming]}; resume with a loader built with the same arguments"
+        )
     mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
     if ("mix" in state) != (mixing is not None):
         kinds = ("an indexable source", "a procpipe.Mix")
-        raise ValueError(f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
-                         f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)")
+        raise ValueError(
+            f"this state was saved by a loader over {kinds['mix' in state]}, but this loader reads "
+            f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)"
+        )
     if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
         state = elastic.state_for(state, sampler, streaming)
     else:
@@ -75,7 +80,13 @@ def _sampler_state(sampler: Any) -> dict[str, Any]:
         return sampler.settings()
     mix = sampler.settings() if getattr(sampler, "mixing", None) is not None else {}
     shard = getattr(sampler, "shard", None)
-    return {"length": sampler.length, "batch_size": getattr(sampler, "batch_size", None),
-            "shuffle": getattr(sampler, "shuffle", False), "seed": getattr(sampler, "seed", None),
-            "drop_last": getattr(sampler, "drop_last", False), "shard": None if shard is None else list(shard),
-            "reshuffle": getattr(sampler, "reshuffle", True), **mix}
+    return {
+        "length": sampler.length,
+        "batch_size": getattr(sampler, "batch_size", None),
+        "shuffle": getattr(sampler, "shuffle", False),
+        "seed": getattr(sampler, "seed", None),
+        "drop_last": getattr(sampler, "drop_last", False),
+        "shard": None if shard is None else list(shard),
+        "reshuffle": getattr(sampler, "reshuffle", True),
+        **mix,
+    }

@@ -10,6 +10,7 @@ takes a fraction of a second: busy workers are told to leave their tasks, pool.s
 After that, a Ctrl-C held back is delivered again, except while the interpreter exits
 (what the user asked for is already happening).
 """
+
 from __future__ import annotations
 
 import atexit

@@ -7,6 +7,7 @@ then ``device_fn`` if one is given, in the consumer's thread. ``apply_device_fn`
 ``device_fn`` with ``batch_rng()`` seeded from ``(seed, epoch, batch position)``, here and on
 a GPU (procpipe/api/cuda_transfer.py), so a batch draws the same numbers on either.
 """
+
 from __future__ import annotations
 
 import itertools

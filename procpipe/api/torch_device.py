@@ -20,6 +20,7 @@ its thread takes ahead and reports that of the batch it returned last), so
 ``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread (``Stage``, this
 module's name for ``Prefetcher``) for its ``device=``, ``pin_memory=True`` and ``timeout``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -66,13 +67,12 @@ class DeviceStage:
     """``Loader(device=...)``'s stage, made once per loader: ``stage(epoch_iterator)`` wraps
     one iteration; ``close()`` (``Loader.close``) releases the CUDA registrations."""
 
-    def __init__(self, device: torch.device, prefetch: int, device_fn: Callable[[Any], Any] | None,
-                 seed: int) -> None:
+    def __init__(self, device: torch.device, prefetch: int, device_fn: Callable[[Any], Any] | None, seed: int) -> None:
         self.device = device
         self.prefetch = prefetch
         self.device_fn = device_fn
         self.seed = seed
-        self.transfer = (CudaTransfer(device, prefetch + 2, device_fn, seed) if device.type == "cuda" else None)
+        self.transfer = CudaTransfer(device, prefetch + 2, device_fn, seed) if device.type == "cuda" else None
         # Ring slots the stage may hold while its copies read them (the ring gets that many more).
         self.slots_held = CudaTransfer.SLOTS_HELD if self.transfer is not None else 0
 
@@ -80,8 +80,9 @@ class DeviceStage:
         transfer = self.transfer
         if transfer is None:
             return cpu_stage(it, self.device_fn, self.seed)
-        return Prefetcher(it, lambda batch: transfer(batch, to_torch, getattr(it, "position", None)),
-                          depth=self.prefetch)
+        return Prefetcher(
+            it, lambda batch: transfer(batch, to_torch, getattr(it, "position", None)), depth=self.prefetch
+        )
 
     def info(self) -> dict[str, int]:
         """``Loader.stats()["device"]``: how batches reached the device."""
@@ -89,16 +90,20 @@ class DeviceStage:
         if t is None:
             return {"direct_batches": 0, "staged_batches": 0, "registered_rings": 0, "registrations": 0}
         pins = t.pins
-        return {"direct_batches": t.direct_batches, "staged_batches": t.staged_batches,
-                "registered_rings": 0 if pins is None else len(pins.pinned),
-                "registrations": 0 if pins is None else pins.registrations}
+        return {
+            "direct_batches": t.direct_batches,
+            "staged_batches": t.staged_batches,
+            "registered_rings": 0 if pins is None else len(pins.pinned),
+            "registrations": 0 if pins is None else pins.registrations,
+        }
 
     def close(self) -> None:
         if self.transfer is not None:
             self.transfer.close()
 
 
-def device_stage(device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None = None,
-                 seed: int = 0) -> DeviceStage:
+def device_stage(
+    device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None = None, seed: int = 0
+) -> DeviceStage:
     """For ``Loader(device=...)``: validate ``device`` and return ``stage(epoch_iterator)``."""
     return DeviceStage(resolve_device(device), prefetch, device_fn, seed)

@@ -6,6 +6,7 @@
 - :mod:`procpipe.bench.workloads`: the reference workloads (README.md, "Performance goals"), shared with
   ``bench/compare.py`` (procpipe beside PyTorch's DataLoader, Pool.imap and serial).
 """
+
 from .sweep import Setting, default_worker_counts, measure, recommend
 from .workloads import WORKLOADS, Workload
 

@@ -24,6 +24,7 @@ Examples::
     python -m procpipe.bench --workloads cpu,straggler --workers 0,2,4 --json out.json --plot out.png
     python -m procpipe.bench --pipeline mytrain.data:loader_kwargs --step-ms 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,37 +80,80 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="procpipe-bench",
         description="Sweep procpipe's worker count on the reference workloads or on your own pipeline, "
-                    "and recommend one.",
+        "and recommend one.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=FACTORY_HELP + "\nJSON fields and every column are documented in README.md "
-                              "(section: python -m procpipe.bench).",
+        "(section: python -m procpipe.bench).",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--pipeline", metavar="MODULE:FACTORY",
-                     help="your pipeline: FACTORY() returns Loader keyword arguments (dict) or a Loader "
-                          "(then it must take workers=); the module is imported from the current directory too")
-    src.add_argument("--workloads", metavar="NAMES",
-                     help=f"built-in workloads, comma-separated (default: all): {', '.join(WORKLOADS)}, tiny")
-    p.add_argument("--workers", type=_parse_workers, metavar="N,N,...",
-                   help="worker counts to try (default: 0, 1, 2, ... up to 2x the CPU count)")
+    src.add_argument(
+        "--pipeline",
+        metavar="MODULE:FACTORY",
+        help="your pipeline: FACTORY() returns Loader keyword arguments (dict) or a Loader "
+        "(then it must take workers=); the module is imported from the current directory too",
+    )
+    src.add_argument(
+        "--workloads",
+        metavar="NAMES",
+        help=f"built-in workloads, comma-separated (default: all): {', '.join(WORKLOADS)}, tiny",
+    )
+    p.add_argument(
+        "--workers",
+        type=_parse_workers,
+        metavar="N,N,...",
+        help="worker counts to try (default: 0, 1, 2, ... up to 2x the CPU count)",
+    )
     p.add_argument("--size", type=int, metavar="SAMPLES", help="samples per built-in workload (default: a quick size)")
     p.add_argument("--full", action="store_true", help="built-in workloads at their full size (slower)")
-    p.add_argument("--step-ms", type=float, default=0.0, metavar="MS",
-                   help="time the training loop spends per batch (default 0: measure the pipeline alone)")
-    p.add_argument("--step-mode", choices=("sleep", "busy"), default="sleep",
-                   help="how the step is spent: sleep (a GPU step; default) or busy-wait (a CPU step)")
-    p.add_argument("--budget", type=float, default=60.0, metavar="S",
-                   help="about how long the whole run takes, shared out between the measurements (default 60)")
-    p.add_argument("--seconds", type=float, metavar="S",
-                   help="measure one worker count for S seconds, across epochs (default: from --budget)")
-    p.add_argument("--batches", type=int, metavar="N",
-                   help="measure one worker count for N batches, across epochs (and at most --seconds if given)")
-    p.add_argument("--table", action="store_true",
-                   help="print each workload's full table and the reasoning behind the advice")
-    p.add_argument("--repeat", type=int, default=3, metavar="N",
-                   help="measure each worker count N times, in turn, and report the median and spread (default 3)")
-    p.add_argument("--within", type=float, default=0.95, metavar="F",
-                   help="recommend the fewest workers within this fraction of the best throughput (default 0.95)")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time the training loop spends per batch (default 0: measure the pipeline alone)",
+    )
+    p.add_argument(
+        "--step-mode",
+        choices=("sleep", "busy"),
+        default="sleep",
+        help="how the step is spent: sleep (a GPU step; default) or busy-wait (a CPU step)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="about how long the whole run takes, shared out between the measurements (default 60)",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float,
+        metavar="S",
+        help="measure one worker count for S seconds, across epochs (default: from --budget)",
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        metavar="N",
+        help="measure one worker count for N batches, across epochs (and at most --seconds if given)",
+    )
+    p.add_argument(
+        "--table", action="store_true", help="print each workload's full table and the reasoning behind the advice"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        metavar="N",
+        help="measure each worker count N times, in turn, and report the median and spread (default 3)",
+    )
+    p.add_argument(
+        "--within",
+        type=float,
+        default=0.95,
+        metavar="F",
+        help="recommend the fewest workers within this fraction of the best throughput (default 0.95)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="chart throughput and wait %% against workers (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown on a terminal only)")
@@ -158,8 +202,10 @@ def _check_keys(kwargs: Mapping[str, Any], target: Any, what: str) -> None:
         if key not in params:
             close = difflib.get_close_matches(str(key), valid, n=2)
             hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-            raise SystemExit(f"--pipeline factory returned {key!r}, which is not a {what} argument{hint}. "
-                             f"{what} takes: {', '.join(valid)}. See --help for the factory's contract.")
+            raise SystemExit(
+                f"--pipeline factory returned {key!r}, which is not a {what} argument{hint}. "
+                f"{what} takes: {', '.join(valid)}. See --help for the factory's contract."
+            )
 
 
 def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
@@ -187,14 +233,17 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
                 raise SystemExit(
                     f"--pipeline factory returned a loader with {what} where {workers} were asked: "
                     "to sweep the worker count it must take a workers= argument and build the loader with "
-                    "that many, or return the loader's keyword arguments as a dict instead")
+                    "that many, or return the loader's keyword arguments as a dict instead"
+                )
             return made
         if isinstance(made, Mapping):
             kwargs = dict(made)
             if "dataset" in kwargs:  # procpipe.torch.DataLoader's arguments
                 if facade is None:
-                    raise SystemExit("--pipeline factory returned DataLoader arguments (a 'dataset' key), "
-                                     "which need torch: pip install torch")
+                    raise SystemExit(
+                        "--pipeline factory returned DataLoader arguments (a 'dataset' key), "
+                        "which need torch: pip install torch"
+                    )
                 kwargs.pop("num_workers", None)
                 _check_keys(kwargs, facade.DataLoader.__init__, "procpipe.torch.DataLoader")
                 # the workers outlive the measured epoch, so their memory and CPU can be read at its end
@@ -203,15 +252,19 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
             kwargs.pop("workers", None)
             _check_keys(kwargs, Loader.__init__, "procpipe.Loader")
             return Loader(**kwargs, workers=workers)
-        raise SystemExit(f"--pipeline factory must return a dict of Loader arguments, a Loader or a "
-                         f"procpipe.torch.DataLoader, got {type(made).__name__}. See --help.")
+        raise SystemExit(
+            f"--pipeline factory must return a dict of Loader arguments, a Loader or a "
+            f"procpipe.torch.DataLoader, got {type(made).__name__}. See --help."
+        )
 
     return make
 
 
-LEGEND = ("  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
-          "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
-          "USS: private memory, the shared ring left out)")
+LEGEND = (
+    "  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
+    "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
+    "USS: private memory, the shared ring left out)"
+)
 
 
 def _builtin_maker(name: str, size: int | None, full: bool) -> tuple[Callable[[int], Any], str]:
@@ -243,23 +296,31 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     repeats = max(1, args.repeat)
-    bar = tqdm(total=len(jobs) * len(counts) * repeats, unit="setting", disable=True if args.no_progress else None,
-               leave=False, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(jobs) * len(counts) * repeats,
+        unit="setting",
+        disable=True if args.no_progress else None,
+        leave=False,
+        dynamic_ncols=True,
+    )
     out = tqdm.write
     cpus = sweep.cpu_count()
     seconds = args.seconds
     if seconds is None and args.batches is None:  # the budget shared out (60 % measuring; the rest starts loaders)
         seconds = max(0.25, 0.6 * args.budget / (len(jobs) * len(counts) * repeats))
-    out(f"procpipe bench: {cpus} CPUs, workers {','.join(map(str, counts))}"
+    out(
+        f"procpipe bench: {cpus} CPUs, workers {','.join(map(str, counts))}"
         + (f", training step {args.step_ms:g} ms ({args.step_mode})" if step_s else ", no training step")
-        + (f", {seconds:.2g} s per measurement" if seconds else "") + f", {repeats} repeats")
+        + (f", {seconds:.2g} s per measurement" if seconds else "")
+        + f", {repeats} repeats"
+    )
     runs = []
     try:
         for name, make, description in jobs:
             measured: dict[int, list[sweep.Setting]] = {w: [] for w in counts}
             for rep in range(repeats):
                 # the counts in turn, starting one further each round: a passing load hits them alike
-                for workers in counts[rep % len(counts):] + counts[:rep % len(counts)]:
+                for workers in counts[rep % len(counts) :] + counts[: rep % len(counts)]:
                     done = [0]
 
                     def progress(n: int, name: str = name, workers: int = workers, done: list = done) -> None:
@@ -268,18 +329,34 @@ def main(argv: list[str] | None = None) -> int:
                         bar.update(0)  # redraws at most every bar.mininterval
 
                     progress(0)
-                    measured[workers].append(sweep.measure(make, workers, step_s=step_s, step_mode=args.step_mode,
-                                                           max_batches=args.batches, max_seconds=seconds,
-                                                           progress=None if bar.disable else progress))
+                    measured[workers].append(
+                        sweep.measure(
+                            make,
+                            workers,
+                            step_s=step_s,
+                            step_mode=args.step_mode,
+                            max_batches=args.batches,
+                            max_seconds=seconds,
+                            progress=None if bar.disable else progress,
+                        )
+                    )
                     bar.update(1)
             settings = [sweep.combine(measured[w]) for w in counts]
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
             out(f"{name:>12}: {rec['text']}")
             if args.table:
-                out(f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
-                    f"{rec['text']}.\n  why: {rec['why']}.\n")
-            runs.append({"name": name, "description": description,
-                         "settings": [s.to_json() for s in settings], "recommendation": rec})
+                out(
+                    f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
+                    f"{rec['text']}.\n  why: {rec['why']}.\n"
+                )
+            runs.append(
+                {
+                    "name": name,
+                    "description": description,
+                    "settings": [s.to_json() for s in settings],
+                    "recommendation": rec,
+                }
+            )
     finally:
         bar.close()
     if not args.table:
@@ -288,9 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         from procpipe import __version__
 
         document = {
-            "procpipe_version": __version__, "python": platform.python_version(), "cpu_count": cpus,
-            "argv": sys.argv[1:] if argv is None else list(argv), "workers": counts,
-            "step_ms": args.step_ms, "step_mode": args.step_mode, "within": args.within, "repeat": repeats,
+            "procpipe_version": __version__,
+            "python": platform.python_version(),
+            "cpu_count": cpus,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "workers": counts,
+            "step_ms": args.step_ms,
+            "step_mode": args.step_mode,
+            "within": args.within,
+            "repeat": repeats,
             "runs": runs,
         }
         with open(args.json, "w") as f:

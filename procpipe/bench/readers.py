@@ -13,6 +13,7 @@ the format's own reader, on the same local file, in one process (no Loader, no w
 Each pair is timed ``--repeat`` times, alternating, and the best run is kept (a shared
 machine's noise only ever slows a run down).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,13 @@ def _write_files(folder: str, records: int, size: int) -> dict[str, str]:
     paths["tfrecord-example"] = os.path.join(folder, "e.tfrecord")
     with open(paths["tfrecord-example"], "wb") as f:
         for i in range(records):
-            f.write(readers.frame(readers.make_example({"label": [i], "x": np.arange(16, dtype=np.float32),
-                                                        "data": payloads[i % len(payloads)]})))
+            f.write(
+                readers.frame(
+                    readers.make_example(
+                        {"label": [i], "x": np.arange(16, dtype=np.float32), "data": payloads[i % len(payloads)]}
+                    )
+                )
+            )
     paths["jsonl"] = os.path.join(folder, "a.jsonl")
     with open(paths["jsonl"], "w") as f:
         for i in range(records):
@@ -59,8 +65,13 @@ def _write_files(folder: str, records: int, size: int) -> dict[str, str]:
         import pyarrow.parquet as pq
 
         paths["parquet"] = os.path.join(folder, "a.parquet")
-        pq.write_table(pa.table({"id": np.arange(records), "score": np.arange(records) / 3,
-                                 "text": ["word " * (size // 5)] * records}), paths["parquet"], row_group_size=8192)
+        pq.write_table(
+            pa.table(
+                {"id": np.arange(records), "score": np.arange(records) / 3, "text": ["word " * (size // 5)] * records}
+            ),
+            paths["parquet"],
+            row_group_size=8192,
+        )
     except ImportError:
         pass
     paths["webdataset"] = os.path.join(folder, "a.tar")
@@ -94,10 +105,12 @@ def _theirs(fmt: str, path: str) -> Callable[[], Iterable[Any]] | None:
 
             return lambda: wds.WebDataset(path, shardshuffle=False)
         if fmt == "jsonl":
+
             def lines() -> Iterable[Any]:
                 with open(path) as f:
                     for line in f:
                         yield json.loads(line)
+
             return lines
     except ImportError:
         return None
@@ -112,8 +125,12 @@ def measure(records: int = 50_000, size: int = 256, repeat: int = 3) -> list[dic
     with tempfile.TemporaryDirectory(prefix="procpipe-bench-readers-") as folder:
         paths = _write_files(folder, records, size)
         makers: dict[str, Callable[[], Any]] = {
-            "tfrecord": readers.tfrecord, "tfrecord-example": lambda: readers.tfrecord(parse=True),
-            "jsonl": readers.jsonl, "parquet": readers.parquet, "webdataset": readers.webdataset}
+            "tfrecord": readers.tfrecord,
+            "tfrecord-example": lambda: readers.tfrecord(parse=True),
+            "jsonl": readers.jsonl,
+            "parquet": readers.parquet,
+            "webdataset": readers.webdataset,
+        }
         ours: dict[str, Any] = {}
         for fmt, make in makers.items():
             try:
@@ -131,9 +148,15 @@ def measure(records: int = 50_000, size: int = 256, repeat: int = 3) -> list[dic
                 best_ours = max(best_ours, rate)
                 if theirs is not None:
                     best_theirs = max(best_theirs, _rate(theirs)[0])
-            rows.append({"format": fmt, "records": records, "procpipe_per_s": best_ours,
-                         "theirs_per_s": best_theirs or None,
-                         "ratio": best_ours / best_theirs if best_theirs else None})
+            rows.append(
+                {
+                    "format": fmt,
+                    "records": records,
+                    "procpipe_per_s": best_ours,
+                    "theirs_per_s": best_theirs or None,
+                    "ratio": best_ours / best_theirs if best_theirs else None,
+                }
+            )
     return rows
 
 

@@ -15,6 +15,7 @@ runs does not move the advice), never more workers than CPUs unless the workers 
 I/O, and says why more would not help, its advice following one diagnosis (CPU-bound,
 I/O-bound, limited by the training process or its step).
 """
+
 from __future__ import annotations
 
 import math
@@ -143,9 +144,16 @@ def _pids(stats: dict) -> list[int]:
     return [w["pid"] for w in stats["per_worker"] if w["pid"] is not None]
 
 
-def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 0.0, step_mode: str = "sleep",
-            max_batches: int | None = None, max_seconds: float | None = None,
-            progress: Callable[[int], None] | None = None) -> Setting:
+def measure(
+    make_loader: Callable[[int], Any],
+    workers: int,
+    *,
+    step_s: float = 0.0,
+    step_mode: str = "sleep",
+    max_batches: int | None = None,
+    max_seconds: float | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Setting:
     """Consume ``make_loader(workers)``'s batches, epoch after epoch, until ``max_batches`` or
     ``max_seconds`` is spent (neither: one epoch), and return what it achieved."""
     t0 = time.perf_counter()
@@ -229,13 +237,26 @@ def measure(make_loader: Callable[[int], Any], workers: int, *, step_s: float = 
             # beyond the CPU count the workers queue behind each other: only then is it not contention
             contended = busy_s > 0 and sum(runq) > CONTENDED * busy_s and workers <= cpu_count()
     return Setting(
-        workers=workers, batches=consumed, samples=samples, seconds=seconds,
-        samples_per_s=samples / seconds, batches_per_s=consumed / seconds,
-        mb_per_s=consumed * per_batch_bytes / seconds / 1e6, wait_pct=100.0 * wait,
-        worker_busy_pct=busy_pct, worker_cpu_pct=cpu_pct, peak_rss_mib=peak, total_rss_mib=total,
-        first_batch_s=first_batch_s, overflow_batches=s1["overflow_batches"], stats=s1,
-        uss_mib=uss, worker_runq_pct=runq_pct, contended=contended,
-        samples_per_s_min=samples / seconds, samples_per_s_max=samples / seconds,
+        workers=workers,
+        batches=consumed,
+        samples=samples,
+        seconds=seconds,
+        samples_per_s=samples / seconds,
+        batches_per_s=consumed / seconds,
+        mb_per_s=consumed * per_batch_bytes / seconds / 1e6,
+        wait_pct=100.0 * wait,
+        worker_busy_pct=busy_pct,
+        worker_cpu_pct=cpu_pct,
+        peak_rss_mib=peak,
+        total_rss_mib=total,
+        first_batch_s=first_batch_s,
+        overflow_batches=s1["overflow_batches"],
+        stats=s1,
+        uss_mib=uss,
+        worker_runq_pct=runq_pct,
+        contended=contended,
+        samples_per_s_min=samples / seconds,
+        samples_per_s_max=samples / seconds,
     )
 
 
@@ -246,8 +267,13 @@ def combine(runs: list[Setting]) -> Setting:
     ordered = sorted(runs, key=lambda s: s.samples_per_s)
     median = ordered[(len(ordered) - 1) // 2]
     rates = [s.samples_per_s for s in ordered]
-    return replace(median, repeats=len(runs), samples_per_s_min=rates[0], samples_per_s_max=rates[-1],
-                   contended=any(s.contended for s in runs))
+    return replace(
+        median,
+        repeats=len(runs),
+        samples_per_s_min=rates[0],
+        samples_per_s_max=rates[-1],
+        contended=any(s.contended for s in runs),
+    )
 
 
 def spread(setting: Setting) -> float:
@@ -257,8 +283,9 @@ def spread(setting: Setting) -> float:
     return (setting.samples_per_s_max - setting.samples_per_s_min) / setting.samples_per_s
 
 
-def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 0.0,
-              cpus: int | None = None) -> dict[str, Any]:
+def recommend(
+    settings: list[Setting], *, within: float = 0.95, step_s: float = 0.0, cpus: int | None = None
+) -> dict[str, Any]:
     """The smallest worker count reaching ``within`` of the best samples/s, and why.
 
     Returns ``{"workers", "fraction_of_best", "best_workers", "best_samples_per_s",
@@ -273,17 +300,24 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
     best = max(settings, key=lambda s: s.samples_per_s)
     contended = any(s.contended for s in settings)
     if best.samples_per_s <= 0:
-        return {"workers": best.workers, "fraction_of_best": 1.0, "best_workers": best.workers,
-                "best_samples_per_s": 0.0, "gain_beyond": None, "diagnosis": "flat", "contended": contended,
-                "text": "no throughput measured", "why": "every setting delivered nothing"}
+        return {
+            "workers": best.workers,
+            "fraction_of_best": 1.0,
+            "best_workers": best.workers,
+            "best_samples_per_s": 0.0,
+            "gain_beyond": None,
+            "diagnosis": "flat",
+            "contended": contended,
+            "text": "no throughput measured",
+            "why": "every setting delivered nothing",
+        }
     # Good enough: its best repeat comes within ``within`` of the best median (noise between runs
     # does not move the advice). Not more workers than CPUs unless they wait on I/O: CPU-bound
     # workers beyond the CPU count only share the same cores (a gain there is noise, or CPU time
     # won from other processes).
     io_bound = any(_diagnose(s, step_s, cpus, largest=False)[0] == "io" for s in settings if s.workers)
     capped = [s for s in settings if s.workers <= cpus] if not io_bound else settings
-    good = [s for s in capped or settings
-            if (s.samples_per_s_max or s.samples_per_s) >= within * best.samples_per_s]
+    good = [s for s in capped or settings if (s.samples_per_s_max or s.samples_per_s) >= within * best.samples_per_s]
     rec = min(good or [max(capped, key=lambda s: s.samples_per_s)], key=lambda s: s.workers)
     frac = rec.samples_per_s / best.samples_per_s
     beyond = [s for s in settings if s.workers > rec.workers]
@@ -294,8 +328,10 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
     if best is not rec:
         text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
     if gain is not None and gain > 1.0 - within and not io_bound and best.workers > cpus >= rec.workers:
-        text += (f"; more workers than the {cpus} CPUs measured up to {gain * 100:+.0f} %, which a CPU-bound "
-                 "pipeline cannot gain (CPU time won from other processes, or noise): not more than the CPUs")
+        text += (
+            f"; more workers than the {cpus} CPUs measured up to {gain * 100:+.0f} %, which a CPU-bound "
+            "pipeline cannot gain (CPU time won from other processes, or noise): not more than the CPUs"
+        )
     elif gain is not None:
         if gain <= 0.0:
             text += "; beyond that, no gain: more workers were slower"
@@ -304,8 +340,10 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
         else:
             text += f"; beyond that, at most {gain * 100:+.0f} %, not worth the extra processes"
     elif diagnosis == "cpu" and _cpus_used(rec) >= 0.9 * cpus:
-        text += (f"; it is the largest count measured, but its workers already keep the {cpus} CPUs busy: "
-                 "more would share them (it beat fewer workers by winning CPU time from other processes)")
+        text += (
+            f"; it is the largest count measured, but its workers already keep the {cpus} CPUs busy: "
+            "more would share them (it beat fewer workers by winning CPU time from other processes)"
+        )
     elif diagnosis == "cpu":
         text += "; it is the largest count measured, but the pipeline is CPU-bound: more would share the same CPUs"
     elif diagnosis in ("io", "growing"):
@@ -314,12 +352,22 @@ def recommend(settings: list[Setting], *, within: float = 0.95, step_s: float = 
         text += "; it is the largest count measured, and more workers would not help (see why)"
     if contended:
         worst = max((s.worker_runq_pct or 0.0) for s in settings)
-        why += (f". Caution: the CPUs were contended (workers waited up to {worst:.0f} % of the time for a CPU "
-                "held by other processes), so these figures vary from run to run; measure on an idle machine "
-                "to trust them")
-    return {"workers": rec.workers, "fraction_of_best": frac, "best_workers": best.workers,
-            "best_samples_per_s": best.samples_per_s, "gain_beyond": gain, "diagnosis": diagnosis,
-            "contended": contended, "text": text, "why": why}
+        why += (
+            f". Caution: the CPUs were contended (workers waited up to {worst:.0f} % of the time for a CPU "
+            "held by other processes), so these figures vary from run to run; measure on an idle machine "
+            "to trust them"
+        )
+    return {
+        "workers": rec.workers,
+        "fraction_of_best": frac,
+        "best_workers": best.workers,
+        "best_samples_per_s": best.samples_per_s,
+        "gain_beyond": gain,
+        "diagnosis": diagnosis,
+        "contended": contended,
+        "text": text,
+        "why": why,
+    }
 
 
 def _cpus_used(setting: Setting) -> float:
@@ -335,32 +383,45 @@ def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool) -> tuple[st
     wait = rec.wait_pct
     used = _cpus_used(rec)
     # Waiting for a CPU held by another process is not waiting on I/O: count it as CPU demand.
-    waits_on_io = (busy is not None and cpu is not None and busy >= 50.0 and cpu + runq < 0.5 * busy
-                   and used < 0.5 * cpus)
+    waits_on_io = (
+        busy is not None and cpu is not None and busy >= 50.0 and cpu + runq < 0.5 * busy and used < 0.5 * cpus
+    )
     if rec.workers == 0:
-        return "inline", ("loading in the training process is at least as fast as with workers: the per-batch "
-                          "work is too small to pay for handing batches between processes (or the step leaves "
-                          "no CPU for them)")
+        return "inline", (
+            "loading in the training process is at least as fast as with workers: the per-batch "
+            "work is too small to pay for handing batches between processes (or the step leaves "
+            "no CPU for them)"
+        )
     if step_s > 0 and wait < 5.0:
         mem = f" and about {rec.uss_mib:.0f} MiB" if rec.uss_mib else ""
-        return "step", (f"with {rec.workers} the training loop waits only {wait:.1f} % of the time: the input "
-                        f"pipeline keeps up with the {step_s * 1e3:g} ms step, so more workers would only cost "
-                        f"CPU{mem} each")
+        return "step", (
+            f"with {rec.workers} the training loop waits only {wait:.1f} % of the time: the input "
+            f"pipeline keeps up with the {step_s * 1e3:g} ms step, so more workers would only cost "
+            f"CPU{mem} each"
+        )
     if waits_on_io:
         more = f" and more than the {cpus} CPUs help" if rec.workers > cpus else ""
-        return "io", (f"the workers are {busy:.0f} % busy but use only {cpu:.0f} % of a CPU each: samples wait "
-                      f"(I/O, sleep) more than they compute, so workers overlap the waits{more}")
+        return "io", (
+            f"the workers are {busy:.0f} % busy but use only {cpu:.0f} % of a CPU each: samples wait "
+            f"(I/O, sleep) more than they compute, so workers overlap the waits{more}"
+        )
     if cpu is not None and (cpu + runq >= 60.0 or used >= 0.6 * cpus):
-        return "cpu", (f"the workers use {cpu:.0f} % of a CPU each ({used:.1f} of the {cpus} CPUs, which the "
-                       f"training process shares): the pipeline is CPU-bound, more processes would share the "
-                       f"same cores")
+        return "cpu", (
+            f"the workers use {cpu:.0f} % of a CPU each ({used:.1f} of the {cpus} CPUs, which the "
+            f"training process shares): the pipeline is CPU-bound, more processes would share the "
+            f"same cores"
+        )
     if busy is not None and wait >= 20.0 and busy < 60.0:
-        return "consumer", (f"the training loop waits {wait:.0f} % of the time while the workers are idle "
-                            f"{100 - busy:.0f} % of it: the limit is in the training process (receiving batches, "
-                            "the loader's per-batch cost, or the step), not in the workers, so more workers "
-                            "cannot help")
-    figures = (f"training loop waits {wait:.0f} %, workers {busy if busy is not None else 0:.0f} % busy, "
-               f"{cpu if cpu is not None else 0:.0f} % CPU")
+        return "consumer", (
+            f"the training loop waits {wait:.0f} % of the time while the workers are idle "
+            f"{100 - busy:.0f} % of it: the limit is in the training process (receiving batches, "
+            "the loader's per-batch cost, or the step), not in the workers, so more workers "
+            "cannot help"
+        )
+    figures = (
+        f"training loop waits {wait:.0f} %, workers {busy if busy is not None else 0:.0f} % busy, "
+        f"{cpu if cpu is not None else 0:.0f} % CPU"
+    )
     if largest:
         return "growing", f"throughput was still growing at {rec.workers}, the largest count measured ({figures})"
     return "flat", f"throughput stops growing after {rec.workers} ({figures})"
@@ -369,17 +430,34 @@ def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool) -> tuple[st
 # ------------------------------------------------------------------------------ output
 def format_table(settings: list[Setting]) -> str:
     best = max((s.samples_per_s for s in settings), default=0.0) or 1.0
-    head = ("workers", "samples/s", "spread", "batches/s", "MB/s", "wait %", "busy %", "CPU %", "runq %",
-            "USS MiB/worker", "first batch s", "vs best")
+    head = (
+        "workers",
+        "samples/s",
+        "spread",
+        "batches/s",
+        "MB/s",
+        "wait %",
+        "busy %",
+        "CPU %",
+        "runq %",
+        "USS MiB/worker",
+        "first batch s",
+        "vs best",
+    )
     rows = [head]
     rows.extend(
         (
-            str(s.workers), f"{s.samples_per_s:,.0f}", f"±{50 * spread(s):.0f} %" if s.repeats > 1 else "-",
-            f"{s.batches_per_s:,.0f}", f"{s.mb_per_s:,.1f}",
-            f"{s.wait_pct:.1f}", "-" if s.worker_busy_pct is None else f"{s.worker_busy_pct:.1f}",
+            str(s.workers),
+            f"{s.samples_per_s:,.0f}",
+            f"±{50 * spread(s):.0f} %" if s.repeats > 1 else "-",
+            f"{s.batches_per_s:,.0f}",
+            f"{s.mb_per_s:,.1f}",
+            f"{s.wait_pct:.1f}",
+            "-" if s.worker_busy_pct is None else f"{s.worker_busy_pct:.1f}",
             "-" if s.worker_cpu_pct is None else f"{s.worker_cpu_pct:.0f}",
             "-" if s.worker_runq_pct is None else f"{s.worker_runq_pct:.0f}" + ("!" if s.contended else ""),
-            "-" if s.uss_mib is None else f"{s.uss_mib:.0f}", f"{s.first_batch_s:.3f}",
+            "-" if s.uss_mib is None else f"{s.uss_mib:.0f}",
+            f"{s.first_batch_s:.3f}",
             f"{100 * s.samples_per_s / best:.0f} %",
         )
         for s in settings

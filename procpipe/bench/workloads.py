@@ -19,6 +19,7 @@ tiny64     the same, batched by 64                                      64
 ``WORKLOADS`` maps each name to a :class:`Workload` (the dataset factory, batch size,
 sizes for quick and full runs, and the unit its throughput is reported in).
 """
+
 from __future__ import annotations
 
 import time
@@ -129,17 +130,49 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "cpu": Workload("cpu", CpuDataset, 20, 1000, 2000, "samples/s",
-                    "pure-Python loop holding the GIL (~2 ms/sample), 256 float32 + label", 256 * 4 + 8),
-    "transfer": Workload("transfer", TransferDataset, 64, 64 * 120, 64 * 200, "GB/s",
-                         "copy of a preloaded 224x224x3 uint8 image, batch 64 = 9.6 MB",
-                         int(np.prod(IMAGE_SHAPE))),
-    "straggler": Workload("straggler", StragglerDataset, 10, 600, 1200, "samples/s",
-                          "sleep 1 ms, every 10th sample 20 ms (I/O-like stall)", 8),
-    "tiny1": Workload("tiny1", TinyDataset, 1, 10000, 20000, "batches/s",
-                      "returns its index; batch 1 (engine overhead per batch)", 8),
-    "tiny64": Workload("tiny64", TinyDataset, 64, 64 * 5000, 64 * 10000, "batches/s",
-                       "returns its index; batch 64 (engine overhead per batch)", 8),
+    "cpu": Workload(
+        "cpu",
+        CpuDataset,
+        20,
+        1000,
+        2000,
+        "samples/s",
+        "pure-Python loop holding the GIL (~2 ms/sample), 256 float32 + label",
+        256 * 4 + 8,
+    ),
+    "transfer": Workload(
+        "transfer",
+        TransferDataset,
+        64,
+        64 * 120,
+        64 * 200,
+        "GB/s",
+        "copy of a preloaded 224x224x3 uint8 image, batch 64 = 9.6 MB",
+        int(np.prod(IMAGE_SHAPE)),
+    ),
+    "straggler": Workload(
+        "straggler",
+        StragglerDataset,
+        10,
+        600,
+        1200,
+        "samples/s",
+        "sleep 1 ms, every 10th sample 20 ms (I/O-like stall)",
+        8,
+    ),
+    "tiny1": Workload(
+        "tiny1", TinyDataset, 1, 10000, 20000, "batches/s", "returns its index; batch 1 (engine overhead per batch)", 8
+    ),
+    "tiny64": Workload(
+        "tiny64",
+        TinyDataset,
+        64,
+        64 * 5000,
+        64 * 10000,
+        "batches/s",
+        "returns its index; batch 64 (engine overhead per batch)",
+        8,
+    ),
 }
 ALIASES = {"tiny": ("tiny1", "tiny64")}
 

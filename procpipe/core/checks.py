@@ -4,6 +4,7 @@ A leaf module (it imports nothing from procpipe): ``validate`` (Loader's argumen
 ``resume`` (saved states), ``autotune`` (``AutoWorkers``) and ``streaming`` (``Shards``,
 stream states) all use it.
 """
+
 from __future__ import annotations
 
 from typing import Any, TypeGuard

@@ -22,6 +22,7 @@ defined inside a function still travel by value.
 Where it sits: used by ``wire.send`` (worker replies) and ``procpipe.torch`` (the packed
 result of a ``collate_fn``), on the worker side of the data path.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -18,6 +18,7 @@ Layout nodes are short lists, cheap to pickle:
   fit their slot);
 - ``[DICT, keys, children]``, ``[SEQ, type, children]``: containers.
 """
+
 from __future__ import annotations
 
 import sys
@@ -75,8 +76,11 @@ class _Planner:
             keys = tuple(first.keys())
             for v, i in zip(values, indices, strict=False):
                 if not isinstance(v, Mapping) or (tuple(v.keys()) != keys and set(v.keys()) != set(keys)):
-                    got = (_describe(v) if not isinstance(v, Mapping)
-                           else "a mapping with keys " + str(sorted(map(str, v.keys()))))
+                    got = (
+                        _describe(v)
+                        if not isinstance(v, Mapping)
+                        else "a mapping with keys " + str(sorted(map(str, v.keys())))
+                    )
                     raise CollateError(
                         f"cannot collate {_path_str(path)}: index {indices[0]} is a mapping with keys "
                         f"{sorted(map(str, keys))} but index {i} is {got}. "
@@ -118,8 +122,10 @@ class _Planner:
             arrays.append(array)
             dtypes.add(dtype_name(dtype))
         if len(dtypes) > 1:
-            raise CollateError(f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: the tensors have "
-                               f"different dtypes ({sorted(dtypes)}); cast them in fn.")
+            raise CollateError(
+                f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: the tensors have "
+                f"different dtypes ({sorted(dtypes)}); cast them in fn."
+            )
         node = self._stack_arrays(arrays, path, indices)
         node.append(dtypes.pop())
         return node
@@ -218,8 +224,7 @@ def _seq_type(value: Any) -> type:
     return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
 
 
-def layout_batch(samples: list, indices: Sequence[object], buffer: Any | None,
-                 capacity: int) -> tuple[list, int, bool]:
+def layout_batch(samples: list, indices: Sequence[object], buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
     """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``."""
     planner = _Planner()
     layout = planner.stack(samples, (), indices)

@@ -25,6 +25,7 @@ Worker -> coordinator, in this order per task:
 - ``WorkerLost``: (remote pools only) the process running the task died, ``exitcode``
   and the index it was loading, as far as known.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple

@@ -17,6 +17,7 @@ attribute 3.11's `add_note` fills (PEP 678), rather than into its message:
 
 Error paths only: never called per batch.
 """
+
 from __future__ import annotations
 
 import sys

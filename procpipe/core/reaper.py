@@ -31,6 +31,7 @@ Forked children (workers) close the reaper's pipe and the locks at once
 stopped or stuck cannot keep a file "alive". If the reaper cannot start, procpipe says so
 once (logger ``procpipe``) and works as before (workers still clean up after a killed parent).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -101,8 +102,10 @@ for p in paths:
 """
 
 
-_WITHOUT = ("if this process is killed while none of its workers runs, its files may stay in shm_dir until a "
-            "loader started later removes them")
+_WITHOUT = (
+    "if this process is killed while none of its workers runs, its files may stay in shm_dir until a "
+    "loader started later removes them"
+)
 
 
 class _Client:
@@ -127,15 +130,27 @@ class _Client:
         name = os.path.basename(sys.executable or "").lower()
         if "python" not in name and "pypy" not in name:  # embedded (uwsgi...): no interpreter to run it
             self.failed = True
-            logger.warning("procpipe could not start its cleanup process (sys.executable=%r is not a Python "
-                           "interpreter): %s", sys.executable, _WITHOUT)
+            logger.warning(
+                "procpipe could not start its cleanup process (sys.executable=%r is not a Python interpreter): %s",
+                sys.executable,
+                _WITHOUT,
+            )
             return
         read, write = os.pipe()  # (both not inherited: the reaper gets the read end as its stdin)
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
             argv = [sys.executable, "-S", "-I", "-c", REAPER_CODE, str(os.getpid())]
-            self.pid = os.posix_spawn(sys.executable, argv, os.environ, setsid=True, file_actions=[
-                (os.POSIX_SPAWN_DUP2, read, 0), (os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, devnull, 2)])
+            self.pid = os.posix_spawn(
+                sys.executable,
+                argv,
+                os.environ,
+                setsid=True,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, read, 0),
+                    (os.POSIX_SPAWN_DUP2, devnull, 1),
+                    (os.POSIX_SPAWN_DUP2, devnull, 2),
+                ],
+            )
         except (OSError, ValueError, AttributeError) as exc:
             os.close(write)
             self.failed = True
@@ -169,14 +184,14 @@ class _Client:
         self.pending += message
         try:
             while self.pending:
-                self.pending = self.pending[os.write(self.pipe, self.pending):]
+                self.pending = self.pending[os.write(self.pipe, self.pending) :]
         except BlockingIOError:
             pass  # the reaper is still starting and the pipe is full: sent with the next message
         except BrokenPipeError:
             self.start()  # the reaper was killed: a new one, told everything again
             if self.pipe is not None and self.pending:
                 try:
-                    self.pending = self.pending[os.write(self.pipe, self.pending):]
+                    self.pending = self.pending[os.write(self.pipe, self.pending) :]
                 except OSError:
                     pass
 

@@ -11,6 +11,7 @@ expected again.
 below which every position is done, plus the few done beyond it (sloppy order). It is
 what ``Loader.state_dict()`` saves.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -11,6 +11,7 @@ safe to call from any thread (a batch's last view may die anywhere), while ``gro
 The Ray agent's rings (procpipe.ray) are kept this way; so are, in the same shape, the
 coordinator's (engine/coordinator.py).
 """
+
 from __future__ import annotations
 
 from .shm import Ring, SharedFiles, round_slot_bytes

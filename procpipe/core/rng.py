@@ -27,6 +27,7 @@ cache had been hit, so the output does not depend on which attempt filled the ca
 the calling process (``workers=0``, the cache's first sample) their state is put back after
 each batch: the caller's own draws are not disturbed.
 """
+
 from __future__ import annotations
 
 import _random
@@ -66,8 +67,10 @@ def seeding_mode(seed_globals: bool | str | None) -> str | None:
         return TASK
     if seed_globals == SAMPLE:
         return SAMPLE
-    raise ValueError(f"seed_globals must be True (= 'task': the global generators seeded once per batch), "
-                     f"'sample' (before every sample) or False (left alone), got {seed_globals!r}")
+    raise ValueError(
+        f"seed_globals must be True (= 'task': the global generators seeded once per batch), "
+        f"'sample' (before every sample) or False (left alone), got {seed_globals!r}"
+    )
 
 
 _MIX_START = 0x243F6A8885A308D3
@@ -119,8 +122,7 @@ def seed_global_generators(seed: int) -> None:
 
 def _global_states() -> tuple[Any, Any, Any, Any]:
     generator = _torch_generator()
-    return (random.getstate(), np.random.get_state(), generator,
-            None if generator is None else generator.get_state())
+    return (random.getstate(), np.random.get_state(), generator, None if generator is None else generator.get_state())
 
 
 def _restore_global_states(saved: tuple[Any, Any, Any, Any]) -> None:
@@ -164,8 +166,18 @@ class SampleScope:
     process) their states are saved at the first ``enter`` and put back by ``leave``.
     """
 
-    __slots__ = ("_mixed", "_per_sample", "_saved", "_task_first", "epoch", "index", "restore_globals", "rng", "seed",
-                 "seed_globals")
+    __slots__ = (
+        "_mixed",
+        "_per_sample",
+        "_saved",
+        "_task_first",
+        "epoch",
+        "index",
+        "restore_globals",
+        "rng",
+        "seed",
+        "seed_globals",
+    )
 
     def __init__(self, seed: int, seed_globals: bool | str | None = False, restore_globals: bool = False) -> None:
         self.seed = seed
@@ -277,10 +289,13 @@ def sample_rng() -> np.random.Generator:
     """
     scope = getattr(_current, "scope", None)
     if scope is None:
-        raise RuntimeError(getattr(_current, "why_not", None) or (
-            "procpipe.sample_rng() was called outside a procpipe.Loader: it only works while a "
-            "loader produces a sample (inside fn, augment or the source's __getitem__)."
-        ))
+        raise RuntimeError(
+            getattr(_current, "why_not", None)
+            or (
+                "procpipe.sample_rng() was called outside a procpipe.Loader: it only works while a "
+                "loader produces a sample (inside fn, augment or the source's __getitem__)."
+            )
+        )
     if scope.rng is None:
         scope.rng = _generator(scope.seed, _SAMPLE_KEY, scope.epoch, scope.index)
     return scope.rng
@@ -316,8 +331,11 @@ class no_sample_rng:
         self.batch = batch
 
     def __enter__(self) -> None:
-        self.saved = (getattr(_current, "scope", None), getattr(_current, "why_not", None),
-                      getattr(_current, "batch", None))
+        self.saved = (
+            getattr(_current, "scope", None),
+            getattr(_current, "why_not", None),
+            getattr(_current, "batch", None),
+        )
         _current.scope, _current.why_not, _current.batch = None, self.why, self.batch
 
     def __exit__(self, *exc: object) -> None:

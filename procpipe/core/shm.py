@@ -15,6 +15,7 @@ slot's bytes. Every array of the batch is a view whose ``.base`` is that object,
 slot goes back to the free list exactly when the last array of the batch dies (a
 ``weakref.finalize`` on the lease), never earlier.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,8 +55,10 @@ class SharedFiles:
         self.directory = directory
         if prefix is None:
             sweep_once(directory)
-        self.prefix = prefix or os.path.join(os.path.abspath(directory),  # (absolute: a chdir changes nothing)
-                                             f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-")
+        self.prefix = prefix or os.path.join(
+            os.path.abspath(directory),  # (absolute: a chdir changes nothing)
+            f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-",
+        )
 
     @classmethod
     def from_prefix(cls, prefix: str) -> SharedFiles:
@@ -139,9 +142,12 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"", unlinked: 
     except FileExistsError:
         reaper.forget(path)  # (someone else's file: never ours to remove)
         raise FileExistsError(
-            errno.EEXIST, f"procpipe will not reuse or follow an existing file for {what}: something already "
+            errno.EEXIST,
+            f"procpipe will not reuse or follow an existing file for {what}: something already "
             "exists at that fresh, random name (another process put it there, possibly a symlink). Remove it, "
-            "and pass a shm_dir only you can write to", path) from None
+            "and pass a shm_dir only you can write to",
+            path,
+        ) from None
     except BaseException:
         reaper.forget(path)
         raise
@@ -152,7 +158,7 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"", unlinked: 
             os.posix_fallocate(fd, 0, max(size, len(data)))
         done = 0
         while done < len(data):
-            done += os.pwrite(fd, data[done:done + (1 << 30)], done)
+            done += os.pwrite(fd, data[done : done + (1 << 30)], done)
     except OSError as exc:
         os.close(fd)
         remove_file(path)
@@ -186,15 +192,19 @@ def open_owned(path: str, flags: int = os.O_RDWR) -> int:
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise PermissionError(errno.EACCES, "procpipe will not follow a symlink where it expects its own file",
-                              path) from None
+        raise PermissionError(
+            errno.EACCES, "procpipe will not follow a symlink where it expects its own file", path
+        ) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
         raise PermissionError(
-            errno.EACCES, f"procpipe will not use this file: it is not one procpipe created (expected a regular "
+            errno.EACCES,
+            f"procpipe will not use this file: it is not one procpipe created (expected a regular "
             f"file owned by uid {os.geteuid()} with mode 0600, found mode {stat.filemode(st.st_mode)} owned by "
-            f"uid {st.st_uid}); something else replaced or changed it", path)
+            f"uid {st.st_uid}); something else replaced or changed it",
+            path,
+        )
     return fd
 
 
@@ -255,9 +265,14 @@ class Ring:
         # One exporter type per ring: its length is the slot size; ``ring_ref`` finds the ring
         # from a batch. A weak reference: the ring holds the type, and a strong one back would
         # make a cycle that keeps a closed ring's mapping alive until the cycle collector runs.
-        self._lease_type = cast("type[ctypes.Array[ctypes.c_char]]", type(
-            "SlotLease", (ctypes.Array,),
-            {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)}))
+        self._lease_type = cast(
+            "type[ctypes.Array[ctypes.c_char]]",
+            type(
+                "SlotLease",
+                (ctypes.Array,),
+                {"_type_": ctypes.c_char, "_length_": slot_bytes, "ring_ref": weakref.ref(self)},
+            ),
+        )
 
     def owns(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.slots
@@ -337,7 +352,7 @@ class WorkerRings:
         ring = self._maps.get(ring_id)
         if ring is None:
             ring = self._maps[ring_id] = map_file(f"{self._prefix}ring{ring_id}")
-        return memoryview(ring)[slot * slot_bytes:(slot + 1) * slot_bytes]
+        return memoryview(ring)[slot * slot_bytes : (slot + 1) * slot_bytes]
 
     def _unmap_older(self, ring_id: int) -> None:
         for old in [i for i in self._maps if i < ring_id]:

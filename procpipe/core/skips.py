@@ -2,6 +2,7 @@
 
 Shared by the coordinator (faults.py), ``workers=0`` (iterators.py) and streaming epochs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,13 +25,21 @@ class SkipBudget:
     be read past the error (the epoch would end that shard short).
     """
 
-    def __init__(self, max_skipped: int | float, samples: int | Callable[[], int], counters: EpochCounters,
-                 whole_batches: bool = True) -> None:
+    def __init__(
+        self,
+        max_skipped: int | float,
+        samples: int | Callable[[], int],
+        counters: EpochCounters,
+        whole_batches: bool = True,
+    ) -> None:
         self._fraction = max_skipped if isinstance(max_skipped, float) else None
         self._samples = samples
         # a count, or a fraction of a known epoch size (of an unknown one, `limit` asks `samples` at each skip)
-        self._limit = (math.ceil(max_skipped * samples) if self._fraction is not None and not callable(samples)
-                       else int(max_skipped))
+        self._limit = (
+            math.ceil(max_skipped * samples)
+            if self._fraction is not None and not callable(samples)
+            else int(max_skipped)
+        )
         self.counters = counters
         self.whole_batches = whole_batches
 
@@ -49,8 +58,13 @@ class SkipBudget:
         return len(self.counters.skipped) <= self.limit
 
     def note(self) -> str:
-        of = (f"; max_skipped={self._fraction} of the {self._samples()} samples seen so far"
-              if self._fraction is not None and callable(self._samples) else "")
-        return (f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
-                f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
-                f"({self.limit}{of}); this error is raised instead of being skipped.")
+        of = (
+            f"; max_skipped={self._fraction} of the {self._samples()} samples seen so far"
+            if self._fraction is not None and callable(self._samples)
+            else ""
+        )
+        return (
+            f"procpipe: on_error='skip' has left out {len(self.counters.skipped)} samples of epoch "
+            f"{self.counters.epoch} (indices {self.counters.skipped}), more than max_skipped allows "
+            f"({self.limit}{of}); this error is raised instead of being skipped."
+        )

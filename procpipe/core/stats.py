@@ -6,6 +6,7 @@ documented on ``Loader.stats``). Nothing here runs per sample; per batch the eng
 a few additions and ``array_bytes`` (a walk over the batch's layout, well under a
 microsecond for a flat batch).
 """
+
 from __future__ import annotations
 
 import math
@@ -81,9 +82,16 @@ def _fraction(part: float, whole: float) -> float:
     return min(1.0, max(0.0, part / whole))
 
 
-def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, consumed: int | None,
-             ring: Any = None, worker_counters: list[WorkerCounters] | None = None,
-             pids: list[int | None] | None = None) -> dict[str, Any]:
+def snapshot(
+    counters: EpochCounters | None,
+    *,
+    workers: int,
+    running: bool,
+    consumed: int | None,
+    ring: Any = None,
+    worker_counters: list[WorkerCounters] | None = None,
+    pids: list[int | None] | None = None,
+) -> dict[str, Any]:
     """The dict ``Loader.stats()`` returns; see that method for every key.
 
     ``counters``: the current or last epoch's counters (None before the first epoch);
@@ -123,13 +131,23 @@ def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, con
     }
     if ring is not None:
         in_use = ring.slots - len(ring.free)
-        out.update(ring_slots=ring.slots, ring_slot_bytes=ring.slot_bytes, ring_slots_in_use=in_use,
-                   ring_peak_slots_in_use=c.peak_slots_in_use,
-                   ring_occupancy=_fraction(in_use, ring.slots),
-                   ring_peak_occupancy=_fraction(c.peak_slots_in_use, ring.slots))
+        out.update(
+            ring_slots=ring.slots,
+            ring_slot_bytes=ring.slot_bytes,
+            ring_slots_in_use=in_use,
+            ring_peak_slots_in_use=c.peak_slots_in_use,
+            ring_occupancy=_fraction(in_use, ring.slots),
+            ring_peak_occupancy=_fraction(c.peak_slots_in_use, ring.slots),
+        )
     else:
-        out.update(ring_slots=0, ring_slot_bytes=0, ring_slots_in_use=0, ring_peak_slots_in_use=0,
-                   ring_occupancy=0.0, ring_peak_occupancy=0.0)
+        out.update(
+            ring_slots=0,
+            ring_slot_bytes=0,
+            ring_slots_in_use=0,
+            ring_peak_slots_in_use=0,
+            ring_occupancy=0.0,
+            ring_peak_occupancy=0.0,
+        )
     per_worker = []
     worker_counters = worker_counters or []
     base = c.worker_base
@@ -144,21 +162,22 @@ def snapshot(counters: EpochCounters | None, *, workers: int, running: bool, con
         pid = pids[i] if pids is not None and i < len(pids) else None
         if pids is not None and pid is None and w.tasks == tasks0:
             continue  # no process at this index now (autotune retired it) and no work this epoch
-        per_worker.append({
-            "index": i,
-            "pid": pid,
-            "tasks": w.tasks - tasks0,
-            "busy_s": busy,
-            "busy_fraction": _fraction(busy, wall),
-            "tasks_total": w.tasks,
-            "busy_total_s": w.busy_s,  # since the worker's index started (across epochs: the bench's windows)
-            "restarts": w.restarts,
-            "rss_bytes": w.rss_bytes,
-            "peak_rss_bytes": w.peak_rss_bytes,
-        })
+        per_worker.append(
+            {
+                "index": i,
+                "pid": pid,
+                "tasks": w.tasks - tasks0,
+                "busy_s": busy,
+                "busy_fraction": _fraction(busy, wall),
+                "tasks_total": w.tasks,
+                "busy_total_s": w.busy_s,  # since the worker's index started (across epochs: the bench's windows)
+                "restarts": w.restarts,
+                "rss_bytes": w.rss_bytes,
+                "peak_rss_bytes": w.peak_rss_bytes,
+            }
+        )
     out["per_worker"] = per_worker
-    out["worker_busy_fraction"] = (sum(w["busy_fraction"] for w in per_worker) / len(per_worker)
-                                   if per_worker else 0.0)
+    out["worker_busy_fraction"] = sum(w["busy_fraction"] for w in per_worker) / len(per_worker) if per_worker else 0.0
     out["worker_tasks"] = sum(w["tasks"] for w in per_worker)
     out["worker_peak_rss_bytes"] = max((w["peak_rss_bytes"] for w in per_worker), default=0)
     return out

@@ -19,6 +19,7 @@ A file is removed only when all of these hold:
 - its creator is gone: no process runs with its pid, or the one that does started after
   the file last changed (the pid was reused), or is a zombie.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -61,9 +62,14 @@ def sweep_once(directory: str) -> Swept | None:
         _swept.add(key)
     swept = sweep(directory)
     if swept.paths:
-        logger.warning("procpipe removed %d file(s) (%.1f MiB) from %s left by process(es) %s that ended without "
-                       "cleaning up (killed, or an older procpipe)", len(swept.paths), swept.nbytes / 2**20,
-                       directory, ", ".join(map(str, sorted(swept.pids))))
+        logger.warning(
+            "procpipe removed %d file(s) (%.1f MiB) from %s left by process(es) %s that ended without "
+            "cleaning up (killed, or an older procpipe)",
+            len(swept.paths),
+            swept.nbytes / 2**20,
+            directory,
+            ", ".join(map(str, sorted(swept.pids))),
+        )
     return swept
 
 

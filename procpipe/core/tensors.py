@@ -5,6 +5,7 @@ Imported only where a tensor is met (``procpipe.core.collate``, when a sample ho
 (no copy); dtypes numpy has no equivalent for (bfloat16, float8...) travel as
 same-width integers and are viewed back on arrival.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -17,8 +18,15 @@ BITS_VIEW: dict[torch.dtype, torch.dtype] = {}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # e.g. "ComplexHalf support is experimental"
-    for _name in ("bfloat16", "complex32", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
-                  "float8_e5m2fnuz", "float8_e8m0fnu"):
+    for _name in (
+        "bfloat16",
+        "complex32",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    ):
         _dt = getattr(torch, _name, None)
         if not isinstance(_dt, torch.dtype):
             continue

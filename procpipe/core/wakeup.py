@@ -12,6 +12,7 @@ looking, and an event that frees capacity clears it and wakes it (``wake_if_star
 so a release that happens just after the look is not lost, and a busy sleeper costs the
 releasing thread no system call.
 """
+
 from __future__ import annotations
 
 import os

@@ -16,6 +16,7 @@ message is framed as ``Connection.recv_bytes`` reads it (a 4-byte big-endian len
 written with ``MSG_DONTWAIT``; what the pipe does not take now waits in the outbox until
 the selector says the pipe is writable again.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ A job normally has one attempt; it gets another when its worker dies, straggles
 (``speculate``) or is killed after ``task_timeout`` (coordinator.py). Each attempt has its
 own ring slot, so a late reply of a lost race never writes into a slot someone reads.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

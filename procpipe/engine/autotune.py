@@ -49,6 +49,7 @@ memory must keep 10 % of the total (at least 256 MiB) free after it; when availa
 falls below that reserve (other processes took it), workers are retired, one per interval,
 until it is back or ``min`` is reached.
 """
+
 from __future__ import annotations
 
 import math
@@ -220,8 +221,14 @@ class Meter:
         cpu, runq = self._workers_cpu(workers)
         wait = stream.wait_s
         self._base = (now, stream, stream.consumed, wait, busy)
-        return Sample(dt, consumed / dt, min(1.0, max(0.0, (wait - base[3]) / dt)),
-                      max(0.0, busy - base[4]) / dt, cpu / dt, runq / dt)
+        return Sample(
+            dt,
+            consumed / dt,
+            min(1.0, max(0.0, (wait - base[3]) / dt)),
+            max(0.0, busy - base[4]) / dt,
+            cpu / dt,
+            runq / dt,
+        )
 
     def forget(self, pid: int) -> None:
         """A worker left for good: a new process given its pid starts from zero."""

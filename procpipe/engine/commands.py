@@ -4,6 +4,7 @@ The consumer never touches the coordinator's state: it queues a command
 (``Coordinator.submit``) and wakes the thread, which applies the commands at the top of
 its loop, in order. A command is a small slotted class, told apart by type, not a string.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,9 @@ def command_of(*parts: Any) -> Command:
     if len(parts) == 1 and isinstance(parts[0], (StartStream, CancelStream, CloseEngine)):
         return parts[0]
     if not parts or parts[0] not in _BY_NAME:
-        raise ValueError(f"procpipe: unknown coordinator command {parts[:1]!r}; give a StartStream, "
-                         f"CancelStream or CloseEngine, or one of the names {sorted(_BY_NAME)}")
+        raise ValueError(
+            f"procpipe: unknown coordinator command {parts[:1]!r}; give a StartStream, "
+            f"CancelStream or CloseEngine, or one of the names {sorted(_BY_NAME)}"
+        )
     command: Command = _BY_NAME[parts[0]](*parts[1:])
     return command

@@ -42,6 +42,7 @@ Autotune. With ``workers="auto"`` a ``Tuner`` (autotune.py) is consulted every c
 interval; the coordinator starts workers or retires them (no more tasks, then ``None``
 once idle). The ring and the status words are sized for the most workers the tuner may use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,8 +70,14 @@ from .pool import Watchdog, WorkerLink, WorkerPool
 from .rings import RingSet
 from .roster import Roster
 
-__all__ = ["SMALL_BATCH_BYTES", "TASKS_PER_WORKER", "TASKS_PER_WORKER_SMALL", "TIMEOUT_ATTEMPTS", "Coordinator",
-           "EngineConfig"]
+__all__ = [
+    "SMALL_BATCH_BYTES",
+    "TASKS_PER_WORKER",
+    "TASKS_PER_WORKER_SMALL",
+    "TIMEOUT_ATTEMPTS",
+    "Coordinator",
+    "EngineConfig",
+]
 
 logger = logging.getLogger("procpipe")
 
@@ -125,8 +132,9 @@ class Coordinator:
         self._watchdog = Watchdog(config.speculate, config.task_timeout)
         self._watching = config.speculate is not None or config.task_timeout is not None
         self._selector = selectors.DefaultSelector()
-        self.delivery = Delivery(config, pool, self.dispatcher, self._watchdog if self._watching else None,
-                                 self.tuner, self._selector)
+        self.delivery = Delivery(
+            config, pool, self.dispatcher, self._watchdog if self._watching else None, self.tuner, self._selector
+        )
         if config.slot_bytes is not None and pool.uses_ring:
             self.delivery.make_ring(config.slot_bytes)
         self._restarts_this_epoch = 0
@@ -446,8 +454,12 @@ class Coordinator:
             job.epoch.lost(job)
         timed_out = death.timed_out
         if timed_out is not None:
-            self._fail(TaskTimeoutError(timeout_message(timed_out, death.stuck_on, self.config.task_timeout,
-                                                        timed_out.epoch.number), death.stuck_on))
+            self._fail(
+                TaskTimeoutError(
+                    timeout_message(timed_out, death.stuck_on, self.config.task_timeout, timed_out.epoch.number),
+                    death.stuck_on,
+                )
+            )
         step = death.next
         if step is Next.GONE:
             return
@@ -480,8 +492,11 @@ class Coordinator:
         except Exception as exc:  # noqa: BLE001 - the pool's verdict, given to the user below
             self.roster.mark_dead(worker)
             if self.roster.any_usable():
-                logger.warning("procpipe: %s could not be replaced (%s); the other "
-                               "workers take its batches", worker.describe(), exc)
+                logger.warning(
+                    "procpipe: %s could not be replaced (%s); the other workers take its batches",
+                    worker.describe(),
+                    exc,
+                )
                 return
             self._broken = exc
             self._fail(exc)

@@ -8,6 +8,7 @@ deterministic from ``(seed, epoch, index)``), the job that has now timed out too
 end the iteration with an error. No process is touched here, so every case is tested
 with fake workers (tests/test_coordinator_parts.py); the coordinator carries it out.
 """
+
 from __future__ import annotations
 
 import enum
@@ -37,8 +38,7 @@ class Death:
 
     __slots__ = ("counts", "next", "redo", "stuck_on", "timed_out")
 
-    def __init__(self, redo: list[Job], timed_out: Job | None, stuck_on: int | None, next: Next,
-                 counts: bool) -> None:
+    def __init__(self, redo: list[Job], timed_out: Job | None, stuck_on: int | None, next: Next, counts: bool) -> None:
         self.redo = redo  # jobs to run again (each keeps its lost attempt's slot in ``job.slot``)
         self.timed_out = timed_out  # a job that timed out TIMEOUT_ATTEMPTS times: the epoch fails
         self.stuck_on = stuck_on  # the index it was loading when it ended, if known (-1: collating)
@@ -46,8 +46,9 @@ class Death:
         self.counts = counts  # the death counts against max_worker_restarts
 
 
-def settle(worker: WorkerLink, lost: list[Attempt], release: Callable[[int], None],
-           restarts_used: int, max_restarts: int) -> Death:
+def settle(
+    worker: WorkerLink, lost: list[Attempt], release: Callable[[int], None], restarts_used: int, max_restarts: int
+) -> Death:
     """Account ``lost`` (the attempts ``worker`` held when it died) and decide what next.
 
     Each lost attempt leaves its job; a job finished elsewhere, of a finished epoch, or

@@ -6,6 +6,7 @@ thread: they build nothing but the batch itself, and read their collaborators fr
 attributes set once. A reply of an attempt that lost its race (speculation, a re-run
 after a death) or of a cancelled epoch only gives its slot back.
 """
+
 from __future__ import annotations
 
 import selectors
@@ -35,8 +36,15 @@ SMALL_BATCH_BYTES = 1 << 20
 class Delivery:
     """Handles replies for the coordinator (``on_readable`` is a selector callback)."""
 
-    def __init__(self, config: Any, pool: WorkerPool, dispatcher: Dispatcher, watchdog: Watchdog | None,
-                 tuner: Tuner | None, selector: selectors.BaseSelector) -> None:
+    def __init__(
+        self,
+        config: Any,
+        pool: WorkerPool,
+        dispatcher: Dispatcher,
+        watchdog: Watchdog | None,
+        tuner: Tuner | None,
+        selector: selectors.BaseSelector,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.dispatcher = dispatcher
@@ -166,8 +174,14 @@ class Delivery:
         workers = config.workers
         if self.tuner is not None:  # sized once, for the most workers the tuner may use
             per_worker = roster.tasks_per_worker + (1 if config.speculate is not None else 0)
-            workers = self.tuner.capacity = ring_workers(self.rings.files.directory, slot_bytes, per_worker,
-                                                         config.prefetch + 1, roster.n_workers, roster.capacity)
+            workers = self.tuner.capacity = ring_workers(
+                self.rings.files.directory,
+                slot_bytes,
+                per_worker,
+                config.prefetch + 1,
+                roster.n_workers,
+                roster.capacity,
+            )
         if config.speculate is not None:
             self.spare_slots = workers
         # + the batch the consumer is working on

@@ -13,6 +13,7 @@ processes involved), ``speculate`` sends them.
 Every batch passes through ``send`` once: it builds no object but the ``Attempt`` and the
 ``Task`` tuple, and reads its collaborators from locals.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,12 @@ def needs_copy(workers: list[WorkerLink]) -> list[Attempt]:
             continue
         for attempt in w.tasks.values():
             job = attempt.job
-            if (job.done or job.epoch.finished or any(a.worker.healthy for a in job.attempts)
-                    or len(job.attempts) + job.timeouts >= TIMEOUT_ATTEMPTS):
+            if (
+                job.done
+                or job.epoch.finished
+                or any(a.worker.healthy for a in job.attempts)
+                or len(job.attempts) + job.timeouts >= TIMEOUT_ATTEMPTS
+            ):
                 continue
             out.append(attempt)
     return out
@@ -55,8 +60,9 @@ class Dispatcher:
     and watches for room for the rest. ``uses_ring``: the pool's workers write into the
     ring (else every batch comes back inline)."""
 
-    def __init__(self, roster: Roster, rings: RingSet, uses_ring: bool, prefetch: int,
-                 flush: Callable[[WorkerLink], None]) -> None:
+    def __init__(
+        self, roster: Roster, rings: RingSet, uses_ring: bool, prefetch: int, flush: Callable[[WorkerLink], None]
+    ) -> None:
         self.roster = roster
         self.rings = rings
         self.uses_ring = uses_ring

@@ -20,6 +20,7 @@ epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch
 raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
 the iteration goes on with the next batch (as torch's DataLoader does).
 """
+
 from __future__ import annotations
 
 import queue
@@ -140,8 +141,9 @@ class Epoch:
     def skip_budget(self, max_skipped: int | float) -> SkipBudget:
         """``on_error="skip"``'s budget for this epoch (the coordinator's, or ``workers=0``'s)."""
         total = self.plan.sample_total()  # (None: not known in advance; a fraction is of those seen so far)
-        return SkipBudget(max_skipped, self.plan.samples_seen if total is None else total, self.counters,
-                          self.plan.skips_tasks)
+        return SkipBudget(
+            max_skipped, self.plan.samples_seen if total is None else total, self.counters, self.plan.skips_tasks
+        )
 
     # ---- dispatch
     def offers(self, per_lane: int) -> Sequence[Offer]:
@@ -254,9 +256,17 @@ class Stream:
     for the consumer (``Loader.state_dict``), which removes the epochs it is past.
     """
 
-    def __init__(self, gen: int, sampler: Any, start: int, until: int | None, ordered: bool,
-                 first_batches: list[list[int]], done: frozenset = frozenset(),
-                 ahead: dict[int, frozenset] | None = None) -> None:
+    def __init__(
+        self,
+        gen: int,
+        sampler: Any,
+        start: int,
+        until: int | None,
+        ordered: bool,
+        first_batches: list[list[int]],
+        done: frozenset = frozenset(),
+        ahead: dict[int, frozenset] | None = None,
+    ) -> None:
         self.gen = gen
         self.sampler = sampler
         self.start = start
@@ -442,4 +452,3 @@ class Stream:
             except queue.Empty:
                 break
         self.out.put(EndOfStream)
-

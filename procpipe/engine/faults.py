@@ -11,6 +11,7 @@ The coordinator's own verdicts, a batch stuck past ``task_timeout`` on every att
 and workers dying past ``max_worker_restarts``, get messages that say what happened and
 what to do about it (``timeout_message``, ``death_message``, ``startup_message``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,9 @@ logger = logging.getLogger("procpipe")
 __all__ = ["SkipBudget", "death_message", "rebuild_error", "skip_or_fail", "startup_message", "timeout_message"]
 
 
-def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[ErrorInfo],
-                 batch_error: ErrorInfo | None) -> bool:
+def skip_or_fail(
+    epoch: Epoch, job: Job, worker: WorkerLink, samples: list[ErrorInfo], batch_error: ErrorInfo | None
+) -> bool:
     """on_error="skip": log and count what the batch left out; past the budget, fail the epoch.
 
     ``samples``: each sample the worker left out; ``batch_error``: why the rest of the batch
@@ -47,25 +49,34 @@ def skip_or_fail(epoch: Epoch, job: Job, worker: WorkerLink, samples: list[Error
     assert skips is not None, "skip_or_fail runs only with on_error='skip', whose epochs carry a SkipBudget"
     within = True
     for info in samples:
-        within = skips.add([info.index], f"index {info.index} (batch {job.seq}, worker {worker.index})",
-                           f"{info.type_name}: {info.message}")
+        within = skips.add(
+            [info.index],
+            f"index {info.index} (batch {job.seq}, worker {worker.index})",
+            f"{info.type_name}: {info.message}",
+        )
         logger.debug("procpipe: the worker's traceback for index %s:\n%s", info.index, info.traceback)
         if not within:
             error = info
             break
     if within and batch_error is not None and not skips.whole_batches:
         exc = rebuild_error(batch_error, worker, job, epoch.number)
-        add_note(exc, "procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
-                      "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
-                      "read past it).")
+        add_note(
+            exc,
+            "procpipe: on_error='skip' leaves out a streaming source's records whose fn or augment "
+            "raised; an error in open_fn, its iterator or collation ends the epoch (the shard cannot be "
+            "read past it).",
+        )
         epoch.result(job, Failure(exc))
         return False
     if within and batch_error is not None:
         left = {info.index for info in samples}
         rest = [i for i in job.payload if i not in left]
         where = "collating it" if batch_error.index is None else f"loading index {batch_error.index}"
-        within = skips.add(rest, f"batch {job.seq} ({summarize_indices(rest)}, worker {worker.index})",
-                           f"{where} failed: {batch_error.type_name}: {batch_error.message}")
+        within = skips.add(
+            rest,
+            f"batch {job.seq} ({summarize_indices(rest)}, worker {worker.index})",
+            f"{where} failed: {batch_error.type_name}: {batch_error.message}",
+        )
         logger.debug("procpipe: the worker's traceback for batch %s:\n%s", job.seq, batch_error.traceback)
         error = batch_error
     if within:
@@ -86,10 +97,16 @@ def rebuild_error(error: ErrorInfo, worker: WorkerLink, job: Job, epoch: int) ->
             exc = None
     if not isinstance(exc, BaseException):
         exc = WorkerError(f"{error.type_name}: {error.message}")
-    where = (f"while loading index {error.index}" if error.index is not None
-             else f"while collating {summarize_indices(job.payload)}")
-    add_note(exc, f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
-                  "the worker's traceback is shown above.")
+    where = (
+        f"while loading index {error.index}"
+        if error.index is not None
+        else f"while collating {summarize_indices(job.payload)}"
+    )
+    add_note(
+        exc,
+        f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
+        "the worker's traceback is shown above.",
+    )
     exc.__cause__ = RemoteTraceback(error.traceback)
     return exc
 
@@ -101,12 +118,17 @@ def _where(index: int | None) -> str:
 
 
 def timeout_message(job: Job, index: int | None, timeout: float | None, epoch: int) -> str:
-    stuck = f"index {index}" if index is not None and index >= 0 else (
-        "collating the batch" if index is not None else "an unknown sample")
-    return (f"procpipe: batch {job.seq} of epoch {epoch} ({summarize_indices(job.payload)}) was still running after "
-            f"task_timeout={timeout} s on each of its {job.timeouts} attempts; the worker was stuck on {stuck}. "
-            "Each stuck worker was killed and replaced. Fix what blocks that sample (a hung read, a lock, "
-            "an endless loop in fn), or raise task_timeout if it legitimately takes that long.")
+    stuck = (
+        f"index {index}"
+        if index is not None and index >= 0
+        else ("collating the batch" if index is not None else "an unknown sample")
+    )
+    return (
+        f"procpipe: batch {job.seq} of epoch {epoch} ({summarize_indices(job.payload)}) was still running after "
+        f"task_timeout={timeout} s on each of its {job.timeouts} attempts; the worker was stuck on {stuck}. "
+        "Each stuck worker was killed and replaced. Fix what blocks that sample (a hung read, a lock, "
+        "an endless loop in fn), or raise task_timeout if it legitimately takes that long."
+    )
 
 
 def death_message(worker: WorkerLink, lost: list[Attempt], index: int | None, budget: int) -> str:
@@ -121,26 +143,37 @@ def death_message(worker: WorkerLink, lost: list[Attempt], index: int | None, bu
     indices = [i for a in lost for i in a.job.payload]
     rss = worker.counters.rss_bytes  # sampled every 0.5 s; 0: not yet sampled in this process
     if code == -signal.SIGKILL:
-        last = (f"the worker's last sampled RSS was {rss / 2**20:.0f} MiB" if rss
-                else "the worker's RSS is unknown: it died before its memory was first sampled")
-        cause = (f"SIGKILL usually means the out-of-memory killer ({last}; system memory available: "
-                 f"{psutil.virtual_memory().available / 2**20:.0f} MiB). Use fewer workers or less memory per sample")
+        last = (
+            f"the worker's last sampled RSS was {rss / 2**20:.0f} MiB"
+            if rss
+            else "the worker's RSS is unknown: it died before its memory was first sampled"
+        )
+        cause = (
+            f"SIGKILL usually means the out-of-memory killer ({last}; system memory available: "
+            f"{psutil.virtual_memory().available / 2**20:.0f} MiB). Use fewer workers or less memory per sample"
+        )
     elif code == -signal.SIGSEGV or code == -signal.SIGBUS:
         cause = "a crash in native code (a C extension used by the dataset or fn)"
     else:
         cause = "user code ended the process (os._exit, sys.exit, or a library calling exit)"
-    return (f"procpipe {worker.describe()} {how}{_where(index)}, holding "
-            f"{summarize_indices(indices)}; workers have already been restarted {budget} times this epoch "
-            f"(max_worker_restarts={budget}). Likely cause: {cause}.")
+    return (
+        f"procpipe {worker.describe()} {how}{_where(index)}, holding "
+        f"{summarize_indices(indices)}; workers have already been restarted {budget} times this epoch "
+        f"(max_worker_restarts={budget}). Likely cause: {cause}."
+    )
 
 
 def startup_message(worker: WorkerLink, start_method: str) -> str:
     """A worker whose process exited with an error while starting, before it loaded the dataset."""
-    message = (f"procpipe {worker.describe()} exited with code "
-               f"{worker.exitcode} while its process was starting, before it loaded the dataset or "
-               f"ran any of your code; its traceback was printed on stderr.")
+    message = (
+        f"procpipe {worker.describe()} exited with code "
+        f"{worker.exitcode} while its process was starting, before it loaded the dataset or "
+        f"ran any of your code; its traceback was printed on stderr."
+    )
     if start_method != "fork":
-        message += (f" With start_method={start_method!r} a worker is a fresh process that unpickles the "
-                    f"dataset and functions: check that the modules they come from import without errors "
-                    f"in a fresh process.")
+        message += (
+            f" With start_method={start_method!r} a worker is a fresh process that unpickles the "
+            f"dataset and functions: check that the modules they come from import without errors "
+            f"in a fresh process."
+        )
     return message

@@ -16,6 +16,7 @@ no epochs, batches or order: those are the coordinator's.
 ``Watchdog`` marks straggling workers (``speculate=``) and kills stuck ones
 (``task_timeout=``); ``kill_tree`` ends a stuck worker and anything it started.
 """
+
 from __future__ import annotations
 
 import gc
@@ -264,7 +265,8 @@ class LocalWorker(WorkerLink):
                     continue
                 skipped = [r for r in replies if isinstance(r, SamplesSkipped) and r.task_id == attempt.id]
                 left_out = {info.index for r in skipped for info in r.samples} | {
-                    info.index for info in attempt.skipped or ()}
+                    info.index for info in attempt.skipped or ()
+                }
                 kept = [i for i in attempt.job.payload if i not in left_out]
                 reply = unreadable_reply(attempt.id, self.index, data, exc, kept)
             if isinstance(reply, (BatchDone, BatchFailed)):
@@ -302,8 +304,9 @@ class LocalPool(WorkerPool):
     ``capacity``: the most workers at once (their status words are sized for it).
     """
 
-    def __init__(self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int,
-                 own_session: bool = False) -> None:
+    def __init__(
+        self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int, own_session: bool = False
+    ) -> None:
         self.ctx = ctx
         self.own_session = own_session  # each worker in a session of its own (process.worker_main)
         self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
@@ -321,8 +324,15 @@ class LocalPool(WorkerPool):
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
-            args=(index, child_conn, self.spec, self.prefix, *self.parent, {**os.environ, **self.env},
-                  self.own_session),
+            args=(
+                index,
+                child_conn,
+                self.spec,
+                self.prefix,
+                *self.parent,
+                {**os.environ, **self.env},
+                self.own_session,
+            ),
             name=f"procpipe-worker-{index}",
             daemon=True,
         )

@@ -13,6 +13,7 @@ object whose reconstruction fails replaced by a marker, and the marker is looked
 the inline leaves of the batch's layout (collate.py): a leaf list with one entry per
 sample kept gives the sample's position. Anything else names the batch only.
 """
+
 from __future__ import annotations
 
 import io
@@ -98,13 +99,17 @@ def unreadable_reply(task_id: int, worker: int, data: bytes, exc: Exception, kep
     that raised ``exc`` when unpickled: ``exc``, with a note saying what happened."""
     index = unreadable_index(data, kept)
     what = f"index {index}" if index is not None else f"one of indices {kept}"
-    add_note(exc, f"procpipe: the reply of worker {worker} holding {what} could not be unpickled in the "
-                  "loader's process (it pickled in the worker). Check the sample's __reduce__ / __setstate__, "
-                  "and that its class can be imported in the main process.")
+    add_note(
+        exc,
+        f"procpipe: the reply of worker {worker} holding {what} could not be unpickled in the "
+        "loader's process (it pickled in the worker). Check the sample's __reduce__ / __setstate__, "
+        "and that its class can be imported in the main process.",
+    )
     try:
         exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - then the error is rebuilt from its type name and message
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return BatchFailed(task_id, ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}",
-                                          str(exc), tb), 0.0)
+    return BatchFailed(
+        task_id, ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb), 0.0
+    )

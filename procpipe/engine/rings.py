@@ -10,6 +10,7 @@ Threads: ``take``, ``grow`` and ``remove_idle`` run on the coordinator thread; `
 runs in whichever thread drops a batch's last view (usually the consumer's), and wakes the
 coordinator if it said it was starved of slots.
 """
+
 from __future__ import annotations
 
 import time
@@ -96,8 +97,13 @@ class RingSet:
             return None
         started = time.perf_counter()
         try:
-            ring = Ring(self.files, old.ring_id + 1, old.slots, round_slot_bytes(nbytes + nbytes // 4),
-                        old.first_slot + old.slots)
+            ring = Ring(
+                self.files,
+                old.ring_id + 1,
+                old.slots,
+                round_slot_bytes(nbytes + nbytes // 4),
+                old.first_slot + old.slots,
+            )
         except SharedMemoryError as exc:
             self.grow_failed = True
             return f" A larger ring did not fit: {exc}"

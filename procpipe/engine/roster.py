@@ -6,6 +6,7 @@ one ``WorkerState``. The roster picks the worker for a task (``idle``, ``for_lan
 the index for a new one (autotune), and never starts, stops or talks to a process itself:
 ``start`` asks the pool.
 """
+
 from __future__ import annotations
 
 import enum

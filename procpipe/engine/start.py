@@ -8,6 +8,7 @@ with the workers' environment and told to preload the modules the pickle referen
 the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
 which starts the workers. If any step fails, every file made so far is removed.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: st
         raise
 
 
-def local_pool(config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles,
-               own_session: bool = False) -> LocalPool:
+def local_pool(
+    config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles, own_session: bool = False
+) -> LocalPool:
     """Worker processes on this machine: the cache (which runs the first sample here), the
     user's objects shipped to them (``own_session``: see ``process.worker_main``), and the
     start method's context (a forkserver preloads the modules the shipped objects reference)."""

@@ -25,6 +25,7 @@ both iterate the keys of the samples they may hold) and its lane: tasks of one l
 which (``Offer.worker``); lane None is any worker. The engine never looks inside a
 payload; a plan never sees a worker, only a worker's index.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

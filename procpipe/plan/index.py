@@ -6,6 +6,7 @@ keyed by its position. Results pass through the epoch's reassembly (reassembly.p
 is a set of positions (``Progress``); a resumed epoch leaves those out. The contract is
 ``plan.base.EpochPlan``'s.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,8 +25,9 @@ class IndexPlan(EpochPlan):
 
     skips_tasks = True  # on_error="skip" may leave out a batch whose collation failed
 
-    def __init__(self, sampler: Any, number: int, batches: list[list[int]], ordered: bool,
-                 done: Any = frozenset()) -> None:
+    def __init__(
+        self, sampler: Any, number: int, batches: list[list[int]], ordered: bool, done: Any = frozenset()
+    ) -> None:
         self.batches = batches
         self.ordered = ordered
         done = frozenset(s for s in (done or ()) if 0 <= s < len(batches))

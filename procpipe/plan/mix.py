@@ -33,6 +33,7 @@ the weights used for each epoch are recorded here, saved in ``Loader.state_dict(
 (``mix_weights``) and pinned again on load, so a resumed epoch is the very same order; the
 loader's own weights apply from the next epoch on.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -89,8 +90,9 @@ class Mix:
     saves the weights of the epoch it is in with ``state_dict()``; see ``set_weights``.
     """
 
-    def __init__(self, sources: Sequence[Any], weights: WeightsSetting, *, stop_on_empty: bool = False,
-                 with_source: bool = False) -> None:
+    def __init__(
+        self, sources: Sequence[Any], weights: WeightsSetting, *, stop_on_empty: bool = False, with_source: bool = False
+    ) -> None:
         sources = check_sources(sources)
         for name, value in (("stop_on_empty", stop_on_empty), ("with_source", with_source)):
             if not isinstance(value, bool):
@@ -184,8 +186,9 @@ class Mix:
         return [source.structure() if isinstance(source, Mix) else len(source) for source in self.sources]
 
     # ---- an epoch's order
-    def order(self, seed: int, epoch: int, shuffle: bool, weights: list[list[float]],
-              path: tuple[int, ...] = ()) -> np.ndarray:
+    def order(
+        self, seed: int, epoch: int, shuffle: bool, weights: list[list[float]], path: tuple[int, ...] = ()
+    ) -> np.ndarray:
         """The indices of this mixture in ``epoch``'s order (int64; shorter than ``len(self)``
         with ``stop_on_empty`` or a weight 0). ``weights``: ``nodes()``' weights, consumed from
         the front (depth first); ``epoch`` is the one that keys the draws (``reshuffle=False``: 0)."""
@@ -194,8 +197,9 @@ class Mix:
         for k, source in enumerate(self.sources):  # nested orders first: their lengths are their epoch's
             if isinstance(source, Mix):
                 inner[k] = source.order(seed, epoch, shuffle, weights, (*path, k))
-        lengths = np.array([len(inner[k]) if k in inner else len(s) for k, s in enumerate(self.sources)],
-                           dtype=np.int64)
+        lengths = np.array(
+            [len(inner[k]) if k in inner else len(s) for k, s in enumerate(self.sources)], dtype=np.int64
+        )
         counts, order = _arrivals(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
         parts = []  # each source's elements in its own order, source after source
         permute = _rng(seed, epoch, path, _PERMUTE) if shuffle else None
@@ -212,8 +216,9 @@ class Mix:
         return np.concatenate(parts)[order] if parts else np.empty(0, dtype=np.int64)
 
 
-def _arrivals(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray,
-              stop_on_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+def _arrivals(
+    rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray, stop_on_empty: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, order)``: how many elements each source gives this epoch, and the epoch's
     order as positions into those elements laid out source after source (source 0's first
     ``counts[0]``, then source 1's...): ``order[i]`` is the ``i``-th element of the epoch."""
@@ -226,7 +231,7 @@ def _arrivals(rng: np.random.Generator, weights: np.ndarray, lengths: np.ndarray
     times = rng.standard_exponential(int(arrivals.sum()))
     start = 0
     for k, n in zip(sources.tolist(), arrivals.tolist(), strict=True):  # each source's clock, at its own rate
-        segment = times[start:start + n]
+        segment = times[start : start + n]
         np.cumsum(segment, out=segment)
         segment /= weights[k]
         start += n
@@ -251,8 +256,18 @@ class MixSampler:
     epochs it names (``pin``).
     """
 
-    def __init__(self, length: int, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
-                 shard: tuple[int, int] | None = None, reshuffle: bool = True, *, mix: Mix) -> None:
+    def __init__(
+        self,
+        length: int,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        shard: tuple[int, int] | None = None,
+        reshuffle: bool = True,
+        *,
+        mix: Mix,
+    ) -> None:
         self.mix = mix
         self.length = length
         self.batch_size = batch_size
@@ -306,15 +321,16 @@ class MixSampler:
             return order
         # Sampler's sharding (plan.sampler.epoch_order) of this epoch's order: padded, then every world-th.
         world = self.shard[1]
-        return order[epoch_order(len(order), epoch, False, self.seed, True, self.shard,
-                                 pad_to=-(-len(order) // world) * world)]
+        return order[
+            epoch_order(len(order), epoch, False, self.seed, True, self.shard, pad_to=-(-len(order) // world) * world)
+        ]
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of ``epoch``, in delivery order."""
         order = self.order(epoch).tolist()
         step = self.step
         count = len(order) // step if self.drop_last else -(-len(order) // step)
-        return [order[i * step:(i + 1) * step] for i in range(count)]
+        return [order[i * step : (i + 1) * step] for i in range(count)]
 
     # ---- the state (api/resume.py)
     def settings(self) -> dict[str, Any]:
@@ -333,16 +349,25 @@ class MixSampler:
         saved = state.get("mix_weights")
         nodes = self.mix.nodes()
         if not isinstance(saved, list):
-            raise ValueError(f"corrupt procpipe Loader state: mix_weights={saved!r:.200} (a list of "  # noqa: TRY004
-                             "[epoch, weights] from a loader over a procpipe.Mix)")
+            raise ValueError(  # noqa: TRY004 - a corrupt saved state: bad data, as every state check says
+                f"corrupt procpipe Loader state: mix_weights={saved!r:.200} (a list of "
+                "[epoch, weights] from a loader over a procpipe.Mix)"
+            )
         pinned: dict[int, list[list[float]]] = {}
         for entry in saved:
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)
-                    and len(entry[1]) == len(nodes) and type(entry[0]) is int and entry[0] >= 0):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and isinstance(entry[1], list)
+                and len(entry[1]) == len(nodes)
+                and type(entry[0]) is int
+                and entry[0] >= 0
+            ):
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights entry {entry!r:.200}")
             try:
-                pinned[entry[0]] = [check_mix_weights(w, len(node.sources))
-                                    for w, node in zip(entry[1], nodes, strict=True)]
+                pinned[entry[0]] = [
+                    check_mix_weights(w, len(node.sources)) for w, node in zip(entry[1], nodes, strict=True)
+                ]
             except (TypeError, ValueError) as e:
                 raise ValueError(f"corrupt procpipe Loader state: mix_weights for epoch {entry[0]}: {e}") from None
         previous, self._pinned = self._pinned, pinned
@@ -372,16 +397,20 @@ def check_sources(sources: Any) -> list[Any]:
     streams = [is_stream(source) for source in sources]
     if any(streams) and not all(streams):
         k = streams.index(not streams[0])
-        raise TypeError(f"Mix: sources[0] is {'a stream' if streams[0] else 'an indexed dataset'} but sources[{k}] is "
-                        f"{'a stream' if streams[k] else 'an indexed dataset'}; a Mix holds indexed datasets only, or "
-                        "streams only (procpipe.Shards, or mixtures of them): wrap an indexed dataset as Shards "
-                        "of index ranges to mix it with streams")
+        raise TypeError(
+            f"Mix: sources[0] is {'a stream' if streams[0] else 'an indexed dataset'} but sources[{k}] is "
+            f"{'a stream' if streams[k] else 'an indexed dataset'}; a Mix holds indexed datasets only, or "
+            "streams only (procpipe.Shards, or mixtures of them): wrap an indexed dataset as Shards "
+            "of index ranges to mix it with streams"
+        )
     for k, source in enumerate(sources):
         if streams[k]:
             continue
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-            raise TypeError(f"Mix: sources[{k}] ({type(source).__name__}) must support len() and indexing with "
-                            "an int (a list, a numpy array, a torch Dataset, a Mix...)")
+            raise TypeError(
+                f"Mix: sources[{k}] ({type(source).__name__}) must support len() and indexing with "
+                "an int (a list, a numpy array, a torch Dataset, a Mix...)"
+            )
     return sources
 
 
@@ -399,13 +428,19 @@ def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:
     try:
         values = list(weights)
     except TypeError:
-        raise TypeError(f"Mix: weights{where} must be a sequence of {count} numbers (one per source) or a "
-                        f"callable epoch -> weights, got {type(weights).__name__}") from None
+        raise TypeError(
+            f"Mix: weights{where} must be a sequence of {count} numbers (one per source) or a "
+            f"callable epoch -> weights, got {type(weights).__name__}"
+        ) from None
     if len(values) != count:
         raise ValueError(f"Mix: weights{where} has {len(values)} entries for {count} sources; give one per source")
     for k, value in enumerate(values):
-        if not (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-                and math.isfinite(float(value)) and float(value) >= 0):
+        if not (
+            isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_))
+            and math.isfinite(float(value))
+            and float(value) >= 0
+        ):
             raise ValueError(f"Mix: weights{where}[{k}] = {value!r}; every weight must be a finite number >= 0")
     floats = [float(v) for v in values]
     if not sum(floats) > 0:

@@ -7,6 +7,7 @@ Anything with ``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in
 ``Sampler``: ``ExplicitBatches`` wraps a caller's ``batches=`` callable (used by
 ``procpipe.torch.DataLoader`` to follow a torch sampler).
 """
+
 from __future__ import annotations
 
 import operator
@@ -19,8 +20,15 @@ import numpy as np
 from ..core.rng import shuffle_rng
 
 
-def epoch_order(n: int, epoch: int, shuffle: bool, seed: int, reshuffle: bool, shard: tuple[int, int] | None,
-                pad_to: int | None = None) -> np.ndarray:
+def epoch_order(
+    n: int,
+    epoch: int,
+    shuffle: bool,
+    seed: int,
+    reshuffle: bool,
+    shard: tuple[int, int] | None,
+    pad_to: int | None = None,
+) -> np.ndarray:
     """The one definition of an epoch's order, for samples (``Sampler``) and for shards
     (``streaming.StreamPlan``): ``range(n)``, permuted from ``(seed, epoch)`` (epoch 0's
     permutation every epoch without ``reshuffle``), then this rank's part with
@@ -90,14 +98,21 @@ class Sampler:
         entry = self.resumed.get(epoch)
         if entry is not None:
             return entry[0]
-        return epoch_order(self.length, epoch, self.shuffle, self.seed, self.reshuffle, self.shard,
-                           pad_to=None if self.shard is None else self.count * self.shard[1])
+        return epoch_order(
+            self.length,
+            epoch,
+            self.shuffle,
+            self.seed,
+            self.reshuffle,
+            self.shard,
+            pad_to=None if self.shard is None else self.count * self.shard[1],
+        )
 
     def batches(self, epoch: int) -> list[list[int]]:
         """The index lists of every batch of ``epoch``, in delivery order."""
         order = self.order(epoch).tolist()
         step = self.step
-        return [order[i * step:(i + 1) * step] for i in range(self.epoch_batches(epoch))]
+        return [order[i * step : (i + 1) * step] for i in range(self.epoch_batches(epoch))]
 
 
 def _index(value: Any) -> int:
@@ -150,8 +165,7 @@ class ExplicitBatches:
             for i in indices:
                 if not 0 <= i < length:
                     raise IndexError(
-                        f"batches({epoch}) returned index {i} (batch {position}), outside the source "
-                        f"of length {length}"
+                        f"batches({epoch}) returned index {i} (batch {position}), outside the source of length {length}"
                     )
             out.append(indices)
         return out

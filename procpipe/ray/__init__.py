@@ -43,6 +43,7 @@ The package's modules, one job each: `backend` (`Backend`, its options in `optio
 (the `Agent` actor), `monitor` (heartbeats, lost agents), `nodes` (the cluster's live
 nodes), `errors`.
 """
+
 from __future__ import annotations
 
 from .backend import Backend

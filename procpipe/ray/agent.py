@@ -7,6 +7,7 @@ the order the trainer sent them. The batch is written into a slot of the agent's
 as views of the slot that Ray copies into its object store; then the slot is free again.
 A worker process that dies is restarted here before its death is reported (``WorkerLost``).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,16 @@ class Agent:
     again (a lease, as in the training process).
     """
 
-    def __init__(self, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any, shm_dir: str,
-                 start_method: str, start_timeout: float) -> None:
+    def __init__(
+        self,
+        spec_bytes: bytes,
+        workers: int,
+        env: dict[str, str],
+        cache: Any,
+        shm_dir: str,
+        start_method: str,
+        start_timeout: float,
+    ) -> None:
         import dill
 
         from ..core.shm import SharedFiles
@@ -94,10 +103,13 @@ class Agent:
             if isinstance(reply, WorkerReady):
                 return
             if isinstance(reply, WorkerFatal):
-                raise RuntimeError(f"a procpipe worker on this node could not load the dataset, fn or "  # noqa: TRY004 - a reply, not an argument
-                                   f"collate_fn:\n{reply.traceback}")
-        raise RuntimeError(f"a procpipe worker on this node did not start (exit code {link.exitcode}) within "
-                           f"start_timeout={self.start_timeout} s; its traceback, if any, is in the node's Ray logs")
+                raise RuntimeError(  # noqa: TRY004 - a worker that failed to start, not a wrong argument type
+                    f"a procpipe worker on this node could not load the dataset, fn or collate_fn:\n{reply.traceback}"
+                )
+        raise RuntimeError(
+            f"a procpipe worker on this node did not start (exit code {link.exitcode}) within "
+            f"start_timeout={self.start_timeout} s; its traceback, if any, is in the node's Ray logs"
+        )
 
     def _restart(self, lane: _Lane, lane_index: int, generation: int, task_id: int) -> WorkerLost:
         """The lane's process died (or was killed): a new one, ready, before the death is reported."""
@@ -147,8 +159,11 @@ class Agent:
             slot = self.rings.take()
             had_ring = self.rings.current is not None
         ring = self.rings.ring_of(slot) if slot >= 0 else None
-        sent = Task(task.id, task.epoch, task.payload, -1, -1, 0) if ring is None else \
-            Task(task.id, task.epoch, task.payload, ring.ring_id, slot - ring.first_slot, ring.slot_bytes)
+        sent = (
+            Task(task.id, task.epoch, task.payload, -1, -1, 0)
+            if ring is None
+            else Task(task.id, task.epoch, task.payload, ring.ring_id, slot - ring.first_slot, ring.slot_bytes)
+        )
         skipped: list[SamplesSkipped] = []
         try:
             wire.send(link.conn, sent)

@@ -1,4 +1,5 @@
 """``Backend``: the ``Loader(backend=...)`` value that runs the workers on a Ray cluster."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,5 +40,6 @@ class Backend(BackendOptions):
         from ..worker.process import dump_spec
 
         nodes.connect(self.address)
-        return RayPool(self, dump_spec(spec), config.workers // self.nodes, dict(config.worker_env), cache,
-                       files.directory)
+        return RayPool(
+            self, dump_spec(spec), config.workers // self.nodes, dict(config.worker_env), cache, files.directory
+        )

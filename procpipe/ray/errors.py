@@ -1,4 +1,5 @@
 """The errors ``procpipe.ray`` raises to the user (beyond a batch's own error)."""
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ them ready), kills the agents declared lost (a silent one may still run somewher
 reads the cluster's nodes every few seconds, where replacements may go: all of this off
 the coordinator's thread, which never waits on Ray.
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,7 @@ class Monitor:
         self.pool.kill_doomed()
         now = time.monotonic()
         if now - self.node_table_at >= _NODES_EVERY_S:  # where replacements may go (read here, not
-            self.node_table_at = now                   # on the coordinator thread)
+            self.node_table_at = now  # on the coordinator thread)
             self.node_table = [(n["NodeID"], dict(n.get("Resources", {}))) for n in ray.nodes() if n.get("Alive")]
         for agent in list(self.pool.agents):
             if agent is None or not agent.alive:
@@ -84,8 +85,11 @@ class Monitor:
                 if agent.ping_sent is None:
                     self._ask(agent, "node", pending, now)
                 elif now - agent.started > self.pool.backend.start_timeout:
-                    self.pool.lose(agent, f"it did not start within start_timeout={self.pool.backend.start_timeout} s: "
-                                          "no node had room for it")
+                    self.pool.lose(
+                        agent,
+                        f"it did not start within start_timeout={self.pool.backend.start_timeout} s: "
+                        "no node had room for it",
+                    )
             elif agent.ping_sent is None and now - agent.pong_at >= _PING_EVERY_S:
                 self._ask(agent, "ping", pending, now)
             elif agent.ping_sent is not None and now - agent.ping_sent > timeout:

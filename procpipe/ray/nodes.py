@@ -10,6 +10,7 @@ second). Agents then start on live nodes (``NodeAffinitySchedulingStrategy``), a
 that still dies before it answers is started again on another live node, while its
 start deadline allows (``RayPool._wait_ready``).
 """
+
 from __future__ import annotations
 
 import socket
@@ -39,17 +40,23 @@ def fits(resources: dict[str, float], needs: dict[str, float]) -> bool:
     return all(resources.get(k, 0) >= v for k, v in needs.items())
 
 
-def spare_node(table: Iterable[tuple[str, dict[str, float]]], needs: dict[str, float],
-               used: AbstractSet[str]) -> str | None:
+def spare_node(
+    table: Iterable[tuple[str, dict[str, float]]], needs: dict[str, float], used: AbstractSet[str]
+) -> str | None:
     """The first node of ``table`` (``(node id, resources)``) that fits and is not in ``used``."""
     return next((node_id for node_id, resources in table if node_id not in used and fits(resources, needs)), None)
 
 
 def live_nodes(needs: dict[str, float], exclude: AbstractSet[str] = frozenset()) -> list[str]:
     """Ids of the nodes an agent needing ``needs`` may start on now (module doc), but ``exclude``."""
-    return [n["NodeID"] for n in ray.nodes()
-            if n.get("Alive") and n["NodeID"] not in exclude and fits(dict(n.get("Resources", {})), needs)
-            and raylet_answers(n)]
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive")
+        and n["NodeID"] not in exclude
+        and fits(dict(n.get("Resources", {})), needs)
+        and raylet_answers(n)
+    ]
 
 
 def connect(address: str | None) -> None:
@@ -63,7 +70,8 @@ def connect(address: str | None) -> None:
             f"procpipe.ray.Backend(address={address!r}) found no Ray cluster: {exc}. Start one "
             "(`ray start --head` on the head node, `ray start --address=<head>:6379` on the others), "
             "call ray.init(...) yourself before creating the Loader, or pass address=None to start "
-            "a Ray instance on this machine.") from exc
+            "a Ray instance on this machine."
+        ) from exc
 
 
 def local_object_store() -> int:

@@ -7,6 +7,7 @@
 its lanes is started again (at most ``max_node_restarts`` times), and ends them all on
 ``stop``. Its monitor thread (monitor.py) pings the agents and declares the silent ones lost.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,9 @@ class RayPool(WorkerPool):
     # never waits for the next one (they wait in the agent, in order; none in the object store).
     tasks_per_worker = 4
 
-    def __init__(self, backend: BackendOptions, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any,
-                 shm_dir: str) -> None:
+    def __init__(
+        self, backend: BackendOptions, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any, shm_dir: str
+    ) -> None:
         self.backend = backend
         self.workers = workers
         self.env = env
@@ -79,9 +81,14 @@ class RayPool(WorkerPool):
         replacement goes elsewhere if it can."""
         backend = self.backend
         cpus = self._needs()["CPU"]
-        options: dict[str, Any] = {"num_cpus": cpus, "resources": dict(backend.resources or {}), "max_restarts": 0,
-                                   "max_task_retries": 0, "max_concurrency": self.workers * 8 + 8,
-                                   "scheduling_strategy": "SPREAD"}  # agents on different nodes where they fit
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "resources": dict(backend.resources or {}),
+            "max_restarts": 0,
+            "max_task_retries": 0,
+            "max_concurrency": self.workers * 8 + 8,
+            "scheduling_strategy": "SPREAD",
+        }  # agents on different nodes where they fit
         if lost_on:
             used = {a.node_id for a in self.agents if a is not None and a.alive} | {lost_on}
             target = nodes.spare_node(self.monitor.node_table, self._needs(), used)
@@ -89,8 +96,9 @@ class RayPool(WorkerPool):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(target, soft=True)
-        handle = self._actor(**options).remote(self.spec_ref, self.workers, self.env, self.cache, self.shm_dir,
-                                               backend.start_method, backend.start_timeout)
+        handle = self._actor(**options).remote(
+            self.spec_ref, self.workers, self.env, self.cache, self.shm_dir, backend.start_method, backend.start_timeout
+        )
         return AgentSlot(number, handle, target=target)
 
     def _wait_ready(self, agents: list[AgentSlot]) -> None:
@@ -118,13 +126,17 @@ class RayPool(WorkerPool):
                 f"procpipe: {len(pending)} of {len(agents)} Ray agent(s) did not start within start_timeout="
                 f"{backend.start_timeout} s. Each needs num_cpus={cpus} and resources={backend.resources or {}} on "
                 f"one node; the cluster has {ray.available_resources()} available. Add nodes, lower "
-                "Backend(nodes=...) or cpus_per_node, or raise start_timeout.")
+                "Backend(nodes=...) or cpus_per_node, or raise start_timeout."
+            )
 
     def _start_again(self, agent: AgentSlot, exc: BaseException, tried: set[str]) -> AgentSlot:
         """``agent`` died before it answered: a new one on a live node not tried yet (its own
         start failing, or no such node, raises: that would fail again)."""
-        if (not isinstance(exc, ray.exceptions.RayActorError) or exc.actor_init_failed
-                or len(tried) > self.backend.nodes + len(self.agents)):
+        if (
+            not isinstance(exc, ray.exceptions.RayActorError)
+            or exc.actor_init_failed
+            or len(tried) > self.backend.nodes + len(self.agents)
+        ):
             raise RuntimeError(f"procpipe: a Ray agent could not start ({START_FAILED}): {exc}") from exc
         kill_agent(agent.handle)
         tried.add(agent.target or "")
@@ -149,7 +161,8 @@ class RayPool(WorkerPool):
                     f"procpipe: a Ray agent was lost ({agent.lost_why if agent else 'unknown'}) and "
                     f"max_node_restarts={self.backend.max_node_restarts} agents have already been replaced by "
                     "this loader. Check the nodes' health (`ray status`, the raylet logs), or raise "
-                    "Backend(max_node_restarts=...).")
+                    "Backend(max_node_restarts=...)."
+                )
             self.restarts += 1
             self._event("replacing", number)
             replacement = self._start_agent(number, agent.node_id if agent else "")
@@ -275,18 +288,36 @@ class RayPool(WorkerPool):
                 f"procpipe: a batch is {batch_bytes / 2**20:.1f} MiB and the loader keeps up to {in_flight + 1} in "
                 f"flight ({needed / 2**20:.0f} MiB), but this node's Ray object store holds "
                 f"{store / 2**20:.0f} MiB (80 % usable before Ray spills to disk). Use a smaller batch_size or "
-                "prefetch, fewer workers or nodes, or start Ray with a larger --object-store-memory.")
+                "prefetch, fewer workers or nodes, or start Ray with a larger --object-store-memory."
+            )
 
     def info(self) -> dict[str, Any]:
         """``stats()["backend"]``: the agents now (node, pid, started), agents replaced so far,
         and the events of agent losses and starts, ``(seconds since the pool started, what,
         agent number, detail)``, in order; ``started``: when the pool started (``time.monotonic()``)."""
         with self.lock:
-            agents = [None if a is None else {"number": a.number, "node": a.node_id, "pid": a.pid, "ready": a.ready,
-                                              "alive": a.alive, "files": a.files_prefix} for a in self.agents]
-            return {"kind": "ray", "started": self.born, "nodes": self.backend.nodes, "workers_per_node": self.workers,
-                    "agents": agents,
-                    "restarts": self.restarts, "events": list(self.events)}
+            agents = [
+                None
+                if a is None
+                else {
+                    "number": a.number,
+                    "node": a.node_id,
+                    "pid": a.pid,
+                    "ready": a.ready,
+                    "alive": a.alive,
+                    "files": a.files_prefix,
+                }
+                for a in self.agents
+            ]
+            return {
+                "kind": "ray",
+                "started": self.born,
+                "nodes": self.backend.nodes,
+                "workers_per_node": self.workers,
+                "agents": agents,
+                "restarts": self.restarts,
+                "events": list(self.events),
+            }
 
     def _event(self, what: str, number: int, detail: str = "") -> None:
         self.events.append((round(time.monotonic() - self.born, 4), what, number, detail))
@@ -301,7 +332,9 @@ def _batch_error(task: Task, exc: BaseException) -> BatchFailed:
     the batch's place, as a reply that does not unpickle is locally."""
     import traceback
 
-    text = (f"the Ray agent could not run or return the batch of task {task.id} (a sample Ray cannot "
-            f"serialize, or a failure in procpipe's agent): {exc}")
+    text = (
+        f"the Ray agent could not run or return the batch of task {task.id} (a sample Ray cannot "
+        f"serialize, or a failure in procpipe's agent): {exc}"
+    )
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return BatchFailed(task.id, ErrorInfo(None, None, "builtins.RuntimeError", text, tb), 0.0)

@@ -4,6 +4,7 @@ lane of it as the coordinator sees it (``RemoteWorker``, a pool.py ``WorkerLink`
 Tasks go out as actor calls at once (the pool's ``submit``); replies come back on Ray's
 callback thread (``deliver``), which wakes the coordinator through a wake pipe.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,9 @@ class RemoteWorker(WorkerLink):
     died, or its agent was lost) writes a byte to the exit pipe.
     """
 
-    def __init__(self, index: int, counters: WorkerCounters, pool: LaneCalls, agent: AgentSlot, lane: int,
-                 generation: int) -> None:
+    def __init__(
+        self, index: int, counters: WorkerCounters, pool: LaneCalls, agent: AgentSlot, lane: int, generation: int
+    ) -> None:
         super().__init__(index, counters)
         self.pool = pool
         self.agent = agent

@@ -20,6 +20,7 @@ the ``readers`` extra: ``pip install 'procpipe[readers]'``. ``import procpipe`` 
 neither this package nor any of them; ``import procpipe.readers`` imports only the standard
 library and numpy (each dependency is imported where it is first needed).
 """
+
 from .example import make_example, parse_example
 from .io import Reader, ReadError, RetryingFile, open_url
 from .jsonl import Jsonl, jsonl
@@ -28,6 +29,21 @@ from .tfrecord import TFRecord, frame, masked_crc, tfrecord
 from .webdataset import WebDataset, split_key, webdataset
 
 __all__ = [
-    "Jsonl", "Parquet", "ReadError", "Reader", "RetryingFile", "TFRecord", "WebDataset", "frame", "jsonl",
-    "make_example", "masked_crc", "open_url", "parquet", "parse_example", "split_key", "tfrecord", "webdataset",
+    "Jsonl",
+    "Parquet",
+    "ReadError",
+    "Reader",
+    "RetryingFile",
+    "TFRecord",
+    "WebDataset",
+    "frame",
+    "jsonl",
+    "make_example",
+    "masked_crc",
+    "open_url",
+    "parquet",
+    "parse_example",
+    "split_key",
+    "tfrecord",
+    "webdataset",
 ]

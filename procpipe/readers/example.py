@@ -7,6 +7,7 @@ define them (same numbers, types and packing), in a descriptor pool of their own
 they never clash with TensorFlow's if both are imported. The wire format depends only on
 the field numbers and types, so these classes parse what ``tf.io.TFRecordWriter`` wrote.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,7 @@ def example_class() -> Any:
     F = descriptor_pb2.FieldDescriptorProto
     proto = descriptor_pb2.FileDescriptorProto(name=_FILE, package=_PACKAGE, syntax="proto3")
 
-    def message(name: str, fields: list[tuple[str, int, int, int, str | None, bool]],
-                parent: Any = None) -> Any:
+    def message(name: str, fields: list[tuple[str, int, int, int, str | None, bool]], parent: Any = None) -> Any:
         msg = (parent.nested_type if parent is not None else proto.message_type).add(name=name)
         for field_name, number, label, kind, type_name, packed in fields:
             field = msg.field.add(name=field_name, number=number, label=label, type=kind)
@@ -41,19 +41,28 @@ def example_class() -> Any:
     message("BytesList", [("value", 1, repeated, F.TYPE_BYTES, None, False)])
     message("FloatList", [("value", 1, repeated, F.TYPE_FLOAT, None, True)])
     message("Int64List", [("value", 1, repeated, F.TYPE_INT64, None, True)])
-    feature = message("Feature", [
-        ("bytes_list", 1, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.BytesList", False),
-        ("float_list", 2, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.FloatList", False),
-        ("int64_list", 3, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.Int64List", False),
-    ])
+    feature = message(
+        "Feature",
+        [
+            ("bytes_list", 1, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.BytesList", False),
+            ("float_list", 2, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.FloatList", False),
+            ("int64_list", 3, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.Int64List", False),
+        ],
+    )
     feature.oneof_decl.add(name="kind")
     for field in feature.field:
         field.oneof_index = 0
-    features = message("Features", [
-        ("feature", 1, repeated, F.TYPE_MESSAGE, f".{_PACKAGE}.Features.FeatureEntry", False)])
-    entry = message("FeatureEntry", [("key", 1, optional, F.TYPE_STRING, None, False),
-                                     ("value", 2, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.Feature", False)],
-                    parent=features)
+    features = message(
+        "Features", [("feature", 1, repeated, F.TYPE_MESSAGE, f".{_PACKAGE}.Features.FeatureEntry", False)]
+    )
+    entry = message(
+        "FeatureEntry",
+        [
+            ("key", 1, optional, F.TYPE_STRING, None, False),
+            ("value", 2, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.Feature", False),
+        ],
+        parent=features,
+    )
     entry.options.map_entry = True
     message("Example", [("features", 1, optional, F.TYPE_MESSAGE, f".{_PACKAGE}.Features", False)])
 

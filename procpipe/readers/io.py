@@ -17,6 +17,7 @@ What it adds to ``fsspec``:
 
 fsspec is imported when a shard is first opened (in the worker), never by ``import procpipe``.
 """
+
 from __future__ import annotations
 
 import io
@@ -56,11 +57,15 @@ def check_reader_options(retries: int, read_ahead: int) -> None:
         raise ValueError(f"read_ahead must be an int >= 1 (bytes fetched ahead per open shard), got {read_ahead!r}")
 
 
-def open_url(url: Any, *, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD,
-             storage_options: dict | None = None) -> RetryingFile:
+def open_url(
+    url: Any,
+    *,
+    retries: int = DEFAULT_RETRIES,
+    read_ahead: int = DEFAULT_READ_AHEAD,
+    storage_options: dict | None = None,
+) -> RetryingFile:
     """``url`` (a path, ``os.PathLike`` or a URL fsspec knows) opened for binary reading, with retries."""
-    return RetryingFile(str(url) if not isinstance(url, str) else url, retries, read_ahead,
-                        dict(storage_options or {}))
+    return RetryingFile(str(url) if not isinstance(url, str) else url, retries, read_ahead, dict(storage_options or {}))
 
 
 class RetryingFile(io.RawIOBase):
@@ -184,10 +189,21 @@ class RetryingFile(io.RawIOBase):
                         f"procpipe.readers: {what} {self.url} at byte {self._pos} failed {attempt + 1} times "
                         f"(retries={self.retries}); last error: {type(exc).__name__}: {exc}. Check that the "
                         "storage is reachable, or raise retries= for a flaky connection.",
-                        self.url, self._pos) from exc
+                        self.url,
+                        self._pos,
+                    ) from exc
                 self.retried += 1
-                log.warning("procpipe.readers: %s %s at byte %d failed (%s: %s); attempt %d of %d in %.1f s",
-                            what, self.url, self._pos, type(exc).__name__, exc, attempt + 2, self.retries + 1, wait)
+                log.warning(
+                    "procpipe.readers: %s %s at byte %d failed (%s: %s); attempt %d of %d in %.1f s",
+                    what,
+                    self.url,
+                    self._pos,
+                    type(exc).__name__,
+                    exc,
+                    attempt + 2,
+                    self.retries + 1,
+                    wait,
+                )
                 time.sleep(wait)  # backoff between attempts at a remote store (not synchronization)
                 wait = min(2 * wait, _BACKOFF_MAX_S)
         raise AssertionError("unreachable")
@@ -207,12 +223,19 @@ class Reader:
     files there. Subclasses implement ``records(file, url)``.
     """
 
-    def __init__(self, *, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD,
-                 storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        retries: int = DEFAULT_RETRIES,
+        read_ahead: int = DEFAULT_READ_AHEAD,
+        storage_options: dict | None = None,
+    ) -> None:
         check_reader_options(retries, read_ahead)
         if storage_options is not None and not isinstance(storage_options, dict):
-            raise TypeError(f"storage_options must be a dict (fsspec's options for the protocol), "
-                            f"got {type(storage_options).__name__}")
+            raise TypeError(
+                f"storage_options must be a dict (fsspec's options for the protocol), "
+                f"got {type(storage_options).__name__}"
+            )
         self.retries = retries
         self.read_ahead = read_ahead
         self.storage_options = dict(storage_options or {})

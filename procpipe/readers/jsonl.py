@@ -1,4 +1,5 @@
 """JSON Lines files: ``Jsonl``, one JSON value per line."""
+
 from __future__ import annotations
 
 import io
@@ -25,12 +26,14 @@ class Jsonl(Reader):
             except ValueError as exc:
                 if not line.strip():
                     continue
-                raise ReadError(f"procpipe.readers.jsonl: line {number} of {url} is not valid JSON: {exc}",
-                                url) from None
+                raise ReadError(
+                    f"procpipe.readers.jsonl: line {number} of {url} is not valid JSON: {exc}", url
+                ) from None
             yield value
 
 
-def jsonl(*, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD,
-          storage_options: dict | None = None) -> Jsonl:
+def jsonl(
+    *, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None
+) -> Jsonl:
     """An ``open_fn`` for ``Shards`` over JSON Lines files (see ``Jsonl``)."""
     return Jsonl(retries=retries, read_ahead=read_ahead, storage_options=storage_options)

@@ -1,4 +1,5 @@
 """Parquet files: ``Parquet``, rows read one row group at a time through pyarrow."""
+
 from __future__ import annotations
 
 import io
@@ -12,8 +13,9 @@ def _pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("procpipe.readers.parquet needs pyarrow: pip install 'procpipe[readers]' "
-                          "(or pip install pyarrow)") from None
+        raise ImportError(
+            "procpipe.readers.parquet needs pyarrow: pip install 'procpipe[readers]' (or pip install pyarrow)"
+        ) from None
     return pq
 
 
@@ -29,8 +31,14 @@ class Parquet(Reader):
         retries, read_ahead, storage_options: see ``procpipe.readers.open_url``.
     """
 
-    def __init__(self, *, columns: Sequence[str] | None = None, retries: int = DEFAULT_RETRIES,
-                 read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        retries: int = DEFAULT_RETRIES,
+        read_ahead: int = DEFAULT_READ_AHEAD,
+        storage_options: dict | None = None,
+    ) -> None:
         super().__init__(retries=retries, read_ahead=read_ahead, storage_options=storage_options)
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of column names, got the string {columns!r}; write [{columns!r}]")
@@ -56,7 +64,12 @@ class Parquet(Reader):
         return counts
 
 
-def parquet(*, columns: Sequence[str] | None = None, retries: int = DEFAULT_RETRIES,
-            read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None) -> Parquet:
+def parquet(
+    *,
+    columns: Sequence[str] | None = None,
+    retries: int = DEFAULT_RETRIES,
+    read_ahead: int = DEFAULT_READ_AHEAD,
+    storage_options: dict | None = None,
+) -> Parquet:
     """An ``open_fn`` for ``Shards`` over Parquet files (see ``Parquet``)."""
     return Parquet(columns=columns, retries=retries, read_ahead=read_ahead, storage_options=storage_options)

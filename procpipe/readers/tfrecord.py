@@ -12,6 +12,7 @@ where ``masked_crc(x) = ((crc >> 15) | (crc << 17)) + 0xa282ead8`` (mod 2**32) a
 Python fallback of its own). Both checksums are checked: a corrupt or truncated record
 is a ``ReadError`` naming the file and the record's byte offset.
 """
+
 from __future__ import annotations
 
 import io
@@ -30,8 +31,10 @@ def _crc32c() -> Any:
     try:
         import google_crc32c
     except ImportError:
-        raise ImportError("procpipe.readers.tfrecord needs the google-crc32c package to check records: "
-                          "pip install 'procpipe[readers]' (or pip install google-crc32c)") from None
+        raise ImportError(
+            "procpipe.readers.tfrecord needs the google-crc32c package to check records: "
+            "pip install 'procpipe[readers]' (or pip install google-crc32c)"
+        ) from None
     return google_crc32c.value
 
 
@@ -58,8 +61,15 @@ class TFRecord(Reader):
         retries, read_ahead, storage_options: see ``procpipe.readers.open_url``.
     """
 
-    def __init__(self, *, parse: bool = False, check_crc: bool = True, retries: int = DEFAULT_RETRIES,
-                 read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        parse: bool = False,
+        check_crc: bool = True,
+        retries: int = DEFAULT_RETRIES,
+        read_ahead: int = DEFAULT_READ_AHEAD,
+        storage_options: dict | None = None,
+    ) -> None:
         super().__init__(retries=retries, read_ahead=read_ahead, storage_options=storage_options)
         self.parse = bool(parse)
         self.check_crc = bool(check_crc)
@@ -108,13 +118,23 @@ def _mask(crc: int) -> int:
 
 
 def _corrupt(url: str, offset: int, number: int, what: str) -> ReadError:
-    return ReadError(f"procpipe.readers.tfrecord: corrupt record {number} at byte {offset} of {url}: {what}. "
-                     "The file is damaged or not a TFRecord file (a compressed one must be decompressed first).",
-                     url, offset)
+    return ReadError(
+        f"procpipe.readers.tfrecord: corrupt record {number} at byte {offset} of {url}: {what}. "
+        "The file is damaged or not a TFRecord file (a compressed one must be decompressed first).",
+        url,
+        offset,
+    )
 
 
-def tfrecord(*, parse: bool = False, check_crc: bool = True, retries: int = DEFAULT_RETRIES,
-             read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None) -> TFRecord:
+def tfrecord(
+    *,
+    parse: bool = False,
+    check_crc: bool = True,
+    retries: int = DEFAULT_RETRIES,
+    read_ahead: int = DEFAULT_READ_AHEAD,
+    storage_options: dict | None = None,
+) -> TFRecord:
     """An ``open_fn`` for ``Shards`` over TFRecord files (see ``TFRecord``)."""
-    return TFRecord(parse=parse, check_crc=check_crc, retries=retries, read_ahead=read_ahead,
-                    storage_options=storage_options)
+    return TFRecord(
+        parse=parse, check_crc=check_crc, retries=retries, read_ahead=read_ahead, storage_options=storage_options
+    )

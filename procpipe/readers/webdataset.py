@@ -1,4 +1,5 @@
 """WebDataset tar shards: ``WebDataset``, tar members grouped into samples by key."""
+
 from __future__ import annotations
 
 import io
@@ -49,18 +50,25 @@ class WebDataset(Reader):
                     if sample is None:
                         sample = {"__key__": key, "__url__": url}
                     if extension in sample:
-                        raise ReadError(f"procpipe.readers.webdataset: {url} holds two members named {member.name!r} "
-                                        f"in one sample; a WebDataset shard has one member per key and extension",
-                                        url, member.offset)
+                        raise ReadError(
+                            f"procpipe.readers.webdataset: {url} holds two members named {member.name!r} "
+                            f"in one sample; a WebDataset shard has one member per key and extension",
+                            url,
+                            member.offset,
+                        )
                     sample[extension] = data
         except tarfile.TarError as exc:
-            raise ReadError(f"procpipe.readers.webdataset: {url} is not a readable tar file (near byte "
-                            f"{file.tell()}): {exc}", url, file.tell()) from None
+            raise ReadError(
+                f"procpipe.readers.webdataset: {url} is not a readable tar file (near byte {file.tell()}): {exc}",
+                url,
+                file.tell(),
+            ) from None
         if sample is not None:
             yield sample
 
 
-def webdataset(*, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD,
-               storage_options: dict | None = None) -> WebDataset:
+def webdataset(
+    *, retries: int = DEFAULT_RETRIES, read_ahead: int = DEFAULT_READ_AHEAD, storage_options: dict | None = None
+) -> WebDataset:
     """An ``open_fn`` for ``Shards`` over WebDataset tar shards (see ``WebDataset``)."""
     return WebDataset(retries=retries, read_ahead=read_ahead, storage_options=storage_options)

@@ -64,6 +64,7 @@ Modules, in the order a block meets them on the data path:
 - ``batching.py``: blocks into batches in the loader's process, and the shuffle buffer
   (``Output``).
 """
+
 from .order import Interleave, StreamProgress
 from .plan import InlineStream, StreamPlan
 from .shard_plan import ShardPlan

@@ -8,6 +8,7 @@ order.py), which go into the stream's queue. A batch inside one block is a zero-
 view of its ring slot; one spanning blocks is joined here (``_join``); the shuffle
 buffer copies its records out of their slots (``_own``).
 """
+
 from __future__ import annotations
 
 import math
@@ -89,7 +90,7 @@ class Output:
         elif self.mode == CHUNKS:
             size = cast(int, self.batch_size)
             for i, node in enumerate(inner[2]):
-                chunk = _spans(shard, records[i * size:(i + 1) * size])
+                chunk = _spans(shard, records[i * size : (i + 1) * size])
                 if len(records) - i * size >= size or not self.drop_last:
                     self._item(collate.build(node, lease), chunk, min(size, len(records) - i * size), out)
                 else:
@@ -143,13 +144,13 @@ class Output:
             first[2] += n
             if first[2] == first[3]:
                 parts.popleft()
-            return collate.build(_rows(layout, start, start + n), lease), _spans(shard, records[start:start + n])
+            return collate.build(_rows(layout, start, start + n), lease), _spans(shard, records[start : start + n])
         pieces, coverage = [], []
         while n:
             part = parts[0]
             k = min(n, part[3] - part[2])
             pieces.append((part[0], part[1], part[2], part[2] + k))
-            coverage += _spans(part[4], part[5][part[2]:part[2] + k])
+            coverage += _spans(part[4], part[5][part[2] : part[2] + k])
             part[2] += k
             n -= k
             if part[2] == part[3]:
@@ -230,8 +231,10 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
         if all(isinstance(v, np.ndarray) for v in values):
             kinds = {(v.dtype, v.shape[1:]) for v in values}  # the dtype itself: .str drops a structure's fields
             if len(kinds) > 1:
-                raise _join_error(path, "arrays of " + " and ".join(
-                    f"shape {('N',) + s} dtype {d}" for d, s in sorted(kinds, key=str)))
+                raise _join_error(
+                    path,
+                    "arrays of " + " and ".join(f"shape {('N',) + s} dtype {d}" for d, s in sorted(kinds, key=str)),
+                )
             return [INLINE, np.concatenate(values, dtype=values[0].dtype)]  # as produced: not native byte order
         if all(isinstance(v, list) for v in values):
             return [INLINE, [x for v in values for x in v]]
@@ -251,8 +254,11 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
         return [DICT, keys, children]
     if any(node[1] is not first[1] or len(node[2]) != len(first[2]) for node in nodes):
         raise _join_error(path, "sequences of different types or lengths")
-    return [SEQ, first[1], [_join([(node[2][i], lease, a, b) for node, lease, a, b in pieces], path + (i,))
-                            for i in range(len(first[2]))]]
+    return [
+        SEQ,
+        first[1],
+        [_join([(node[2][i], lease, a, b) for node, lease, a, b in pieces], path + (i,)) for i in range(len(first[2]))],
+    ]
 
 
 def _join_tensors(values: list, path: tuple) -> Any:
@@ -263,8 +269,10 @@ def _join_tensors(values: list, path: tuple) -> Any:
     arrays = [tensor_numpy(v) for v in values]
     kinds = {(v.dtype, v.shape[1:]) for v in values}
     if len(kinds) > 1:
-        raise _join_error(path, "tensors of " + " and ".join(
-            f"shape {('N',) + tuple(s)} dtype {d}" for d, s in sorted(kinds, key=str)))
+        raise _join_error(
+            path,
+            "tensors of " + " and ".join(f"shape {('N',) + tuple(s)} dtype {d}" for d, s in sorted(kinds, key=str)),
+        )
     joined = np.concatenate([a for a, _ in arrays], dtype=arrays[0][0].dtype)
     return numpy_tensor(joined, arrays[0][1])
 

@@ -21,6 +21,7 @@ are left out each epoch.
 Pure: no process, thread or clock. ``RankLimits`` is computed once per epoch by the
 ``StreamPlan`` (plan.py); ``ShardPlan`` cuts its blocks with ``block_length_at``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -55,8 +56,9 @@ class RankLimits:
 
     __slots__ = ("limits", "records", "totals")
 
-    def __init__(self, lengths: Sequence[int], order: np.ndarray, world: int, rank: int,
-                 chunking: Chunking | None = None) -> None:
+    def __init__(
+        self, lengths: Sequence[int], order: np.ndarray, world: int, rank: int, chunking: Chunking | None = None
+    ) -> None:
         """``order``: the epoch's whole shard order, before sharding (rank ``r`` reads ``order[r::world]``).
         ``chunking``: batches never span blocks, so the unit that must be equal is the batch."""
         unit = (lambda n: n) if chunking is None else chunking.batches
@@ -88,9 +90,11 @@ def even_ranks_unsupported(even_ranks: bool, shards: object) -> list:
     if not even_ranks:
         return []
     return [
-        (getattr(shards, "lengths", None) is None,
-         "even_ranks=True without the shards' record counts (every rank's records are counted from them): pass "
-         "Shards(..., lengths=[records of each shard])"),
+        (
+            getattr(shards, "lengths", None) is None,
+            "even_ranks=True without the shards' record counts (every rank's records are counted from them): pass "
+            "Shards(..., lengths=[records of each shard])",
+        ),
     ]
 
 
@@ -99,5 +103,7 @@ def check_even_ranks(even_ranks: object, shard: object) -> None:
     if not isinstance(even_ranks, bool):
         raise TypeError(f"even_ranks must be True or False, got {even_ranks!r}")
     if even_ranks and shard is None:
-        raise ValueError("even_ranks=True evens out the batches of the ranks of shard=(rank, world_size), but this "
-                         "Loader has no shard=; pass shard=(rank, world_size), or leave even_ranks out")
+        raise ValueError(
+            "even_ranks=True evens out the batches of the ranks of shard=(rank, world_size), but this "
+            "Loader has no shard=; pass shard=(rank, world_size), or leave even_ranks out"
+        )

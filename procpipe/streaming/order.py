@@ -8,6 +8,7 @@ saves for the epoch and a resumed epoch skips (its cursor is an ``Interleave``, 
 resumed ordered epoch restarts the order where it stood). Both are plain bookkeeping,
 with no process, ring slot or queue in them.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -100,8 +101,9 @@ class StreamProgress:
     record below it is received) come from the epoch, which learns them as blocks arrive.
     """
 
-    def __init__(self, order: list[int], cycle_length: int, block_length: int, ordered: bool,
-                 state: dict | None = None) -> None:
+    def __init__(
+        self, order: list[int], cycle_length: int, block_length: int, ordered: bool, state: dict | None = None
+    ) -> None:
         self.block_length = block_length
         state = state or {"cursor": None, "complete": [], "received": []}
         self.complete = set(state["complete"])
@@ -145,11 +147,15 @@ class StreamProgress:
     def state(self) -> dict:
         """The plain-dict form (see the class docstring), canonical: the same progress gives an
         equal dict. Call ``settle`` first."""
-        return {"cursor": None if self.cursor is None else self.cursor.state(),
-                "complete": sorted(self.complete),
-                "received": [[shard, start, stop] for shard in sorted(self.received)
-                             for start, stop in zip(self.received[shard].starts, self.received[shard].stops,
-                                                    strict=True)]}
+        return {
+            "cursor": None if self.cursor is None else self.cursor.state(),
+            "complete": sorted(self.complete),
+            "received": [
+                [shard, start, stop]
+                for shard in sorted(self.received)
+                for start, stop in zip(self.received[shard].starts, self.received[shard].stops, strict=True)
+            ],
+        }
 
     def skips(self, shard: int, block: int) -> tuple[tuple[int, int], ...]:
         """The ranges of records of ``block`` of ``shard`` already received (a ``Block``'s ``skip``)."""
@@ -169,8 +175,7 @@ class StreamProgress:
         one by one in Python cost the consumer more than the rest of ``next()``.)"""
         if not self.pending:
             return
-        spans = np.fromiter(itertools.chain.from_iterable(self.pending), np.int64,
-                            3 * len(self.pending)).reshape(-1, 3)
+        spans = np.fromiter(itertools.chain.from_iterable(self.pending), np.int64, 3 * len(self.pending)).reshape(-1, 3)
         self.pending = []
         offsets = spans[:, 0] << _SHARD_SHIFT
         start_parts, stop_parts = [spans[:, 1] + offsets], [spans[:, 2] + offsets]
@@ -189,8 +194,9 @@ class StreamProgress:
         self.received = {}
         for shard_starts, shard_stops in zip(np.split(starts, cuts), np.split(stops, cuts), strict=True):
             offset = int(shard_starts[0] >> _SHARD_SHIFT) << _SHARD_SHIFT
-            self.received[offset >> _SHARD_SHIFT] = _Ranges((shard_starts - offset).tolist(),
-                                                            (shard_stops - offset).tolist())
+            self.received[offset >> _SHARD_SHIFT] = _Ranges(
+                (shard_starts - offset).tolist(), (shard_stops - offset).tolist()
+            )
 
     def _advance(self, cursor: Interleave, ends: dict[int, int]) -> None:
         length = self.block_length

@@ -8,6 +8,7 @@ the ``Stream`` (procpipe/engine/epochs.py) opens; with workers the coordinator t
 those epochs like any other. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
 drives the same stream and epochs in the calling thread, reading each block there.
 """
+
 from __future__ import annotations
 
 import queue
@@ -41,20 +42,43 @@ class StreamPlan:
 
     plan_class = ShardPlan
 
-    def __init__(self, shards: Shards, *, batch_size: int | None, shuffle: bool, seed: int, drop_last: bool,
-                 reshuffle: bool = True, shard: tuple[int, int] | None = None, collate_fn: Callable | None = None,
-                 shuffle_buffer: int | None = None, on_error: str = "raise", max_skipped: int | float = 0.01,
-                 speculate: float | None = None,
-                 batches: Any = None, batch_fn: Any = None, cache: Any = None, even_ranks: bool = False) -> None:
+    def __init__(
+        self,
+        shards: Shards,
+        *,
+        batch_size: int | None,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        reshuffle: bool = True,
+        shard: tuple[int, int] | None = None,
+        collate_fn: Callable | None = None,
+        shuffle_buffer: int | None = None,
+        on_error: str = "raise",
+        max_skipped: int | float = 0.01,
+        speculate: float | None = None,
+        batches: Any = None,
+        batch_fn: Any = None,
+        cache: Any = None,
+        even_ranks: bool = False,
+    ) -> None:
         unsupported = [
             (batches is not None, "batches=... (its records have no indices to choose from)"),
-            (speculate is not None and not shards.replayable,
-             (f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
-              "worker, so a straggling block cannot be raced)")),
-            (batch_fn is not None and shuffle_buffer is not None,
-             ("batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
-              "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
-              "function to each batch in your loop, or transform records in fn)")),
+            (
+                speculate is not None and not shards.replayable,
+                (
+                    f"speculate with a {type(shards).__name__} source (its shards cannot be read again by another "
+                    "worker, so a straggling block cannot be raced)"
+                ),
+            ),
+            (
+                batch_fn is not None and shuffle_buffer is not None,
+                (
+                    "batch_fn together with shuffle_buffer (the shuffle buffer puts batches together in the loader's "
+                    "process, after the workers, so there is no batch in a worker for batch_fn to run on; apply the "
+                    "function to each batch in your loop, or transform records in fn)"
+                ),
+            ),
         ]
         for bad, what in unsupported + even_ranks_unsupported(even_ranks, shards):
             if bad:
@@ -89,15 +113,18 @@ class StreamPlan:
         the count changes from epoch to epoch)."""
         lengths = self.shards.lengths
         if lengths is None:
-            raise TypeError("a Loader over a streaming source (procpipe.Shards) has no len() unless the shards' "
-                            "record counts are given: pass Shards(..., lengths=[records of each shard]); without "
-                            "them the number of records is only known once every shard has been read")
-        if (self.shard is not None and self.shuffle and self.reshuffle and self.shard[1] > 1
-                and len(set(lengths)) > 1):
-            raise TypeError("a Loader over a streaming source with shard=(rank, world_size), shuffle=True and "
-                            "shards of different lengths has no len(): each epoch gives this rank a different "
-                            "set of shards, hence a different number of records (pass reshuffle=False for the "
-                            "same shards every epoch)")
+            raise TypeError(
+                "a Loader over a streaming source (procpipe.Shards) has no len() unless the shards' "
+                "record counts are given: pass Shards(..., lengths=[records of each shard]); without "
+                "them the number of records is only known once every shard has been read"
+            )
+        if self.shard is not None and self.shuffle and self.reshuffle and self.shard[1] > 1 and len(set(lengths)) > 1:
+            raise TypeError(
+                "a Loader over a streaming source with shard=(rank, world_size), shuffle=True and "
+                "shards of different lengths has no len(): each epoch gives this rank a different "
+                "set of shards, hence a different number of records (pass reshuffle=False for the "
+                "same shards every epoch)"
+            )
         return self.batch_count(self.batches(0), self.limits(0))
 
     def batch_count(self, order: list[int], limits: RankLimits | None = None) -> int:
@@ -106,8 +133,11 @@ class StreamPlan:
         lengths = cast("tuple[int, ...]", self.shards.lengths)  # (known: the callers check)
         size = self.batch_size
         if limits is not None:  # (with CHUNKS, limits count batches)
-            return limits.records if size is None or self.mode == CHUNKS else (
-                limits.records // size if self.drop_last else -(-limits.records // size))
+            return (
+                limits.records
+                if size is None or self.mode == CHUNKS
+                else (limits.records // size if self.drop_last else -(-limits.records // size))
+            )
         if size is None:  # one item per record
             return sum(lengths[s] for s in order)
 
@@ -121,8 +151,9 @@ class StreamPlan:
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch``, in the order they are opened (indices into ``Shards.shards``)."""
-        order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle,
-                            self.shard).tolist()
+        order = epoch_order(
+            len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, self.shard
+        ).tolist()
         limits = self.limits(epoch)
         return order if limits is None else limits.order(order)
 
@@ -133,8 +164,9 @@ class StreamPlan:
         if self._limits is None or self._limits[0] != epoch:
             order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
             # (CHUNKS has a batch size; even_ranks, lengths and a shard: checked in __init__)
-            chunking = (Chunking(self.block_length, cast(int, self.batch_size), self.drop_last)
-                        if self.mode == CHUNKS else None)
+            chunking = (
+                Chunking(self.block_length, cast(int, self.batch_size), self.drop_last) if self.mode == CHUNKS else None
+            )
             rank, world = cast("tuple[int, int]", self.shard)
             lengths = cast("tuple[int, ...]", self.shards.lengths)
             self._limits = (epoch, RankLimits(lengths, order, world, rank, chunking))
@@ -142,11 +174,20 @@ class StreamPlan:
 
     def settings(self) -> dict[str, Any]:
         """What a saved state (``Loader.state_dict``) must match to be resumed with this plan."""
-        return {"shards": len(self.shards.shards), "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "seed": self.seed, "drop_last": self.drop_last,
-                "shard": None if self.shard is None else list(self.shard),
-                "reshuffle": self.reshuffle, "cycle_length": self.cycle_length, "block_length": self.block_length,
-                "mode": self.mode, "shuffle_buffer": self.shuffle_buffer, "even_ranks": self.even_ranks}
+        return {
+            "shards": len(self.shards.shards),
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "shard": None if self.shard is None else list(self.shard),
+            "reshuffle": self.reshuffle,
+            "cycle_length": self.cycle_length,
+            "block_length": self.block_length,
+            "mode": self.mode,
+            "shuffle_buffer": self.shuffle_buffer,
+            "even_ranks": self.even_ranks,
+        }
 
     def check_progress(self, state: Any, epoch: int) -> dict | None:
         """A saved ``StreamProgress.state()`` of ``epoch`` (or None), checked against this plan's
@@ -156,21 +197,31 @@ class StreamPlan:
         order = self.batches(epoch)
 
         def corrupt(what: str) -> ValueError:
-            return ValueError(f"corrupt procpipe Loader state: the stream progress of epoch {epoch} {what}: "
-                              f"{state!r:.300}")
+            return ValueError(
+                f"corrupt procpipe Loader state: the stream progress of epoch {epoch} {what}: {state!r:.300}"
+            )
 
         if not isinstance(state, dict) or set(state) != {"cursor", "complete", "received"}:
             raise corrupt("is not a dict with keys cursor, complete and received")
         in_order = set(order)
         complete = state["complete"]
-        if not (isinstance(complete, list) and all(is_count(s, 0) and s in in_order for s in complete)
-                and complete == sorted(set(complete))):
+        if not (
+            isinstance(complete, list)
+            and all(is_count(s, 0) and s in in_order for s in complete)
+            and complete == sorted(set(complete))
+        ):
             raise corrupt("has complete shards that are not sorted shards of the epoch")
         received, previous = state["received"], None
         for entry in received if isinstance(received, list) else [None]:
-            if not (isinstance(entry, list) and len(entry) == 3 and all(is_count(x, 0) for x in entry)
-                    and entry[0] in in_order and entry[0] not in complete and entry[1] < entry[2]
-                    and (previous is None or (previous[0], previous[2]) < (entry[0], entry[1]))):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and all(is_count(x, 0) for x in entry)
+                and entry[0] in in_order
+                and entry[0] not in complete
+                and entry[1] < entry[2]
+                and (previous is None or (previous[0], previous[2]) < (entry[0], entry[1]))
+            ):
                 raise corrupt(f"has received entry {entry!r} (not [shard, start, stop] ranges, sorted and merged)")
             previous = entry
         if state["cursor"] is not None:
@@ -182,16 +233,21 @@ class StreamPlan:
         ok = isinstance(cursor, list) and len(cursor) == 3 and is_count(cursor[0], 0) and is_count(cursor[1], 0)
         if ok:
             turn, opened, slots = cursor
-            ok = (turn < slots_expected and opened <= shards and isinstance(slots, list)
-                  and len(slots) == slots_expected)
+            ok = turn < slots_expected and opened <= shards and isinstance(slots, list) and len(slots) == slots_expected
         if ok:
             held = [slot for slot in slots if slot is not None]
-            ok = (all(isinstance(slot, list) and len(slot) == 2 and is_count(slot[0], 0) and is_count(slot[1], 0)
-                      and slot[0] < opened for slot in held)
-                  and len({slot[0] for slot in held}) == len(held))
+            ok = all(
+                isinstance(slot, list)
+                and len(slot) == 2
+                and is_count(slot[0], 0)
+                and is_count(slot[1], 0)
+                and slot[0] < opened
+                for slot in held
+            ) and len({slot[0] for slot in held}) == len(held)
         if not ok:
-            raise corrupt(f"has cursor {cursor!r} (not an interleave over {shards} shards, cycle_length "
-                          f"{self.cycle_length})")
+            raise corrupt(
+                f"has cursor {cursor!r} (not an interleave over {shards} shards, cycle_length {self.cycle_length})"
+            )
 
 
 # ---------------------------------------------------------------------- workers=0
@@ -283,8 +339,7 @@ class InlineStream(LoaderIterator):
         """Read the block the open epoch waits for (opening the next epoch when one is done)."""
         epoch = self._stream.fresh()
         if epoch is None:
-            raise RuntimeError("procpipe: internal error: a streaming epoch had nothing left to read "
-                               "but did not end")
+            raise RuntimeError("procpipe: internal error: a streaming epoch had nothing left to read but did not end")
         # The block the interleave waits for (the stream is ordered): the urgent offer.
         offer = next((o for o in epoch.offers(1) if o.urgent), None)
         if offer is None:
@@ -297,16 +352,20 @@ class InlineStream(LoaderIterator):
             scope.leave()
             if isinstance(exc, SystemExit):
                 raise
-            add_note(exc, f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
-                         f"(epoch {epoch.number}).")
+            add_note(
+                exc,
+                f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
+                f"(epoch {epoch.number}).",
+            )
             raise
         if produced.skipped:  # on_error="skip": records whose fn or augment raised
             if epoch.skips is None:
                 epoch.skips = epoch.skip_budget(self._max_skipped)
             # (a streaming source's samples are named by RecordKey, not by an int index)
             for key, error in cast("list[tuple[RecordKey, Exception]]", produced.skipped):
-                if not epoch.skips.add([key], f"record {key[1]} of shard {key[0]} ({job.payload})",
-                                       f"{type(error).__name__}: {error}"):
+                if not epoch.skips.add(
+                    [key], f"record {key[1]} of shard {key[0]} ({job.payload})", f"{type(error).__name__}: {error}"
+                ):
                     add_note(error, epoch.skips.note())
                     raise error
         epoch.result(job, EMPTY if produced.layout is None else Loaded(produced.layout, None, 0))

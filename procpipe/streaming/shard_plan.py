@@ -12,6 +12,7 @@ handed out, each with the record ranges it covers, which are added to the epoch'
 
 Pure: it never sees a process, a ring slot or a worker, only a worker's index.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,8 +116,9 @@ class ShardPlan(EpochPlan):
             if slot is not None:
                 position, block = slot
                 index = self.order[position]  # (a shard bound to a worker stays bound after a resume)
-                self.states[position] = _Shard(position, index, next_block=block, used=block,
-                                               worker=self.config.source.worker_for(index))
+                self.states[position] = _Shard(
+                    position, index, next_block=block, used=block, worker=self.config.source.worker_for(index)
+                )
         self.ended = self.completed_shards = self.opened - len(self.states)
 
     def sample_total(self) -> int | None:
@@ -146,8 +148,9 @@ class ShardPlan(EpochPlan):
         offers = []
         for state in self.states.values():
             if state.redo:
-                offers.append(Offer((0, state.redo[0].block, state.position), state.position, state.worker,
-                                    retry=state.redo[0]))
+                offers.append(
+                    Offer((0, state.redo[0].block, state.position), state.position, state.worker, retry=state.redo[0])
+                )
             elif state.end is not None or state.in_flight >= per_lane:
                 continue
             elif head == (state.position, state.next_block):

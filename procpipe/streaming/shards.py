@@ -10,6 +10,7 @@ block to ``Shards.produce_block``, which reads its records from the shard's iter
 each under its sample scope (seeded from its ``RecordKey``), and collates them into the
 task's ring slot. Turning blocks into batches is batching.py's, in the loader's process.
 """
+
 from __future__ import annotations
 
 import copy
@@ -89,8 +90,9 @@ class Block:
 
     __slots__ = ("first", "length", "number", "shard", "skip")
 
-    def __init__(self, shard: int, number: int, first: int, length: int,
-                 skip: tuple[tuple[int, int], ...] = ()) -> None:
+    def __init__(
+        self, shard: int, number: int, first: int, length: int, skip: tuple[tuple[int, int], ...] = ()
+    ) -> None:
         self.shard = shard
         self.number = number
         self.first = first
@@ -113,8 +115,7 @@ class Block:
         return [r for r in records if not self.skipped(r)] if self.skip else records
 
     def __repr__(self) -> str:
-        return (f"block {self.number} of shard {self.shard} "
-                f"(records {self.first}-{self.first + self.length - 1})")
+        return f"block {self.number} of shard {self.shard} (records {self.first}-{self.first + self.length - 1})"
 
 
 class Shards:
@@ -143,19 +144,28 @@ class Shards:
     # deaths, ``speculate``). A subclass whose shards cannot be read again says False (``reopening``).
     replayable = True
 
-    def __init__(self, shards: Iterable[Any], open_fn: Callable[[Any], Iterable[Any]], *,
-                 cycle_length: int = 4, block_length: int | None = None,
-                 lengths: Iterable[int] | None = None) -> None:
+    def __init__(
+        self,
+        shards: Iterable[Any],
+        open_fn: Callable[[Any], Iterable[Any]],
+        *,
+        cycle_length: int = 4,
+        block_length: int | None = None,
+        lengths: Iterable[int] | None = None,
+    ) -> None:
         if isinstance(shards, (str, bytes)):
-            raise TypeError(f"shards must be a list of shards, got the single {type(shards).__name__} "
-                            f"{shards!r:.100}; write [path] for one shard")
+            raise TypeError(
+                f"shards must be a list of shards, got the single {type(shards).__name__} "
+                f"{shards!r:.100}; write [path] for one shard"
+            )
         try:
             shards = list(shards)
         except TypeError:
             raise TypeError(f"shards must be a list (or iterable) of shards, got {type(shards).__name__}") from None
         if not callable(open_fn):
-            raise TypeError(f"open_fn must be callable (open_fn(shard) -> iterable of records), "
-                            f"got {type(open_fn).__name__}")
+            raise TypeError(
+                f"open_fn must be callable (open_fn(shard) -> iterable of records), got {type(open_fn).__name__}"
+            )
         check_int("cycle_length", cycle_length, 1)
         if block_length is not None:
             check_int("block_length", block_length, 1)
@@ -173,9 +183,12 @@ class Shards:
         return len(self.shards)
 
     def __repr__(self) -> str:
-        return (f"Shards({reprlib.repr(self.shards)}, {getattr(self.open_fn, '__name__', self.open_fn)!s}, "
-                f"cycle_length={self.cycle_length}, block_length={self.block_length}"
-                + ("" if self.lengths is None else f", lengths={reprlib.repr(self.lengths)}") + ")")
+        return (
+            f"Shards({reprlib.repr(self.shards)}, {getattr(self.open_fn, '__name__', self.open_fn)!s}, "
+            f"cycle_length={self.cycle_length}, block_length={self.block_length}"
+            + ("" if self.lengths is None else f", lengths={reprlib.repr(self.lengths)}")
+            + ")"
+        )
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -190,8 +203,16 @@ class Shards:
         return clone
 
     # ------------------------------------------------------------------ reading (any process)
-    def produce_block(self, spec: Any, scope: SampleScope, epoch: int, block: Block, buffer: Any | None,
-                      capacity: int, status: Any | None = None) -> Produced:
+    def produce_block(
+        self,
+        spec: Any,
+        scope: SampleScope,
+        epoch: int,
+        block: Block,
+        buffer: Any | None,
+        capacity: int,
+        status: Any | None = None,
+    ) -> Produced:
         """Read ``block``, run ``fn`` on each record, collate into ``buffer`` (see ``produce.produce``).
 
         The layout is a block layout (``block_layout``): a ``BlockRead`` (records read, fewer
@@ -202,8 +223,9 @@ class Shards:
         """
         _, mode, batch_size = cast("tuple[int, str, int | None]", self._config)  # (set: the loader's copy runs)
         skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
-        read_all = (self._from_cache(spec, scope, epoch, block, skipped)
-                    if getattr(spec, "cache", None) is not None else None)
+        read_all = (
+            self._from_cache(spec, scope, epoch, block, skipped) if getattr(spec, "cache", None) is not None else None
+        )
         if read_all is None:
             skipped.clear()
         keys, samples, read = read_all or self._read(spec, scope, epoch, block, status, skipped)
@@ -211,12 +233,15 @@ class Shards:
         if not read:
             return Produced(None, 0, False, [], [])
         if not samples:  # every record read was received before a resume
-            return Produced(block_layout(BlockRead(read, 0, failed), [INLINE, None]), 0, buffer is not None, [],
-                            skipped)
+            return Produced(
+                block_layout(BlockRead(read, 0, failed), [INLINE, None]), 0, buffer is not None, [], skipped
+            )
         if mode == CHUNKS:
             size = cast(int, batch_size)  # (CHUNKS has a batch size)
-            batches = [self._chunk(spec, scope, epoch, samples[i:i + size], keys[i:i + size])
-                       for i in range(0, len(samples), size)]
+            batches = [
+                self._chunk(spec, scope, epoch, samples[i : i + size], keys[i : i + size])
+                for i in range(0, len(samples), size)
+            ]
             scope.leave()
             layout, nbytes, in_slot = collate.layout_value(batches, buffer, capacity)
         else:
@@ -230,8 +255,9 @@ class Shards:
                 raise
         return Produced(block_layout(BlockRead(read, len(samples), failed), layout), nbytes, in_slot, keys, skipped)
 
-    def _read(self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None,
-              skipped: list) -> tuple[list[RecordKey], list[Any], int]:
+    def _read(
+        self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None, skipped: list
+    ) -> tuple[list[RecordKey], list[Any], int]:
         """Read ``block`` from its shard's iterator and run the stages on each record kept:
         ``(keys, samples, records read)``. With ``cache=...``, ``fn``'s output is taken
         from the cache when it is there, else computed and stored. With ``on_error="skip"``
@@ -288,8 +314,9 @@ class Shards:
             add_note(exc, f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
             raise
 
-    def _from_cache(self, spec: Any, scope: SampleScope, epoch: int, block: Block,
-                    skipped: list) -> tuple[list[RecordKey], list[Any], int] | None:
+    def _from_cache(
+        self, spec: Any, scope: SampleScope, epoch: int, block: Block, skipped: list
+    ) -> tuple[list[RecordKey], list[Any], int] | None:
         """``block`` entirely from the cache, without reading its shard (the lengths, a
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
@@ -315,8 +342,9 @@ class Shards:
                     kept.append(augment(sample))
                     kept_keys.append(key)
                 except Exception as exc:
-                    add_note(exc, f"procpipe: raised by augment on record {key[1]} of shard {key[0]} "
-                                 f"({self.name(key[0])}).")
+                    add_note(
+                        exc, f"procpipe: raised by augment on record {key[1]} of shard {key[0]} ({self.name(key[0])})."
+                    )
                     if not getattr(spec, "skip", False):
                         raise
                     skipped.append((key, exc))
@@ -328,8 +356,10 @@ class Shards:
     def cache_length(self) -> int:
         """Records in all shards: the cache's length (``ValueError`` without ``lengths``)."""
         if self.lengths is None:
-            raise ValueError("cache=... with a streaming source needs the shards' record counts, to lay the cache "
-                             "file out: pass Shards(..., lengths=[records of each shard])")
+            raise ValueError(
+                "cache=... with a streaming source needs the shards' record counts, to lay the cache "
+                "file out: pass Shards(..., lengths=[records of each shard])"
+            )
         return sum(self.lengths)
 
     def cache_index(self, key: RecordKey) -> int | RecordKey:
@@ -357,8 +387,11 @@ class Shards:
                 record = reader.next(self, key)
                 reader.close()
             except Exception as exc:
-                add_note(exc, f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
-                             f"({self.name(shard)}) to lay out the cache (cache=...).")
+                add_note(
+                    exc,
+                    f"procpipe: raised in the calling process while reading record 0 of shard {shard} "
+                    f"({self.name(shard)}) to lay out the cache (cache=...).",
+                )
                 raise
             finally:
                 scope.leave()
@@ -395,11 +428,13 @@ class Shards:
 
     def length_mismatch(self, shard: int, what: str) -> str:
         """The message of a shard that broke the ``lengths`` promise."""
-        return (f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
-                f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader "
-                f"reported. Fix lengths[{shard}] "
-                "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
-                "every time.")
+        return (
+            f"shard {shard} ({self.name(shard)}) {what}, but Shards(lengths=...) promised "
+            f"{cast('tuple[int, ...]', self.lengths)[shard]}: the epoch cannot have the len() the loader "
+            f"reported. Fix lengths[{shard}] "
+            "(or leave lengths out: the loader then has no len()), or make open_fn yield the same records "
+            "every time."
+        )
 
     def worker_for(self, shard: int) -> int | None:
         """The worker (index) that should read ``shard``; None (here): the least loaded one.
@@ -499,14 +534,16 @@ class _Reader:
             self.close()
             if promised is not None and self.position != promised:
                 self.broken = True
-                raise ShardLengthError(
-                    shards.length_mismatch(key[0], f"ended after {self.position} records")) from None
+                raise ShardLengthError(shards.length_mismatch(key[0], f"ended after {self.position} records")) from None
             return _END
         except Exception as exc:
             self.broken = True
             self.close()
-            add_note(exc, f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
-                         "in the iterator open_fn returned.")
+            add_note(
+                exc,
+                f"procpipe: raised while reading record {key[1]} of shard {key[0]} ({shards.name(key[0])}), "
+                "in the iterator open_fn returned.",
+            )
             raise
         if promised is not None and self.position >= promised:
             self.broken = True

@@ -34,6 +34,7 @@ garbage collection, interpreter exit, and (through a pointer file under the load
 prefix) by workers whose parent was killed. With ``workers=0`` the file is unlinked as
 soon as it is mapped, so nothing can be left behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,13 +54,19 @@ MEMORY = "memory"
 ALIGN = 64
 _DICT, _SEQ, _LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).
-_PY_NUMBERS = {bool: np.dtype(np.bool_), int: np.dtype(np.int64), float: np.dtype(np.float64),
-               complex: np.dtype(np.complex128)}
+_PY_NUMBERS = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float64),
+    complex: np.dtype(np.complex128),
+}
 _FIRST_SAMPLE_TRIES = 16  # with on_error="skip": indices tried in the parent to size the cache
-_NO_RNG = ("procpipe.sample_rng() was called while computing a cached sample (cache=... is on): the cached "
-           "stage (the source's __getitem__ and fn) runs once per index and its output is reused in every "
-           "epoch, so it must be deterministic. Move random augmentation into augment=..., which runs every "
-           "epoch on top of the cached sample and may use sample_rng().")
+_NO_RNG = (
+    "procpipe.sample_rng() was called while computing a cached sample (cache=... is on): the cached "
+    "stage (the source's __getitem__ and fn) runs once per index and its output is reused in every "
+    "epoch, so it must be deterministic. Move random augmentation into augment=..., which runs every "
+    "epoch on top of the cached sample and may use sample_rng()."
+)
 
 
 def _path_str(path: tuple) -> str:
@@ -120,7 +127,7 @@ def plan(sample: Any) -> tuple[list, list[_Field]]:
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
             fields.append(_Field("array", value.dtype, value.shape, path))
         elif type(value) in _PY_NUMBERS:
-            if type(value) is int and not -2**63 <= value < 2**63:
+            if type(value) is int and not -(2**63) <= value < 2**63:
                 raise CacheError(f"cache=... cannot store {_path_str(path)} = {value}: it does not fit in int64")
             fields.append(_Field(type(value).__name__, _PY_NUMBERS[type(value)], (), path))
         elif isinstance(value, (np.number, np.bool_)):
@@ -140,8 +147,16 @@ def plan(sample: Any) -> tuple[list, list[_Field]]:
 class Cache:
     """The cache file, mapped in this process; pickled (for the workers) as its description only."""
 
-    def __init__(self, path: str, length: int, skeleton: list, fields: list[_Field], nbytes: int,
-                 directory: str, crc_offset: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        length: int,
+        skeleton: list,
+        fields: list[_Field],
+        nbytes: int,
+        directory: str,
+        crc_offset: int | None = None,
+    ) -> None:
         self.path = path
         self.length = length
         self.skeleton = skeleton
@@ -159,8 +174,15 @@ class Cache:
 
     # -------------------------------------------------------------- pickling (to workers)
     def __getstate__(self) -> dict:
-        return {"path": self.path, "length": self.length, "skeleton": self.skeleton, "fields": self.fields,
-                "nbytes": self.nbytes, "directory": self.directory, "crc_offset": self.crc_offset}
+        return {
+            "path": self.path,
+            "length": self.length,
+            "skeleton": self.skeleton,
+            "fields": self.fields,
+            "nbytes": self.nbytes,
+            "directory": self.directory,
+            "crc_offset": self.crc_offset,
+        }
 
     def __setstate__(self, state: dict) -> None:
         type(self).__init__(self, **state)
@@ -188,8 +210,9 @@ class Cache:
         if self.crc_offset is not None:
             self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
             self._bytes = np.ndarray((self.nbytes,), np.uint8, buffer=self._map)
-        self._arrays = [np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset)
-                        for f in self.fields]
+        self._arrays = [
+            np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset) for f in self.fields
+        ]
         return flags
 
     def _check(self, size: int | None = None) -> None:
@@ -216,7 +239,7 @@ class Cache:
         crc, raw = 0, cast(Any, self._bytes)  # (an ndarray: a buffer, which numpy's stubs say from Python 3.12)
         for f in self.fields:
             start = f.offset + index * f.itemsize
-            crc = zlib.crc32(raw[start:start + f.itemsize], crc)
+            crc = zlib.crc32(raw[start : start + f.itemsize], crc)
         return crc
 
     def close(self) -> None:
@@ -287,18 +310,28 @@ class Cache:
         kind = node[0]
         if kind == _DICT:
             if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
-                self._mismatch(index, path, f"a mapping with keys {sorted(map(str, node[1]))}",
-                               f"a mapping with keys {sorted(map(str, value.keys()))}"
-                               if isinstance(value, Mapping) else _describe(value))
+                self._mismatch(
+                    index,
+                    path,
+                    f"a mapping with keys {sorted(map(str, node[1]))}",
+                    f"a mapping with keys {sorted(map(str, value.keys()))}"
+                    if isinstance(value, Mapping)
+                    else _describe(value),
+                )
             for key, child in zip(node[1], node[2], strict=True):
                 self._match(child, value[key], path + (key,), leaves, index)
             return
         if kind == _SEQ:
             length = len(node[2])
             if not isinstance(value, (tuple, list)) or len(value) != length:
-                self._mismatch(index, path, f"a {node[1].__name__} of length {length}",
-                               f"a {type(value).__name__} of length {len(value)}"
-                               if isinstance(value, (tuple, list)) else _describe(value))
+                self._mismatch(
+                    index,
+                    path,
+                    f"a {node[1].__name__} of length {length}",
+                    f"a {type(value).__name__} of length {len(value)}"
+                    if isinstance(value, (tuple, list))
+                    else _describe(value),
+                )
             for j, child in enumerate(node[2]):
                 self._match(child, value[j], path + (j,), leaves, index)
             return
@@ -306,8 +339,9 @@ class Cache:
         if field.kind == "array":
             ok = isinstance(value, np.ndarray) and value.shape == field.shape and value.dtype == field.dtype
         else:
-            ok = (isinstance(value, (bool, int, float, complex, np.number, np.bool_))
-                  and np.can_cast(np.asarray(value).dtype, field.dtype, "safe"))
+            ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
+                np.asarray(value).dtype, field.dtype, "safe"
+            )
         if not ok:
             self._mismatch(index, path, field.describe(), _describe(value))
         leaves[node[1]] = value
@@ -341,8 +375,14 @@ class Cache:
             filled, error = self.filled(), None
         except CacheError as exc:
             filled, error = None, str(exc)
-        return {"directory": self.directory, "samples": self.length, "filled": filled,
-                "sample_bytes": self.sample_bytes, "bytes": self.nbytes, "error": error}
+        return {
+            "directory": self.directory,
+            "samples": self.length,
+            "filled": filled,
+            "sample_bytes": self.sample_bytes,
+            "bytes": self.nbytes,
+            "error": error,
+        }
 
 
 # ------------------------------------------------------------------ creation and cleanup
@@ -362,8 +402,10 @@ def validate(cache: Any) -> None:
         raise TypeError(f"cache must be None, False, True, 'memory' or a directory path, got {type(cache).__name__}")
     path = os.fspath(cache)
     if not os.path.isdir(path) or not os.access(path, os.W_OK):
-        raise ValueError(f"cache={path!r} is not a writable directory: pass an existing directory for the cache "
-                         "file (memory-mapped), or cache=True to keep the cache in shared memory")
+        raise ValueError(
+            f"cache={path!r} is not a writable directory: pass an existing directory for the cache "
+            "file (memory-mapped), or cache=True to keep the cache in shared memory"
+        )
     check_private_dir(path, "cache")
 
 
@@ -402,8 +444,12 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     except SharedMemoryError:
         import psutil
 
-        fix = ("pass cache='/a/directory/on/disk' to keep the cache in a memory-mapped file there (for data larger "
-               "than memory)" if cache is True or cache == MEMORY else "pass a directory on a larger filesystem")
+        fix = (
+            "pass cache='/a/directory/on/disk' to keep the cache in a memory-mapped file there (for data larger "
+            "than memory)"
+            if cache is True or cache == MEMORY
+            else "pass a directory on a larger filesystem"
+        )
         raise SharedMemoryError(
             f"procpipe needs {nbytes / 2**20:.1f} MiB in {directory} for {what}, but only "
             f"{psutil.disk_usage(directory).free / 2**20:.1f} MiB is free. Fixes: {fix}; make the cached "
@@ -451,9 +497,12 @@ def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
                     sample = spec.fn(sample)
             return index, sample
         except Exception as exc:
-            add_note(exc, f"procpipe: raised in the calling process while computing index {index} to lay out "
-                         "the cache (cache=...): the first sample of the cached stage is computed when the "
-                         "Loader is created.")
+            add_note(
+                exc,
+                f"procpipe: raised in the calling process while computing index {index} to lay out "
+                "the cache (cache=...): the first sample of the cached stage is computed when the "
+                "Loader is created.",
+            )
             error = exc
             if not spec.skip:
                 raise
@@ -472,8 +521,11 @@ def _first_stream_sample(spec: Any) -> tuple[int, Any]:
         with no_sample_rng(_NO_RNG):
             return index, record if spec.fn is None else spec.fn(record)
     except Exception as exc:
-        add_note(exc, "procpipe: raised in the calling process while computing the first record to lay out the "
-                     "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.")
+        add_note(
+            exc,
+            "procpipe: raised in the calling process while computing the first record to lay out the "
+            "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.",
+        )
         raise
     finally:
         scope.leave()

@@ -23,6 +23,7 @@ Anything else (a thread the program started, a native pool that started later: t
 intra-op pool once a parallel op ran, TensorFlow's) makes ``"auto"`` use the forkserver
 (``why_not_safe`` says which). Threads are counted at the OS level (``/proc/self/task``).
 """
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,12 @@ def _openblas_pool() -> int | None:
             library = ctypes.CDLL(path)
         except OSError:
             continue
-        for symbol in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-                       "openblas_get_num_threads64_", "openblas_get_num_threads"):
+        for symbol in (
+            "scipy_openblas_get_num_threads64_",
+            "scipy_openblas_get_num_threads",
+            "openblas_get_num_threads64_",
+            "openblas_get_num_threads",
+        ):
             get = getattr(library, symbol, None)
             if get is not None:
                 return max(0, int(get()) - 1)
@@ -183,15 +188,19 @@ def why_not_safe() -> str | None:
     """Why forking this process now is not safe (None: it is; module doc)."""
     foreign = foreign_threads()
     if foreign:
-        return (f"{len(foreign)} thread(s) not started by procpipe are running "
-                f"({', '.join(repr(n) for n in foreign[:4])}{', ...' if len(foreign) > 4 else ''})")
+        return (
+            f"{len(foreign)} thread(s) not started by procpipe are running "
+            f"({', '.join(repr(n) for n in foreign[:4])}{', ...' if len(foreign) > 4 else ''})"
+        )
     native = _python_native_split()[1]
     if native > SAFE_NATIVE_THREADS:
         unknown = native - SAFE_NATIVE_THREADS
         frameworks = [m for m in ("tensorflow", "jax", "torch", "ray", "grpc") if m in sys.modules]
         hint = f"; imported: {', '.join(frameworks)}" if frameworks else ""
-        return (f"{unknown} native thread(s) beyond numpy's BLAS pool are running (a library's thread pool, "
-                f"e.g. torch's intra-op pool after a parallel op, TensorFlow's{hint})")
+        return (
+            f"{unknown} native thread(s) beyond numpy's BLAS pool are running (a library's thread pool, "
+            f"e.g. torch's intra-op pool after a parallel op, TensorFlow's{hint})"
+        )
     return None
 
 

@@ -8,6 +8,7 @@ here is reported (a ``PreloadWarning`` on the server's stderr, which is the pare
 naming the module and the exception): the server goes on, and a worker that needs the
 module imports it itself (and fails with the error, if it fails there too).
 """
+
 import importlib
 import json
 import os
@@ -32,10 +33,14 @@ def preload(names: list[str]) -> list[tuple[str, str]]:
         except Exception as exc:  # noqa: BLE001 - reported, then the server goes on (module doc)
             error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             failed.append((name, error))
-            warnings.warn(f"procpipe: the forkserver could not preload module {name!r}: {error}. Workers "
-                          "that need it import it themselves (and fail with this error if it fails there too); "
-                          "a module whose import depends on the process it runs in should be imported inside "
-                          "fn or __getitem__ instead.", PreloadWarning, stacklevel=2)
+            warnings.warn(
+                f"procpipe: the forkserver could not preload module {name!r}: {error}. Workers "
+                "that need it import it themselves (and fail with this error if it fails there too); "
+                "a module whose import depends on the process it runs in should be imported inside "
+                "fn or __getitem__ instead.",
+                PreloadWarning,
+                stacklevel=2,
+            )
     return failed
 
 
@@ -46,8 +51,9 @@ def _preload_file(path: str) -> None:
         with os.fdopen(open_owned(path, os.O_RDONLY)) as f:  # the loader's own file only
             listing = json.load(f)
     except (OSError, ValueError) as exc:
-        warnings.warn(f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning,
-                      stacklevel=1)
+        warnings.warn(
+            f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning, stacklevel=1
+        )
         return
     # The parent's sys.path (its script's directory, a path added by the program): multiprocess
     # gives it to each worker, not to the server, where the same modules are imported first.

@@ -11,6 +11,7 @@ whose import depends on another's having run first (a plugin registry, a post-im
 is imported after it, as in the parent. Modules imported only inside a function body are
 not referenced: each worker imports those itself.
 """
+
 from __future__ import annotations
 
 import pickletools

@@ -16,6 +16,7 @@ sets the task id to ``STARTING`` before it starts a worker process, and the work
 to -1 once it has loaded the dataset: a worker that dies still ``STARTING`` never got as
 far as the user's code (its process failed while starting, e.g. importing the main script).
 """
+
 from __future__ import annotations
 
 import io
@@ -73,8 +74,12 @@ class _SpecPickler(dill.Pickler):
     """
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if (isinstance(obj, types.ModuleType) and id(obj) not in self.memo
-                and obj.__name__ != "__main__" and sys.modules.get(obj.__name__) is obj):
+        if (
+            isinstance(obj, types.ModuleType)
+            and id(obj) not in self.memo
+            and obj.__name__ != "__main__"
+            and sys.modules.get(obj.__name__) is obj
+        ):
             self.framer.commit_frame()
             self.save_reduce(dill._dill._import_module, (obj.__name__,), obj=obj)
             return
@@ -177,8 +182,16 @@ def _abandon(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix: str,
-                parent_pid: int, parent_started: float, env: dict[str, str], own_session: bool = False) -> None:
+def worker_main(
+    worker_id: int,
+    conn: Any,
+    spec: WorkerSpec | str,
+    files_prefix: str,
+    parent_pid: int,
+    parent_started: float,
+    env: dict[str, str],
+    own_session: bool = False,
+) -> None:
     """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
 
     ``own_session``: start a session of its own, out of its parent's process group. A Ray
@@ -198,8 +211,9 @@ def worker_main(worker_id: int, conn: Any, spec: WorkerSpec | str, files_prefix:
     os.environ.update(env)
     parent = _ParentWatch(parent_pid, parent_started)
     pipe_closed = terminated = False
-    threading.Thread(target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch", daemon=True
+    ).start()
     try:
         try:
             loaded = _load_spec(spec)
@@ -232,7 +246,7 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
         mapped = map_file(files_prefix + "status")
     except OSError:
         return [-1, -1]
-    return memoryview(mapped)[16 * worker_id:16 * worker_id + 16].cast("q")
+    return memoryview(mapped)[16 * worker_id : 16 * worker_id + 16].cast("q")
 
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
@@ -286,12 +300,19 @@ def _unsendable(layout: list, payload: Any, exc: Exception) -> ErrorInfo:
         f"cannot send {where} to the training process: it holds a {kind}, which cannot be pickled "
         f"({type(exc).__name__}: {exc}). Return only picklable values from fn (arrays, numbers, str, "
         f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
-        f"file), or drop the field in batch_fn / collate_fn.")
+        f"file), or drop the field in batch_fn / collate_fn."
+    )
     return _error_info(index, error)
 
 
-def run_task(spec: WorkerSpec, scope: SampleScope, rings: WorkerRings, task: Task, status: Any,
-             send_skipped: Callable[[SamplesSkipped], None]) -> BatchDone | BatchFailed:
+def run_task(
+    spec: WorkerSpec,
+    scope: SampleScope,
+    rings: WorkerRings,
+    task: Task,
+    status: Any,
+    send_skipped: Callable[[SamplesSkipped], None],
+) -> BatchDone | BatchFailed:
     """One task, start to end: its batch in its slot (or inline), or the error of user code.
 
     ``send_skipped`` receives the samples left out (``on_error="skip"``)
@@ -327,4 +348,3 @@ def _error_info(index: int | tuple[int, ...] | None, exc: BaseException) -> Erro
         exc_bytes = None
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)
-

@@ -19,6 +19,7 @@ The stages, per sample then per batch::
 Without ``batch_fn`` the default collation stacks samples straight into the slot; with
 it, the batch is collated privately (new arrays), transformed, then packed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -39,11 +40,12 @@ _NO_SAMPLE_RNG_IN_BATCH_FN = (
 
 def _returned_none(spec: Any, index: int) -> str:
     """The error for a sample that is ``None``: which stage returned nothing."""
-    stage = ("augment" if spec.augment is not None else "fn" if spec.fn is not None
-             else "the source's __getitem__")
-    return (f"{stage} returned None for index {index}: a sample must be a value (an array, a number, a "
-            f"dict or tuple of them); did {stage} forget a `return`? (To drop samples, raise in fn with "
-            "on_error='skip'; to batch None values on purpose, pass a collate_fn.)")
+    stage = "augment" if spec.augment is not None else "fn" if spec.fn is not None else "the source's __getitem__"
+    return (
+        f"{stage} returned None for index {index}: a sample must be a value (an array, a number, a "
+        f"dict or tuple of them); did {stage} forget a `return`? (To drop samples, raise in fn with "
+        "on_error='skip'; to batch None values on purpose, pass a collate_fn.)"
+    )
 
 
 @dataclass
@@ -57,8 +59,15 @@ class Produced:
     skipped: Sequence[tuple[int | tuple[int, int], Exception]]  # (index or key, exception) left out (spec.skip)
 
 
-def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffer: Any | None,
-            capacity: int, status: Any | None = None) -> Produced:
+def produce(
+    spec: Any,
+    scope: SampleScope,
+    epoch: int,
+    indices: list[int],
+    buffer: Any | None,
+    capacity: int,
+    status: Any | None = None,
+) -> Produced:
     """Run ``fn(source[i])`` for each index under its sample scope, then collate.
 
     Arrays go straight into ``buffer`` (a ring slot of ``capacity`` bytes) when they fit,
@@ -110,8 +119,9 @@ def produce(spec: Any, scope: SampleScope, epoch: int, indices: list[int], buffe
         return Produced(layout, nbytes, in_slot, kept, skipped)
     scope.collating(epoch, indices[0])  # draws in collate_fn / batch_fn: the same with or without workers
     if spec.batch_fn is not None:
-        batch = run_batch_fn(spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept),
-                             summarize_indices(indices))
+        batch = run_batch_fn(
+            spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept), summarize_indices(indices)
+        )
     else:
         batch = spec.collate_fn(samples)
     scope.leave()

@@ -19,6 +19,7 @@ File format: ``MAGIC``, the JSON header's length (uint64), the JSON header, then
 column's arrays, 64-byte aligned. The header's offsets are relative to the end of the
 header (rounded up to 64); a text column's offsets array holds absolute file positions.
 """
+
 from __future__ import annotations
 
 import json
@@ -159,7 +160,7 @@ class Records(Sequence):
             get = getters[k]
             return [get(j) for j in self._span]
         span = self._span
-        return array[span.start:None if span.stop < 0 else span.stop:span.step]
+        return array[span.start : None if span.stop < 0 else span.stop : span.step]
 
     # ------------------------------------------------------------------ lifetime, pickling
     def close(self) -> None:
@@ -182,8 +183,10 @@ class Records(Sequence):
         store = self._store
         if store.getters is None:
             return "<procpipe.Records, closed>"
-        fields = ", ".join(f"{n}: {c['type'] if c['type'] in _TEXT else np.dtype(c['type'])}"
-                           for n, c in zip(store.names, store.header["columns"], strict=True))
+        fields = ", ".join(
+            f"{n}: {c['type'] if c['type'] in _TEXT else np.dtype(c['type'])}"
+            for n, c in zip(store.names, store.header["columns"], strict=True)
+        )
         return f"<procpipe.Records: {len(self)} {store.kind} records ({fields}), {store.nbytes / 2**20:.1f} MiB>"
 
 
@@ -201,7 +204,7 @@ class _Store:
         if mm[:8] != MAGIC:
             raise ValueError(f"not a procpipe.Records file: {where[-1]}")
         (header_len,) = struct.unpack_from("<Q", mm, 8)
-        self.header = header = json.loads(mm[16:16 + header_len])
+        self.header = header = json.loads(mm[16 : 16 + header_len])
         base = _align(16 + header_len)
         self.token, self.kind, self.length = header["token"], header["kind"], header["length"]
         self.names = [c["name"] for c in header["columns"]]
@@ -253,8 +256,8 @@ class _Store:
 
 def _text_getter(mm: mmap.mmap, offset: Any, decode: bool) -> Any:
     if decode:
-        return lambda j: mm[offset(j):offset(j + 1)].decode("utf-8", "surrogatepass")
-    return lambda j: mm[offset(j):offset(j + 1)]
+        return lambda j: mm[offset(j) : offset(j + 1)].decode("utf-8", "surrogatepass")
+    return lambda j: mm[offset(j) : offset(j + 1)]
 
 
 def _rebuild(where: tuple, token: str, span: tuple[int, int, int]) -> Records:
@@ -303,11 +306,15 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
         if bad is not None:
             r = items[bad]
             if not isinstance(r, dict):
-                raise TypeError(f"record {bad} is a {type(r).__name__}, but record 0 is a dict: "
-                                "every record must be a dict with the same keys")
+                raise TypeError(
+                    f"record {bad} is a {type(r).__name__}, but record 0 is a dict: "
+                    "every record must be a dict with the same keys"
+                )
             missing, extra = [k for k in names if k not in r], [k for k in r if k not in keys]
-            raise ValueError(f"record {bad} does not have the keys of record 0 (missing {missing}, extra {extra}): "
-                             "every record needs the same keys; use a sentinel such as '' or -1 for a missing value")
+            raise ValueError(
+                f"record {bad} does not have the keys of record 0 (missing {missing}, extra {extra}): "
+                "every record needs the same keys; use a sentinel such as '' or -1 for a missing value"
+            )
         values = [[r[name] for r in items] for name in names]
     elif isinstance(first, tuple):
         kind, width = "tuple", len(first)
@@ -316,8 +323,10 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
         if bad is not None:
             r = items[bad]
             what = f"a tuple of {len(r)}" if isinstance(r, tuple) else f"a {type(r).__name__}"
-            raise ValueError(f"record {bad} is {what}, but record 0 is a tuple of {width}: "
-                             "every record must be a tuple of the same length")
+            raise ValueError(
+                f"record {bad} is {what}, but record 0 is a tuple of {width}: "
+                "every record must be a tuple of the same length"
+            )
         values = [[r[k] for r in items] for k in names]
     else:
         kind, names, values = "scalar", [0], [items]
@@ -343,8 +352,9 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
         chunks.append((pos, payload))
         pos = _align(pos + (payload.nbytes if isinstance(payload, np.ndarray) else len(payload)))
         columns.append(entry)
-    header = json.dumps({"version": 1, "token": secrets.token_hex(8), "kind": kind, "length": len(items),
-                         "columns": columns}).encode()
+    header = json.dumps(
+        {"version": 1, "token": secrets.token_hex(8), "kind": kind, "length": len(items), "columns": columns}
+    ).encode()
     base = _align(16 + len(header))
     for offsets, entry in text:  # offsets into the text become absolute file positions
         np.add(offsets, base + entry["offset"], out=offsets)  # in place: the arrays in `chunks` are these
@@ -377,24 +387,41 @@ def _column(values: Sequence[Any], label: str) -> tuple[str, np.ndarray, bytes |
             array = np.array(values)
             if array.dtype.kind in "iuf":
                 return array.dtype.str, array, None
-        i = next((i for i, v in enumerate(values) if isinstance(v, int) and not -2**63 <= v < 2**63), 0)
-        raise OverflowError(f"record {i}{label} is {values[i]!r:.60}: out of range of a 64-bit column "
-                            "(int64, or uint64 if no value is negative)")
+        i = next((i for i, v in enumerate(values) if isinstance(v, int) and not -(2**63) <= v < 2**63), 0)
+        raise OverflowError(
+            f"record {i}{label} is {values[i]!r:.60}: out of range of a 64-bit column "
+            "(int64, or uint64 if no value is negative)"
+        )
     seen: dict[str, int] = {}  # kind of value -> first record holding it
     for i, v in enumerate(values):
         if v is None:
-            raise ValueError(f"record {i}{label} is None: Records cannot hold None; use a sentinel "
-                             "(such as '' or -1) or leave the field out of every record")
-        kind = ("str" if isinstance(v, str) else "bytes" if isinstance(v, bytes) else
-                "bool" if isinstance(v, _BOOLS) else "a number" if isinstance(v, _NUMBERS) else None)
+            raise ValueError(
+                f"record {i}{label} is None: Records cannot hold None; use a sentinel "
+                "(such as '' or -1) or leave the field out of every record"
+            )
+        kind = (
+            "str"
+            if isinstance(v, str)
+            else "bytes"
+            if isinstance(v, bytes)
+            else "bool"
+            if isinstance(v, _BOOLS)
+            else "a number"
+            if isinstance(v, _NUMBERS)
+            else None
+        )
         if kind is None:
-            raise TypeError(f"record {i}{label} is a {type(v).__name__} ({v!r:.60}): Records holds "
-                            "str, bytes, bool, int, float or numpy scalars")
+            raise TypeError(
+                f"record {i}{label} is a {type(v).__name__} ({v!r:.60}): Records holds "
+                "str, bytes, bool, int, float or numpy scalars"
+            )
         seen.setdefault(kind, i)
         if len(seen) > 1:
             other, j = next(iter(seen.items()))
-            raise TypeError(f"record {i}{label} is {kind} but record {j}{label} is {other}: "
-                            "each field must hold one kind of value in every record")
+            raise TypeError(
+                f"record {i}{label} is {kind} but record {j}{label} is {other}: "
+                "each field must hold one kind of value in every record"
+            )
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -20,6 +20,7 @@ the script imports torch, and the cause of the classic failure of a script witho
 the functions are shipped by dill, which serializes what the main script defines by
 value. ``context`` returns contexts whose processes start without importing it.
 """
+
 from __future__ import annotations
 
 import io
@@ -85,7 +86,9 @@ def _warn_once(why: str) -> None:
         "and before libraries that start thread pools, and create loaders before starting threads; or pass "
         "start_method='fork' if those threads hold no lock the workers need, or start_method='forkserver' to "
         "choose it (and silence this). See docs/guide/startup.md.",
-        SlowStartWarning, stacklevel=4)
+        SlowStartWarning,
+        stacklevel=4,
+    )
 
 
 def _install() -> None:
@@ -151,8 +154,10 @@ class ZygoteServer(_mp_forkserver.ForkServer):
 
         resource_tracker.ensure_running()
         if zygote.current() != self._zygote:
-            raise RuntimeError("procpipe: this process's zygote has exited (was it killed?): no worker can be "
-                               "forked from it; pass start_method='forkserver' to start workers without it")
+            raise RuntimeError(
+                "procpipe: this process's zygote has exited (was it killed?): no worker can be "
+                "forked from it; pass start_method='forkserver' to start workers without it"
+            )
 
 
 class _ZygotePopen(_mp_popen_forkserver.Popen):
@@ -161,8 +166,10 @@ class _ZygotePopen(_mp_popen_forkserver.Popen):
     def _launch(self, process_obj: Any) -> None:
         z = zygote.current()
         if z is None:
-            raise RuntimeError("procpipe: this process's zygote has exited (was it killed?): no worker can be "
-                               "forked from it; pass start_method='forkserver' to start workers without it")
+            raise RuntimeError(
+                "procpipe: this process's zygote has exited (was it killed?): no worker can be "
+                "forked from it; pass start_method='forkserver' to start workers without it"
+            )
         prep = _mp_spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         _mp_context.set_spawning_popen(self)

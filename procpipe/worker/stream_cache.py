@@ -30,6 +30,7 @@ points at a chunk inside the file, the filled byte, and the CRC-32 of the record
 cache.py's: the file is named like the loader's other files (``...-cache``), removed with
 the loader, and pointed at for workers whose parent was killed.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -56,17 +57,22 @@ MAX_CHUNK = 256  # and at most this many
 # The skeleton of cache.plan: [0, keys, children] a mapping, [1, type, children] a sequence, [2, field] a leaf.
 DICT, SEQ, LEAF = 0, 1, 2
 _GROWING = threading.Lock()  # (a POSIX record lock excludes other processes only, not this one's threads)
-NO_RNG = ("procpipe.sample_rng() was called while computing a cached record (cache=... is on): fn's output is "
-          "stored once per record and reused in every epoch, so it must be deterministic. Move random "
-          "augmentation into augment=..., which runs every epoch on the cached record and may use sample_rng().")
+NO_RNG = (
+    "procpipe.sample_rng() was called while computing a cached record (cache=... is on): fn's output is "
+    "stored once per record and reused in every epoch, so it must be deterministic. Move random "
+    "augmentation into augment=..., which runs every epoch on the cached record and may use sample_rng()."
+)
 
 
 def open_loader_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Any:
     """The cache of a loader (None: none): this growing cache for a stream without
     ``lengths``, cache.py's otherwise (see ``cache.open_cache`` for the arguments)."""
     source = spec.source
-    if indexed.location(cache, shm_dir) is None or not hasattr(source, "produce_block") or \
-            getattr(source, "lengths", ()) is not None:
+    if (
+        indexed.location(cache, shm_dir) is None
+        or not hasattr(source, "produce_block")
+        or getattr(source, "lengths", ()) is not None
+    ):
         return indexed.open_cache(spec, cache, files, shm_dir)
     return open_stream_cache(spec, cache, files, shm_dir)
 
@@ -101,8 +107,13 @@ class StreamCache:
         self._finalizer: weakref.finalize | None = None
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "shards": self.shards, "skeleton": self.skeleton, "fields": self.fields,
-                "directory": self.directory}
+        return {
+            "path": self.path,
+            "shards": self.shards,
+            "skeleton": self.skeleton,
+            "fields": self.fields,
+            "directory": self.directory,
+        }
 
     def __setstate__(self, state: dict) -> None:
         StreamCache.__init__(self, **state)
@@ -129,14 +140,16 @@ class StreamCache:
                 f"the cache file {self.path} is {size} bytes, which is not this loader's layout (a {self.table_bytes}"
                 f"-byte shard table and chunks of {self.chunk_bytes} bytes): something other than procpipe truncated "
                 "or changed it. Close the loader and create a new one (the cache is rebuilt), and keep other "
-                "programs away from that file.")
+                "programs away from that file."
+            )
         return size
 
     def _corrupt(self, what: str) -> CacheError:
         return CacheError(
             f"the cache file {self.path} is corrupt: {what}; something other than procpipe changed its bytes. "
             "Close the loader and create a new one (the cache is rebuilt), and keep other programs away from "
-            "that file.")
+            "that file."
+        )
 
     def _read_u64(self, offset: int) -> int:
         return int.from_bytes(os.pread(self._file(), 8, offset).ljust(8, b"\0"), "little")
@@ -144,8 +157,11 @@ class StreamCache:
     def _link(self, shard: int, at: int) -> int:
         """The chunk offset stored at ``at`` (0: none yet), checked to be a chunk of this file."""
         target = self._read_u64(at)
-        if target and (target < self.table_bytes or (target - self.table_bytes) % self.chunk_bytes
-                       or target + self.chunk_bytes > self._size()):
+        if target and (
+            target < self.table_bytes
+            or (target - self.table_bytes) % self.chunk_bytes
+            or target + self.chunk_bytes > self._size()
+        ):
             raise self._corrupt(f"shard {shard}'s chain of chunks points at byte {target}, outside its chunks")
         return target
 
@@ -183,7 +199,8 @@ class StreamCache:
         except OSError as exc:
             raise SharedMemoryError(
                 f"procpipe could not grow the cache file {self.path} by {self.chunk_bytes} bytes: {exc}. Free "
-                "some space there, pass cache='/a/directory' on a larger filesystem, or cache=False.") from exc
+                "some space there, pass cache='/a/directory' on a larger filesystem, or cache=False."
+            ) from exc
         os.pwrite(fd, target.to_bytes(8, "little"), at)
         return target
 
@@ -278,20 +295,25 @@ class StreamCache:
         if f.kind == "array":
             ok = isinstance(value, np.ndarray) and value.shape == f.shape and value.dtype == f.dtype
         else:
-            ok = (isinstance(value, (bool, int, float, complex, np.number, np.bool_))
-                  and np.can_cast(np.asarray(value).dtype, f.dtype, "safe"))
+            ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
+                np.asarray(value).dtype, f.dtype, "safe"
+            )
         if not ok:
             self._mismatch(key, path, f.describe(), value)
-        slot[f.offset:f.offset + f.itemsize] = np.ascontiguousarray(value, f.dtype).tobytes()
+        slot[f.offset : f.offset + f.itemsize] = np.ascontiguousarray(value, f.dtype).tobytes()
 
     def _mismatch(self, key: Any, path: tuple, expected: str, value: Any) -> None:
-        got = (f"an array of shape {value.shape} and dtype {value.dtype}" if isinstance(value, np.ndarray)
-               else f"a {type(value).__name__}")
+        got = (
+            f"an array of shape {value.shape} and dtype {value.dtype}"
+            if isinstance(value, np.ndarray)
+            else f"a {type(value).__name__}"
+        )
         where = "sample" + "".join(f"[{p!r}]" for p in path)
         raise CacheError(
             f"cache=...: {where} of record {key!r} is {got}, but the cache was laid out from the first record, "
             f"where it is {expected}. Every record's fn output must have the same structure, dtypes and shapes: "
-            "make fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False.")
+            "make fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
+        )
 
     def compute(self, key: Any, source: Any, fn: Any) -> Any:
         """Run ``fn`` on ``source[key]`` (the record just read), store it, and return the stored copy."""
@@ -318,7 +340,7 @@ class StreamCache:
                     if at + self.chunk_bytes > len(view):  # (grown by a worker since it was mapped)
                         view.close()
                         view = mmap.mmap(self._file(), self._size(), prot=mmap.PROT_READ)
-                    flags = np.frombuffer(view, np.uint8, self.chunk_bytes, at)[LINK::self.slot]
+                    flags = np.frombuffer(view, np.uint8, self.chunk_bytes, at)[LINK :: self.slot]
                     bad = bool(np.any(flags > 1))
                     stored += int(np.count_nonzero(flags))
                     del flags  # (no view of the map may outlive it)
@@ -338,8 +360,14 @@ class StreamCache:
             (filled, samples), size, error = self.filled(), self._size(), None
         except CacheError as exc:
             filled, samples, size, error = None, None, None, str(exc)
-        return {"directory": self.directory, "samples": samples, "filled": filled,
-                "sample_bytes": self.sample_bytes, "bytes": size, "error": error}
+        return {
+            "directory": self.directory,
+            "samples": samples,
+            "filled": filled,
+            "sample_bytes": self.sample_bytes,
+            "bytes": size,
+            "error": error,
+        }
 
 
 def open_stream_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> StreamCache | None:
@@ -392,9 +420,12 @@ def _first_record(spec: Any) -> tuple[Any, Any] | None:
         with no_sample_rng(NO_RNG):
             return key, record if spec.fn is None else spec.fn(record)
     except Exception as exc:
-        add_note(exc, "procpipe: raised in the calling process while computing the first record to lay out the "
-                      "cache (cache=...): the first record of the cached stage is computed when the Loader is "
-                      "created.")
+        add_note(
+            exc,
+            "procpipe: raised in the calling process while computing the first record to lay out the "
+            "cache (cache=...): the first record of the cached stage is computed when the Loader is "
+            "created.",
+        )
         raise
     finally:
         scope.leave()

@@ -31,6 +31,7 @@ target; a process that imports procpipe from the main script it re-imports, such
 rank of ``torch.multiprocessing.spawn``, is a training process and gets one), in
 procpipe's own forkserver, outside Linux, or with ``PROCPIPE_ZYGOTE=0`` in the environment.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -172,8 +173,11 @@ def _forget_unfinished_imports() -> None:
     itself, and the program's modules that import procpipe at their top (a dataset module:
     ``import procpipe``, then the dataset class). The zygote never finishes them (it never
     returns from the fork); a worker that needs one imports it afresh, whole."""
-    unfinished = [name for name, module in sys.modules.items()
-                  if getattr(getattr(module, "__spec__", None), "_initializing", False)]
+    unfinished = [
+        name
+        for name, module in sys.modules.items()
+        if getattr(getattr(module, "__spec__", None), "_initializing", False)
+    ]
     for name in unfinished:
         sys.modules.pop(name, None)
         if name != "procpipe":  # (procpipe's finished submodules, this one among them, stay: _relink)
