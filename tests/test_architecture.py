@@ -486,7 +486,11 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
 OVER_MAX_LINES: dict[str, str] = {
     "torch": "the torch facade: being split",
     "loader": "the configuration object takes its arguments: being split",
-    "streaming.shards": "8 lines over; the one per-sample pipeline shared with worker/produce.py shrinks it",
+    "streaming.shards": "over since the stream cache; the one per-sample pipeline shared with worker/produce.py "
+    "shrinks it",
+    # Over since `ruff format` wrapped their long lines (no code was added):
+    "worker.cache": "the indexed cache's file layout and its checks: to split like worker/stream_cache.py",
+    "torch_state": "the facade's state: the map-style and iterable halves to split",
 }
 MAX_LINES = 500
 

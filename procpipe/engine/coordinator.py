@@ -25,8 +25,7 @@ Its loop (``_loop``)::
     wait and handle     epoll: a reply on a worker's pipe, a worker's death, a wake-up byte
     sample health       worker memory, every half second
 
-It sleeps in ``select`` whenever there is nothing to do, so it does not compete with the
-training loop for the GIL.
+It sleeps in ``select`` whenever there is nothing to do: no competing for the GIL.
 
 Fault tolerance. A batch of the epoch is a ``Job``; each time it is sent to a worker is
 an ``Attempt``, with its own ring slot. A job normally has one attempt; it gets another
@@ -35,8 +34,7 @@ when its worker dies (the job is re-run from the start: samples are deterministi
 a copy runs on a healthy worker), or when its worker is killed after ``task_timeout``.
 The first attempt to finish delivers the batch; any other is discarded when it replies
 (or dies), and its slot returns to the ring. Reassembly refuses a position twice, so no
-batch is ever delivered twice. What the consumer is told when a batch fails is built
-in faults.py.
+batch is ever delivered twice. What the consumer is told of a failure: faults.py.
 
 Autotune. With ``workers="auto"`` a ``Tuner`` (autotune.py) is consulted every control
 interval; the coordinator starts workers or retires them (no more tasks, then ``None``
