@@ -99,7 +99,8 @@ class MixStreamPlan(StreamPlan):
     as for any stream. ``mixing`` keeps each epoch's weights (saved in, and pinned by, states)."""
 
     def __init__(self, mix: Mix, **options: Any) -> None:
-        shards = combined_shards(mix, int(options["seed"]), bool(options["shuffle"]), bool(options.get("reshuffle", True)))
+        seed, shuffle, reshuffle = int(options["seed"]), bool(options["shuffle"]), bool(options.get("reshuffle", True))
+        shards = combined_shards(mix, seed, shuffle, reshuffle)
         super().__init__(shards, **options)
         shard = None if self.shard is None else (self.shard[0], self.shard[1])
         self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
