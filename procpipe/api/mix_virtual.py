@@ -72,14 +72,18 @@ class IndexSlices:
                 "an indexed source of a procpipe.Mix with streams is read by procpipe.Loader only "
                 "(its shards are slices of each epoch's order)"
             )
-        dataset = self.dataset
-        for index in self.order(epoch)[shard * self.size : (shard + 1) * self.size].tolist():
-            yield dataset[index]
+        indices = self.order(epoch)[shard * self.size : (shard + 1) * self.size].tolist()  # (now: the epoch is now's)
+        return _elements(self.dataset, indices)
 
     def lengths(self) -> list[int]:
         """Each slice's element count (the last one may be shorter)."""
         n, size = len(self.dataset), self.size
         return [min(size, n - v * size) for v in range(virtual_shards(n, size))]
+
+
+def _elements(dataset: Any, indices: list[int]) -> Iterator[Any]:
+    for index in indices:
+        yield dataset[index]
 
 
 class EpochShards(Shards):

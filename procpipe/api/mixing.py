@@ -87,7 +87,7 @@ def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: b
         OpenMixed([stream.open_fn for stream in streams], tags),
         cycle_length=streams[0].cycle_length,
         block_length=streams[0].block_length,
-        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part],
+        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part or ()],
     )
     combined.replayable = all(stream.replayable for stream in streams)
     return combined
