@@ -22,10 +22,15 @@ uninterrupted run with the new world size.
   is first turned into those), so the ranks' progresses are simply merged. A loader that
   loads the result keeps the part about the shards of its own order for that epoch: each
   shard belongs to exactly one new rank, which skips what was received.
+- **Mixtures** (``procpipe.Mix``): as above, but an epoch's order is the mixture's, which
+  the states cannot rebuild (``elastic_mix.py``): the combined state keeps the ranks' positions
+  (indexed) or their raw stream progress (``"ranks"``), with the weights of the epoch, and the
+  loader that loads it draws the order again with them before turning those into indices or
+  shard progress.
 
 Limits, said in errors: every rank of the old run must be given once, all at the same epoch
 (a rank already at the next one, with nothing of it returned, counts as done); no ``ahead``
-(``ordered=False`` across an epoch boundary); not with ``batches=``, ``even_ranks=True`` or a ``Mix``.
+(``ordered=False`` across an epoch boundary); not with ``batches=`` or ``even_ranks=True``.
 ``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
 """
 
