@@ -22,9 +22,9 @@ def read(shard):
         yield 100_000 + number * 100 + r
 
 
-def stream(lengths, **options):
+def stream(lengths, first=0, **options):
     options.setdefault("cycle_length", 2)
-    return Shards([(i, n) for i, n in enumerate(lengths)], read, lengths=lengths, **options)
+    return Shards([(first + i, n) for i, n in enumerate(lengths)], read, lengths=lengths, **options)
 
 
 def test_proportions_are_per_shard_of_the_streams_mean_size():
@@ -88,3 +88,22 @@ def test_shard_size_and_its_errors():
         Mix([Mix([np.arange(5), np.arange(3)], [1, 1]), unsized], [1, 1], shard_size=2)
     with pytest.raises(ValueError, match="cache=... is not supported for a procpipe.Mix of indexed datasets and"):
         Loader(Mix([np.arange(5), stream([2])], [1, 1]), batch_size=2, workers=0, cache="memory")
+
+
+def test_even_ranks_cut_the_mixed_order():
+    """even_ranks=True with a mixture of streams (an indexed dataset among them): every rank reads
+    the same records per epoch, counted from the mixture's order (not the unmixed shard list)."""
+    world, epochs = 2, 2
+    per_rank = []
+    for rank in range(world):
+        mix = Mix([stream([3, 17, 5, 9, 2, 11]), stream([8, 1, 14, 6], 10), np.arange(500, 530)], [1, 1, 1])
+        with Loader(mix, batch_size=4, workers=0, shuffle=True, seed=1, epochs=epochs, with_epoch=True,
+                    shard=(rank, world), even_ranks=True) as loader:
+            got: dict[int, list[int]] = {}
+            for epoch, batch in loader:
+                got.setdefault(epoch, []).extend(int(x) for x in batch)
+        per_rank.append(got)
+    for epoch in range(epochs):
+        counts = [len(got[epoch]) for got in per_rank]
+        assert counts[0] == counts[1] > 0, counts
+        assert set(per_rank[0][epoch]).isdisjoint(per_rank[1][epoch])

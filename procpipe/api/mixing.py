@@ -108,9 +108,15 @@ class MixStreamPlan(StreamPlan):
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""
         order = self.mixing.mixed_order(epoch)
-        if self.shard is not None:
-            order = order[self.shard[0] :: self.shard[1]]
-        return order.tolist()
+        if self.shard is None:
+            return order.tolist()
+        mine = order[self.shard[0] :: self.shard[1]].tolist()
+        limits = self.limits(epoch)  # even_ranks: cut from the mixed order, as every rank's
+        return mine if limits is None else limits.order(mine)
+
+    def full_order(self, epoch: int) -> Any:
+        """The mixed order of ``epoch``'s shards, before sharding (what ``even_ranks`` counts)."""
+        return self.mixing.mixed_order(epoch, record=False)
 
     def __len__(self) -> int:
         """Batches of an epoch reading every shard (an upper bound with ``stop_on_empty`` or a
