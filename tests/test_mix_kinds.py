@@ -107,3 +107,16 @@ def test_even_ranks_cut_the_mixed_order():
         counts = [len(got[epoch]) for got in per_rank]
         assert counts[0] == counts[1] > 0, counts
         assert set(per_rank[0][epoch]).isdisjoint(per_rank[1][epoch])
+
+
+def failing(x):
+    if x == 3:
+        raise KeyError("no 3")
+    return x
+
+
+def test_an_error_names_the_slice_it_came_from():
+    with Loader(Mix([np.arange(6), stream([2])], [1, 1]), fn=failing, batch_size=2, workers=0) as loader, \
+            pytest.raises(KeyError) as raised:
+        list(loader)
+    assert any("slice 1 of the epoch order of the indexed ndarray" in note for note in raised.value.__notes__)

@@ -98,6 +98,16 @@ class EpochShards(Shards):
         finally:
             _reading.epoch = previous
 
+    def name(self, shard: int) -> str:
+        """Shard ``shard`` for a message: a slice is named with the dataset it is cut from."""
+        j, inner = self.shards[shard]
+        open_fns = getattr(self.open_fn, "open_fns", None)  # (OpenMixed: each leaf's open_fn)
+        leaf = open_fns[j] if isinstance(open_fns, list) else None
+        if isinstance(leaf, IndexSlices):
+            kind = type(leaf.dataset).__name__
+            return f"slice {inner} of the epoch order of the indexed {kind}: the mixture's source {j}, depth first"
+        return super().name(shard)
+
     def cache_length(self) -> int:
         raise _no_cache()
 
