@@ -26,7 +26,8 @@ sources. Memory: a few arrays of the epoch's length while it is planned, then it
 
 A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
 number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
-(``api/mixing.py`` builds the stream plan around it).
+(``api/mixing.py`` builds the stream plan around it); an indexed source beside streams counts
+as its number of slices (``plan/mix_kinds.py``).
 
 Weights may follow a schedule (a callable ``epoch -> weights``, or ``Mix.set_weights``);
 the weights used for each epoch are recorded here, saved in ``Loader.state_dict()``
@@ -71,8 +72,8 @@ class Mix:
 
     Args:
         sources: indexed datasets (``len`` + ``__getitem__``), or mixtures (nested: a ``Mix``
-            among the sources is read in its own mixed order); or, all of them, streams
-            (``procpipe.Shards``, or mixtures of them), whose **shards** are drawn by weight
+            among the sources is read in its own mixed order); or streams (``procpipe.Shards``,
+            or mixtures of them), whose **shards** are drawn by weight
             (``procpipe.api.mixing``), then read in the stream's interleave. Indexed datasets
             and streams together make a stream: each indexed dataset is read as shards of
             ``shard_size`` elements of its epoch order (``plan.mix_kinds``).
