@@ -353,15 +353,12 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
 def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool) -> bool:
     """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
     name the one that differs)."""
-    keys = (
-        "shuffle",
-        "seed",
-        "reshuffle",
-        *(("shards", "cycle_length", "block_length") if streaming else ("length", "batch_size", "drop_last")),
-    )
+    keys: list[str] = ["shuffle", "seed", "reshuffle"]
+    keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
     mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
     if getattr(sampler, "mixing", None) is not None:
-        keys, mine = (*keys, "mix"), {**mine, "mix": sampler.mixing.settings()["mix"]}
+        keys.append("mix")
+        mine = {**mine, "mix": sampler.mixing.settings()["mix"]}
     return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 
