@@ -125,7 +125,7 @@ def _no_cache() -> ValueError:
 
 
 def leaf_streams(mix: Mix, seed: int, shuffle: bool, reshuffle: bool) -> list[Shards]:
-    """``mix.leaves()`` as streams, depth first: a ``Shards`` as it is, an indexed dataset as the
+    """``Mix.leaves()`` as streams, depth first: a ``Shards`` as it is, an indexed dataset as the
     ``Shards`` of its slices (with the first stream's ``cycle_length`` and ``block_length``:
     they are read in one interleave)."""
     pairs: list[tuple[Any, int | None]] = []
