@@ -58,7 +58,7 @@ from ..core.wakeup import WakePipe
 from ..errors import TaskTimeoutError, WorkerError
 from ..worker import fork_safety
 from .autotune import Meter, Tuner, memory_room
-from .commands import CancelStream, CloseEngine, Command, StartStream, command_of
+from .commands import CancelStream, CloseEngine, Command, StartStream, checked
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
 from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
@@ -193,10 +193,10 @@ class Coordinator:
         return self._wakeup.starved
 
     # ---------------------------------------------------------------- consumer side
-    def submit(self, *command: Any) -> None:
-        """Queue a command (commands.py: ``StartStream(stream)``, or by name: ``"start", stream``)
-        for the coordinator thread and wake it."""
-        self._commands.append(command_of(*command))
+    def submit(self, command: Command) -> None:
+        """Queue a command (commands.py: ``StartStream``, ``CancelStream``, ``CloseEngine``) for
+        the coordinator thread and wake it; anything else is a ``TypeError``."""
+        self._commands.append(checked(command))
         self._wakeup.wake()
 
     def wake(self) -> None:
