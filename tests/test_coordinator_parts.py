@@ -26,7 +26,7 @@ from procpipe.engine.deaths import Next, settle
 from procpipe.engine.dispatch import Dispatcher, needs_copy
 from procpipe.engine.epochs import Job
 from procpipe.engine.pool import WorkerLink, WorkerPool
-from procpipe.engine.rings import RingSet
+from procpipe.core.rings import RingSet
 from procpipe.engine.roster import Roster, WorkerState, state_of
 
 

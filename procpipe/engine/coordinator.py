@@ -9,7 +9,7 @@ epoch passes through reassembly (reassembly.py) into the stream's queue the cons
 
 The coordinator is a loop of named steps over parts, each in its own module:
 
-- ``RingSet`` (rings.py): the ring generations and their slot free lists;
+- ``RingSet`` (core/rings.py): the ring generations and their slot free lists;
 - ``Roster`` (roster.py): the workers, their counters and states, who gets the next task;
 - ``Dispatcher`` (dispatch.py): the dispatch round, speculation, the task table;
 - ``settle`` (deaths.py): what a worker's death means (re-runs, timeouts, restart or fail);
@@ -52,6 +52,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.rings import RingSet
 from ..core.shm import Ring, SharedFiles
 from ..core.stats import WorkerCounters, worker_baseline
 from ..core.wakeup import WakePipe
@@ -65,7 +66,6 @@ from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
 from .epochs import Epoch, Stream
 from .faults import death_message, startup_message, timeout_message
 from .pool import Watchdog, WorkerLink, WorkerPool
-from .rings import RingSet
 from .roster import Roster
 
 __all__ = [
