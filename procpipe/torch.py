@@ -50,6 +50,7 @@ from .loader import Loader
 from .torch_iterable import RaisedInReplica, Replicas, ReplicaSpec, in_process, reraise, sharding_init
 from .torch_snapshots import ReplicaEnded
 from .torch_state import FacadeState, none_sample_error, on_moved, on_value
+from .worker.identity import worker_index
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
@@ -259,7 +260,7 @@ class _InProcess:
 
 
 def _pack_for_consumer(obj: Any) -> _Packed | _InProcess:
-    return _InProcess(obj) if _worker_index() is None else _pack(obj)
+    return _InProcess(obj) if worker_index() is None else _pack(obj)
 
 
 def _unpack(packed: _Packed | _InProcess) -> Any:
@@ -285,22 +286,6 @@ class _PackingCollate:
 # ---- the dataset, as the workers see it -----------------------------------------------
 # BULK: batch_size=None with a sampler yielding lists of indices: dataset[list] per item.
 DEFAULT, CUSTOM, UNBATCHED, BULK = "default", "custom", "unbatched", "bulk"
-
-
-_WORKER_NAME = "procpipe-worker-"  # the coordinator names its processes procpipe-worker-<index>
-
-
-def _worker_index() -> int | None:
-    """This process's worker index, or None outside a procpipe worker."""
-    import multiprocess
-
-    name = multiprocess.current_process().name
-    if not name.startswith(_WORKER_NAME):
-        return None
-    try:
-        return int(name[len(_WORKER_NAME) :])
-    except ValueError:
-        return 0
 
 
 class _TorchSource:
@@ -344,7 +329,7 @@ class _TorchSource:
 
     def _enter_process(self) -> None:
         self._pid = os.getpid()
-        worker_id = _worker_index()
+        worker_id = worker_index()
         self._in_worker = worker_id is not None
         if worker_id is None:
             return  # num_workers=0: like torch, the main process's generators are left alone
