@@ -22,13 +22,22 @@ import torch
 from .core.rng import mix_seed as _mix
 from .core.rng import reseed_current_sample
 from .torch_collate import InProcess, Packed, pack_for_consumer, sample_to_wire
-from .torch_state import none_sample_error
 from .worker.identity import worker_index
 
 __all__ = ["BULK", "CUSTOM", "DEFAULT", "UNBATCHED", "BulkFetch", "SamplerBatches", "TorchSource"]
 
 _MASK64 = (1 << 64) - 1
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
+
+
+def _none_sample_error(index: Any) -> TypeError:
+    """A map-style sample that is ``None`` under the default collate (the facade's message)."""
+    return TypeError(
+        f"the dataset's __getitem__ returned None for index {index}: a sample must be a value (a tensor, an "
+        "array, a number, a dict or tuple of them); did __getitem__ forget a `return`? (To batch None values "
+        "on purpose, pass a collate_fn that handles them.)"
+    )
+
 
 # ---- the dataset, as the workers see it -----------------------------------------------
 # BULK: batch_size=None with a sampler yielding lists of indices: dataset[list] per item.
@@ -105,7 +114,7 @@ class TorchSource:
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             if sample is None:
-                raise none_sample_error(index)
+                raise _none_sample_error(index)
             return sample_to_wire(sample)
         if self.mode == UNBATCHED:
             return pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))

@@ -489,7 +489,6 @@ OVER_MAX_LINES: dict[str, str] = {
     "shrinks it",
     # Over since `ruff format` wrapped their long lines (no code was added):
     "worker.cache": "the indexed cache's file layout and its checks: to split like worker/stream_cache.py",
-    "torch_state": "the facade's state: the map-style and iterable halves to split",
 }
 MAX_LINES = 500
 
