@@ -49,17 +49,16 @@ class RingSet:
         self.current = Ring(self.files, 0, slots, round_slot_bytes(slot_bytes))
         return self.current
 
-    def take(self, counters: EpochCounters | None = None) -> int | None:
+    def take(self, counters: EpochCounters) -> int | None:
         """A free slot of the current ring, or None: no ring yet, or every slot is in use.
-        ``counters`` (if any) records the peak number in use."""
+        ``counters`` records the peak number in use."""
         ring = self.current
         if ring is None or not ring.free:
             return None
         slot = ring.free.popleft()
-        if counters is not None:
-            in_use = ring.slots - len(ring.free)
-            if in_use > counters.peak_slots_in_use:
-                counters.peak_slots_in_use = in_use
+        in_use = ring.slots - len(ring.free)
+        if in_use > counters.peak_slots_in_use:
+            counters.peak_slots_in_use = in_use
         return slot
 
     def release(self, slot: int) -> None:

@@ -20,7 +20,7 @@ import ray
 
 from ..core.messages import BatchDone, Reply, SamplesSkipped, Task, WorkerFatal, WorkerLost
 from ..core.rings import RingSet
-from ..core.stats import WorkerCounters
+from ..core.stats import EpochCounters, WorkerCounters
 
 
 @dataclass(eq=False)
@@ -71,6 +71,7 @@ class Agent:
         # each lane's running batch, and the one Ray is still sending; no ring until a batch tells its size
         self.rings = RingSet(self.files)
         self.first_slots = 2 * workers + 2
+        self.ring_counters = EpochCounters()  # (what take and grow record: the trainer keeps the stats)
         self.ring_lock = threading.Lock()  # take and grow: from the lanes' calls, run concurrently
         self.closed = False
 
@@ -160,7 +161,7 @@ class Agent:
             rings = self.rings
             if rings.retired:
                 rings.remove_idle()
-            taken = rings.take()
+            taken = rings.take(self.ring_counters)
             slot = -1 if taken is None else taken
             had_ring = rings.current is not None
         ring = self.rings.ring_of(slot) if slot >= 0 else None
@@ -199,7 +200,7 @@ class Agent:
     def _grow(self, nbytes: int) -> None:
         """A batch came inline (no ring yet, or it outgrew its slot): a ring that holds it."""
         with self.ring_lock:  # (no room in this node's shm_dir: batches stay inline, as grow says)
-            self.rings.grow(nbytes, slots=self.first_slots)
+            self.rings.grow(nbytes, self.ring_counters, self.first_slots)
 
     def kill_lane(self, lane_index: int, generation: int) -> WorkerLost | None:
         """``task_timeout`` on the trainer: end this lane's process now. A call running on it
