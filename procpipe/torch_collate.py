@@ -164,6 +164,9 @@ def from_default(x: Any, in_sequence: bool = False) -> Any:
 
 # ---- custom collate_fn / unbatched: pickle the object, its arrays through the ring ----
 class Packed(NamedTuple):
+    """An object packed by ``pack``: its pickle without the arrays, and the arrays (the core
+    carries them in a ring slot, the skeleton as a small value)."""
+
     skeleton: bytes  # the object pickled with each tensor/array replaced by a reference
     arrays: list[Any]  # those arrays, in the ring
 
@@ -203,6 +206,8 @@ def _persistent_id(pickler: Any, obj: Any) -> Any:
 
 
 def pack(obj: Any) -> Packed:
+    """``obj`` pickled with each CPU tensor and numeric array replaced by a reference into
+    ``Packed.arrays`` (classes by reference; dill for lambdas and local classes)."""
     arrays: list[Any] = []
     buffer = io.BytesIO()
     try:
@@ -245,16 +250,19 @@ class InProcess:
 
 
 def pack_for_consumer(obj: Any) -> Packed | InProcess:
+    """``obj`` as it leaves for the consumer: packed in a worker, as is in the consumer's process."""
     return InProcess(obj) if worker_index() is None else pack(obj)
 
 
 def unpack(packed: Packed | InProcess) -> Any:
+    """The object back, its tensors and arrays views of the delivered arrays (no copy)."""
     if type(packed) is InProcess:
         return packed.value
     return _RefUnpickler(io.BytesIO(packed.skeleton), packed.arrays).load()
 
 
 def unpack_convert(packed: Packed) -> Any:
+    """``unpack``, then torch's ``default_convert`` (``batch_size=None`` without a ``collate_fn``)."""
     return _tud.default_convert(unpack(packed))
 
 
