@@ -365,16 +365,15 @@ def run_tf(name: str, opts: Options) -> WorkloadResult:
     import tf_recipes
 
     source, bs, unit, sample_bytes, description = tf_recipes.workload(name, opts.size(name))
-    n, warm, w = len(source), warmup_batches(opts.workers), opts.workers
-    engines: dict[str, Callable[[], Measurement]] = {
-        label: (lambda make=make: tf_recipes.consume(make, _consume, n, bs, warm))
-        for label, make in tf_recipes.engines(source, bs, w, PREFETCH).items()}
-    engines["procpipe"] = lambda: procpipe_engine(source, bs, w)
-    res = WorkloadResult(name, unit, n, description)
-    res.engines = alternate(engines, opts.reps, unit, sample_bytes, label=name)
+    n, warm, res = len(source), warmup_batches(opts.workers), WorkloadResult(name, unit, len(source), description)
+    tf_recipes.CPU_MS.clear()
+    with tf_recipes.engines(source, bs, opts.workers, PREFETCH) as passes:  # built once, outside the timing
+        res.engines = alternate({label: (lambda label=label, p=p: tf_recipes.consume(label, p, _consume, n, bs, warm))
+                                 for label, p in passes.items()}, opts.reps, unit, sample_bytes, label=name)
     for ref, need, note in tf_recipes.GOALS[name]:
         res.targets.append(Target(f"{name}: procpipe->tf vs {ref}", res.median("procpipe->tf"), res.median(ref), ref,
                                   unit, need, note=note))
+    res.targets += [Target(t, a, b, "procpipe", "ms", m, True, note) for t, a, b, m, note in tf_recipes.cpu_rows(name)]
     return res
 
 
