@@ -13,31 +13,11 @@ is per open shard (``cycle_length``), not per source.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..plan.mix import Mix, MixSampler
-from ..plan.sampler import Sampler
 from ..streaming import Shards, StreamPlan
-
-
-def sampler_for(source: Any) -> Callable[..., Any]:
-    """What plans the epochs of an indexed ``source``, called with ``Sampler``'s arguments:
-    ``Sampler``, or for a ``Mix`` a ``MixSampler`` over it."""
-    if isinstance(source, Mix):
-        return functools.partial(MixSampler, mix=source)
-    return Sampler
-
-
-def stream_plan_for(source: Any) -> Callable[..., StreamPlan] | None:
-    """What plans the epochs of a streaming ``source`` (``StreamPlan``, or for a ``Mix`` of
-    streams a ``MixStreamPlan``), called with ``StreamPlan``'s arguments; None for an indexed one."""
-    if isinstance(source, Shards):
-        return StreamPlan
-    if isinstance(source, Mix) and source.streaming:
-        return MixStreamPlan
-    return None
 
 
 class OpenMixed:
@@ -72,11 +52,7 @@ def combined_shards(mix: Mix) -> Shards:
             )
     tags = None
     if mix.with_source:
-        tags = [
-            k
-            for k, source in enumerate(mix.sources)
-            for _ in (source.leaves() if isinstance(source, Mix) else [source])
-        ]
+        tags = mix.leaf_owners()
     lengths = [stream.lengths for stream in streams]
     combined = Shards(
         [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],

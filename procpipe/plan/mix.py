@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from ..streaming.shards import Shards
+from .index import IndexPlan
 from .sampler import epoch_order
 
 _MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
@@ -181,6 +183,13 @@ class Mix:
             out.extend(source.leaves() if isinstance(source, Mix) else [source])
         return out
 
+    def leaf_owners(self) -> list[int]:
+        """For each of ``leaves()``, the index of the source of this mixture that holds it."""
+        owners: list[int] = []
+        for k, source in enumerate(self.sources):
+            owners.extend([k] * (len(source.leaves()) if isinstance(source, Mix) else 1))
+        return owners
+
     def structure(self) -> list[Any]:
         """What a saved state must match: each source's length, a nested mixture as its own list."""
         return [source.structure() if isinstance(source, Mix) else len(source) for source in self.sources]
@@ -255,6 +264,8 @@ class MixSampler:
     of each epoch planned are kept (``weights``), and a loaded state pins those of the
     epochs it names (``pin``).
     """
+
+    plan_class = IndexPlan  # each epoch: a fixed list of batches (plan/index.py)
 
     def __init__(
         self,
@@ -415,9 +426,9 @@ def check_sources(sources: Any) -> list[Any]:
 
 
 def is_stream(source: Any) -> bool:
-    """``source`` is a ``procpipe.Shards`` (known by its reading method: streaming is above this
-    layer) or a mixture of them."""
-    return (isinstance(source, Mix) and source.streaming) or callable(getattr(source, "produce_block", None))
+    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Mix's own check of its sources;
+    a Loader's source is resolved by api/kinds.py)."""
+    return (isinstance(source, Mix) and source.streaming) or isinstance(source, Shards)
 
 
 def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:
