@@ -26,6 +26,7 @@ or torchdata's nodes, the rest of the code holds a protocol.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..plan.base import BatchPlan
@@ -33,9 +34,12 @@ from ..plan.mix import Mix, MixSampler
 from ..plan.sampler import ExplicitBatches, Sampler
 from ..streaming import InlineStream, Shards, StreamPlan
 from ..worker.reader import IndexedReader, SourceReader
-from .iteration import LoaderIterator
+from .iteration import IterationContext, LoaderIterator
 from .iterators import InlineIterator
 from .mixing import MixStreamPlan
+
+#: A ``workers=0`` source node: built like the Loader's other iterators (context, then a position or None).
+InlineDriver = Callable[[IterationContext, "dict[str, Any] | None"], LoaderIterator]
 
 
 class SourceKind:
@@ -54,7 +58,7 @@ class SourceKind:
     #: how a message names this kind of source
     described = "an indexable source"
 
-    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, inline: type[LoaderIterator]) -> None:
+    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, inline: InlineDriver) -> None:
         self.plan = plan
         self.source = source
         self.reader = reader
@@ -109,21 +113,20 @@ def resolve_kind(
     ``validate``); raises ``TypeError``/``ValueError`` for a source no kind accepts, or an option
     its kind does not support. ``stream_options``: what only a stream's plan takes
     (``collate_fn``, ``on_error``, ``max_skipped``, ``speculate``, ``batch_fn``, ``cache``, ``even_ranks``)."""
-    if isinstance(source, Shards) or (isinstance(source, Mix) and source.streaming):
-        stream_plan = MixStreamPlan if isinstance(source, Mix) else StreamPlan
-        plan = stream_plan(
-            source,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            reshuffle=reshuffle,
-            shard=shard,
-            shuffle_buffer=shuffle_buffer,
-            batches=batches,
-            **stream_options,
-        )
-        return StreamKind(plan)
+    stream_options.update(
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        reshuffle=reshuffle,
+        shard=shard,
+        shuffle_buffer=shuffle_buffer,
+        batches=batches,
+    )
+    if isinstance(source, Shards):
+        return StreamKind(StreamPlan(source, **stream_options))
+    if isinstance(source, Mix) and source.streaming:
+        return StreamKind(MixStreamPlan(source, **stream_options))
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(
             f"source must support len() and indexing with an int (a list, a numpy array, a torch Dataset...); "

@@ -209,7 +209,8 @@ class BatchPlan(Protocol):
     that is not known in advance). ``plan_class``: the ``EpochPlan`` of its epochs (``IndexPlan``,
     or a stream's ``ShardPlan``), which the engine's ``Stream`` builds each epoch with."""
 
-    plan_class: Any
+    @property
+    def plan_class(self) -> Any: ...
 
     def __len__(self) -> int: ...
 
