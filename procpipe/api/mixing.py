@@ -1,5 +1,6 @@
-"""What the Loader builds for a ``procpipe.Mix``: a ``MixSampler`` (indexed sources), or for a
-mixture of streams a ``MixStreamPlan``, a ``StreamPlan`` over the shards of every source.
+"""What a ``procpipe.Mix`` of streams becomes: a ``MixStreamPlan``, a ``StreamPlan`` over the
+shards of every source (api/kinds.py picks it; a ``Mix`` of indexed sources is planned by
+plan/mix.py's ``MixSampler``).
 
 A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
 space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
