@@ -3,19 +3,15 @@
 ``Loader(source, ...)`` accepts four kinds of source, which differ in how an epoch is
 ordered, what a task is, how a position is counted and how the cache is laid out:
 
-=====================  ==========================  ===================  ======================
-source                 plan (order per epoch)      task (worker side)   ``workers=0`` driver
-=====================  ==========================  ===================  ======================
-indexed dataset        ``Sampler`` (or             list of indices      ``InlineIterator``
-(``len``, ``[i]``)     ``ExplicitBatches``)        (``IndexedReader``)
-``Mix`` of indexed     ``MixSampler``              list of indices      ``InlineIterator``
-``Shards``             ``StreamPlan``              ``Block`` of a shard ``InlineStream``
-(torch replicas too)                               (the ``Shards``)
-``Mix`` of streams     ``MixStreamPlan``           ``Block``            ``InlineStream``
-=====================  ==========================  ===================  ======================
+| source | plan (order per epoch) | task (the worker's reader) | ``workers=0`` driver |
+|---|---|---|---|
+| indexed (``len``, ``[i]``) | ``Sampler`` (``ExplicitBatches``) | indices (``IndexedReader``) | ``InlineIterator`` |
+| ``Mix`` of indexed datasets | ``MixSampler`` | indices (``IndexedReader``) | ``InlineIterator`` |
+| ``Shards`` (torch replicas too) | ``StreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
+| ``Mix`` of streams | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
 
 ``resolve_kind`` asks "which kind is this?" once, here, and returns a ``SourceKind`` that
-answers every later question: the plan (``plan.batches(epoch)``, ``len``; its
+answers every later question: the plan (its ``batches(epoch)``, ``len``; its
 ``plan_class`` is the per-epoch ``EpochPlan`` the engine builds), the source and the
 ``reader`` the workers get (worker/reader.py: the producer of a task and the cache's
 layout), the inline driver, and what a saved state must match (``settings``,
