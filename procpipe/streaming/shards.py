@@ -1,14 +1,17 @@
-"""The streaming source and reading it, in any process: ``Shards``, ``RecordKey``, ``Block``.
+"""The streaming source and reading it, in any process: ``Shards`` (its tasks, ``Block`` and
+``RecordKey``, are in blocks.py).
 
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
 ``StreamPlan`` (plan.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
-shipped to every worker. The coordinator sends each worker ``Block`` tasks (shard_plan.py);
+shipped to every worker and is the workers' reader (worker/reader.py: api/kinds.py puts it in
+``WorkerSpec.reader``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
 in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
 block to ``Shards.produce_block``, which reads its records from the shard's iterator
-(``_Reader``, kept open between blocks: shard affinity), runs ``fn`` and ``augment`` on
-each under its sample scope (seeded from its ``RecordKey``), and collates them into the
-task's ring slot. Turning blocks into batches is batching.py's, in the loader's process.
+(``_Reader``, kept open between blocks: shard affinity), runs each through the one per-sample
+pipeline (worker/stages.py: the cache or ``fn``, ``augment``, skip on error) under its sample
+scope (seeded from its ``RecordKey``), and collates them into the task's ring slot. Turning
+blocks into batches is batching.py's, in the loader's process.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""Producing one batch: the user's Python for each index, then collation.
+"""Producing one task: the user's Python for each sample, then collation.
 
-The one implementation of "load these indices into a batch", shared by the worker
-processes and by ``workers=0`` (the calling process), so both give identical results.
-What to do with a failing sample is the caller's: with ``spec.skip`` the sample is left
-out and reported in ``Produced.skipped``; otherwise its exception propagates, and
-``scope.index`` still names the failing index (it is ``None`` when collation or
-``batch_fn`` failed).
+``produce`` is what a worker (and ``workers=0``, the calling process) runs per task, so both
+give identical results; it hands the task to the source kind's reader (``spec.reader``,
+reader.py), resolved once by the Loader: ``produce_indices`` here for a list of indices, or
+``Shards.produce_block`` for a stream's block. Both run each sample through the one
+per-sample pipeline (stages.py ``run_sample``). What to do with a failing sample is the
+pipeline's: with ``spec.skip`` the sample is left out and reported in ``Produced.skipped``;
+otherwise its exception propagates, and ``scope.index`` still names the failing index (it is
+``None`` when collation or ``batch_fn`` failed).
 
 The stages, per sample then per batch::
 
