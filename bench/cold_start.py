@@ -22,13 +22,13 @@ torch's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
+
+from script_run import run_script
 
 SCRIPT = textwrap.dedent('''
     import json, sys, time
@@ -73,14 +73,7 @@ KINDS = ("torch", "procpipe", "facade", "procpipe-forkserver")
 
 
 def run_once(path: str, kind: str, workers: int) -> dict[str, float]:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, path, kind, str(workers)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tempfile.gettempdir())
-    if out.returncode != 0:
-        raise SystemExit(f"{kind} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_script(sys.executable, path, [kind, str(workers)], timeout=300, what=kind)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,10 @@ side by side mean anything):
   every shard against ``Mix`` of one ``Shards`` per source holding those shards (a mixture of
   streams mixes shards: the only difference is the order shards are opened in, and one call
   per shard opened).
+- **indexed beside streams**: the same per-batch figure for ``Mix([array, Shards])``, the
+  array (half the elements) read as slices of its epoch permutation (``shard_size``: the
+  streams' shard), against the one ``Shards`` of the streams' figure holding all of them:
+  what reading an indexed dataset as slices costs over streaming the same elements.
 - **epoch planning**: the seconds to compute one epoch's order in the calling process (what
   ``iter(loader)`` does before the first batch is dispatched): ``Sampler.batches`` of a
   plain shuffled source against ``MixSampler.batches``, for ``--sources`` sources and the
@@ -61,6 +65,17 @@ def stream_sources(sources: int, elements: int) -> tuple[object, object]:
     return plain, mix
 
 
+def kinds_sources(sources: int, elements: int) -> object:
+    """``Mix([array, Shards])``: the first half of ``stream_sources``' elements as an array, the
+    rest as its shards (the same shard size for both)."""
+    per_shard = elements // (sources * 8)
+    shards = [(k * elements + i * per_shard, per_shard) for k in range(sources) for i in range(8)]
+    half = len(shards) // 2
+    array = np.concatenate([np.arange(first, first + n) for first, n in shards[:half]])
+    stream = procpipe.Shards(shards[half:], read_ints, cycle_length=4, lengths=[n for _, n in shards[half:]])
+    return procpipe.Mix([array, stream], [1, 1])
+
+
 def planning(sampler: object, reps: int) -> float:
     """Median seconds of ``sampler.batches(epoch)`` over ``reps`` epochs."""
     times = []
@@ -102,6 +117,18 @@ def main() -> None:
             runs[name].append(per_batch(plain_stream if name == "plain" else mix_stream))
     a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
     print(f"streams, per batch ({args.sources} sources of 8 shards)")
+    print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
+          f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
+          f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")
+
+    mix_kinds = kinds_sources(args.sources, len(plain))
+    runs = {"plain": [], "mix": []}
+    for rep in range(args.reps):
+        order = ("plain", "mix") if rep % 2 == 0 else ("mix", "plain")
+        for name in order:
+            runs[name].append(per_batch(plain_stream if name == "plain" else mix_kinds))
+    a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
+    print(f"indexed beside streams, per batch (half the elements an array read as slices, against one Shards)")
     print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
           f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
           f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")

@@ -28,13 +28,14 @@ for the tf case), with the goal.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+
+from script_run import run_script
 
 SCRIPT = textwrap.dedent('''
     import json, sys, threading, time, warnings
@@ -121,14 +122,7 @@ def has_tensorflow(python: str) -> bool:
 
 
 def run_once(python: str, path: str, case: str, kind: str, workers: int) -> dict:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([python, path, case, kind, str(workers)], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=tempfile.gettempdir())
-    if out.returncode != 0:
-        raise SystemExit(f"{case}/{kind} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_script(python, path, [case, kind, str(workers)], timeout=600, what=f"{case}/{kind}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,18 +39,9 @@ import torch
 from .torch_iterable import BatchFetcher
 from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
 
-__all__ = ["FacadeState", "InProcessReplica", "none_sample_error", "on_moved", "on_value"]
+__all__ = ["FacadeState", "InProcessReplica", "on_moved", "on_value"]
 
 VERSION = 1
-
-
-def none_sample_error(index: Any) -> TypeError:
-    """A map-style sample that is ``None`` under the default collate (the facade's message)."""
-    return TypeError(
-        f"the dataset's __getitem__ returned None for index {index}: a sample must be a value (a tensor, an "
-        "array, a number, a dict or tuple of them); did __getitem__ forget a `return`? (To batch None values "
-        "on purpose, pass a collate_fn that handles them.)"
-    )
 
 
 def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:

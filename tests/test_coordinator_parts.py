@@ -21,12 +21,12 @@ from procpipe.core.messages import Task
 from procpipe.core.shm import SharedFiles
 from procpipe.core.stats import EpochCounters, WorkerCounters
 from procpipe.core.wakeup import WakePipe
-from procpipe.engine.commands import CancelStream, CloseEngine, StartStream, command_of
+from procpipe.engine.commands import CancelStream, CloseEngine, StartStream, checked
 from procpipe.engine.deaths import Next, settle
 from procpipe.engine.dispatch import Dispatcher, needs_copy
 from procpipe.engine.epochs import Job
 from procpipe.engine.pool import WorkerLink, WorkerPool
-from procpipe.engine.rings import RingSet
+from procpipe.core.rings import RingSet
 from procpipe.engine.roster import Roster, WorkerState, state_of
 
 
@@ -137,15 +137,13 @@ def test_wake_pipe_wakes_select_once_starved_and_ignores_a_wake_after_close():
     assert wakeup.fileno() == -1
 
 
-def test_commands_are_typed_and_the_names_still_work():
-    stream = object()
-    assert command_of("start", stream).stream is stream  # type: ignore[union-attr]
-    assert command_of("cancel", 3).gen == 3  # type: ignore[union-attr]
-    assert isinstance(command_of("close"), CloseEngine)
-    typed = StartStream(stream)  # type: ignore[arg-type]
-    assert command_of(typed) is typed and isinstance(command_of(CancelStream(1)), CancelStream)
-    with pytest.raises(ValueError, match=r"unknown coordinator command.*StartStream"):
-        command_of("stat")
+def test_commands_are_typed_and_a_name_is_refused():
+    typed = StartStream(object())  # type: ignore[arg-type]
+    assert checked(typed) is typed and isinstance(checked(CancelStream(1)), CancelStream)
+    assert isinstance(checked(CloseEngine()), CloseEngine)
+    for wrong in ("close", ("cancel", 3), None):
+        with pytest.raises(TypeError, match=r"StartStream, CancelStream or CloseEngine.*not "):
+            checked(wrong)
 
 
 # --------------------------------------------------------------------------- roster
@@ -397,3 +395,21 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
     assert pool.stopped == [pool.links[2], pool.links[1]]  # the replacement took the dead one's place
     assert coordinator.worker_counters[0].restarts == 1
     assert all(link.exit_r == -1 for link in pool.links)
+
+
+def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
+    from procpipe.engine.coordinator import Coordinator, EngineConfig
+
+    config = EngineConfig(workers=1, ordered=True, prefetch=1, slot_bytes=None, max_worker_restarts=0,
+                          worker_env={}, start_method="fork")
+    coordinator = Coordinator(config, PipePool(expect=1), SharedFiles(str(tmp_path)))
+    try:
+        with pytest.raises(TypeError, match=r"a StartStream, CancelStream or CloseEngine"):
+            coordinator.submit("close")  # type: ignore[arg-type]  # (the older spelling, accepted until now)
+        with pytest.raises(TypeError):
+            coordinator.submit("cancel", 0)  # type: ignore[call-arg]
+        assert coordinator.is_alive()  # neither was queued
+        coordinator.submit(CancelStream(0))  # (no stream of generation 0: nothing to cancel)
+    finally:
+        coordinator.close()
+    assert not coordinator.is_alive()

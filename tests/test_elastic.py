@@ -242,14 +242,6 @@ def test_combine_states_bad_input():
         stream_state = loader.state_dict()
     with pytest.raises(ValueError, match="mix an indexable source and a streaming source"):
         combine_states([states[0], stream_state, states[2]])
-    from procpipe import Mix
-
-    mixed = []
-    for rank in range(2):
-        with Loader(Mix([np.arange(5), np.arange(7)], [1, 1]), batch_size=2, workers=0, shard=(rank, 2)) as loader:
-            mixed.append(loader.state_dict())
-    with pytest.raises(ValueError, match="procpipe.Mix cannot be combined yet"):
-        combine_states(mixed)
     with Loader(np.arange(N), batch_size=4, workers=0, batches=lambda e: [[0, 1]]) as explicit, \
             pytest.raises(ValueError, match="batches=..."):
         explicit.load_state_dict(combine_states(states))

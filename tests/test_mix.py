@@ -234,8 +234,8 @@ def test_mix_arguments_are_checked():
         Mix([A, B], [1, float("nan")])
     with pytest.raises(TypeError, match="sources\\[1\\]"):
         Mix([A, iter([1, 2])], [1, 1])
-    with pytest.raises(TypeError, match="Shards"):
-        Mix([A, Shards([1], lambda shard: [shard])], [1, 1])
+    with pytest.raises(ValueError, match=r"no Shards\(lengths=...\): pass Mix\(..., shard_size=N\)"):
+        Mix([A, Shards([1], lambda shard: [shard])], [1, 1])  # (beside streams: tests/test_mix_kinds.py)
     with pytest.raises(ValueError, match="empty"):
         Mix([], [])
     with pytest.raises(TypeError, match="stop_on_empty"):

@@ -1,5 +1,5 @@
 """One resume test for every source kind (torchdata's ``run_test_save_load_state`` idea):
-{indexed, shards, mix, mixed shards} x {workers 0, 2} x {ordered, sloppy} x {epochs 1, N}. Iterate ``k`` batches,
+{indexed, shards, mix, mixed shards, indexed + shards mixed} x {workers 0, 2} x {ordered, sloppy} x {epochs 1, N}. Iterate ``k`` batches,
 ``state_dict()`` (through JSON), load it into a NEW loader and finish: every item is delivered
 exactly once per epoch, and with ``ordered=True`` the batches are those of an uninterrupted run."""
 from __future__ import annotations
@@ -24,6 +24,8 @@ def open_shard(shard):
 
 
 def items_of_epoch(kind):
+    if kind == "mixkinds":
+        return sorted([*MIXED[0], *(s * 100 + i for s, n in SHARDS[2:] for i in range(n))])
     if kind == "mixshards":
         kind = "shards"
     if kind == "mix":
@@ -37,6 +39,9 @@ def make(kind, workers, ordered, epochs):
     elif kind == "mixshards":  # a mixture of two streams, with a schedule: shards opened in a mixed order
         source = Mix([Shards(SHARDS[:2], open_shard, cycle_length=2, block_length=3),
                       Shards(SHARDS[2:], open_shard, cycle_length=2, block_length=3)], lambda epoch: [1 + epoch, 2])
+    elif kind == "mixkinds":  # an indexed source beside a stream: read as slices of its epoch order
+        source = Mix([MIXED[0], Shards(SHARDS[2:], open_shard, cycle_length=2, block_length=3)],
+                     lambda epoch: [1 + epoch, 2], shard_size=5)
     else:
         source = INDEXED if kind == "indexed" else Shards(SHARDS, open_shard, cycle_length=2, block_length=3)
     return Loader(source, batch_size=4, workers=workers, ordered=ordered, epochs=epochs, shuffle=True, seed=11,
@@ -51,7 +56,7 @@ def tagged(pair):
 @pytest.mark.parametrize("epochs", [1, EPOCHS])
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "sloppy"])
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["indexed", "shards", "mix", "mixshards"])
+@pytest.mark.parametrize("kind", ["indexed", "shards", "mix", "mixshards", "mixkinds"])
 def test_save_load_state(kind, workers, ordered, epochs):
     with make(kind, workers, ordered, epochs) as loader:
         full = [tagged(p) for p in loader]

@@ -1,13 +1,14 @@
-"""``core.ring_generations.RingGenerations``: the ring generations the Ray agent keeps
-(and, in the same shape, the coordinator), without a loader around them."""
+"""``core.rings.RingSet``: the ring generations the coordinator and a Ray agent both keep,
+without a loader around them (an agent's rings: no ring until a batch's size is known)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from procpipe.core.ring_generations import RingGenerations
+from procpipe.core.rings import RingSet
 from procpipe.core.shm import PAGE, SharedFiles
+from procpipe.core.stats import EpochCounters
 
 
 @pytest.fixture
@@ -18,29 +19,34 @@ def files():
 
 
 def test_no_ring_until_the_first_grow_then_its_slots_are_handed_out_and_taken_back(files):
-    rings = RingGenerations(files, slots=2)
-    assert rings.take() == -1 and rings.current is None  # no size known yet: batches go inline
-    first = rings.grow(3 * PAGE)
+    rings, counters = RingSet(files), EpochCounters()
+    assert rings.take(counters) is None and rings.current is None  # no size known yet: batches go inline
+    assert rings.grow(3 * PAGE) is None and rings.current is None  # (the coordinator's: make() makes the first)
+    assert rings.grow(3 * PAGE, slots=2) is None
+    first = rings.current
     assert first.slots == 2 and first.slot_bytes >= 3 * PAGE + 3 * PAGE // 4  # with a quarter's margin
-    taken = [rings.take(), rings.take(), rings.take()]
-    assert taken == [0, 1, -1]  # two slots, then none free
+    taken = [rings.take(counters), rings.take(counters), rings.take(counters)]
+    assert taken == [0, 1, None]  # two slots, then none free
     rings.release(1)
-    rings.release(-1)  # (nothing taken: nothing given back)
-    assert rings.take() == 1
+    rings.release_unused(-1)  # (nothing taken: nothing given back)
+    assert rings.take(counters) == 1 and counters.peak_slots_in_use == 2
     rings.close()
 
 
 def test_a_retired_ring_takes_its_slots_back_and_goes_once_they_are_all_back(files):
-    rings = RingGenerations(files, slots=2)
-    old = rings.grow(PAGE)
-    held = rings.take()
-    new = rings.grow(8 * PAGE)
+    rings, counters = RingSet(files), EpochCounters()
+    rings.grow(PAGE, slots=2)
+    old = rings.current
+    held = rings.take(counters)
+    rings.grow(8 * PAGE, counters, slots=5)  # (slots: the first generation's only; later ones keep its count)
+    assert counters.ring_growths == 1
+    new = rings.current
     assert (new.ring_id, new.first_slot, new.slots) == (1, 2, 2)  # slot numbers unique across generations
     assert old.retired and rings.retired == [old] and os.path.exists(old.path)
     assert rings.ring_of(held) is old and rings.ring_of(new.first_slot) is new
-    assert rings.take() == new.first_slot  # new slots come from the current ring only
-    rings.release(held)  # back to the retired ring (any thread): its file goes at the next take or grow
-    rings.take()
+    assert rings.take(counters) == new.first_slot  # new slots come from the current ring only
+    rings.release(held)  # back to the retired ring (any thread): its file goes once the owner removes idle ones
+    rings.remove_idle()
     assert rings.retired == [] and not os.path.exists(old.path)
     rings.close()
     assert new.closed

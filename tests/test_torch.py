@@ -299,6 +299,36 @@ def test_worker_init_fn_worker_info_and_persistence():
     assert [int(i) for b in second for i in b["index"]] == list(range(16))
 
 
+class RenamedWhoAmI(WhoAmI):
+    """Renames its worker's process as it is unpickled there (before any sample is loaded)."""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        multiprocess.current_process().name = "data-reader"
+
+
+def test_worker_info_comes_from_procpipe_not_from_the_process_name():
+    # A worker whose process was renamed (here by the dataset, as it is unpickled in a
+    # forkserver-started worker) still knows its index...
+    loader = DataLoader(RenamedWhoAmI(8), batch_size=2, num_workers=2, multiprocessing_context="forkserver",
+                        worker_init_fn=mark_worker)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    rows = {(int(p), int(w), int(m)) for b in batches for p, w, m in zip(b["pid"], b["worker"], b["init"])}
+    assert {w for _, w, _ in rows} <= {0, 1} and all(m == 100 + w for _, w, m in rows)
+    assert len({p for p, _, _ in rows}) == len(rows), "one worker index per process"
+    # ...and a process that is no procpipe worker is none, whatever its name.
+    me = multiprocess.current_process()
+    name, me.name = me.name, "procpipe-worker-3"
+    try:
+        batch = next(iter(DataLoader(WhoAmI(4), batch_size=2, num_workers=0)))
+    finally:
+        me.name = name
+    assert batch["worker"].tolist() == [-1, -1]  # get_worker_info() is None, as torch's without workers
+
+
 def test_non_persistent_workers_restart_and_see_dataset_changes():
     ds = WhoAmI(8)
     loader = DataLoader(ds, batch_size=4, num_workers=1)

@@ -22,25 +22,44 @@ uninterrupted run with the new world size.
   is first turned into those), so the ranks' progresses are simply merged. A loader that
   loads the result keeps the part about the shards of its own order for that epoch: each
   shard belongs to exactly one new rank, which skips what was received.
+- **Mixtures** (``procpipe.Mix``): as above, but an epoch's order is the mixture's, which
+  the states cannot rebuild (``elastic_mix.py``): the combined state keeps the ranks' positions
+  (indexed) or their raw stream progress (``"ranks"``), with the weights of the epoch, and the
+  loader that loads it draws the order again with them before turning those into indices or
+  shard progress.
 
 Limits, said in errors: every rank of the old run must be given once, all at the same epoch
 (a rank already at the next one, with nothing of it returned, counts as done); no ``ahead``
-(``ordered=False`` across an epoch boundary); not with ``batches=``, ``even_ranks=True`` or a ``Mix``.
+(``ordered=False`` across an epoch boundary); not with ``batches=`` or ``even_ranks=True``.
 ``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 
-from ..plan.sampler import Sampler, epoch_order
+from ..plan.sampler import epoch_order
 from ..streaming.order import StreamProgress
+from . import elastic_mix
 
 # Keys of a saved state that say where it stands, not which loader saved it.
-_POSITION_KEYS = ("version", "epoch", "done_below", "done", "ahead", "until", "stream", "combined", "shard")
+# (A Mix's ``mix_weights`` name epochs too: merged apart, elastic_mix.merged_weights.)
+_POSITION_KEYS = (
+    "version",
+    "epoch",
+    "done_below",
+    "done",
+    "ahead",
+    "until",
+    "stream",
+    "combined",
+    "shard",
+    "mix_weights",
+)
 
 __all__ = ["combine_states", "forget", "saved_base", "state_for"]
 
@@ -80,9 +99,16 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "shard": None,
         "ahead": [],
     }
+    if "mix" in first:
+        out.update(elastic_mix.merged_weights(states, epoch))
     if streaming:
-        out["stream"] = _combined_stream(states, epoch, settings)
-        out["combined"] = {"world_size": len(states)}
+        entries = _stream_entries(states, epoch)
+        if "mix" in first:  # (each rank's shards come from the mixture's order: merged by the loader that loads it)
+            out["stream"] = None
+            out["combined"] = {"world_size": len(states), "ranks": entries}
+        else:
+            out["stream"] = _merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
+            out["combined"] = {"world_size": len(states)}
     else:
         out.update(done_below=0, done=[])
         base = next((state["combined"] for state in states if state["epoch"] == epoch and "combined" in state), None)
@@ -111,17 +137,17 @@ def _checked(states: Any) -> list[dict[str, Any]]:
                 "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
                 "states with ordered=True, or between epochs"
             )
-        if "mix" in state:
-            raise ValueError(
-                "procpipe.combine_states: states of a loader over a procpipe.Mix cannot be combined yet "
-                "(the mixture's order is drawn from its sources, which the states do not hold)"
-            )
         if state.get("even_ranks"):
             raise ValueError(
                 "procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
                 "(the records each rank left out depend on the world size)"
             )
-        if state.get("shard") is None and "combined" in state and "stream" not in state:
+        combined = state.get("combined")
+        if (
+            state.get("shard") is None
+            and isinstance(combined, dict)
+            and ("stream" not in state or "ranks" in combined)  # (a plain stream's is a progress like any)
+        ):
             raise ValueError(
                 f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
                 "any rank; load it into the new ranks' loaders (or use it as it is)"
@@ -176,8 +202,9 @@ def _full_order(settings: dict[str, Any], epoch: int) -> np.ndarray:
     )
 
 
-def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -> np.ndarray:
-    """A mask over the source's indices: those some old rank of ``combined`` returned in ``epoch``."""
+def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, Any]) -> np.ndarray:
+    """A mask over the source's indices: those some old rank of ``combined`` returned in the
+    epoch whose order (unsharded) is ``full``."""
     length, step = settings["length"], settings["batch_size"] or 1
     mask = np.zeros(length, dtype=bool)
     padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
@@ -187,21 +214,13 @@ def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -
         inner = entry.get("combined")
         if inner is not None:
             if id(inner) not in remaining:
-                before = _delivered(settings, epoch, inner)
+                before = _delivered(settings, full, inner)
                 mask |= before
-                remaining[id(inner)] = _remaining(settings, epoch, before)
+                remaining[id(inner)] = _remaining(full, before)
             order = remaining[id(inner)][rank::world]
         else:
-            if padded is None:
-                count = Sampler(
-                    length,
-                    settings["batch_size"],
-                    settings["shuffle"],
-                    settings["seed"],
-                    settings["drop_last"],
-                    (rank, world),
-                ).count
-                padded = np.resize(_full_order(settings, epoch), count * world)
+            if padded is None:  # (Sampler's and MixSampler's padding: to a multiple of world)
+                padded = np.resize(full, -(-len(full) // world) * world)
             order = padded[rank::world]
         below = entry["done_below"]
         if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
@@ -212,40 +231,52 @@ def _delivered(settings: dict[str, Any], epoch: int, combined: dict[str, Any]) -
     return mask
 
 
-def _remaining(settings: dict[str, Any], epoch: int, delivered: np.ndarray) -> np.ndarray:
-    """The epoch's order (unsharded) less the indices ``delivered``."""
-    order = _full_order(settings, epoch)
-    return order[~delivered[order]]
+def _remaining(full: np.ndarray, delivered: np.ndarray) -> np.ndarray:
+    """The epoch's order ``full`` (unsharded) less the indices ``delivered``."""
+    return full[~delivered[full]]
 
 
 # ---------------------------------------------------------------------- Shards
-def _combined_stream(states: list[dict[str, Any]], epoch: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's progress in ``epoch`` in shard terms (no cursor), merged."""
-    complete: set[int] = set()
-    received: list[list[int]] = []
+def _stream_entries(states: list[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
+    """Each old rank's part of ``epoch``: its shard, whether it was past the epoch (every shard of
+    its order read), and its stream progress (None: nothing returned)."""
+    entries = []
     for state in states:
         rank, world = state["shard"] if state.get("shard") is not None else (0, 1)
-        order = epoch_order(
-            settings["shards"],
-            epoch,
-            settings["shuffle"],
-            settings["seed"],
-            settings.get("reshuffle", True),
-            (rank, world),
-        ).tolist()
-        if state["epoch"] != epoch:
-            if state["epoch"] == epoch + 1 and state.get("stream") is None:
-                complete.update(order)  # past the epoch: every shard of it read
-                continue
+        past = state["epoch"] != epoch
+        if past and not (state["epoch"] == epoch + 1 and state.get("stream") is None):
             raise ValueError(
                 f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
                 f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
                 "epoch"
             )
-        if state.get("stream") is None:
+        entries.append({"shard": [rank, world], "past": past, "stream": None if past else state.get("stream")})
+    return entries
+
+
+def _shard_order(settings: dict[str, Any], epoch: int, rank: int, world: int) -> list[int]:
+    """A ``Shards`` source's shards of ``epoch`` for rank ``rank`` of ``world`` (``StreamPlan.batches``)."""
+    return epoch_order(
+        settings["shards"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), (rank, world)
+    ).tolist()
+
+
+def _merged_progress(
+    entries: list[dict[str, Any]], order_of: Callable[[int, int], list[int]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Every rank's progress (``_stream_entries``) in shard terms (no cursor), merged;
+    ``order_of(rank, world)``: the shards of that rank's order in the epoch."""
+    complete: set[int] = set()
+    received: list[list[int]] = []
+    for entry in entries:
+        order = order_of(*entry["shard"])
+        if entry["past"]:
+            complete.update(order)  # past the epoch: every shard of it read
+            continue
+        if entry["stream"] is None:
             continue
         progress = StreamProgress(
-            order, settings["cycle_length"], settings["block_length"], False, state["stream"]
+            order, settings["cycle_length"], settings["block_length"], False, entry["stream"]
         ).state()  # (a cursor unfolded into complete / received)
         complete.update(progress["complete"])
         received.extend(progress["received"])
@@ -262,10 +293,12 @@ def _combined_stream(states: list[dict[str, Any]], epoch: int, settings: dict[st
 
 
 # ---------------------------------------------------------------------- loading and saving
-def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str, Any]:
+def state_for(state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any = None) -> dict[str, Any]:
     """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
     progress about the shards of this rank's order; for an indexed one, the resumed epoch's
-    order installed in the sampler (``Sampler.resumed``). The result is checked as usual."""
+    order installed in the sampler (``Sampler.resumed``). The result is checked as usual.
+    ``streaming`` and ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) are the loader's
+    source kind's (api/kinds.py)."""
     mine = getattr(sampler, "shard", None)
     saved = state.get("shard")
     if saved is not None and (mine is None or list(mine) != list(saved)):
@@ -277,10 +310,21 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
     epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
     out = {key: value for key, value in state.items() if key != "combined"}
     out["shard"] = None if mine is None else list(mine)
+    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
+    if mixing is not None and not _same_settings(settings, sampler, streaming, mixing):
+        return out  # (the usual checks name the setting that differs)
+    rank, world = mine if mine is not None else (0, 1)
     if streaming:
         progress = state.get("stream")
-        if progress is not None and isinstance(progress, dict):
+        combined = state["combined"]
+        if mixing is not None:  # the epoch's shards in the mixture's order, with the weights saved for it
+            full = elastic_mix.saved_order(mixing, state, epoch).tolist()
+            order = set(full[rank::world])
+            if isinstance(combined, dict) and "ranks" in combined:
+                progress = out["stream"] = _merged_progress(combined["ranks"], lambda r, w: full[r::w], settings)
+        else:
             order = set(sampler.batches(epoch))
+        if progress is not None and isinstance(progress, dict):
             out["stream"] = {
                 "cursor": None,
                 "complete": [s for s in progress.get("complete", []) if s in order],
@@ -297,16 +341,26 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
             "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
             "own sampler; this loader's come from batches=..., which cannot be split anew"
         )
-    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-    for key in ("length", "batch_size", "shuffle", "seed", "drop_last", "reshuffle"):
-        if settings.get(key, True if key == "reshuffle" else None) != getattr(sampler, key):
-            return out  # (the usual checks name the setting that differs)
-    rank, world = mine if mine is not None else (0, 1)
+    if mixing is None and not _same_settings(settings, sampler, streaming, mixing):
+        return out
     combined = state["combined"]
-    rank_order = _remaining(settings, epoch, _delivered(settings, epoch, combined))[rank::world]
+    full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
+    rank_order = _remaining(full, _delivered(settings, full, combined))[rank::world]
     sampler.resumed.clear()
     sampler.resumed[epoch] = (rank_order, combined)
     return out
+
+
+def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixing: Any) -> bool:
+    """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
+    name the one that differs)."""
+    keys: list[str] = ["shuffle", "seed", "reshuffle"]
+    keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
+    mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
+    if mixing is not None:
+        keys.append("mix")
+        mine = {**mine, "mix": mixing.settings()["mix"]}
+    return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 
 def forget(sampler: Any) -> None:

@@ -31,6 +31,7 @@ from ..core.reassembly import Progress, ResumePoint
 from ..core.rng import SampleScope
 from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters, array_bytes
+from ..engine.commands import CancelStream, StartStream
 from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
 from ..errors import summarize_indices
 from ..worker.produce import produce
@@ -84,12 +85,12 @@ class EpochIterator(LoaderIterator):
         self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
         self._standing.counters = self._epoch.counters
         self._set_epoch(number + 1)
-        self._coordinator.submit("start", self._stream)
+        self._coordinator.submit(StartStream(self._stream))
 
     def _halt(self) -> None:
         if not self._done:
             self._done = True
-            self._coordinator.submit("cancel", self._stream.gen)
+            self._coordinator.submit(CancelStream(self._stream.gen))
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -197,13 +198,13 @@ class EpochIterator(LoaderIterator):
         if not self._done:
             self._cancelled = why  # before _done: a next() in another thread that sees _done sees why
             self._done = True
-            self._coordinator.submit("cancel", self._stream.gen)
+            self._coordinator.submit(CancelStream(self._stream.gen))
             self._stream.out.put(EndOfStream)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
             try:
-                self._coordinator.submit("cancel", self._stream.gen)
+                self._coordinator.submit(CancelStream(self._stream.gen))
             except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..plan.mix import Mix, MixSampler
 from ..streaming import Shards, StreamPlan
+from .mix_virtual import EpochShards, IndexSlices, leaf_streams
 
 
 class OpenMixed:
@@ -41,9 +42,12 @@ def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         yield k, record
 
 
-def combined_shards(mix: Mix) -> Shards:
-    """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order."""
-    streams = mix.leaves()
+def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: bool = True) -> Shards:
+    """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order
+    (an indexed source among them: the slices of its epoch order, ``api/mix_virtual.py``, read
+    with the loader's ``seed``, ``shuffle`` and ``reshuffle``)."""
+    streams = leaf_streams(mix, seed, shuffle, reshuffle)
+    sliced = any(isinstance(stream.open_fn, IndexSlices) for stream in streams)
     for name in ("cycle_length", "block_length"):
         values = {getattr(stream, name) for stream in streams}
         if len(values) > 1:
@@ -55,12 +59,12 @@ def combined_shards(mix: Mix) -> Shards:
     if mix.with_source:
         tags = mix.leaf_owners()
     lengths = [stream.lengths for stream in streams]
-    combined = Shards(
+    combined = (EpochShards if sliced else Shards)(
         [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
         OpenMixed([stream.open_fn for stream in streams], tags),
         cycle_length=streams[0].cycle_length,
         block_length=streams[0].block_length,
-        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part],
+        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part or ()],
     )
     combined.replayable = all(stream.replayable for stream in streams)
     return combined
@@ -72,16 +76,24 @@ class MixStreamPlan(StreamPlan):
     as for any stream. ``mixing`` keeps each epoch's weights (saved in, and pinned by, states)."""
 
     def __init__(self, mix: Mix, **options: Any) -> None:
-        super().__init__(combined_shards(mix), **options)
+        seed, shuffle, reshuffle = int(options["seed"]), bool(options["shuffle"]), bool(options.get("reshuffle", True))
+        shards = combined_shards(mix, seed, shuffle, reshuffle)
+        super().__init__(shards, **options)
         shard = None if self.shard is None else (self.shard[0], self.shard[1])
         self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""
         order = self.mixing.mixed_order(epoch)
-        if self.shard is not None:
-            order = order[self.shard[0] :: self.shard[1]]
-        return order.tolist()
+        if self.shard is None:
+            return order.tolist()
+        mine = order[self.shard[0] :: self.shard[1]].tolist()
+        limits = self.limits(epoch)  # even_ranks: cut from the mixed order, as every rank's
+        return mine if limits is None else limits.order(mine)
+
+    def full_order(self, epoch: int) -> Any:
+        """The mixed order of ``epoch``'s shards, before sharding (what ``even_ranks`` counts)."""
+        return self.mixing.mixed_order(epoch, record=False)
 
     def __len__(self) -> int:
         """Batches of an epoch reading every shard (an upper bound with ``stop_on_empty`` or a

@@ -50,7 +50,7 @@ def load_state(state: Any, kind: SourceKind) -> Resume:
             f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)"
         )
     if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
-        state = elastic.state_for(state, sampler, streaming)
+        state = elastic.state_for(state, sampler, streaming, mixing)
     else:
         elastic.forget(sampler)
     settings = kind.settings()

@@ -308,13 +308,14 @@ class BatchScope:
     streaming source the ``(shard, record)`` key of its first record.
     """
 
-    __slots__ = ("epoch", "first", "rng", "seed")
+    __slots__ = ("epoch", "first", "key", "rng", "seed")
 
-    def __init__(self, seed: int, epoch: int, first: int | tuple[int, int]) -> None:
+    def __init__(self, seed: int, epoch: int, first: int | tuple[int, int], key: int | None = None) -> None:
         self.seed = seed
         self.epoch = epoch
         self.first = first
-        self.rng: np.random.Generator | None = None
+        self.key = _BATCH_KEY if key is None else key  # batch_fn's stream, or device_fn's
+        self.rng: np.random.Generator | None = None  # made on the first batch_rng() call only
 
 
 class no_sample_rng:
@@ -353,9 +354,7 @@ def device_scope(seed: int, epoch: int, seq: int) -> no_sample_rng:
     """The context ``device_fn`` runs in: ``batch_rng()`` is the generator of ``(seed, epoch,
     seq)`` (``seq``: the batch's position in the epoch's order, the same whatever the
     workers or the delivery order), ``sample_rng()`` is refused."""
-    scope = BatchScope(seed, epoch, seq)
-    scope.rng = _generator(seed, _DEVICE_KEY, epoch, seq)
-    return no_sample_rng(_NO_SAMPLE_RNG_IN_DEVICE_FN, scope)
+    return no_sample_rng(_NO_SAMPLE_RNG_IN_DEVICE_FN, BatchScope(seed, epoch, seq, _DEVICE_KEY))
 
 
 def batch_rng() -> np.random.Generator:
@@ -373,5 +372,5 @@ def batch_rng() -> np.random.Generator:
             "in fn, augment or __getitem__ use procpipe.sample_rng()."
         )
     if batch.rng is None:
-        batch.rng = _generator(batch.seed, _BATCH_KEY, batch.epoch, batch.first)
+        batch.rng = _generator(batch.seed, batch.key, batch.epoch, batch.first)
     return batch.rng

@@ -7,7 +7,7 @@ its loop, in order. A command is a small slotted class, told apart by type, not 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .epochs import Stream
@@ -39,18 +39,16 @@ class CloseEngine:
 
 Command = StartStream | CancelStream | CloseEngine
 
-_BY_NAME: dict[str, type] = {"start": StartStream, "cancel": CancelStream, "close": CloseEngine}
+_COMMANDS = (StartStream, CancelStream, CloseEngine)
 
 
-def command_of(*parts: Any) -> Command:
-    """A ``Command``, given as one (``StartStream(stream)``) or by name and arguments
-    (``"start", stream``: the older spelling, still accepted)."""
-    if len(parts) == 1 and isinstance(parts[0], (StartStream, CancelStream, CloseEngine)):
-        return parts[0]
-    if not parts or parts[0] not in _BY_NAME:
-        raise ValueError(
-            f"procpipe: unknown coordinator command {parts[:1]!r}; give a StartStream, "
-            f"CancelStream or CloseEngine, or one of the names {sorted(_BY_NAME)}"
-        )
-    command: Command = _BY_NAME[parts[0]](*parts[1:])
-    return command
+def checked(command: object) -> Command:
+    """``command``, if it is one of the command types; else a ``TypeError`` naming them (a
+    command given by name, ``"start"``, is refused: the names were the older spelling)."""
+    if isinstance(command, _COMMANDS):
+        return command
+    raise TypeError(
+        f"procpipe: a coordinator command is a StartStream, CancelStream or CloseEngine "
+        f"(procpipe.engine.commands), not {type(command).__name__} {command!r}; "
+        "e.g. submit(CancelStream(stream.gen)) instead of submit('cancel', stream.gen)"
+    )

@@ -9,7 +9,7 @@ epoch passes through reassembly (reassembly.py) into the stream's queue the cons
 
 The coordinator is a loop of named steps over parts, each in its own module:
 
-- ``RingSet`` (rings.py): the ring generations and their slot free lists;
+- ``RingSet`` (core/rings.py): the ring generations and their slot free lists;
 - ``Roster`` (roster.py): the workers, their counters and states, who gets the next task;
 - ``Dispatcher`` (dispatch.py): the dispatch round, speculation, the task table;
 - ``settle`` (deaths.py): what a worker's death means (re-runs, timeouts, restart or fail);
@@ -52,20 +52,20 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.rings import RingSet
 from ..core.shm import Ring, SharedFiles
 from ..core.stats import WorkerCounters, worker_baseline
 from ..core.wakeup import WakePipe
 from ..errors import TaskTimeoutError, WorkerError
 from ..worker import fork_safety
 from .autotune import Meter, Tuner, memory_room
-from .commands import CancelStream, CloseEngine, Command, StartStream, command_of
+from .commands import CancelStream, CloseEngine, Command, StartStream, checked
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
 from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
 from .epochs import Epoch, Stream
 from .faults import death_message, startup_message, timeout_message
 from .pool import Watchdog, WorkerLink, WorkerPool
-from .rings import RingSet
 from .roster import Roster
 
 __all__ = [
@@ -193,10 +193,10 @@ class Coordinator:
         return self._wakeup.starved
 
     # ---------------------------------------------------------------- consumer side
-    def submit(self, *command: Any) -> None:
-        """Queue a command (commands.py: ``StartStream(stream)``, or by name: ``"start", stream``)
-        for the coordinator thread and wake it."""
-        self._commands.append(command_of(*command))
+    def submit(self, command: Command) -> None:
+        """Queue a command (commands.py: ``StartStream``, ``CancelStream``, ``CloseEngine``) for
+        the coordinator thread and wake it; anything else is a ``TypeError``."""
+        self._commands.append(checked(command))
         self._wakeup.wake()
 
     def wake(self) -> None:

@@ -23,10 +23,10 @@ from .faults import rebuild_error, skip_or_fail
 from .pool import Watchdog, WorkerLink, WorkerPool
 
 if TYPE_CHECKING:
+    from ..core.rings import RingSet
     from .attempts import Attempt
     from .autotune import Tuner
     from .dispatch import Dispatcher
-    from .rings import RingSet
     from .roster import Roster
 
 TASKS_PER_WORKER_SMALL = 4  # tasks a worker holds when batches are small (the round trip dominates)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.messages import Task
+from ..core.rings import RingSet
 from .attempts import Attempt
 from .pool import WorkerLink
-from .rings import RingSet
 from .roster import Roster
 
 if TYPE_CHECKING:

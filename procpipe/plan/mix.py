@@ -26,7 +26,8 @@ sources. Memory: a few arrays of the epoch's length while it is planned, then it
 
 A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
 number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
-(``api/mixing.py`` builds the stream plan around it).
+(``api/mixing.py`` builds the stream plan around it); an indexed source beside streams counts
+as its number of slices (``plan/mix_kinds.py``).
 
 Weights may follow a schedule (a callable ``epoch -> weights``, or ``Mix.set_weights``);
 the weights used for each epoch are recorded here, saved in ``Loader.state_dict()``
@@ -46,6 +47,7 @@ import numpy as np
 
 from ..streaming.shards import Shards
 from .index import IndexPlan
+from .mix_kinds import indexed_shard_size, virtual_shards
 from .sampler import epoch_order
 
 _MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
@@ -72,9 +74,11 @@ class Mix:
 
     Args:
         sources: indexed datasets (``len`` + ``__getitem__``), or mixtures (nested: a ``Mix``
-            among the sources is read in its own mixed order); or, all of them, streams
-            (``procpipe.Shards``, or mixtures of them), whose **shards** are drawn by weight
-            (``procpipe.api.mixing``), then read in the stream's interleave.
+            among the sources is read in its own mixed order); or streams (``procpipe.Shards``,
+            or mixtures of them), whose **shards** are drawn by weight
+            (``procpipe.api.mixing``), then read in the stream's interleave. Indexed datasets
+            and streams together make a stream: each indexed dataset is read as shards of
+            ``shard_size`` elements of its epoch order (``plan.mix_kinds``).
         weights: one number >= 0 per source (any scale: they are normalised), or a callable
             ``epoch -> weights`` (a schedule, called in the calling process when an epoch is
             planned). A source with weight 0 is left out of that epoch.
@@ -86,6 +90,9 @@ class Mix:
         with_source: ``True``: ``mix[i]`` (what ``fn`` receives) is ``(k, element)``, ``k``
             the position of the source in ``sources`` (a stream's records: ``(k, record)``);
             ``False`` (default): the element.
+        shard_size: in a mixture of indexed datasets and streams, the elements of each shard an
+            indexed dataset is read as (its weight is then per shard, as a stream's); ``None``
+            (default): the streams' mean records per shard, from their ``Shards(lengths=...)``.
 
     ``len(mix)`` is the number of elements of all sources (of shards, for streams); ``mix[i]`` is element
     ``i - offset`` of the source holding index ``i`` (``source_of(i)``). A Loader over a mixture
@@ -93,7 +100,13 @@ class Mix:
     """
 
     def __init__(
-        self, sources: Sequence[Any], weights: WeightsSetting, *, stop_on_empty: bool = False, with_source: bool = False
+        self,
+        sources: Sequence[Any],
+        weights: WeightsSetting,
+        *,
+        stop_on_empty: bool = False,
+        with_source: bool = False,
+        shard_size: int | None = None,
     ) -> None:
         sources = check_sources(sources)
         for name, value in (("stop_on_empty", stop_on_empty), ("with_source", with_source)):
@@ -101,15 +114,25 @@ class Mix:
                 raise TypeError(f"Mix: {name} must be True or False, got {value!r}")
         check_mix_weights(weights, len(sources))
         self.sources: list[Any] = sources
-        self.streaming = is_stream(sources[0])  # streams: an index is a shard, and an epoch an order of shards
+        # streams: an index is a shard, and an epoch an order of shards (an indexed source among
+        # them is read as shards of shard_size elements: plan/mix_kinds.py)
+        self.streaming = any(is_stream(s) for s in sources)
+        self.shard_size = indexed_shard_size(sources, shard_size, is_stream, _leaves_of)
         self.stop_on_empty = bool(stop_on_empty)
         self.with_source = bool(with_source)
-        lengths = np.array([len(s) for s in sources], dtype=np.int64)
+        lengths = np.array([self._length(s) for s in sources], dtype=np.int64)
         self.offsets = np.concatenate(([0], np.cumsum(lengths)))  # source k holds offsets[k] .. offsets[k+1]-1
         self._starts: list[int] = self.offsets.tolist()  # the same as ints, for bisect (one lookup per element)
         self._weights: WeightsSetting = weights
         if not callable(weights):
             self._weights = self._checked(weights, None)
+
+    def _length(self, source: Any) -> int:
+        """``source``'s length in this mixture's index space: elements, or shards for streams (an
+        indexed source beside streams: its number of slices of ``shard_size`` elements)."""
+        if self.shard_size is not None and not is_stream(source):
+            return virtual_shards(len(source), self.shard_size)
+        return len(source)
 
     # ---- the dataset
     def __len__(self) -> int:
@@ -183,16 +206,25 @@ class Mix:
             out.extend(source.leaves() if isinstance(source, Mix) else [source])
         return out
 
+    def leaf_parents(self) -> list[Mix]:
+        """For each of ``leaves()``, the mixture holding it directly (whose ``shard_size`` it is read with)."""
+        return [p for source in self.sources for p in (source.leaf_parents() if isinstance(source, Mix) else [self])]
+
     def leaf_owners(self) -> list[int]:
         """For each of ``leaves()``, the index of the source of this mixture that holds it."""
-        owners: list[int] = []
-        for k, source in enumerate(self.sources):
-            owners.extend([k] * (len(source.leaves()) if isinstance(source, Mix) else 1))
-        return owners
+        return [k for k, source in enumerate(self.sources) for _ in _leaves_of(source)]
 
     def structure(self) -> list[Any]:
-        """What a saved state must match: each source's length, a nested mixture as its own list."""
-        return [source.structure() if isinstance(source, Mix) else len(source) for source in self.sources]
+        """What a saved state must match: each source's length, a nested mixture as its own list
+        (an indexed source beside streams: its elements and the size of its shards)."""
+        return [
+            source.structure()
+            if isinstance(source, Mix)
+            else {"elements": len(source), "shard_size": self.shard_size}
+            if self.shard_size is not None and not is_stream(source)
+            else len(source)
+            for source in self.sources
+        ]
 
     # ---- an epoch's order
     def order(
@@ -207,7 +239,7 @@ class Mix:
             if isinstance(source, Mix):
                 inner[k] = source.order(seed, epoch, shuffle, weights, (*path, k))
         lengths = np.array(
-            [len(inner[k]) if k in inner else len(s) for k, s in enumerate(self.sources)], dtype=np.int64
+            [len(inner[k]) if k in inner else self._length(s) for k, s in enumerate(self.sources)], dtype=np.int64
         )
         counts, order = _arrivals(_rng(seed, epoch, path, _DRAW), mine, lengths, self.stop_on_empty)
         parts = []  # each source's elements in its own order, source after source
@@ -289,6 +321,9 @@ class MixSampler:
         self.reshuffle = reshuffle
         self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
         self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
+        # Epochs whose order is given, not drawn: {epoch: (order, base)}, as Sampler.resumed (set when
+        # a state from procpipe.combine_states is loaded: api/elastic.py).
+        self.resumed: dict[int, tuple[np.ndarray, Any]] = {}
 
     @property
     def step(self) -> int:
@@ -327,6 +362,9 @@ class MixSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         """This rank's part of ``epoch``'s order (indices of the mixture)."""
+        entry = self.resumed.get(epoch)
+        if entry is not None:
+            return entry[0]
         order = self.mixed_order(epoch)
         if self.shard is None or not len(order):
             return order
@@ -406,14 +444,14 @@ def check_sources(sources: Any) -> list[Any]:
     if not sources:
         raise ValueError("Mix: sources is empty; give at least one dataset")
     streams = [is_stream(source) for source in sources]
-    if any(streams) and not all(streams):
-        k = streams.index(not streams[0])
-        raise TypeError(
-            f"Mix: sources[0] is {'a stream' if streams[0] else 'an indexed dataset'} but sources[{k}] is "
-            f"{'a stream' if streams[k] else 'an indexed dataset'}; a Mix holds indexed datasets only, or "
-            "streams only (procpipe.Shards, or mixtures of them): wrap an indexed dataset as Shards "
-            "of index ranges to mix it with streams"
-        )
+    if any(streams):
+        for k, source in enumerate(sources):
+            if isinstance(source, Mix) and not source.streaming:
+                raise TypeError(
+                    f"Mix: sources[{k}] is a mixture of indexed datasets, nested in a mixture with streams "
+                    "(procpipe.Shards), which mixes shards, not elements; give its datasets to this mixture "
+                    "directly (each is then read as shards, with its own weight)"
+                )
     for k, source in enumerate(sources):
         if streams[k]:
             continue
@@ -425,9 +463,12 @@ def check_sources(sources: Any) -> list[Any]:
     return sources
 
 
+def _leaves_of(source: Any) -> list[Any]:
+    return source.leaves() if isinstance(source, Mix) else [source]
+
+
 def is_stream(source: Any) -> bool:
-    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Mix's own check of its sources;
-    a Loader's source is resolved by api/kinds.py)."""
+    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Loader's source: api/kinds.py)."""
     return (isinstance(source, Mix) and source.streaming) or isinstance(source, Shards)
 
 

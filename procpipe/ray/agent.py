@@ -3,7 +3,7 @@
 The trainer's ``RayPool`` (pool.py) calls ``run(lane, generation, seq, task)`` concurrently
 (a threaded actor); each lane is one local worker process, serving its calls one at a time in
 the order the trainer sent them. The batch is written into a slot of the agent's own ring
-(core/ring_generations.py: grown when a batch outgrows its slot) and sent back inline,
+(core/rings.py's ``RingSet``, the coordinator's too: grown when a batch outgrows its slot) and sent back inline,
 as views of the slot that Ray copies into its object store; then the slot is free again.
 A worker process that dies is restarted here before its death is reported (``WorkerLost``).
 """
@@ -19,8 +19,8 @@ from typing import Any
 import ray
 
 from ..core.messages import BatchDone, Reply, SamplesSkipped, Task, WorkerFatal, WorkerLost
-from ..core.ring_generations import RingGenerations
-from ..core.stats import WorkerCounters
+from ..core.rings import RingSet
+from ..core.stats import EpochCounters, WorkerCounters
 
 
 @dataclass(eq=False)
@@ -69,7 +69,9 @@ class Agent:
         for lane in self.lanes:  # an agent that answers has every worker ready: tasks' time runs from there
             self._wait_ready(lane.link)
         # each lane's running batch, and the one Ray is still sending; no ring until a batch tells its size
-        self.rings = RingGenerations(self.files, 2 * workers + 2)
+        self.rings = RingSet(self.files)
+        self.first_slots = 2 * workers + 2
+        self.ring_counters = EpochCounters()  # (what take and grow record: the trainer keeps the stats)
         self.ring_lock = threading.Lock()  # take and grow: from the lanes' calls, run concurrently
         self.closed = False
 
@@ -156,8 +158,12 @@ class Agent:
 
         link = lane.link
         with self.ring_lock:
-            slot = self.rings.take()
-            had_ring = self.rings.current is not None
+            rings = self.rings
+            if rings.retired:
+                rings.remove_idle()
+            taken = rings.take(self.ring_counters)
+            slot = -1 if taken is None else taken
+            had_ring = rings.current is not None
         ring = self.rings.ring_of(slot) if slot >= 0 else None
         sent = (
             Task(task.id, task.epoch, task.payload, -1, -1, 0)
@@ -174,10 +180,10 @@ class Agent:
                 elif reply is not None and not isinstance(reply, WorkerReady):
                     break
         except (EOFError, OSError):  # the worker process died: restart it, and say so
-            self.rings.release(slot)
+            self.rings.release_unused(slot)
             return skipped, self._restart(lane, lane_index, generation, task.id)
         if isinstance(reply, WorkerFatal):
-            self.rings.release(slot)
+            self.rings.release_unused(slot)
             return skipped, reply
         if isinstance(reply, BatchDone) and reply.layout is not None:
             if reply.in_slot and ring is not None:  # (a worker writes into a slot only when given one)
@@ -188,19 +194,13 @@ class Agent:
                 return skipped, reply  # the slot comes back when Ray has copied the arrays
             if not had_ring or slot >= 0:  # (not when every slot was busy: that is no size to grow to)
                 self._grow(reply.nbytes)
-        self.rings.release(slot)
+        self.rings.release_unused(slot)
         return skipped, reply
 
     def _grow(self, nbytes: int) -> None:
         """A batch came inline (no ring yet, or it outgrew its slot): a ring that holds it."""
-        with self.ring_lock:
-            current = self.rings.current
-            if current is not None and nbytes <= current.slot_bytes:
-                return
-            try:
-                self.rings.grow(nbytes)
-            except Exception:  # noqa: BLE001 - no room in this node's shm_dir: batches stay inline
-                return
+        with self.ring_lock:  # (no room in this node's shm_dir: batches stay inline, as grow says)
+            self.rings.grow(nbytes, self.ring_counters, self.first_slots)
 
     def kill_lane(self, lane_index: int, generation: int) -> WorkerLost | None:
         """``task_timeout`` on the trainer: end this lane's process now. A call running on it

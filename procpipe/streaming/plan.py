@@ -158,12 +158,17 @@ class StreamPlan:
         limits = self.limits(epoch)
         return order if limits is None else limits.order(order)
 
+    def full_order(self, epoch: int) -> Any:
+        """The shards of ``epoch`` in order before sharding (rank ``r`` of ``w`` opens ``r, r + w, ...``
+        of them; ``even_ranks`` counts every rank's records from it): an int array."""
+        return epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
+
     def limits(self, epoch: int) -> RankLimits | None:
         """``even_ranks``: the records this rank reads of each shard in ``epoch`` (None without it)."""
         if not self.even_ranks:
             return None
         if self._limits is None or self._limits[0] != epoch:
-            order = epoch_order(len(self.shards.shards), epoch, self.shuffle, self.seed, self.reshuffle, None)
+            order = self.full_order(epoch)
             # (CHUNKS has a batch size; even_ranks, lengths and a shard: checked in __init__)
             chunking = (
                 Chunking(self.block_length, cast(int, self.batch_size), self.drop_last) if self.mode == CHUNKS else None

@@ -39,6 +39,7 @@ from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkip
 from ..core.rng import SampleScope
 from ..core.shm import WorkerRings, map_file, open_owned
 from ..errors import CollateError
+from .identity import enter_worker
 from .produce import produce
 from .reader import IndexedReader, SourceReader
 
@@ -206,6 +207,7 @@ def worker_main(
     agent's workers need it: Ray kills a dead actor's whole process group at once, and a
     worker killed so could not remove its agent's files; in a session of its own it sees the
     agent gone, removes them, and exits (procpipe.ray)."""
+    enter_worker(worker_id)  # (adapters ask identity.worker_index(), never the process's name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(ABANDON_SIGNAL, _abandon)

@@ -1,4 +1,4 @@
-"""``RingSet``: the coordinator's ring generations and their slot free lists.
+"""``RingSet``: ring generations and their slot free lists, for the coordinator and a Ray agent.
 
 The ring (core/shm.py) is made once the first batch tells the size of a full one. A batch
 that does not fit its slot grows it: a new generation, with larger slots, replaces the
@@ -6,27 +6,40 @@ current one; the old one is *retired* and removed once all its slots have come b
 consumer may still hold views of them). Slot numbers never repeat across generations, so
 ``ring_of(slot)`` finds the generation a slot belongs to.
 
-Threads: ``take``, ``grow`` and ``remove_idle`` run on the coordinator thread; ``release``
-runs in whichever thread drops a batch's last view (usually the consumer's), and wakes the
-coordinator if it said it was starved of slots.
+Threads: ``take``, ``grow`` and ``remove_idle`` run on the thread (or under the lock) that
+owns the rings: the coordinator's (engine/coordinator.py), or a Ray agent's ring lock
+(procpipe.ray.agent); ``release`` runs in whichever thread drops a batch's last view
+(usually the consumer's), and wakes the coordinator if it said it was starved of slots.
 """
 
 from __future__ import annotations
 
 import time
 
-from ..core.shm import Ring, SharedFiles, round_slot_bytes
-from ..core.stats import EpochCounters
-from ..core.wakeup import WakePipe
 from ..errors import SharedMemoryError
+from .shm import Ring, SharedFiles, round_slot_bytes
+from .stats import EpochCounters
+from .wakeup import WakePipe
+
+
+class _NoWaiter:
+    """The ``wakeup`` of rings no thread sleeps on (a Ray agent's): never starved."""
+
+    starved = False
+
+    def wake_if_starved(self) -> None:
+        """Nothing to wake."""
 
 
 class RingSet:
-    """The current ring (``current``, None before the first batch) and the retired ones."""
+    """The current ring (``current``, None before the first batch) and the retired ones.
 
-    def __init__(self, files: SharedFiles, wakeup: WakePipe) -> None:
+    ``wakeup``: the owning thread's ``WakePipe``, woken when a slot of the current ring comes
+    back while it is starved of slots (None: no thread waits for slots)."""
+
+    def __init__(self, files: SharedFiles, wakeup: WakePipe | None = None) -> None:
         self.files = files
-        self.wakeup = wakeup
+        self.wakeup: WakePipe | _NoWaiter = _NoWaiter() if wakeup is None else wakeup
         self.current: Ring | None = None
         self.retired: list[Ring] = []  # earlier generations some of whose slots are still in use
         self.grow_failed = False  # a larger ring did not fit in shm_dir: overflows stay inline
@@ -84,37 +97,40 @@ class RingSet:
             self.retired.remove(old)
             old.remove()
 
-    def grow(self, nbytes: int, counters: EpochCounters) -> str | None:
+    def grow(self, nbytes: int, counters: EpochCounters | None = None, slots: int | None = None) -> str | None:
         """A batch of ``nbytes`` did not fit its slot: replace the current ring by one whose
-        slots hold it with a margin (the old one is retired), so later batches of that size
-        go through the ring, not the pipes. Returns why it could not (``shm_dir`` has no room:
-        such batches then stay inline), else None.
+        slots hold it with a margin of a quarter (the old one is retired), so later batches of
+        that size go through the ring, not the pipes. Without a ring yet, ``slots`` (if given)
+        is the first generation's count (a Ray agent's rings start so; the coordinator's first
+        comes from ``make``). Returns why it could not (``shm_dir`` has no room: such batches
+        then stay inline, and no later ``grow`` tries again), else None.
 
-        The new file is created and its pages populated here, on the coordinator thread:
+        The new file is created and its pages populated here, on the owning thread:
         ``counters`` (``stats()["ring_growths"]``/``["ring_growth_s"]``) records the time."""
         old = self.current
-        if old is None or self.grow_failed or nbytes <= old.slot_bytes:
+        if self.grow_failed or (old is None and slots is None) or (old is not None and nbytes <= old.slot_bytes):
             return None
         started = time.perf_counter()
+        slot_bytes = round_slot_bytes(nbytes + nbytes // 4)
         try:
-            ring = Ring(
-                self.files,
-                old.ring_id + 1,
-                old.slots,
-                round_slot_bytes(nbytes + nbytes // 4),
-                old.first_slot + old.slots,
-            )
+            if old is None:
+                ring = Ring(self.files, 0, slots or 0, slot_bytes)
+            else:
+                ring = Ring(self.files, old.ring_id + 1, old.slots, slot_bytes, old.first_slot + old.slots)
         except SharedMemoryError as exc:
             self.grow_failed = True
             return f" A larger ring did not fit: {exc}"
         finally:
-            counters.ring_growth_s += time.perf_counter() - started
-        counters.ring_growths += 1
-        old.retired = True
-        self.retired.append(old)
+            if counters is not None:
+                counters.ring_growth_s += time.perf_counter() - started
         self.current = ring
-        if old.idle:
-            self.remove_idle()
+        if old is not None:
+            if counters is not None:
+                counters.ring_growths += 1
+            old.retired = True
+            self.retired.append(old)
+            if old.idle:
+                self.remove_idle()
         return None
 
     def close(self) -> None:
