@@ -8,7 +8,7 @@ ordered, what a task is, how a position is counted and how the cache is laid out
 | indexed (``len``, ``[i]``) | ``Sampler`` (``ExplicitBatches``) | indices (``IndexedReader``) | ``InlineIterator`` |
 | ``Mix`` of indexed datasets | ``MixSampler`` | indices (``IndexedReader``) | ``InlineIterator`` |
 | ``Shards`` (torch replicas too) | ``StreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
-| ``Mix`` of streams | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
+| ``Mix`` with a stream | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
 
 ``resolve_kind`` asks "which kind is this?" once, here, and returns a ``SourceKind`` that
 answers every later question: the plan (its ``batches(epoch)``, ``len``; its
@@ -78,7 +78,7 @@ class SourceKind:
 
 
 class StreamKind(SourceKind):
-    """A stream: ``Shards`` (the torch facade's ``IterableDataset`` replicas are one), or a ``Mix`` of them."""
+    """A stream: ``Shards`` (the torch facade's ``IterableDataset`` replicas are one), or a ``Mix`` holding one."""
 
     streaming = True
     described = "a streaming source (procpipe.Shards)"
