@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 from .api.iteration import IterationContext, LoaderIterator
-from .api.iterators import EpochIterator, InlineIterator
-from .api.mixing import sampler_for, stream_plan_for
+from .api.iterators import EpochIterator
+from .api.kinds import resolve_kind
 from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .api.resume import load_state, save_state
@@ -34,8 +34,6 @@ from .engine.autotune import resolve as resolve_autotune
 from .engine.coordinator import Coordinator, EngineConfig
 from .engine.start import start_engine
 from .plan.base import BatchPlan
-from .plan.sampler import ExplicitBatches
-from .streaming import InlineStream, StreamPlan
 from .streaming.even_ranks import check_even_ranks
 from .worker.process import WorkerSpec
 from .worker.start_method import resolve as resolve_start_method
@@ -244,50 +242,30 @@ class Loader:
         check_even_ranks(even_ranks, shard)
         auto = resolve_autotune(workers)
         fixed_workers = 0 if auto is not None else cast(int, workers)  # (validated: an int unless autotuned)
-        self._sampler: BatchPlan
-        if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
-            self._sampler = plan = stream_plan(
-                source,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-                reshuffle=reshuffle,
-                shard=shard,
-                collate_fn=collate_fn,
-                shuffle_buffer=shuffle_buffer,
-                on_error=on_error,
-                max_skipped=max_skipped,
-                speculate=speculate,
-                batches=batches,
-                batch_fn=batch_fn,
-                cache=cache,
-                even_ranks=even_ranks,
-            )
-            source = plan.source  # the copy that knows how to lay out blocks
-        elif shuffle_buffer is not None:
-            raise ValueError(
-                "shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
-                "source is shuffled whole with shuffle=True"
-            )
-        elif batches is None:
-            self._sampler = sampler_for(source)(
-                len(source),
-                batch_size,
-                bool(shuffle),
-                int(seed),
-                bool(drop_last),
-                None if shard is None else tuple(shard),
-                bool(reshuffle),
-            )
-            if not len(self._sampler):
-                warn_no_batches(len(source), batch_size, bool(drop_last))
-        else:
-            self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
+        # Which kind of source this is, asked once (api/kinds.py): its plan, the workers' reader, workers=0's driver
+        self._kind = kind = resolve_kind(
+            source,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            reshuffle=reshuffle,
+            shard=shard,
+            batches=batches,
+            shuffle_buffer=shuffle_buffer,
+            collate_fn=collate_fn,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            speculate=speculate,
+            batch_fn=batch_fn,
+            cache=cache,
+            even_ranks=even_ranks,
+        )
+        self._sampler: BatchPlan = kind.plan
         # Checked before any worker starts; imports torch only when a device is asked for.
         self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
         self._spec = WorkerSpec(
-            source,
+            kind.source,
             fn,
             collate_fn,
             batch_size is not None,
@@ -296,6 +274,7 @@ class Loader:
             batch_fn=batch_fn,
             augment=augment,
             seed_globals=seeding_mode(seed_globals),
+            reader=kind.reader,
         )
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
         self._workers = workers
@@ -363,8 +342,7 @@ class Loader:
         if resume is None or resume["epoch"] != epoch:
             resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
-            inline = InlineStream if isinstance(self._sampler, StreamPlan) else InlineIterator
-            it: LoaderIterator = inline(self._context, resume)
+            it: LoaderIterator = self._kind.inline(self._context, resume)
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it
@@ -420,7 +398,7 @@ class Loader:
             position = root.get_state()
         else:
             position = start_position(self._sampler, epoch, self._context.default_until(epoch))
-        return save_state(self._sampler, position)
+        return save_state(self._kind, position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``: the next ``iter()`` continues that epoch where it stood.
@@ -430,7 +408,7 @@ class Loader:
         source: length, batch_size, shuffle, seed, drop_last, shard, reshuffle; for a
         streaming source, see ``state_dict``), naming the setting.
         """
-        resume = load_state(state, self._sampler)
+        resume = load_state(state, self._kind)
         if self._active is not None:
             self._active.cancel("load_state_dict() was called")
             self._active = self._root = None
@@ -604,18 +582,6 @@ class Loader:
         out["backend"] = coordinator.pool.info()
         out["device"] = None if self._device_stage is None else self._device_stage.info()
         return out
-
-
-def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> None:
-    """An epoch of this loader would yield nothing: say why (called from ``Loader.__init__``)."""
-    import warnings
-
-    why = (
-        "the source is empty (len(source) == 0)"
-        if not length
-        else f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})"
-    )
-    warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
 
 
 def _device_stage(device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None, seed: int) -> Any:

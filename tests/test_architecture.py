@@ -1,7 +1,9 @@
 """The package's shape, checked from its source text (``ast``; procpipe is never imported).
 
-Three rules, each reporting every offender at once (and a fourth, ``test_plans_are_pure``:
-the per-epoch plans import no process, thread or clock API):
+Three rules, each reporting every offender at once (and ``test_plans_are_pure``: the
+per-epoch plans import no process, thread or clock API; ``test_no_module_is_over_max_lines``;
+and ``test_the_source_kind_is_tested_in_at_most_3_places``: "which kind of source is this?" is
+answered once, by ``api/kinds.py``):
 
 1. **No import circles.** Every import of a procpipe module counts: top-level, inside a
    function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
@@ -66,7 +68,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("errors", "core.*"),
     "worker": ("worker.*",),
-    "plan": ("plan.*", "streaming.shards", "streaming.order", "streaming.batching", "streaming.shard_plan",
+    "plan": ("plan.*", "streaming.shards", "streaming.blocks", "streaming.order", "streaming.batching", "streaming.shard_plan",
              "streaming.even_ranks"),
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
@@ -481,14 +483,82 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
 
 
 
+# --------------------------------------------------------------------------- 4. the source kind, asked once
+#: Where "which kind of source is this?" is answered: ``api.kinds`` resolves a Loader's source once
+#: (its plan, reader, inline driver, saved-state check); ``worker.reader`` is its worker side.
+KIND_MODULES = ("api.kinds", "worker.reader")
+#: The classes whose ``isinstance`` asks a source's (or its plan's, or its task's) kind.
+KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "Sampler", "ExplicitBatches",
+                "Block", "RecordKey"}
+#: Attributes whose presence (``hasattr``/``getattr`` with a constant name) tells one kind from another.
+KIND_ATTRIBUTES = {"produce_block", "plan_class", "mixing", "check_progress", "streaming", "cache_kind"}
+#: The other modules that may still test a kind (at most 3), and why.
+KIND_TESTS_ALLOWED: dict[str, str] = {
+    "plan.mix": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
+    "api.position": "the position format (a stream's progress or an index plan's), for any sampler it is given",
+}
+MAX_KIND_TEST_MODULES = 3
+
+
+def kind_tests(module: Module) -> Iterator[str]:
+    """``file:line: expression`` for each place ``module`` asks which kind a source is: ``isinstance``
+    against a kind's class, ``hasattr``/``getattr`` of an attribute one kind has and another lacks,
+    and ``type(x) is list`` (a task's kind told by its type)."""
+    for node in ast.walk(module.tree):
+        found = False
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+            if node.func.id == "isinstance":
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                found = any(isinstance(k, ast.Name) and k.id in KIND_CLASSES for k in kinds)
+            elif node.func.id in ("hasattr", "getattr"):
+                name = node.args[1]
+                found = isinstance(name, ast.Constant) and name.value in KIND_ATTRIBUTES
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
+            call = node.left
+            found = (isinstance(call.func, ast.Name) and call.func.id == "type"
+                     and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops)
+                     and any(isinstance(c, ast.Name) and c.id == "list" for c in node.comparators))
+        if found:
+            yield f"  {where(module, node)}: {ast.unparse(node)}"
+
+
+def kind_test_report(modules: dict[str, Module]) -> list[str]:
+    """Every kind test outside ``KIND_MODULES`` and ``KIND_TESTS_ALLOWED``, and a note if the allow-list grew."""
+    report = []
+    for name, module in sorted(modules.items()):
+        if module.short in KIND_MODULES or module.short in KIND_TESTS_ALLOWED:
+            continue
+        report.extend(kind_tests(module))
+    if len(KIND_TESTS_ALLOWED) > MAX_KIND_TEST_MODULES:
+        report.append(f"  KIND_TESTS_ALLOWED lists {len(KIND_TESTS_ALLOWED)} modules; at most {MAX_KIND_TEST_MODULES}")
+    return report
+
+
+def test_the_source_kind_is_tested_in_at_most_3_places() -> None:
+    report = kind_test_report(read_modules())
+    if report:
+        pytest.fail("the source kind is asked outside procpipe/api/kinds.py (resolved once: ask the Loader's "
+                    "SourceKind, its plan or its reader instead):\n" + "\n".join(report), pytrace=False)
+
+
+def test_the_kind_checker_finds_every_kind_test() -> None:
+    modules = _modules_of({
+        "procpipe.api.kinds": "isinstance(source, Shards)\n",
+        "procpipe.plan.mix": "isinstance(source, Mix)\n",
+        "procpipe.loader": ("isinstance(source, (Shards, Mix))\nhasattr(source, 'produce_block')\n"
+                            "getattr(sampler, 'plan_class', None)\ntype(indices) is not list\n"
+                            "isinstance(x, dict)\ntype(x) is tuple\ngetattr(x, 'name', None)\n"),
+    })
+    lines = [line.split(": ", 1)[1] for line in kind_test_report(modules)]
+    assert lines == ["isinstance(source, (Shards, Mix))", "hasattr(source, 'produce_block')",
+                     "getattr(sampler, 'plan_class', None)", "type(indices) is not list"], lines
+
+
 #: Modules still over MAX_LINES, each being split by someone; the list may only shrink
 #: (a module that is back under the limit must leave it: the test says so).
 OVER_MAX_LINES: dict[str, str] = {
     "loader": "the configuration object takes its arguments: being split",
-    "streaming.shards": "over since the stream cache; the one per-sample pipeline shared with worker/produce.py "
-    "shrinks it",
     # Over since `ruff format` wrapped their long lines (no code was added):
-    "worker.cache": "the indexed cache's file layout and its checks: to split like worker/stream_cache.py",
 }
 MAX_LINES = 500
 

@@ -49,7 +49,7 @@ class Kind:
             self.config = StreamPlan(shards, batch_size=4, shuffle=True, seed=3, drop_last=False)
             self.source = self.config.source
             self.plan_class = self.config.plan_class
-        self.spec = WorkerSpec(self.source, None, None, True, 0)
+        self.spec = WorkerSpec(self.source, None, None, True, 0, reader=None if name == "indexed" else self.source)
         self.scope = SampleScope(0)
 
     def plan(self, state=None) -> EpochPlan:

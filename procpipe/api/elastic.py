@@ -293,10 +293,12 @@ def _merged_progress(
 
 
 # ---------------------------------------------------------------------- loading and saving
-def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str, Any]:
+def state_for(state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any = None) -> dict[str, Any]:
     """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
     progress about the shards of this rank's order; for an indexed one, the resumed epoch's
-    order installed in the sampler (``Sampler.resumed``). The result is checked as usual."""
+    order installed in the sampler (``Sampler.resumed``). The result is checked as usual.
+    ``streaming`` and ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) are the loader's
+    source kind's (api/kinds.py)."""
     mine = getattr(sampler, "shard", None)
     saved = state.get("shard")
     if saved is not None and (mine is None or list(mine) != list(saved)):
@@ -308,9 +310,8 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
     epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
     out = {key: value for key, value in state.items() if key != "combined"}
     out["shard"] = None if mine is None else list(mine)
-    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
     settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-    if mixing is not None and not _same_settings(settings, sampler, streaming):
+    if mixing is not None and not _same_settings(settings, sampler, streaming, mixing):
         return out  # (the usual checks name the setting that differs)
     rank, world = mine if mine is not None else (0, 1)
     if streaming:
@@ -340,7 +341,7 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
             "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
             "own sampler; this loader's come from batches=..., which cannot be split anew"
         )
-    if mixing is None and not _same_settings(settings, sampler, streaming):
+    if mixing is None and not _same_settings(settings, sampler, streaming, mixing):
         return out
     combined = state["combined"]
     full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
@@ -350,15 +351,15 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool) -> dict[str,
     return out
 
 
-def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool) -> bool:
+def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixing: Any) -> bool:
     """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
     name the one that differs)."""
     keys: list[str] = ["shuffle", "seed", "reshuffle"]
     keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
     mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
-    if getattr(sampler, "mixing", None) is not None:
+    if mixing is not None:
         keys.append("mix")
-        mine = {**mine, "mix": sampler.mixing.settings()["mix"]}
+        mine = {**mine, "mix": mixing.settings()["mix"]}
     return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 

@@ -128,16 +128,10 @@ def leaf_streams(mix: Mix, seed: int, shuffle: bool, reshuffle: bool) -> list[Sh
     """``Mix.leaves()`` as streams, depth first: a ``Shards`` as it is, an indexed dataset as the
     ``Shards`` of its slices (with the first stream's ``cycle_length`` and ``block_length``:
     they are read in one interleave)."""
-    pairs: list[tuple[Any, int | None]] = []
-
-    def walk(node: Mix) -> None:
-        for source in node.sources:
-            if isinstance(source, Mix):
-                walk(source)
-            else:
-                pairs.append((source, None if is_stream(source) else node.shard_size))
-
-    walk(mix)
+    pairs: list[tuple[Any, int | None]] = [
+        (source, None if is_stream(source) else parent.shard_size)
+        for source, parent in zip(mix.leaves(), mix.leaf_parents(), strict=True)
+    ]
     first = next(source for source, size in pairs if size is None)
     out: list[Shards] = []
     for leaf, (source, size) in enumerate(pairs):

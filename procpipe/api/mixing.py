@@ -1,5 +1,6 @@
-"""What the Loader builds for a ``procpipe.Mix``: a ``MixSampler`` (indexed sources), or for a
-mixture of streams a ``MixStreamPlan``, a ``StreamPlan`` over the shards of every source.
+"""What a ``procpipe.Mix`` of streams becomes: a ``MixStreamPlan``, a ``StreamPlan`` over the
+shards of every source (api/kinds.py picks it; a ``Mix`` of indexed sources is planned by
+plan/mix.py's ``MixSampler``).
 
 A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
 space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
@@ -13,32 +14,12 @@ is per open shard (``cycle_length``), not per source.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..plan.mix import Mix, MixSampler
-from ..plan.sampler import Sampler
 from ..streaming import Shards, StreamPlan
 from .mix_virtual import EpochShards, IndexSlices, leaf_streams
-
-
-def sampler_for(source: Any) -> Callable[..., Any]:
-    """What plans the epochs of an indexed ``source``, called with ``Sampler``'s arguments:
-    ``Sampler``, or for a ``Mix`` a ``MixSampler`` over it."""
-    if isinstance(source, Mix):
-        return functools.partial(MixSampler, mix=source)
-    return Sampler
-
-
-def stream_plan_for(source: Any) -> Callable[..., StreamPlan] | None:
-    """What plans the epochs of a streaming ``source`` (``StreamPlan``, or for a ``Mix`` of
-    streams a ``MixStreamPlan``), called with ``StreamPlan``'s arguments; None for an indexed one."""
-    if isinstance(source, Shards):
-        return StreamPlan
-    if isinstance(source, Mix) and source.streaming:
-        return MixStreamPlan
-    return None
 
 
 class OpenMixed:
@@ -76,11 +57,7 @@ def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: b
             )
     tags = None
     if mix.with_source:
-        tags = [
-            k
-            for k, source in enumerate(mix.sources)
-            for _ in (source.leaves() if isinstance(source, Mix) else [source])
-        ]
+        tags = mix.leaf_owners()
     lengths = [stream.lengths for stream in streams]
     combined = (EpochShards if sliced else Shards)(
         [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],

@@ -3,46 +3,46 @@
 ``save_state`` wraps a position (position.py: the epoch to resume, what the consumer has
 had of it and of later epochs, and where the iteration ends; the root node's
 ``get_state()``) with the format's version and the sampler's settings, as a small
-JSON-serializable dict. ``load_state`` checks such a dict against this loader's sampler
-(same kind of source, same data, same settings) and for corruption (position.py's
+JSON-serializable dict. ``load_state`` checks such a dict against this loader's source kind
+(kinds.py: same kind of source, same data, same settings of its plan) and for corruption (position.py's
 decoder), and returns the ``Resume`` the next ``iter(loader)`` starts from.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..streaming import StreamPlan
 from . import elastic
 from .position import Resume, decode_position
+
+if TYPE_CHECKING:
+    from .kinds import SourceKind
 
 _STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
 
 __all__ = ["Resume", "load_state", "save_state"]
 
 
-def save_state(sampler: Any, position: dict[str, Any]) -> dict[str, Any]:
+def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
     (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
-    state = {"version": 1, **position, **_sampler_state(sampler), **elastic.saved_base(sampler, position["epoch"])}
-    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
-    if mixing is not None:
-        state.update(mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
+    state = {"version": 1, **position, **kind.settings(), **elastic.saved_base(kind.plan, position["epoch"])}
+    if kind.mixing is not None:
+        state.update(kind.mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
     return state
 
 
-def load_state(state: Any, sampler: Any) -> Resume:
-    """``Loader.load_state_dict(state)``'s checks: the state, checked against ``sampler``'s settings."""
+def load_state(state: Any, kind: SourceKind) -> Resume:
+    """``Loader.load_state_dict(state)``'s checks: the state, checked against the settings of ``kind``'s plan."""
     if not isinstance(state, dict) or state.get("version") != 1:
         raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
-    streaming = isinstance(sampler, StreamPlan)
+    sampler, streaming, mixing = kind.plan, kind.streaming, kind.mixing
     if ("stream" in state) != streaming:
         kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
         raise ValueError(
             f"this state was saved by a loader over {kinds['stream' in state]}, but this loader "
-            f"reads {kinds[streaming]}; resume with a loader built with the same arguments"
+            f"reads {kind.described}; resume with a loader built with the same arguments"
         )
-    mixing = getattr(sampler, "mixing", None)  # a procpipe.Mix's MixSampler
     if ("mix" in state) != (mixing is not None):
         kinds = ("an indexable source", "a procpipe.Mix")
         raise ValueError(
@@ -50,10 +50,10 @@ def load_state(state: Any, sampler: Any) -> Resume:
             f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)"
         )
     if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
-        state = elastic.state_for(state, sampler, streaming)
+        state = elastic.state_for(state, sampler, streaming, mixing)
     else:
         elastic.forget(sampler)
-    settings = _sampler_state(sampler)
+    settings = kind.settings()
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
             raise ValueError(
@@ -72,21 +72,3 @@ def load_state(state: Any, sampler: Any) -> Resume:
         mixing.unpin(previous)
         raise
     return resume
-
-
-def _sampler_state(sampler: Any) -> dict[str, Any]:
-    """The sampler settings a saved state must match to be resumed."""
-    if isinstance(sampler, StreamPlan):
-        return sampler.settings()
-    mix = sampler.settings() if getattr(sampler, "mixing", None) is not None else {}
-    shard = getattr(sampler, "shard", None)
-    return {
-        "length": sampler.length,
-        "batch_size": getattr(sampler, "batch_size", None),
-        "shuffle": getattr(sampler, "shuffle", False),
-        "seed": getattr(sampler, "seed", None),
-        "drop_last": getattr(sampler, "drop_last", False),
-        "shard": None if shard is None else list(shard),
-        "reshuffle": getattr(sampler, "reshuffle", True),
-        **mix,
-    }

@@ -15,8 +15,6 @@ from typing import Any
 from ..core.checks import check_int, is_count
 from ..core.shm import check_private_dir
 from ..engine.autotune import resolve as resolve_autotune
-from ..plan.mix import Mix
-from ..streaming import Shards
 from ..worker.cache import validate as validate_cache
 
 START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")
@@ -84,12 +82,6 @@ def validate(
             "with it, or transform batches in batch_fn (in the workers) instead"
         )
     validate_cache(cache)
-    if not isinstance(source, Shards) and not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
-        raise TypeError(
-            f"source must support len() and indexing with an int (a list, a numpy array, a torch Dataset...); "
-            f"got {type(source).__name__}, which lacks "
-            f"{'__len__' if not hasattr(source, '__len__') else '__getitem__'}. Wrap iterables in a list first."
-        )
     for name, value in (("fn", fn), ("collate_fn", collate_fn)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
@@ -114,11 +106,6 @@ def validate(
     if batches is not None:
         if not callable(batches):
             raise TypeError(f"batches must be a callable epoch -> list of index lists, got {type(batches).__name__}")
-        if isinstance(source, Mix):
-            raise ValueError(
-                "a procpipe.Mix draws each epoch's order from its weights, but this Loader was also "
-                "given batches=..., which would replace it: leave batches= out to mix by weight"
-            )
         if shuffle or drop_last or shard is not None:
             raise ValueError(
                 "batches=... decides every epoch's batches itself: shuffle, drop_last and shard do not apply "

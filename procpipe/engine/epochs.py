@@ -35,7 +35,6 @@ from ..core.reassembly import ResumePoint
 from ..core.skips import SkipBudget
 from ..core.stats import EpochCounters
 from ..plan.base import EMPTY, EpochPlan, Failure, Offer, Work
-from ..plan.index import IndexPlan
 
 __all__ = ["EMPTY", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
 
@@ -285,8 +284,8 @@ class Stream:
         self.wait_s = 0.0  # seconds the consumer waited in next() (consumer thread; autotune reads it)
         self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
         self.last: Epoch | None = None  # the epoch opened last
-        # The source kind's per-epoch plan: a streaming source (procpipe.streaming) names its own.
-        self.plan_class: PlanClass = getattr(sampler, "plan_class", IndexPlan)
+        # The source kind's per-epoch plan, named by its sampler (plan/base.py BatchPlan.plan_class).
+        self.plan_class: PlanClass = sampler.plan_class
         self.first = self._epoch(start, first_batches, done)
         self.opened[start] = self.first
 

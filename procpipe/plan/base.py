@@ -206,7 +206,11 @@ class BatchPlan(Protocol):
     """What a Loader holds for its source, whatever its kind (``Sampler``, ``MixSampler``,
     ``ExplicitBatches``, ``StreamPlan``): the batches of each epoch (lists of indices; for a
     stream, the order its shards are read in), and how many there are (``TypeError`` where
-    that is not known in advance)."""
+    that is not known in advance). ``plan_class``: the ``EpochPlan`` of its epochs (``IndexPlan``,
+    or a stream's ``ShardPlan``), which the engine's ``Stream`` builds each epoch with."""
+
+    @property
+    def plan_class(self) -> Any: ...
 
     def __len__(self) -> int: ...
 

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from ..streaming.shards import Shards
+from .index import IndexPlan
 from .mix_kinds import indexed_shard_size, virtual_shards
 from .sampler import epoch_order
 
@@ -204,6 +206,14 @@ class Mix:
             out.extend(source.leaves() if isinstance(source, Mix) else [source])
         return out
 
+    def leaf_parents(self) -> list[Mix]:
+        """For each of ``leaves()``, the mixture holding it directly (whose ``shard_size`` it is read with)."""
+        return [p for source in self.sources for p in (source.leaf_parents() if isinstance(source, Mix) else [self])]
+
+    def leaf_owners(self) -> list[int]:
+        """For each of ``leaves()``, the index of the source of this mixture that holds it."""
+        return [k for k, source in enumerate(self.sources) for _ in _leaves_of(source)]
+
     def structure(self) -> list[Any]:
         """What a saved state must match: each source's length, a nested mixture as its own list
         (an indexed source beside streams: its elements and the size of its shards)."""
@@ -286,6 +296,8 @@ class MixSampler:
     of each epoch planned are kept (``weights``), and a loaded state pins those of the
     epochs it names (``pin``).
     """
+
+    plan_class = IndexPlan  # each epoch: a fixed list of batches (plan/index.py)
 
     def __init__(
         self,
@@ -456,9 +468,8 @@ def _leaves_of(source: Any) -> list[Any]:
 
 
 def is_stream(source: Any) -> bool:
-    """``source`` is a ``procpipe.Shards`` (known by its reading method: streaming is above this
-    layer) or a mixture of them."""
-    return (isinstance(source, Mix) and source.streaming) or callable(getattr(source, "produce_block", None))
+    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Loader's source: api/kinds.py)."""
+    return (isinstance(source, Mix) and source.streaming) or isinstance(source, Shards)
 
 
 def check_mix_weights(weights: Any, count: int, where: str = "") -> Any:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..core.rng import shuffle_rng
+from .index import IndexPlan
 
 
 def epoch_order(
@@ -60,6 +61,8 @@ class Sampler:
     saved run had delivered, this rank's part of them; ``base`` is kept for the states
     this loader saves in that epoch).
     """
+
+    plan_class: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (plan/index.py)
 
     length: int
     batch_size: int | None
@@ -130,6 +133,8 @@ class ExplicitBatches:
     (``int``, numpy integers, 0-d integer tensors); they are checked against the source's
     length so a bad index fails here, with the culprit named, not in a worker.
     """
+
+    plan_class = IndexPlan  # each epoch: a fixed list of batches (plan/index.py)
 
     def __init__(self, fn: Callable[[int], Any], length: int, unbatched: bool) -> None:
         self.fn = fn

@@ -65,9 +65,10 @@ Modules, in the order a block meets them on the data path:
   (``Output``).
 """
 
+from .blocks import Block, RecordKey
 from .order import Interleave, StreamProgress
 from .plan import InlineStream, StreamPlan
 from .shard_plan import ShardPlan
-from .shards import Block, RecordKey, Shards
+from .shards import Shards
 
 __all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]

@@ -24,7 +24,8 @@ from ..core.collate import ARRAY, DICT, INLINE, SEQ
 from ..core.rng import buffer_rng
 from ..errors import CollateError
 from ..worker.produce import collate_privately
-from .shards import CHUNKS, STACK, Block, RecordKey
+from .blocks import Block, RecordKey
+from .shards import CHUNKS, STACK
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ from ..plan.base import EMPTY, Loaded
 from ..plan.sampler import epoch_order
 from ..worker.produce import produce
 from .batching import BatchingConfig
+from .blocks import RecordKey
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
-from .shards import CHUNKS, RECORDS, STACK, RecordKey, Shards
+from .shards import CHUNKS, RECORDS, STACK, Shards
 
 
 class StreamPlan:

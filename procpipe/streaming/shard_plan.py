@@ -22,8 +22,8 @@ from typing import Any, cast
 from ..core.reassembly import Progress
 from ..plan.base import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
 from .batching import Output
+from .blocks import Block, split_block_layout
 from .order import StreamProgress
-from .shards import Block, split_block_layout
 
 _NO_RECORDS: list[tuple[int, int, int]] = []  # the coverage of a batch not recorded (never modified)
 

@@ -1,14 +1,17 @@
-"""The streaming source and reading it, in any process: ``Shards``, ``RecordKey``, ``Block``.
+"""The streaming source and reading it, in any process: ``Shards`` (its tasks, ``Block`` and
+``RecordKey``, are in blocks.py).
 
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
 ``StreamPlan`` (plan.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
-shipped to every worker. The coordinator sends each worker ``Block`` tasks (shard_plan.py);
+shipped to every worker and is the workers' reader (worker/reader.py: api/kinds.py puts it in
+``WorkerSpec.reader``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
 in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
 block to ``Shards.produce_block``, which reads its records from the shard's iterator
-(``_Reader``, kept open between blocks: shard affinity), runs ``fn`` and ``augment`` on
-each under its sample scope (seeded from its ``RecordKey``), and collates them into the
-task's ring slot. Turning blocks into batches is batching.py's, in the loader's process.
+(``_Reader``, kept open between blocks: shard affinity), runs each through the one per-sample
+pipeline (worker/stages.py: the cache or ``fn``, ``augment``, skip on error) under its sample
+scope (seeded from its ``RecordKey``), and collates them into the task's ring slot. Turning
+blocks into batches is batching.py's, in the loader's process.
 """
 
 from __future__ import annotations
@@ -17,18 +20,18 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, cast
 
 from ..core import collate
 from ..core.checks import check_int, is_count
-from ..core.collate import INLINE, SEQ
+from ..core.collate import INLINE
 from ..core.notes import add_note
 from ..core.rng import SampleScope
 from ..errors import ShardLengthError
 from ..worker.produce import Produced, collate_privately, run_batch_fn
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
+from ..worker.reader import GROWING, PER_RECORD, first_record_cached, first_scope
+from ..worker.stages import SKIPPED, run_sample
+from .blocks import Block, BlockRead, RecordKey, block_layout
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -36,86 +39,6 @@ CHUNKS = "chunks"  # collate_fn or batch_fn: the block's records in chunks of ba
 RECORDS = "records"  # batch_size=None or shuffle_buffer: every record laid out on its own
 _EXTRA_READERS = 8  # open iterators a worker keeps beyond 2 * cycle_length (LRU)
 _END = object()  # a reader's end of shard
-
-
-class RecordKey(tuple):
-    """``(shard, record)``: a record's identity, the streaming counterpart of an index.
-
-    ``shard`` is the shard's position in ``Shards.shards`` (not in the epoch's shuffled
-    order), ``record`` its number within the shard. ``sample_rng()`` is seeded from
-    ``(seed, epoch, shard, record)``; error messages name records by it.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, shard: int, record: int) -> Self:
-        return tuple.__new__(cls, (shard, record))
-
-    def __getnewargs__(self) -> tuple[int, int]:
-        return tuple(self)
-
-    def __repr__(self) -> str:
-        return f"(shard {self[0]}, record {self[1]})"
-
-
-class BlockRead(NamedTuple):
-    """What reading one block found: sent with the block's layout (``block_layout``)."""
-
-    read: int  # records read from the shard (fewer than block_length: the shard ended)
-    kept: int  # records the block holds (read, less those received before a resume)
-    failed: tuple  # records on_error="skip" left out
-
-
-def block_layout(info: BlockRead, inner: list) -> list:
-    """A block's reply layout (collate.py's format): ``info`` travels inline beside the layout
-    of its records, so the coordinator learns both from the one reply."""
-    return [SEQ, tuple, [[INLINE, tuple(info)], inner]]
-
-
-def split_block_layout(layout: list) -> tuple[BlockRead, list]:
-    """``block_layout``'s inverse: the ``BlockRead`` and the records' own layout."""
-    info, inner = layout[2]
-    return BlockRead(*info[1]), inner
-
-
-class Block:
-    """A task: records ``first .. first + length - 1`` of shard ``shard`` (its block ``number``).
-
-    Sent to a worker in place of a list of indices. Iterating it gives the keys of the
-    records it may hold (for the coordinator's messages about lost or stuck tasks).
-    ``skip``: ``(start, stop)`` ranges of its records the consumer received before a
-    resume; the worker reads past them (the shard's iterator only, not ``fn``) and leaves
-    them out of the block's layout.
-    """
-
-    __slots__ = ("first", "length", "number", "shard", "skip")
-
-    def __init__(
-        self, shard: int, number: int, first: int, length: int, skip: tuple[tuple[int, int], ...] = ()
-    ) -> None:
-        self.shard = shard
-        self.number = number
-        self.first = first
-        self.length = length
-        self.skip = skip
-
-    def __reduce__(self) -> tuple:
-        return Block, (self.shard, self.number, self.first, self.length, self.skip)
-
-    def __iter__(self):
-        return (RecordKey(self.shard, r) for r in range(self.first, self.first + self.length))
-
-    def skipped(self, record: int) -> bool:
-        return any(start <= record < stop for start, stop in self.skip)
-
-    def kept(self, read: int) -> range | list[int]:
-        """The records a block's layout holds when ``read`` of its records could be read: all
-        but the skipped ones, in order."""
-        records = range(self.first, self.first + read)
-        return [r for r in records if not self.skipped(r)] if self.skip else records
-
-    def __repr__(self) -> str:
-        return f"block {self.number} of shard {self.shard} (records {self.first}-{self.first + self.length - 1})"
 
 
 class Shards:
@@ -203,6 +126,15 @@ class Shards:
         return clone
 
     # ------------------------------------------------------------------ reading (any process)
+    @property
+    def cache_kind(self) -> str:
+        """The reader's cache layout (worker/reader.py): per record, or growing without ``lengths``."""
+        return GROWING if self.lengths is None else PER_RECORD
+
+    def produce(self, spec: Any, scope: SampleScope, epoch: int, task: Any, *args: Any) -> Produced:
+        """The reader's task (worker/reader.py): a ``Block``, read by ``produce_block``."""
+        return self.produce_block(spec, scope, epoch, task, *args)
+
     def produce_block(
         self,
         spec: Any,
@@ -223,9 +155,7 @@ class Shards:
         """
         _, mode, batch_size = cast("tuple[int, str, int | None]", self._config)  # (set: the loader's copy runs)
         skipped: list[tuple[RecordKey, Exception]] = []  # on_error="skip": records whose fn or augment raised
-        read_all = (
-            self._from_cache(spec, scope, epoch, block, skipped) if getattr(spec, "cache", None) is not None else None
-        )
+        read_all = self._from_cache(spec, scope, epoch, block, skipped) if spec.cache is not None else None
         if read_all is None:
             skipped.clear()
         keys, samples, read = read_all or self._read(spec, scope, epoch, block, status, skipped)
@@ -265,6 +195,7 @@ class Shards:
         (an error of the iterator itself still raises: the shard cannot be read past it)."""
         keys: list[RecordKey] = []
         samples: list[Any] = []
+        cache = spec.cache
         reader = self._reader(epoch, block, scope, status)
         stop = block.first + block.length
         try:
@@ -278,41 +209,19 @@ class Shards:
                     break
                 if block.skip and block.skipped(key[1]):
                     continue
-                try:
-                    record = self._stages(spec, key, record)
-                except Exception as exc:
-                    if not getattr(spec, "skip", False):
-                        raise
-                    skipped.append((key, exc))
-                    continue
-                keys.append(key)
-                samples.append(record)
+                index = key if cache is None else self.cache_index(key)
+                record = run_sample(spec, scope, index, {index: record}, key, skipped, self.describe)
+                if record is not SKIPPED:
+                    keys.append(key)
+                    samples.append(record)
         finally:
             self._keep(epoch, block.shard, reader)
-        if reader.done and self.lengths is None and getattr(spec, "cache", None) is not None:
+        if reader.done and self.lengths is None and cache is not None:
             spec.cache.set_end(block.shard, reader.position)  # (a growing cache: where the shard ends)
         scope.leave()
         if status is not None:
             status[1] = -1
         return keys, samples, max(0, reader.position - block.first)
-
-    def _stages(self, spec: Any, key: RecordKey, record: Any) -> Any:
-        """``fn`` (or the cache) then ``augment`` on one record; an exception gets a note naming it."""
-        cache, name = getattr(spec, "cache", None), "fn"
-        try:
-            if cache is not None:
-                index = self.cache_index(key)
-                cached = cache.get(index)
-                # (the cache computes fn on "source[index]": here, the record just read)
-                record = cached if cached is not None else cache.compute(index, {index: record}, spec.fn)
-            elif spec.fn is not None:
-                record = spec.fn(record)
-            name = "augment"
-            augment = getattr(spec, "augment", None)
-            return record if augment is None else augment(record)
-        except Exception as exc:
-            add_note(exc, f"procpipe: raised by {name} on record {key[1]} of shard {key[0]} ({self.name(key[0])}).")
-            raise
 
     def _from_cache(
         self, spec: Any, scope: SampleScope, epoch: int, block: Block, skipped: list
@@ -320,7 +229,7 @@ class Shards:
         """``block`` entirely from the cache, without reading its shard (the lengths, a
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
-        cache, augment = spec.cache, getattr(spec, "augment", None)
+        cache = spec.cache
         known = self.lengths[block.shard] if self.lengths is not None else cache.shard_end(block.shard)
         end = block.first + block.length if known is None else min(block.first + block.length, known)
         keys: list[RecordKey] = []
@@ -334,22 +243,15 @@ class Shards:
                 return None
             keys.append(key)
             samples.append(sample)
-        if augment is not None:
-            kept_keys, kept = [], []
-            for key, sample in zip(keys, samples, strict=True):
+        if spec.augment is not None:  # the rest of the stages (cached: fn's output), through the one pipeline
+            pairs, keys, samples = zip(keys, samples, strict=True), [], []
+            for key, cached in pairs:
                 scope.enter(epoch, key)
-                try:
-                    kept.append(augment(sample))
-                    kept_keys.append(key)
-                except Exception as exc:
-                    add_note(
-                        exc, f"procpipe: raised by augment on record {key[1]} of shard {key[0]} ({self.name(key[0])})."
-                    )
-                    if not getattr(spec, "skip", False):
-                        raise
-                    skipped.append((key, exc))
+                sample = run_sample(spec, scope, key, None, key, skipped, self.describe, cached)
+                if sample is not SKIPPED:
+                    keys.append(key)
+                    samples.append(sample)
             scope.leave()
-            keys, samples = kept_keys, kept
         return keys, samples, max(0, end - block.first)
 
     # ------------------------------------------------------------------ the cache (cache=...)
@@ -372,6 +274,11 @@ class Shards:
             for n in self.lengths:
                 self._offsets.append(self._offsets[-1] + n)
         return self._offsets[key[0]] + key[1]
+
+    def first_cached(self, spec: Any) -> tuple[Any, Any]:
+        """The reader's first cached sample (worker/reader.py): ``fn`` of the first record."""
+        scope = first_scope(spec)
+        return first_record_cached(spec, scope, cast("tuple[Any, Any, Any]", self.first_record(scope)))
 
     def first_record(self, scope: SampleScope) -> tuple[Any, RecordKey, Any] | None:
         """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
@@ -422,6 +329,10 @@ class Shards:
         """``keys`` (records of one shard, in order) for a message: "records 4-7 of shard 2 (name)"."""
         shard = keys[0][0]
         return f"records {keys[0][1]}-{keys[-1][1]} of shard {shard} ({self.name(shard)})"
+
+    def describe(self, key: RecordKey) -> str:
+        """A record, for a message: "record 3 of shard 0 (name)"."""
+        return f"record {key[1]} of shard {key[0]} ({self.name(key[0])})"
 
     def name(self, shard: int) -> str:
         return reprlib.repr(self.shards[shard])

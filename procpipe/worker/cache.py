@@ -45,8 +45,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..core.notes import add_note
-from ..core.rng import SAMPLE, SampleScope, no_sample_rng
+from ..core.rng import no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 
@@ -60,8 +59,7 @@ _PY_NUMBERS = {
     float: np.dtype(np.float64),
     complex: np.dtype(np.complex128),
 }
-_FIRST_SAMPLE_TRIES = 16  # with on_error="skip": indices tried in the parent to size the cache
-_NO_RNG = (
+NO_RNG = (
     "procpipe.sample_rng() was called while computing a cached sample (cache=... is on): the cached "
     "stage (the source's __getitem__ and fn) runs once per index and its output is reused in every "
     "epoch, so it must be deterministic. Move random augmentation into augment=..., which runs every "
@@ -362,7 +360,7 @@ class Cache:
 
     def compute(self, index: int, source: Any, fn: Any) -> Any:
         """Run the cached stage for ``index``, store it, and return the stored copy."""
-        with no_sample_rng(_NO_RNG):
+        with no_sample_rng(NO_RNG):
             sample = source[index]
             if fn is not None:
                 sample = fn(sample)
@@ -418,11 +416,11 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     directory = location(cache, shm_dir)
     if directory is None:
         return None
-    stream = hasattr(spec.source, "produce_block")  # a procpipe.Shards: keyed by (shard, record), see cache_index
-    length = spec.source.cache_length() if stream else len(spec.source)
+    reader = spec.reader  # the source kind's: an index per sample, or per (shard, record) of a stream
+    length = reader.cache_length()
     if length == 0:
         return None
-    index, first = _first_stream_sample(spec) if stream else _first_sample(spec, length)
+    index, first = reader.first_cached(spec)
     skeleton, fields = plan(first)
     offset = _align(length)  # the filled bytes
     crc_offset = None
@@ -476,59 +474,6 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
         _unlink(path)  # workers=0: only this process needs it, and it stays mapped
     result._finalizer = weakref.finalize(result, _remove, path, os.getpid())
     return result
-
-
-def _first_scope(spec: Any) -> SampleScope:
-    """The scope the first sample is computed in: the global generators seeded as a worker
-    seeds a cached stage for epoch 0 (from its sample's own seed: ``SampleScope.own_seed``),
-    and the caller's states put back after."""
-    return SampleScope(spec.seed, seed_globals=SAMPLE if spec.seed_globals else None, restore_globals=True)
-
-
-def _first_sample(spec: Any, length: int) -> tuple[int, Any]:
-    scope = _first_scope(spec)
-    error: Exception | None = None
-    for index in range(min(length, _FIRST_SAMPLE_TRIES if spec.skip else 1)):
-        scope.enter(0, index)
-        try:
-            with no_sample_rng(_NO_RNG):
-                sample = spec.source[index]
-                if spec.fn is not None:
-                    sample = spec.fn(sample)
-            return index, sample
-        except Exception as exc:
-            add_note(
-                exc,
-                f"procpipe: raised in the calling process while computing index {index} to lay out "
-                "the cache (cache=...): the first sample of the cached stage is computed when the "
-                "Loader is created.",
-            )
-            error = exc
-            if not spec.skip:
-                raise
-        finally:
-            scope.leave()
-    assert error is not None
-    raise error
-
-
-def _first_stream_sample(spec: Any) -> tuple[int, Any]:
-    """A streaming source's first record, through ``fn``: ``(cache index, sample)``."""
-    scope = _first_scope(spec)
-    index, key, record = spec.source.first_record(scope)
-    scope.enter(0, key)
-    try:
-        with no_sample_rng(_NO_RNG):
-            return index, record if spec.fn is None else spec.fn(record)
-    except Exception as exc:
-        add_note(
-            exc,
-            "procpipe: raised in the calling process while computing the first record to lay out the "
-            "cache (cache=...): the first sample of the cached stage is computed when the Loader is created.",
-        )
-        raise
-    finally:
-        scope.leave()
 
 
 def _unlink(path: str) -> None:

@@ -41,6 +41,7 @@ from ..core.shm import WorkerRings, map_file, open_owned
 from ..errors import CollateError
 from .identity import enter_worker
 from .produce import produce
+from .reader import IndexedReader, SourceReader
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -63,6 +64,13 @@ class WorkerSpec:
     augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
     cache: Any = None  # a procpipe.worker.cache.Cache: fn's output per index, computed once
     seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
+    # How a task is read and the cache laid out: the source kind's reader (worker/reader.py), resolved
+    # once by the Loader (api/kinds.py); left out, the source is an indexed one.
+    reader: SourceReader = None  # type: ignore[assignment]  # (set in __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.reader is None:
+            self.reader = IndexedReader(self.source)
 
 
 class _SpecPickler(dill.Pickler):

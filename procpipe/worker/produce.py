@@ -1,11 +1,13 @@
-"""Producing one batch: the user's Python for each index, then collation.
+"""Producing one task: the user's Python for each sample, then collation.
 
-The one implementation of "load these indices into a batch", shared by the worker
-processes and by ``workers=0`` (the calling process), so both give identical results.
-What to do with a failing sample is the caller's: with ``spec.skip`` the sample is left
-out and reported in ``Produced.skipped``; otherwise its exception propagates, and
-``scope.index`` still names the failing index (it is ``None`` when collation or
-``batch_fn`` failed).
+``produce`` is what a worker (and ``workers=0``, the calling process) runs per task, so both
+give identical results; it hands the task to the source kind's reader (``spec.reader``,
+reader.py), resolved once by the Loader: ``produce_indices`` here for a list of indices, or
+``Shards.produce_block`` for a stream's block. Both run each sample through the one
+per-sample pipeline (stages.py ``run_sample``). What to do with a failing sample is the
+pipeline's: with ``spec.skip`` the sample is left out and reported in ``Produced.skipped``;
+otherwise its exception propagates, and ``scope.index`` still names the failing index (it is
+``None`` when collation or ``batch_fn`` failed).
 
 The stages, per sample then per batch::
 
@@ -30,22 +32,13 @@ from ..core import collate
 from ..core.notes import add_note
 from ..core.rng import BatchScope, SampleScope, no_sample_rng
 from ..errors import summarize_indices
+from .stages import SKIPPED, run_sample
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
     "use procpipe.batch_rng() there (seeded from (seed, epoch, the batch's first index or record)), or draw "
     "per-sample randomness in fn or augment."
 )
-
-
-def _returned_none(spec: Any, index: int) -> str:
-    """The error for a sample that is ``None``: which stage returned nothing."""
-    stage = "augment" if spec.augment is not None else "fn" if spec.fn is not None else "the source's __getitem__"
-    return (
-        f"{stage} returned None for index {index}: a sample must be a value (an array, a number, a "
-        f"dict or tuple of them); did {stage} forget a `return`? (To drop samples, raise in fn with "
-        "on_error='skip'; to batch None values on purpose, pass a collate_fn.)"
-    )
 
 
 @dataclass
@@ -63,46 +56,39 @@ def produce(
     spec: Any,
     scope: SampleScope,
     epoch: int,
+    task: Any,
+    buffer: Any | None,
+    capacity: int,
+    status: Any | None = None,
+) -> Produced:
+    """Produce one task into ``buffer`` (a ring slot of ``capacity`` bytes; inline where it
+    does not fit), as the source kind's reader does it (``spec.reader``, worker/reader.py): a
+    list of indices (``produce_indices``), or a stream's ``Block`` (``Shards.produce_block``).
+    ``status``, if given, receives the index being loaded (``status[1]``), so the coordinator
+    can name a stuck sample."""
+    return spec.reader.produce(spec, scope, epoch, task, buffer, capacity, status)
+
+
+def produce_indices(
+    spec: Any,
+    scope: SampleScope,
+    epoch: int,
     indices: list[int],
     buffer: Any | None,
     capacity: int,
     status: Any | None = None,
 ) -> Produced:
-    """Run ``fn(source[i])`` for each index under its sample scope, then collate.
-
-    Arrays go straight into ``buffer`` (a ring slot of ``capacity`` bytes) when they fit,
-    else inline. ``status``, if given, receives the index being loaded (``status[1]``),
-    so the coordinator can name a stuck sample.
-
-    ``indices`` may instead be a ``procpipe.streaming.Block`` (a streaming source's task):
-    the source reads, maps and collates it itself (``Shards.produce_block``).
-    """
-    if type(indices) is not list:
-        return spec.source.produce_block(spec, scope, epoch, indices, buffer, capacity, status)
-    samples, kept, skipped = [], [], []
-    source, fn, cache, augment = spec.source, spec.fn, spec.cache, spec.augment
+    """An indexed source's task: each index through the stages (``stages.run_sample``) under its
+    sample scope, then collation (and ``batch_fn``)."""
+    samples, kept = [], []
+    skipped: list[tuple[Any, Exception]] = []
+    source = spec.source
     for index in indices:
         if status is not None:
             status[1] = index
         scope.enter(epoch, index)
-        try:
-            if cache is not None:
-                sample = cache.get(index)
-                if sample is None:
-                    with scope.own_seed():  # the task's draws go on as if the cache had been hit
-                        sample = cache.compute(index, source, fn)
-            else:
-                sample = source[index]
-                if fn is not None:
-                    sample = fn(sample)
-            if augment is not None:
-                sample = augment(sample)
-            if sample is None and spec.batched and spec.collate_fn is None:
-                raise TypeError(_returned_none(spec, index))
-        except Exception as exc:
-            if not spec.skip:
-                raise
-            skipped.append((index, exc))
+        sample = run_sample(spec, scope, index, source, index, skipped)
+        if sample is SKIPPED:
             continue
         samples.append(sample)
         kept.append(index)

@@ -48,6 +48,7 @@ from ..core.rng import SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
+from .reader import GROWING
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
 LINK = 64  # bytes before a chunk's slots: [next chunk: u64][pad]
@@ -66,13 +67,9 @@ NO_RNG = (
 
 def open_loader_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Any:
     """The cache of a loader (None: none): this growing cache for a stream without
-    ``lengths``, cache.py's otherwise (see ``cache.open_cache`` for the arguments)."""
-    source = spec.source
-    if (
-        indexed.location(cache, shm_dir) is None
-        or not hasattr(source, "produce_block")
-        or getattr(source, "lengths", ()) is not None
-    ):
+    ``lengths`` (its reader's ``cache_kind``: worker/reader.py), cache.py's otherwise (see
+    ``cache.open_cache`` for the arguments)."""
+    if indexed.location(cache, shm_dir) is None or spec.reader.cache_kind != GROWING:
         return indexed.open_cache(spec, cache, files, shm_dir)
     return open_stream_cache(spec, cache, files, shm_dir)
 

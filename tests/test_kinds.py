@@ -1,0 +1,85 @@
+"""The source kind, resolved once (procpipe/api/kinds.py), and the one per-sample pipeline
+(procpipe/worker/stages.py) that indexed sources and streams share. All with ``workers=0``:
+what is checked is which objects the Loader holds and what each sample goes through."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import procpipe
+from procpipe.api.iterators import InlineIterator
+from procpipe.api.kinds import StreamKind, resolve_kind
+from procpipe.plan.index import IndexPlan
+from procpipe.streaming import InlineStream, ShardPlan
+from procpipe.worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
+
+OPTIONS = dict(batch_size=2, shuffle=False, seed=0, drop_last=False, reshuffle=True, shard=None, batches=None,
+               shuffle_buffer=None)
+
+
+def open_shard(shard):
+    return (np.int64(100 * shard + r) for r in range(3))
+
+
+def shards(lengths=True):
+    return procpipe.Shards([0, 1], open_shard, lengths=[3, 3] if lengths else None)
+
+
+@pytest.mark.parametrize("name", ["indexed", "mix", "shards", "mix of shards", "growing"])
+def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str) -> None:
+    source = {
+        "indexed": list(range(5)),
+        "mix": procpipe.Mix([list(range(5)), list(range(3))], [1, 1]),
+        "shards": shards(),
+        "mix of shards": procpipe.Mix([shards(), shards()], [1, 1]),
+        "growing": shards(lengths=False),
+    }[name]
+    kind = resolve_kind(source, **OPTIONS)
+    streaming = name in ("shards", "mix of shards", "growing")
+    assert isinstance(kind, StreamKind) is streaming is kind.streaming
+    assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
+    assert kind.inline is (InlineStream if streaming else InlineIterator)
+    assert (kind.mixing is not None) is name.startswith("mix")
+    if streaming:  # the configured copy of the Shards reads its own blocks
+        assert kind.reader is kind.source is kind.plan.source  # type: ignore[attr-defined]
+        assert kind.reader.cache_kind == (GROWING if name == "growing" else PER_RECORD)
+    else:
+        assert isinstance(kind.reader, IndexedReader) and kind.source is source
+        assert kind.reader.cache_kind == PER_INDEX
+    assert set(kind.settings()) >= {"batch_size", "shuffle", "seed", "drop_last", "shard", "reshuffle"}
+
+
+def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:
+    with pytest.raises(TypeError, match="source must support len.*lacks __getitem__"):
+        resolve_kind({1, 2, 3}, **OPTIONS)
+    with pytest.raises(ValueError, match="shuffle_buffer applies to streaming sources"):
+        resolve_kind([1, 2], **{**OPTIONS, "shuffle_buffer": 4})
+    with pytest.raises(ValueError, match="a procpipe.Mix draws each epoch's order"):
+        resolve_kind(procpipe.Mix([[1], [2]], [1, 1]), **{**OPTIONS, "batches": lambda epoch: [[0]]})
+
+
+def test_a_stream_record_that_becomes_none_is_refused_as_an_indexed_sample_is() -> None:
+    """The one pipeline's check: before, a stream batched None records silently."""
+    with pytest.raises(TypeError, match=r"fn returned None for index \(shard 0, record 0\)"):
+        list(procpipe.Loader(shards(), lambda record: None, batch_size=2, workers=0))
+    with pytest.raises(TypeError, match="fn returned None for index 0"):
+        list(procpipe.Loader(list(range(4)), lambda x: None, batch_size=2, workers=0))
+
+
+def draw(record):
+    return np.int64(record) * 0 + np.int64(np.random.randint(1 << 30))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_cached_stage_draws_from_its_samples_own_seed_for_every_kind(stream: bool) -> None:
+    """A cached ``fn`` sees the global generators seeded from its sample's epoch-0 seed, whichever
+    epoch computes it (``SampleScope.own_seed``): for a stream too, since both kinds share the stages."""
+    values = []
+    for first_epoch in (0, 3):
+        source = shards() if stream else list(range(6))
+        with procpipe.Loader(source, draw, batch_size=2, workers=0, cache=True) as loader:
+            loader.set_epoch(first_epoch)
+            values.append(np.concatenate(list(loader)).tolist())
+    assert values[0] == values[1]
+    assert len(set(values[0])) > 1  # (the draws differ per sample)
