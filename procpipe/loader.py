@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
+from .api.config import LoaderConfig, engine_config
 from .api.iteration import IterationContext, LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
 from .api.mixing import sampler_for, stream_plan_for
@@ -26,26 +27,19 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .api.resume import load_state, save_state
 from .api.shutdown import close_engine, watch_exit
-from .api.validate import validate, validate_backend, validate_epochs
-from .core.checks import check_int
+from .api.validate import validate_source
 from .core.reassembly import ResumePoint
-from .core.rng import seeding_mode
-from .engine.autotune import resolve as resolve_autotune
-from .engine.coordinator import Coordinator, EngineConfig
+from .engine.coordinator import Coordinator
 from .engine.start import start_engine
 from .plan.base import BatchPlan
 from .plan.sampler import ExplicitBatches
 from .streaming import InlineStream, StreamPlan
-from .streaming.even_ranks import check_even_ranks
 from .worker.process import WorkerSpec
 from .worker.start_method import resolve as resolve_start_method
 from .worker.stream_cache import open_loader_cache
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
-
-DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
 
 class Loader:
     """Loads batches from ``source`` with worker processes, through a shared-memory ring.
@@ -212,38 +206,10 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        validate(
-            source,
-            fn,
-            batch_size,
-            workers,
-            prefetch,
-            seed,
-            collate_fn,
-            start_method,
-            shm_dir,
-            slot_bytes,
-            max_worker_restarts,
-            batches=batches,
-            shard=shard,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            task_timeout=task_timeout,
-            speculate=speculate,
-            batch_fn=batch_fn,
-            cache=cache,
-            augment=augment,
-            device=device,
-            device_fn=device_fn,
-        )
-        validate_epochs(epochs, reshuffle, with_epoch, batches)
-        validate_backend(backend, workers)
-        check_int("stage_slots", stage_slots, 0)
-        check_even_ranks(even_ranks, shard)
-        auto = resolve_autotune(workers)
-        fixed_workers = 0 if auto is not None else cast(int, workers)  # (validated: an int unless autotuned)
+        # every argument but the source, as passed: into the checked groups (api/config.py), once
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
+        config = self._config = LoaderConfig.from_arguments(**arguments)
+        validate_source(source, batches)
         self._sampler: BatchPlan
         if (stream_plan := stream_plan_for(source)) is not None:  # a stream (procpipe.Shards, or a Mix of them)
             self._sampler = plan = stream_plan(
@@ -285,56 +251,34 @@ class Loader:
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
         # Checked before any worker starts; imports torch only when a device is asked for.
-        self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
-        self._spec = WorkerSpec(
-            source,
-            fn,
-            collate_fn,
-            batch_size is not None,
-            int(seed),
-            skip=on_error == "skip",
-            batch_fn=batch_fn,
-            augment=augment,
-            seed_globals=seeding_mode(seed_globals),
-        )
+        self._device_stage = None if device is None else _device_stage(config)
+        self._spec = WorkerSpec.of(source, config.stages, config.batching, config.faults)
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
-        self._workers = workers
+        execution = config.execution
         # once: its restarted workers start the same way (a slower start is said once, if workers start here)
-        starts_here = (auto is not None or fixed_workers > 0) and backend is None
-        self._start_method = resolve_start_method(start_method, warn=starts_here)
-        self._with_epoch = bool(with_epoch)
-        self._ordered = bool(ordered)
+        starts_here = execution.has_workers and execution.backend is None
+        self._start_method = resolve_start_method(execution.start_method, warn=starts_here)
         self._active: LoaderIterator | None = None  # the source node of the latest iteration
         self._root: Node | None = None  # the node the consumer iterates: the source, or a device stage over it
         self._closed = False
         self._coordinator: Coordinator | None = None
-        if auto is not None or fixed_workers > 0:
-            env = dict(DEFAULT_WORKER_ENV)
-            env.update(worker_env or {})
-            engine_workers = fixed_workers if auto is None else auto.first
-            if backend is not None:  # workers= is per node: the coordinator sees them all
-                engine_workers = backend.lanes(workers)
-            config = EngineConfig(
-                engine_workers,
-                self._ordered,
-                prefetch,
-                slot_bytes,
-                max_worker_restarts,
-                env,
-                self._start_method,
-                on_error=on_error,
-                max_skipped=max_skipped,
-                task_timeout=task_timeout,
-                speculate=speculate,
-                autotune=auto,
-                stage_slots=stage_slots + (0 if self._device_stage is None else self._device_stage.slots_held),
-            )
-            self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
+        stages, memory = config.stages, config.memory
+        if execution.has_workers:
+            slots = 0 if self._device_stage is None else self._device_stage.slots_held
+            engine = engine_config(config, self._start_method, slots)
+            # (sets self._spec.cache)
+            self._coordinator = start_engine(engine, self._spec, stages.cache, memory.shm_dir, execution.backend)
         else:
-            self._spec.cache = open_loader_cache(self._spec, cache, None, shm_dir)
+            self._spec.cache = open_loader_cache(self._spec, stages.cache, None, memory.shm_dir)
         # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
         self._context = IterationContext(
-            self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped, self._coordinator, epochs
+            sampler=self._sampler,
+            spec=self._spec,
+            ordered=bool(execution.ordered),
+            with_epoch=config.batching.with_epoch,
+            max_skipped=config.faults.max_skipped,
+            coordinator=self._coordinator,
+            epochs=config.batching.epochs,
         )
         # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
         self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
@@ -464,6 +408,14 @@ class Loader:
         self.close()
 
     @property
+    def config(self) -> LoaderConfig:
+        """Every argument of this loader but the source, checked, in six frozen groups: ``batching``,
+        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.api.config``).
+        Read-only (``print(loader.config)`` shows it all, a group per line); values as passed,
+        ``"auto"`` included (``start_method`` has the start method resolved)."""
+        return self._config
+
+    @property
     def start_method(self) -> str:
         """The start method of this loader's workers: ``"fork"``, ``"zygote"``,
         ``"forkserver"`` or ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
@@ -473,7 +425,7 @@ class Loader:
     def workers_setting(self) -> int | str | Any:
         """``workers`` as it was passed: a count, ``"auto"`` or an autotune setting (the
         number running now, which autotuning changes, is ``len(worker_pids)``)."""
-        return self._workers
+        return self._config.execution.workers
 
     @property
     def worker_pids(self) -> list[int]:
@@ -593,7 +545,7 @@ class Loader:
         out = snapshot(
             self._standing.counters,
             # (without a tuner, workers is a count)
-            workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._workers),
+            workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._config.execution.workers),
             running=running,
             consumed=None if active is None else active.consumed,
             ring=coordinator.ring,
@@ -618,7 +570,8 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
 
 
-def _device_stage(device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None, seed: int) -> Any:
+def _device_stage(config: LoaderConfig) -> Any:
     from .api import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
 
-    return adapter.device_stage(device, prefetch, device_fn, seed)
+    device = config.device
+    return adapter.device_stage(device.device, config.execution.prefetch, device.device_fn, int(config.batching.seed))

@@ -35,6 +35,7 @@ from typing import Any
 import dill
 
 from ..core import collate, wire
+from ..core.config import Batching, Faults, Stages
 from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from ..core.rng import SampleScope
 from ..core.shm import WorkerRings, map_file, open_owned
@@ -62,6 +63,21 @@ class WorkerSpec:
     augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
     cache: Any = None  # a procpipe.worker.cache.Cache: fn's output per index, computed once
     seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
+
+    @classmethod
+    def of(cls, source: Any, stages: Stages, batching: Batching, faults: Faults) -> WorkerSpec:
+        """The spec of a Loader over ``source`` from the groups of its configuration (core/config.py)."""
+        return cls(
+            source=source,
+            fn=stages.fn,
+            collate_fn=stages.collate_fn,
+            batched=batching.batch_size is not None,
+            seed=int(batching.seed),
+            skip=faults.skip,
+            batch_fn=stages.batch_fn,
+            augment=stages.augment,
+            seed_globals=stages.seeding,
+        )
 
 
 class _SpecPickler(dill.Pickler):
