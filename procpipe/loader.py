@@ -1,45 +1,39 @@
 """``procpipe.Loader``: the public entry point.
 
-The Loader checks its arguments (validate.py), plans its epochs (sampler.py, or
-the streaming/ package for a ``procpipe.Shards`` source), starts its engine once (start.py: ships
-the user's objects to the workers, and the coordinator thread, coordinator.py, starts
-them), and hands each iteration to an epoch iterator (iterators.py), the object the
-consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N`` epochs, or
-an endless stream with ``epochs=None``); workers persist between iterations. With
-``workers=0`` everything runs in the calling process through the same sampler, sample
-scope and collation, so results are identical. The iterator is a chain of nodes
-(nodes.py: the epoch iterator, then the device stage with ``device=``); ``state_dict`` is
-the root node's ``get_state()`` with the sampler's settings, and ``load_state_dict``
-checks one and leaves it for the next ``iter()`` (resume.py).
+The Loader checks its arguments into a frozen configuration (``loader.config``: api/config.py),
+plans its epochs (sampler.py, or the streaming/ package for a ``procpipe.Shards`` source),
+makes its parts from the configuration (assembly.py: the worker spec, the engine and its
+workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
+consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
+with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs
+in the calling process through the same sampler, sample scope and collation, so results are
+identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
+stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the sampler's
+settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (resume.py).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from .api.config import LoaderConfig, engine_config
-from .api.iteration import IterationContext, LoaderIterator
+from .api.assembly import assemble
+from .api.config import LoaderConfig
+from .api.iteration import LoaderIterator
 from .api.iterators import EpochIterator, InlineIterator
 from .api.mixing import sampler_for, stream_plan_for
 from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .api.resume import load_state, save_state
-from .api.shutdown import close_engine, watch_exit
 from .api.validate import validate_source
 from .core.reassembly import ResumePoint
-from .engine.coordinator import Coordinator
-from .engine.start import start_engine
 from .plan.base import BatchPlan
 from .plan.sampler import ExplicitBatches
 from .streaming import InlineStream, StreamPlan
-from .worker.process import WorkerSpec
-from .worker.start_method import resolve as resolve_start_method
-from .worker.stream_cache import open_loader_cache
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
+
 
 class Loader:
     """Loads batches from ``source`` with worker processes, through a shared-memory ring.
@@ -250,39 +244,12 @@ class Loader:
                 warn_no_batches(len(source), batch_size, bool(drop_last))
         else:
             self._sampler = ExplicitBatches(batches, len(source), batch_size is None)
-        # Checked before any worker starts; imports torch only when a device is asked for.
-        self._device_stage = None if device is None else _device_stage(config)
-        self._spec = WorkerSpec.of(source, config.stages, config.batching, config.faults)
+        self._parts = assemble(config, source, self._sampler)  # workers start here
+        self._coordinator, self._context = self._parts.coordinator, self._parts.context
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
-        execution = config.execution
-        # once: its restarted workers start the same way (a slower start is said once, if workers start here)
-        starts_here = execution.has_workers and execution.backend is None
-        self._start_method = resolve_start_method(execution.start_method, warn=starts_here)
         self._active: LoaderIterator | None = None  # the source node of the latest iteration
         self._root: Node | None = None  # the node the consumer iterates: the source, or a device stage over it
         self._closed = False
-        self._coordinator: Coordinator | None = None
-        stages, memory = config.stages, config.memory
-        if execution.has_workers:
-            slots = 0 if self._device_stage is None else self._device_stage.slots_held
-            engine = engine_config(config, self._start_method, slots)
-            # (sets self._spec.cache)
-            self._coordinator = start_engine(engine, self._spec, stages.cache, memory.shm_dir, execution.backend)
-        else:
-            self._spec.cache = open_loader_cache(self._spec, stages.cache, None, memory.shm_dir)
-        # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
-        self._context = IterationContext(
-            sampler=self._sampler,
-            spec=self._spec,
-            ordered=bool(execution.ordered),
-            with_epoch=config.batching.with_epoch,
-            max_skipped=config.faults.max_skipped,
-            coordinator=self._coordinator,
-            epochs=config.batching.epochs,
-        )
-        # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
-        self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
-        watch_exit()  # (after a finalize exists: see api/shutdown.py)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -312,8 +279,8 @@ class Loader:
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it
-        if self._device_stage is not None:
-            self._root = self._device_stage(it)
+        if self._parts.device_stage is not None:
+            self._root = self._parts.device_stage(it)
         return self._root
 
     @property
@@ -395,11 +362,7 @@ class Loader:
         if self._active is not None:
             self._active.cancel("the loader was closed")
         self._closed = True
-        if self._device_stage is not None:  # its CUDA registrations end before the ring is unmapped
-            self._device_stage.close()
-        self._finalizer()
-        if self._spec.cache is not None:
-            self._spec.cache.close()
+        self._parts.close()
 
     def __enter__(self) -> Self:
         return self
@@ -419,7 +382,7 @@ class Loader:
     def start_method(self) -> str:
         """The start method of this loader's workers: ``"fork"``, ``"zygote"``,
         ``"forkserver"`` or ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
-        return self._start_method
+        return self._parts.start_method
 
     @property
     def workers_setting(self) -> int | str | Any:
@@ -430,24 +393,20 @@ class Loader:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty for ``workers=0`` or once closed)."""
-        if self._coordinator is None or self._closed:
-            return []
-        return [w.pid for w in self._coordinator.workers if w.pid is not None]
+        return [] if self._closed else [w.pid for w in self._parts.live_workers() if w.pid is not None]
 
     @property
     def worker_processes(self) -> list[Any]:
         """The live workers' process objects (``multiprocess.Process``: ``pid``, ``is_alive()``,
         ``join()``...), for code that watches them; empty for ``workers=0`` or once closed.
         procpipe starts, restarts and stops them: do not terminate them yourself."""
-        if self._coordinator is None or self._closed:
-            return []
-        return [w.process for w in self._coordinator.workers if w.process is not None]
+        return [] if self._closed else [w.process for w in self._parts.live_workers() if w.process is not None]
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
         (indices computed so far), ``sample_bytes``, ``bytes`` (the file), ``error`` (why a damaged
         file cannot be read, ``filled`` None then: reported, never raised); None without one."""
-        cache = self._spec.cache
+        cache = self._parts.spec.cache
         return None if cache is None or self._closed else cache.info()
 
     @property
@@ -526,36 +485,7 @@ class Loader:
                 ``staged_batches`` (through a pinned staging buffer: a ring that could
                 not be registered), ``registered_rings`` (now) and ``registrations``.
         """
-        from .core.stats import snapshot
-
-        active = self._active
-        running = active is not None and active.running
-        coordinator = self._coordinator
-        if coordinator is None:
-            out = snapshot(self._standing.counters, workers=0, running=running, consumed=None)
-            out["autotune"] = None
-            out["backend"] = None
-            out["device"] = None if self._device_stage is None else self._device_stage.info()
-            return out
-        counters = list(coordinator.worker_counters)
-        pids: list[int | None] = [None] * len(counters)
-        for w in list(coordinator.workers):
-            if w.index < len(pids):
-                pids[w.index] = w.pid
-        out = snapshot(
-            self._standing.counters,
-            # (without a tuner, workers is a count)
-            workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._config.execution.workers),
-            running=running,
-            consumed=None if active is None else active.consumed,
-            ring=coordinator.ring,
-            worker_counters=counters,
-            pids=pids,
-        )
-        out["autotune"] = coordinator.autotune_info()
-        out["backend"] = coordinator.pool.info()
-        out["device"] = None if self._device_stage is None else self._device_stage.info()
-        return out
+        return self._parts.stats(self._standing.counters, self._active, self._config.execution.workers)
 
 
 def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> None:
@@ -568,10 +498,3 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
         else f"drop_last=True drops the only, partial batch ({length} samples < batch_size={batch_size})"
     )
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=3)
-
-
-def _device_stage(config: LoaderConfig) -> Any:
-    from .api import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
-
-    device = config.device
-    return adapter.device_stage(device.device, config.execution.prefetch, device.device_fn, int(config.batching.seed))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from ..core.checks import check_int
 from ..core.config import Batching, Device, Faults, Group, Memory, Stages
@@ -62,7 +62,9 @@ class Execution(Group):
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
         env = self.worker_env
         if env is not None:
-            if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            if not (
+                isinstance(env, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+            ):
                 raise TypeError(
                     f"worker_env must be a dict of environment variable names to str values, or None; got {env!r} "
                     '(write numbers as strings: {"OMP_NUM_THREADS": "2"})'
@@ -151,7 +153,7 @@ def check_across(config: LoaderConfig) -> None:
 
 
 #: each group of ``LoaderConfig`` -> its type
-GROUP_TYPES: dict[str, type[Group]] = {
+GROUP_TYPES: dict[str, Any] = {  # (each a dataclass, a subclass of Group)
     "batching": Batching,
     "stages": Stages,
     "execution": Execution,
@@ -169,7 +171,7 @@ def engine_config(config: LoaderConfig, start_method: str, device_slots: int = 0
     environment, the ring's settings (``device_slots``: the device stage's own) and ``faults``."""
     execution = config.execution
     auto = execution.autotune
-    workers = execution.workers if auto is None else auto.first
+    workers = cast(int, execution.workers) if auto is None else auto.first  # (an int unless autotuned)
     if execution.backend is not None:  # workers= is per node: the coordinator sees them all
         workers = execution.backend.lanes(execution.workers)
     return EngineConfig(

@@ -207,8 +207,7 @@ class Faults(Group):
             raise ValueError(f"task_timeout must be None or a number of seconds > 0, got {self.task_timeout!r}")
         if self.speculate is not None and not (is_number(self.speculate) and self.speculate >= 1):
             raise ValueError(
-                "speculate must be None or a number >= 1 (a multiple of the median batch time), "
-                f"got {self.speculate!r}"
+                f"speculate must be None or a number >= 1 (a multiple of the median batch time), got {self.speculate!r}"
             )
         check_int("max_worker_restarts", self.max_worker_restarts, 0)
 

@@ -428,7 +428,9 @@ class Coordinator:
             counters = stream.current_counters()
             if counters is not None:
                 counters.worker_deaths += 1
-        death = settle(worker, lost, self.rings.release, self._restarts_this_epoch, self.config.faults.max_worker_restarts)
+        death = settle(
+            worker, lost, self.rings.release, self._restarts_this_epoch, self.config.faults.max_worker_restarts
+        )
         for job in death.redo:
             job.epoch.lost(job)
         timed_out = death.timed_out

@@ -96,4 +96,3 @@ def even_ranks_unsupported(even_ranks: bool, shards: object) -> list:
             "Shards(..., lengths=[records of each shard])",
         ),
     ]
-
