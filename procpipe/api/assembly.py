@@ -100,7 +100,8 @@ def assemble(config: LoaderConfig, source: Any, sampler: BatchPlan) -> LoaderPar
     execution, memory, cache = config.execution, config.memory, config.stages.cache
     # once: its restarted workers start the same way (a slower start is said once, if workers start here)
     starts_here = execution.has_workers and execution.backend is None
-    start_method = resolve_start_method(execution.start_method, warn=starts_here)
+    # (its warning points at the user's Loader(...) line: above this, Loader.__init__)
+    start_method = resolve_start_method(execution.start_method, warn=starts_here, stacklevel=5)
     coordinator = None
     if execution.has_workers:
         engine = engine_config(config, start_method, 0 if device_stage is None else device_stage.slots_held)
