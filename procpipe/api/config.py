@@ -41,8 +41,13 @@ DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class Execution(Group):
     """How and where the work runs (``workers``, ``ordered``, ``prefetch``, ``start_method``,
-    ``worker_env``, ``backend``). Here rather than in ``core/config.py``: ``workers`` may be an
-    ``AutoWorkers`` (the engine's)."""
+    ``worker_env``, ``backend``), as passed to ``Loader``.
+
+    ``autotune`` is the ``AutoWorkers`` of ``workers="auto"``; ``environment()`` the variables
+    set in each worker (one thread per math library, then ``worker_env``).
+    """
+
+    # (here, not in core/config.py with the other groups: workers= may be the engine's AutoWorkers)
 
     workers: int | str | AutoWorkers = 2
     ordered: bool = True
