@@ -38,7 +38,7 @@ class Backend(BackendOptions):
 
     def pool(self, spec: Any, config: EngineConfig, files: Any, cache: Any) -> RayPool:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents,
-        each with its share of ``config.workers`` and the workers' environment."""
+        each with its share of the engine's workers and their environment."""
         from ..worker.process import dump_spec
 
         nodes.connect(self.address)
