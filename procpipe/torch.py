@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
+from .api.config import LoaderConfig
 from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .api.validate import START_METHODS
 from .core import classref
@@ -620,6 +621,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
             stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )
+        LoaderConfig.from_arguments(**self._pp_options)  # procpipe's arguments checked now, as torch checks its own
         self._pp_bulk_collate = None if self._pp_source is None else _BulkFetch(self._pp_source)
         self._pp_loader: Loader | None = None
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())

@@ -215,3 +215,14 @@ def test_a_cache_directory_is_checked_by_the_stages_group(tmp_path):
     with pytest.raises(ValueError, match="cache"):
         Stages(cache=str(open_dir))
     assert Stages(cache=str(tmp_path)).cache == str(tmp_path) and Memory(shm_dir=str(tmp_path)).shm_dir
+
+
+def test_the_torch_facade_checks_procpipes_arguments_when_it_is_created():
+    """``procpipe.torch.DataLoader`` makes its Loaders lazily (at ``iter()``); its procpipe-only
+    arguments are now checked when it is created, as torch checks its own."""
+    ptorch = pytest.importorskip("procpipe.torch", reason="torch is not installed")
+    with pytest.raises(ValueError, match="shm_dir='/no/such/dir' is not a writable directory"):
+        ptorch.DataLoader(list(range(8)), batch_size=2, num_workers=1, shm_dir="/no/such/dir")
+    with pytest.raises(ValueError, match="max_worker_restarts must be an int >= 0, got -1"):
+        ptorch.DataLoader(list(range(8)), batch_size=2, num_workers=1, max_worker_restarts=-1)
+    assert len(ptorch.DataLoader(list(range(8)), batch_size=2, num_workers=1)) == 4  # valid: nothing starts
