@@ -1,48 +1,35 @@
 """``procpipe.Loader``: the public entry point.
 
-The Loader checks its arguments (validate.py), plans its epochs (sampler.py, or
-the streaming/ package for a ``procpipe.Shards`` source), starts its engine once (start.py: ships
-the user's objects to the workers, and the coordinator thread, coordinator.py, starts
-them), and hands each iteration to an epoch iterator (iterators.py), the object the
-consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N`` epochs, or
-an endless stream with ``epochs=None``); workers persist between iterations. With
-``workers=0`` everything runs in the calling process through the same sampler, sample
-scope and collation, so results are identical. The iterator is a chain of nodes
-(nodes.py: the epoch iterator, then the device stage with ``device=``); ``state_dict`` is
-the root node's ``get_state()`` with the sampler's settings, and ``load_state_dict``
-checks one and leaves it for the next ``iter()`` (resume.py).
+The Loader checks its arguments into a frozen configuration (``loader.config``: api/config.py),
+plans its epochs (sampler.py, or the streaming/ package for a ``procpipe.Shards`` source),
+makes its parts from the configuration (assembly.py: the worker spec, the engine and its
+workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
+consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
+with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs
+in the calling process through the same sampler, sample scope and collation, so results are
+identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
+stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the sampler's
+settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (resume.py).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from .api.iteration import IterationContext, LoaderIterator
+from .api.assembly import assemble
+from .api.config import LoaderConfig
+from .api.iteration import LoaderIterator
 from .api.iterators import EpochIterator
 from .api.kinds import resolve_kind
 from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .api.resume import load_state, save_state
-from .api.shutdown import close_engine, watch_exit
-from .api.validate import validate, validate_backend, validate_epochs
-from .core.checks import check_int
 from .core.reassembly import ResumePoint
-from .core.rng import seeding_mode
-from .engine.autotune import resolve as resolve_autotune
-from .engine.coordinator import Coordinator, EngineConfig
-from .engine.start import start_engine
 from .plan.base import BatchPlan
-from .streaming.even_ranks import check_even_ranks
-from .worker.process import WorkerSpec
-from .worker.start_method import resolve as resolve_start_method
-from .worker.stream_cache import open_loader_cache
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
-
-DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 class Loader:
@@ -210,38 +197,9 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        validate(
-            source,
-            fn,
-            batch_size,
-            workers,
-            prefetch,
-            seed,
-            collate_fn,
-            start_method,
-            shm_dir,
-            slot_bytes,
-            max_worker_restarts,
-            batches=batches,
-            shard=shard,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            task_timeout=task_timeout,
-            speculate=speculate,
-            batch_fn=batch_fn,
-            cache=cache,
-            augment=augment,
-            device=device,
-            device_fn=device_fn,
-        )
-        validate_epochs(epochs, reshuffle, with_epoch, batches)
-        validate_backend(backend, workers)
-        check_int("stage_slots", stage_slots, 0)
-        check_even_ranks(even_ranks, shard)
-        auto = resolve_autotune(workers)
-        fixed_workers = 0 if auto is not None else cast(int, workers)  # (validated: an int unless autotuned)
+        # every argument but the source, as passed: into the checked groups (api/config.py), once
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
+        config = self._config = LoaderConfig.from_arguments(**arguments)
         # Which kind of source this is, asked once (api/kinds.py): its plan, the workers' reader, workers=0's driver
         self._kind = kind = resolve_kind(
             source,
@@ -262,62 +220,12 @@ class Loader:
             even_ranks=even_ranks,
         )
         self._sampler: BatchPlan = kind.plan
-        # Checked before any worker starts; imports torch only when a device is asked for.
-        self._device_stage = None if device is None else _device_stage(device, prefetch, device_fn, int(seed))
-        self._spec = WorkerSpec(
-            kind.source,
-            fn,
-            collate_fn,
-            batch_size is not None,
-            int(seed),
-            skip=on_error == "skip",
-            batch_fn=batch_fn,
-            augment=augment,
-            seed_globals=seeding_mode(seed_globals),
-            reader=kind.reader,
-        )
+        self._parts = assemble(config, kind)  # workers start here
+        self._coordinator, self._context = self._parts.coordinator, self._parts.context
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
-        self._workers = workers
-        # once: its restarted workers start the same way (a slower start is said once, if workers start here)
-        starts_here = (auto is not None or fixed_workers > 0) and backend is None
-        self._start_method = resolve_start_method(start_method, warn=starts_here)
-        self._with_epoch = bool(with_epoch)
-        self._ordered = bool(ordered)
         self._active: LoaderIterator | None = None  # the source node of the latest iteration
         self._root: Node | None = None  # the node the consumer iterates: the source, or a device stage over it
         self._closed = False
-        self._coordinator: Coordinator | None = None
-        if auto is not None or fixed_workers > 0:
-            env = dict(DEFAULT_WORKER_ENV)
-            env.update(worker_env or {})
-            engine_workers = fixed_workers if auto is None else auto.first
-            if backend is not None:  # workers= is per node: the coordinator sees them all
-                engine_workers = backend.lanes(workers)
-            config = EngineConfig(
-                engine_workers,
-                self._ordered,
-                prefetch,
-                slot_bytes,
-                max_worker_restarts,
-                env,
-                self._start_method,
-                on_error=on_error,
-                max_skipped=max_skipped,
-                task_timeout=task_timeout,
-                speculate=speculate,
-                autotune=auto,
-                stage_slots=stage_slots + (0 if self._device_stage is None else self._device_stage.slots_held),
-            )
-            self._coordinator = start_engine(config, self._spec, cache, shm_dir, backend)  # sets self._spec.cache
-        else:
-            self._spec.cache = open_loader_cache(self._spec, cache, None, shm_dir)
-        # what every epoch iterator is given; its ``standing`` is where the loader stands (epoch, counters)
-        self._context = IterationContext(
-            self._sampler, self._spec, self._ordered, self._with_epoch, max_skipped, self._coordinator, epochs
-        )
-        # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
-        self._finalizer = weakref.finalize(self._context, close_engine, self._coordinator)
-        watch_exit()  # (after a finalize exists: see api/shutdown.py)
         self._standing = self._context.standing
 
     # ------------------------------------------------------------------ public API
@@ -346,8 +254,8 @@ class Loader:
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it
-        if self._device_stage is not None:
-            self._root = self._device_stage(it)
+        if self._parts.device_stage is not None:
+            self._root = self._parts.device_stage(it)
         return self._root
 
     @property
@@ -429,11 +337,7 @@ class Loader:
         if self._active is not None:
             self._active.cancel("the loader was closed")
         self._closed = True
-        if self._device_stage is not None:  # its CUDA registrations end before the ring is unmapped
-            self._device_stage.close()
-        self._finalizer()
-        if self._spec.cache is not None:
-            self._spec.cache.close()
+        self._parts.close()
 
     def __enter__(self) -> Self:
         return self
@@ -442,38 +346,42 @@ class Loader:
         self.close()
 
     @property
+    def config(self) -> LoaderConfig:
+        """Every argument of this loader but the source, checked, in six frozen groups: ``batching``,
+        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.api.config``).
+        Read-only (``print(loader.config)`` shows it all, a group per line); values as passed,
+        ``"auto"`` included (``start_method`` has the start method resolved)."""
+        return self._config
+
+    @property
     def start_method(self) -> str:
         """The start method of this loader's workers: ``"fork"``, ``"zygote"``,
         ``"forkserver"`` or ``"spawn"``, never ``"auto"`` (resolved once, when the loader was created)."""
-        return self._start_method
+        return self._parts.start_method
 
     @property
     def workers_setting(self) -> int | str | Any:
         """``workers`` as it was passed: a count, ``"auto"`` or an autotune setting (the
         number running now, which autotuning changes, is ``len(worker_pids)``)."""
-        return self._workers
+        return self._config.execution.workers
 
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty for ``workers=0`` or once closed)."""
-        if self._coordinator is None or self._closed:
-            return []
-        return [w.pid for w in self._coordinator.workers if w.pid is not None]
+        return [] if self._closed else [w.pid for w in self._parts.live_workers() if w.pid is not None]
 
     @property
     def worker_processes(self) -> list[Any]:
         """The live workers' process objects (``multiprocess.Process``: ``pid``, ``is_alive()``,
         ``join()``...), for code that watches them; empty for ``workers=0`` or once closed.
         procpipe starts, restarts and stops them: do not terminate them yourself."""
-        if self._coordinator is None or self._closed:
-            return []
-        return [w.process for w in self._coordinator.workers if w.process is not None]
+        return [] if self._closed else [w.process for w in self._parts.live_workers() if w.process is not None]
 
     def cache_info(self) -> dict[str, Any] | None:
         """The cache (``cache=...``): ``directory``, ``samples`` (its length), ``filled``
         (indices computed so far), ``sample_bytes``, ``bytes`` (the file), ``error`` (why a damaged
         file cannot be read, ``filled`` None then: reported, never raised); None without one."""
-        cache = self._spec.cache
+        cache = self._parts.spec.cache
         return None if cache is None or self._closed else cache.info()
 
     @property
@@ -552,39 +460,4 @@ class Loader:
                 ``staged_batches`` (through a pinned staging buffer: a ring that could
                 not be registered), ``registered_rings`` (now) and ``registrations``.
         """
-        from .core.stats import snapshot
-
-        active = self._active
-        running = active is not None and active.running
-        coordinator = self._coordinator
-        if coordinator is None:
-            out = snapshot(self._standing.counters, workers=0, running=running, consumed=None)
-            out["autotune"] = None
-            out["backend"] = None
-            out["device"] = None if self._device_stage is None else self._device_stage.info()
-            return out
-        counters = list(coordinator.worker_counters)
-        pids: list[int | None] = [None] * len(counters)
-        for w in list(coordinator.workers):
-            if w.index < len(pids):
-                pids[w.index] = w.pid
-        out = snapshot(
-            self._standing.counters,
-            # (without a tuner, workers is a count)
-            workers=coordinator.n_workers if coordinator.tuner is not None else cast(int, self._workers),
-            running=running,
-            consumed=None if active is None else active.consumed,
-            ring=coordinator.ring,
-            worker_counters=counters,
-            pids=pids,
-        )
-        out["autotune"] = coordinator.autotune_info()
-        out["backend"] = coordinator.pool.info()
-        out["device"] = None if self._device_stage is None else self._device_stage.info()
-        return out
-
-
-def _device_stage(device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None, seed: int) -> Any:
-    from .api import torch_device as adapter  # lazy: plain ``import procpipe`` never imports torch
-
-    return adapter.device_stage(device, prefetch, device_fn, seed)
+        return self._parts.stats(self._standing.counters, self._active, self._config.execution.workers)

@@ -37,13 +37,14 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.utils.data as _tud
 
+from .api.config import LoaderConfig
 from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
-from .api.validate import START_METHODS
 from .loader import Loader
 from .torch_epoch import EpochIterator
 from .torch_kinds import DatasetKind, dataset_kind
 from .torch_sampling import SamplerBatches
 from .torch_state import FacadeState, on_moved, on_value
+from .worker.start_method import START_METHODS
 
 __all__ = ["DataLoader", "device_stage", "to_torch"]
 
@@ -198,6 +199,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
             stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )
+        LoaderConfig.from_arguments(**self._pp_options)  # procpipe's arguments checked now, as torch checks its own
         self._pp_loader: Loader | None = None
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
         self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)

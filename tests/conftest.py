@@ -203,7 +203,7 @@ def assert_running(loader: Any) -> tuple[list[int], str]:
     """Check that ``loader`` runs its workers (live descendants of this process) and has its
     shared-memory files; returns ``(worker pids, shm prefix)`` for ``assert_cleaned``."""
     pids = loader.worker_pids
-    assert len(pids) == loader._workers and len(set(pids)) == len(pids)
+    assert len(pids) == loader.workers_setting and len(set(pids)) == len(pids)
     assert set(pids) <= descendants(), "workers are not live descendants of this process"
     assert shm_files(loader.shm_prefix), "no shared-memory file while the loader runs"
     return pids, loader.shm_prefix

@@ -381,8 +381,7 @@ class PipePool(FakePool):
 def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
     from procpipe.engine.coordinator import Coordinator, EngineConfig
 
-    config = EngineConfig(workers=2, ordered=True, prefetch=2, slot_bytes=None, max_worker_restarts=3,
-                          worker_env={}, start_method="fork")
+    config = EngineConfig(workers=2, prefetch=2, slot_bytes=None, worker_env={}, start_method="fork")
     pool = PipePool(expect=3)
     coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
     try:

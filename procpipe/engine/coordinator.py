@@ -49,7 +49,6 @@ import selectors
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 from ..core.rings import RingSet
@@ -60,6 +59,7 @@ from ..errors import TaskTimeoutError, WorkerError
 from ..worker import fork_safety
 from .autotune import Meter, Tuner, memory_room
 from .commands import CancelStream, CloseEngine, Command, StartStream, checked
+from .config import EngineConfig
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
 from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
@@ -86,25 +86,6 @@ TASKS_PER_WORKER = 2
 _HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled
 
 
-@dataclass
-class EngineConfig:
-    """What the coordinator needs from the Loader's arguments."""
-
-    workers: int
-    ordered: bool
-    prefetch: int
-    slot_bytes: int | None
-    max_worker_restarts: int
-    worker_env: dict[str, str]
-    start_method: str
-    on_error: str = "raise"
-    max_skipped: int | float = 0.01
-    task_timeout: float | None = None
-    speculate: float | None = None
-    autotune: Any = None  # an AutoWorkers (workers="auto"); ``workers`` is then the count to start with
-    stage_slots: int = 0  # slots a device stage may hold while its copies read them (Loader(device=...))
-
-
 class Coordinator:
     """Starts the workers (through ``pool``) and runs the dispatch/reply loop in a daemon thread."""
 
@@ -127,8 +108,8 @@ class Coordinator:
             self.tuner = Tuner(config.autotune, capacity, config.workers, time.monotonic())
             self._meter = Meter(config.autotune)
         self.stream: Stream | None = None
-        self._watchdog = Watchdog(config.speculate, config.task_timeout)
-        self._watching = config.speculate is not None or config.task_timeout is not None
+        self._watchdog = Watchdog(config.faults.speculate, config.faults.task_timeout)
+        self._watching = config.faults.speculate is not None or config.faults.task_timeout is not None
         self._selector = selectors.DefaultSelector()
         self.delivery = Delivery(
             config, pool, self.dispatcher, self._watchdog if self._watching else None, self.tuner, self._selector
@@ -345,8 +326,8 @@ class Coordinator:
     def _on_open(self, epoch: Epoch) -> None:
         """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
         epoch.on_drop = self.rings.release
-        if self.config.on_error == "skip":
-            epoch.skips = epoch.skip_budget(self.config.max_skipped)
+        if self.config.faults.on_error == "skip":
+            epoch.skips = epoch.skip_budget(self.config.faults.max_skipped)
         epoch.counters.worker_base = worker_baseline(self.roster.counters)
         self._restarts_this_epoch = 0
 
@@ -447,14 +428,16 @@ class Coordinator:
             counters = stream.current_counters()
             if counters is not None:
                 counters.worker_deaths += 1
-        death = settle(worker, lost, self.rings.release, self._restarts_this_epoch, self.config.max_worker_restarts)
+        death = settle(
+            worker, lost, self.rings.release, self._restarts_this_epoch, self.config.faults.max_worker_restarts
+        )
         for job in death.redo:
             job.epoch.lost(job)
         timed_out = death.timed_out
         if timed_out is not None:
             self._fail(
                 TaskTimeoutError(
-                    timeout_message(timed_out, death.stuck_on, self.config.task_timeout, timed_out.epoch.number),
+                    timeout_message(timed_out, death.stuck_on, self.config.faults.task_timeout, timed_out.epoch.number),
                     death.stuck_on,
                 )
             )
@@ -473,7 +456,7 @@ class Coordinator:
             self._fail(self._broken)
             return
         if step is Next.OVER_BUDGET:
-            self._fail(WorkerError(death_message(worker, lost, death.stuck_on, self.config.max_worker_restarts)))
+            self._fail(WorkerError(death_message(worker, lost, death.stuck_on, self.config.faults.max_worker_restarts)))
             self.roster.mark_dead(worker)  # no restart (a crash loop must not spin between epochs)
             return
         if death.counts:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import selectors
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, WorkerFatal, WorkerReady
 from ..core.shm import round_slot_bytes
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..core.rings import RingSet
     from .attempts import Attempt
     from .autotune import Tuner
+    from .config import EngineConfig
     from .dispatch import Dispatcher
     from .roster import Roster
 
@@ -38,7 +39,7 @@ class Delivery:
 
     def __init__(
         self,
-        config: Any,
+        config: EngineConfig,
         pool: WorkerPool,
         dispatcher: Dispatcher,
         watchdog: Watchdog | None,
@@ -57,7 +58,7 @@ class Delivery:
         self.flush = dispatcher.flush
         self.sized = False  # the ring was made (or the pool admitted the batch size)
         # Speculative attempts need slots of their own, beyond those of the batches in flight.
-        self.spare_slots = config.workers if config.speculate is not None else 0
+        self.spare_slots = config.workers if config.faults.speculate is not None else 0
         self.overflow_warned = False
 
     # ---------------------------------------------------------------- replies
@@ -173,7 +174,7 @@ class Delivery:
         slot_bytes = round_slot_bytes(slot_bytes)
         workers = config.workers
         if self.tuner is not None:  # sized once, for the most workers the tuner may use
-            per_worker = roster.tasks_per_worker + (1 if config.speculate is not None else 0)
+            per_worker = roster.tasks_per_worker + (1 if config.faults.speculate is not None else 0)
             workers = self.tuner.capacity = ring_workers(
                 self.rings.files.directory,
                 slot_bytes,
@@ -182,7 +183,7 @@ class Delivery:
                 roster.n_workers,
                 roster.capacity,
             )
-        if config.speculate is not None:
+        if config.faults.speculate is not None:
             self.spare_slots = workers
         # + the batch the consumer is working on
         slots = config.prefetch + roster.tasks_per_worker * workers + 1 + self.spare_slots + config.stage_slots

@@ -22,7 +22,8 @@ from ..worker.preload_list import preload_list
 from ..worker.process import WorkerSpec, dump_spec
 from ..worker.start_method import context as start_context
 from ..worker.stream_cache import open_loader_cache
-from .coordinator import Coordinator, EngineConfig
+from .config import EngineConfig
+from .coordinator import Coordinator
 from .pool import LocalPool
 
 

@@ -57,12 +57,12 @@ class Agent:
         import dill
 
         from ..core.shm import SharedFiles
-        from ..engine.coordinator import EngineConfig
+        from ..engine.config import EngineConfig
         from ..engine.start import local_pool
 
         self.files = SharedFiles(shm_dir)
         spec = dill.loads(spec_bytes)
-        config = EngineConfig(workers, True, 0, None, 0, env, start_method)
+        config = EngineConfig(workers=workers, start_method=start_method, worker_env=env)  # (what local_pool reads)
         self.pool = local_pool(config, spec, cache, self.files, own_session=True)
         self.start_timeout = start_timeout
         self.lanes = [_Lane(self.pool.start(i, WorkerCounters())) for i in range(workers)]

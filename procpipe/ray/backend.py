@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.config import EngineConfig
 from . import nodes
 from .options import BackendOptions
 from .pool import RayPool
@@ -35,8 +36,9 @@ class Backend(BackendOptions):
         """The workers the coordinator sees: ``workers`` per agent."""
         return self.nodes * workers
 
-    def pool(self, spec: Any, config: Any, files: Any, cache: Any) -> RayPool:
-        """The engine's pool (start.py calls this): connects to the cluster and starts the agents."""
+    def pool(self, spec: Any, config: EngineConfig, files: Any, cache: Any) -> RayPool:
+        """The engine's pool (start.py calls this): connects to the cluster and starts the agents,
+        each with its share of the engine's workers and their environment."""
         from ..worker.process import dump_spec
 
         nodes.connect(self.address)

@@ -96,14 +96,3 @@ def even_ranks_unsupported(even_ranks: bool, shards: object) -> list:
             "Shards(..., lengths=[records of each shard])",
         ),
     ]
-
-
-def check_even_ranks(even_ranks: object, shard: object) -> None:
-    """``Loader(even_ranks=...)``: a bool, and True only with ``shard=(rank, world_size)``."""
-    if not isinstance(even_ranks, bool):
-        raise TypeError(f"even_ranks must be True or False, got {even_ranks!r}")
-    if even_ranks and shard is None:
-        raise ValueError(
-            "even_ranks=True evens out the batches of the ranks of shard=(rank, world_size), but this "
-            "Loader has no shard=; pass shard=(rank, world_size), or leave even_ranks out"
-        )

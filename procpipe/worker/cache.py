@@ -45,11 +45,12 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..core.config import CACHE_IN_MEMORY
 from ..core.rng import no_sample_rng
-from ..core.shm import SharedFiles, check_capacity, check_private_dir, create_file, open_owned, remove_file
+from ..core.shm import SharedFiles, check_capacity, create_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 
-MEMORY = "memory"
+MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: core/config.py)
 ALIGN = 64
 _DICT, _SEQ, _LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).
@@ -391,20 +392,6 @@ def location(cache: Any, shm_dir: str) -> str | None:
     if cache is True or cache == MEMORY:
         return shm_dir
     return os.fspath(cache)
-
-
-def validate(cache: Any) -> None:
-    if cache is None or isinstance(cache, bool) or cache == MEMORY:
-        return
-    if not isinstance(cache, (str, os.PathLike)):
-        raise TypeError(f"cache must be None, False, True, 'memory' or a directory path, got {type(cache).__name__}")
-    path = os.fspath(cache)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK):
-        raise ValueError(
-            f"cache={path!r} is not a writable directory: pass an existing directory for the cache "
-            "file (memory-mapped), or cache=True to keep the cache in shared memory"
-        )
-    check_private_dir(path, "cache")
 
 
 def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Cache | None:

@@ -35,6 +35,7 @@ from typing import Any
 import dill
 
 from ..core import collate, wire
+from ..core.config import Batching, Faults, Stages
 from ..core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from ..core.rng import SampleScope
 from ..core.shm import WorkerRings, map_file, open_owned
@@ -71,6 +72,23 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.reader is None:
             self.reader = IndexedReader(self.source)
+
+    @classmethod
+    def of(cls, source: Any, reader: SourceReader, stages: Stages, batching: Batching, faults: Faults) -> WorkerSpec:
+        """The spec of a Loader over ``source`` (read by ``reader``, its kind's: worker/reader.py)
+        from the groups of its configuration (core/config.py)."""
+        return cls(
+            source=source,
+            reader=reader,
+            fn=stages.fn,
+            collate_fn=stages.collate_fn,
+            batched=batching.batch_size is not None,
+            seed=int(batching.seed),
+            skip=faults.skip,
+            batch_fn=stages.batch_fn,
+            augment=stages.augment,
+            seed_globals=stages.seeding,
+        )
 
 
 class _SpecPickler(dill.Pickler):

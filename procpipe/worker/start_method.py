@@ -39,6 +39,7 @@ from multiprocess import util as _mp_util
 from . import fork_safety, zygote
 
 AUTO = "auto"
+START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")  # Loader(start_method=...)
 ZYGOTE = "zygote"
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 _launching = threading.local()  # .without_main: this thread is starting a procpipe worker
@@ -58,9 +59,10 @@ def fork_is_safe() -> bool:
     return fork_safety.fork_is_safe()
 
 
-def resolve(requested: str, warn: bool = True) -> str:
+def resolve(requested: str, warn: bool = True, stacklevel: int = 4) -> str:
     """The start method to use for ``requested`` (``"auto"``: see the module doc); ``warn``: say
-    once per process why ``"auto"`` cannot fork (False where no worker starts here)."""
+    once per process why ``"auto"`` cannot fork (False where no worker starts here), pointing
+    ``stacklevel`` frames up from ``_warn_once`` (the default: the caller of the caller of this)."""
     if requested == ZYGOTE:
         return ZYGOTE if zygote.current() is not None else "forkserver"
     if requested != AUTO:
@@ -70,11 +72,11 @@ def resolve(requested: str, warn: bool = True) -> str:
     if zygote.current() is not None:
         return ZYGOTE
     if warn:
-        _warn_once(fork_safety.why_not_safe() or "forking this process is not safe now")
+        _warn_once(fork_safety.why_not_safe() or "forking this process is not safe now", stacklevel)
     return "forkserver"
 
 
-def _warn_once(why: str) -> None:
+def _warn_once(why: str, stacklevel: int = 4) -> None:
     global _warned
     if _warned:
         return
@@ -87,7 +89,7 @@ def _warn_once(why: str) -> None:
         "start_method='fork' if those threads hold no lock the workers need, or start_method='forkserver' to "
         "choose it (and silence this). See docs/guide/startup.md.",
         SlowStartWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
 
 
