@@ -399,8 +399,7 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
     from procpipe.engine.coordinator import Coordinator, EngineConfig
 
-    config = EngineConfig(workers=1, ordered=True, prefetch=1, slot_bytes=None, max_worker_restarts=0,
-                          worker_env={}, start_method="fork")
+    config = EngineConfig(workers=1, prefetch=1, slot_bytes=None, worker_env={}, start_method="fork")
     coordinator = Coordinator(config, PipePool(expect=1), SharedFiles(str(tmp_path)))
     try:
         with pytest.raises(TypeError, match=r"a StartStream, CancelStream or CloseEngine"):
