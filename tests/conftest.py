@@ -239,6 +239,9 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | None = None,
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "allow_leaks: skip the autouse check for leaked processes and /dev/shm files")
     config.addinivalue_line("markers", "timeout_s(seconds): per-test hang guard (default PROCPIPE_TEST_TIMEOUT_S or 180)")
+    # pytest-xdist's own marker, declared here too for runs without it: under `-n 2 --dist loadgroup`
+    # the tests of one group run in one worker (those that start a Ray cluster: one cluster at a time).
+    config.addinivalue_line("markers", "xdist_group(name): run in the same pytest-xdist worker as the rest of the group")
 
 
 def _stderr_fd(config: pytest.Config) -> int:

@@ -252,6 +252,7 @@ def test_default_worker_counts_and_workload_names():
 
 
 @pytest.mark.timeout_s(330)
+@pytest.mark.xdist_group("ray")  # with test_ray.py: one Ray cluster at a time under pytest-xdist
 def test_ray_backend_bench_quick_run():
     """bench/ray_backend.py --quick --reps 1 end to end (about 45 s: it starts a local cluster; the
     node-removal row, ~20 s more, is left to the bench's own runs)."""

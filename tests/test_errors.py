@@ -228,7 +228,9 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "error", "pattern"), BAD_ARGUMENTS, ids=[repr(k) for k, _, _ in BAD_ARGUMENTS])
+# ids without memory addresses: the same in every process (pytest-xdist's workers must collect the same tests)
+@pytest.mark.parametrize(("kwargs", "error", "pattern"), BAD_ARGUMENTS,
+                         ids=[re.sub(r" at 0x[0-9a-f]+", "", repr(k)) for k, _, _ in BAD_ARGUMENTS])
 def test_bad_arguments_fail_at_construction(kwargs, error, pattern):
     kwargs = dict(kwargs)
     source = kwargs.pop("source", list(range(10)))

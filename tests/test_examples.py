@@ -108,6 +108,7 @@ def test_jpeg_training():
 
 
 @pytest.mark.timeout_s(330)
+@pytest.mark.xdist_group("ray")  # with test_ray.py: one Ray cluster at a time under pytest-xdist
 def test_ray_cluster():
     pytest.importorskip("ray", reason="the example needs ray (pip install procpipe[ray])")
     result = run_python([os.path.join(EXAMPLES, "ray_cluster.py")], timeout=300, cwd=REPO_ROOT)

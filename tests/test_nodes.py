@@ -28,6 +28,7 @@ import pytest
 
 from conftest import wait_until
 from procpipe import Loader, Shards
+from shardkit import SHARDS, open_shard  # the workers import it: a module without torch (its docstring)
 
 torch = pytest.importorskip("torch")
 from procpipe.api import torch_device  # noqa: E402  (needs torch)
@@ -35,13 +36,7 @@ from procpipe.api.prefetch import Mapped, Prefetcher  # noqa: E402
 
 EPOCHS = 2
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)
-SHARDS = [(0, 7), (1, 0), (2, 9), (3, 12), (4, 2)]  # (shard id, records): 30 records
 BATCHES = 2 * 8  # batches of one iteration (both sources: 30 records in batches of 4)
-
-
-def open_shard(shard):
-    for i in range(shard[1]):
-        yield shard[0] * 100 + i
 
 
 def items_of_epoch(kind: str) -> list[int]:

@@ -31,7 +31,9 @@ import procpipe  # noqa: E402
 import procpipe.ray  # noqa: E402
 from procpipe import Loader, Shards  # noqa: E402
 
-pytestmark = [pytest.mark.allow_leaks, pytest.mark.timeout_s(300)]  # leaks: checked precisely below
+# leaks: checked precisely below. xdist_group: under pytest-xdist (`-n 2 --dist loadgroup`) one
+# worker runs every test that starts a Ray cluster, one after another (one cluster at a time).
+pytestmark = [pytest.mark.allow_leaks, pytest.mark.timeout_s(300), pytest.mark.xdist_group("ray")]
 
 NODE_STORE = 100 * 2**20  # object store per node
 

@@ -1,5 +1,6 @@
 """One resume test for every source kind (torchdata's ``run_test_save_load_state`` idea):
-{indexed, shards, mix, mixed shards, indexed + shards mixed} x {workers 0, 2} x {ordered, sloppy} x {epochs 1, N}. Iterate ``k`` batches,
+{indexed, shards, mix, mixed shards, indexed + shards mixed} x {workers 0, 2} x {ordered, sloppy} with N epochs,
+and 1 epoch pairwise. Iterate ``k`` batches,
 ``state_dict()`` (through JSON), load it into a NEW loader and finish: every item is delivered
 exactly once per epoch, and with ``ordered=True`` the batches are those of an uninterrupted run."""
 from __future__ import annotations
@@ -53,10 +54,25 @@ def tagged(pair):
     return epoch, [int(x) for x in np.asarray(batch).reshape(-1)]
 
 
-@pytest.mark.parametrize("epochs", [1, EPOCHS])
-@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "sloppy"])
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["indexed", "shards", "mix", "mixshards", "mixkinds"])
+KINDS = ["indexed", "shards", "mix", "mixshards", "mixkinds"]
+# Every {kind} x {workers} x {ordered} with EPOCHS epochs (cut in the first epoch and in a
+# later one); a single epoch (a resumed loader that must stop after it) in four of them,
+# chosen so that epochs=1 meets every kind, both worker counts, both orders and every
+# (workers, ordered) pair: the cut in the first epoch is the same test in both.
+ONE_EPOCH = [("indexed", 0, True), ("shards", 2, True), ("mix", 0, False), ("mixshards", 2, False),
+             ("mixkinds", 0, True)]
+MATRIX = [pytest.param(kind, workers, ordered, EPOCHS, id=f"{kind}-{workers}-{'ordered' if ordered else 'sloppy'}-{EPOCHS}")
+          for kind in KINDS for workers in (0, 2) for ordered in (True, False)]
+MATRIX += [pytest.param(kind, workers, ordered, 1, id=f"{kind}-{workers}-{'ordered' if ordered else 'sloppy'}-1")
+           for kind, workers, ordered in ONE_EPOCH]
+
+
+def test_the_single_epoch_cases_cover_every_value_and_pair():
+    assert {k for k, _, _ in ONE_EPOCH} == set(KINDS)
+    assert {(w, o) for _, w, o in ONE_EPOCH} == {(w, o) for w in (0, 2) for o in (True, False)}
+
+
+@pytest.mark.parametrize(("kind", "workers", "ordered", "epochs"), MATRIX)
 def test_save_load_state(kind, workers, ordered, epochs):
     with make(kind, workers, ordered, epochs) as loader:
         full = [tagged(p) for p in loader]
