@@ -346,7 +346,7 @@ class Stream:
         """Where the consumer stands (consumer thread), to resume exactly there: ``(epoch, what it
         has had of it, {later epoch: what it has had of it}, until)``, each in the form of
         ``Epoch.consumer_progress()``; None once it has had everything. ``low``: the oldest
-        epoch it is not past."""
+        epoch it is not past (the point is the oldest epoch from there not all returned)."""
         opened = dict(self.opened)  # a copy: the coordinator thread adds epochs
 
         def progress(n: int) -> tuple[Any, bool]:
@@ -357,11 +357,14 @@ class Stream:
 
         until = self.until
         done, complete = progress(low)
-        if complete:  # all returned; its end marker not read yet
+        # All of ``low`` returned, its end marker not read yet. Unordered, the epochs overlap: the
+        # batch that completed it may have come after every batch of the next ones, so the point
+        # is the first epoch not complete (the state names it, and ``loader.epoch`` resumes there).
+        while complete:
             low += 1
             if until is not None and low >= until:
                 return None
-            done, _ = progress(low)
+            done, complete = progress(low)
         ahead = {}
         for n in sorted(set(opened) | set(self.resumed_ahead)):
             if n > low:
