@@ -11,7 +11,7 @@ import os
 import time
 
 import pytest
-from conftest import wait_until
+from conftest import wait_gone, wait_until
 
 import procpipe
 from procpipe import Loader
@@ -96,6 +96,7 @@ def test_state_taken_as_held_batches_end_their_epochs_names_the_oldest_epoch_not
     fn, hold, ref = gate
     with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=False, epochs=None, with_epoch=True,
                 shuffle=True, seed=SEED) as loader:
+        pids = loader.worker_pids
         it = iter(loader)
         got = []
         take_until(it, got, lambda g: all(complete(g, e) for e in (2, 3, 4)))
@@ -121,6 +122,7 @@ def test_state_taken_as_held_batches_end_their_epochs_names_the_oldest_epoch_not
         rest = []
         last = max(per_epoch(before))
         take_until(iter(loader), rest, lambda g: all(complete(before + g, e) for e in range(last + 1)))
+    assert wait_gone(pids) == []
     full = per_epoch(before + rest)
     for e in range(last + 1):  # exactly once, with the bytes of an uninterrupted run
         assert sorted(full[e]) == sorted(ref[e]), f"epoch {e}"
@@ -133,6 +135,7 @@ def test_resumed_sloppy_stream_returns_epoch_zeros_held_batch_late_and_once(gate
     reached = os.path.join(os.path.dirname(fn.hold), "reached")
     with Loader(list(range(N)), fn, batch_size=BS, workers=2, ordered=False, epochs=None, with_epoch=True,
                 shuffle=True, seed=SEED) as loader:
+        pids = loader.worker_pids
         it = iter(loader)
         got = []
         take_until(it, got, lambda g: len(g) == 35)
@@ -154,6 +157,7 @@ def test_resumed_sloppy_stream_returns_epoch_zeros_held_batch_late_and_once(gate
         assert not complete(got + rest, 0)  # 40 batches after the resume, epoch 0 is not complete yet
         hold.unlink()
         take_until(it, rest, lambda g: all(complete(got + g, e) for e in range(4)))
+    assert wait_gone(pids) == []
     full = per_epoch(got + rest)
     for e in range(4):  # exactly once, with the bytes of an uninterrupted run
         assert sorted(full[e]) == sorted(ref[e]), f"epoch {e}"
