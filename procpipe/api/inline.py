@@ -17,7 +17,6 @@ chosen by ``api/kinds.py``.
 
 from __future__ import annotations
 
-import queue
 import time
 from typing import Any, Protocol
 
@@ -27,7 +26,7 @@ from ..core.rng import SampleScope
 from ..core.stats import array_bytes
 from ..engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, Stream, iteration_over
 from ..errors import summarize_indices
-from ..plan.base import Loaded
+from ..plan.base import loaded
 from ..worker.produce import produce
 from .iteration import IterationContext, LoaderIterator
 
@@ -98,6 +97,7 @@ class InlineDriver(LoaderIterator):
 
             stream.on_open = open_epoch
         stream.open(stream.first)
+        self._producing: Epoch | None = None  # the epoch whose tasks _load takes
         self._epoch = stream.first
         self.number = number
         self._done = False
@@ -117,22 +117,24 @@ class InlineDriver(LoaderIterator):
     def __next__(self) -> Any:
         if self._done:
             if self._failed is not None:
-                raise RuntimeError("this epoch's iterator has already ended with an error, raised by an earlier next()")
+                raise RuntimeError(
+                    "this epoch's iterator has already ended with an error, raised by an earlier next()"
+                ) from self._failed
             iteration_over(self._cancelled)
         stream = self._stream
         started = time.perf_counter()
+        out = stream.out
         while True:
-            try:
-                item = stream.out.get_nowait()
-            except queue.Empty:
+            while out.empty():  # (asked, not caught: an exception per batch costs more than the question)
                 if self._cancelled:  # by iter() or close() from another thread or a signal handler
                     iteration_over(self._cancelled)
                 try:
                     self._load()
-                except BaseException:
+                except BaseException as exc:  # (KeyboardInterrupt...): later next() calls say so, never StopIteration
+                    self._failed = exc
                     self._stop()
                     raise
-                continue
+            item = out.get_nowait()
             if type(item) is tuple:
                 epoch, seq, batch = item
                 epoch.counters.wait_s += time.perf_counter() - started
@@ -165,16 +167,23 @@ class InlineDriver(LoaderIterator):
 
     def _load(self) -> None:
         """Produce the task the open epoch needs next (opening the next epoch when one is done)."""
-        epoch = self._stream.fresh()
+        epoch = self._producing  # (most often still the one producing: no need to look through the stream)
+        if epoch is None or not epoch.fresh:
+            epoch = self._producing = self._stream.fresh()
         if epoch is None:
             if self._stream.out.empty():
                 raise RuntimeError("procpipe: internal error: an epoch had nothing left to produce but did not end")
             return  # (opening the next epoch failed, or ended the stream: the queue says so)
         offers = epoch.offers(1)
-        # An ordered stream's interleave waits for one block (the urgent offer); an index plan's next batch.
-        offer = next((o for o in offers if o.urgent), offers[0] if offers else None)
-        if offer is None:
+        if not offers:
             raise RuntimeError("procpipe: internal error: an epoch waits for no task but did not end")
+        # An ordered stream's interleave waits for one block (the urgent offer); an index plan's next batch.
+        offer = offers[0]
+        if not offer.urgent:
+            for other in offers:
+                if other.urgent:
+                    offer = other
+                    break
         job = epoch.take(offer, -1)
         scope, skips = self._scope, epoch.skips
         try:
@@ -213,7 +222,7 @@ class InlineDriver(LoaderIterator):
             epoch.result(job, EMPTY)
             return
         epoch.counters.array_bytes += array_bytes(layout)
-        epoch.result(job, Loaded(layout, None, len(produced.skipped)))
+        epoch.result(job, loaded(layout, None, len(produced.skipped)))
 
     def _stop(self) -> None:
         self._done = True
