@@ -49,18 +49,18 @@ def _epoch(name: str, options: str = "{}") -> float:
 
     import procpipe
 
-    extra = json.loads(options)
+    extra = {"workers": 2, **json.loads(options)}  # (options may replace workers, e.g. workers=0)
 
     if name == "tiny1":
-        loader = procpipe.Loader(range(6_000), batch_size=1, workers=2, **extra)
+        loader = procpipe.Loader(range(6_000), batch_size=1, **extra)
     elif name == "tiny64":
-        loader = procpipe.Loader(range(64 * 3_000), batch_size=64, workers=2, **extra)
+        loader = procpipe.Loader(range(64 * 3_000), batch_size=64, **extra)
     elif name == "stream":
         loader = procpipe.Loader(procpipe.Shards(list(range(8)), _read_ints, cycle_length=4),
-                                 batch_size=64, workers=2, **extra)
+                                 batch_size=64, **extra)
     elif name == "transfer":
         image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
-        loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, workers=2, **extra)
+        loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, **extra)
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     with loader:

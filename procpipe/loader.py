@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .api.assembly import assemble
 from .api.config import LoaderConfig
+from .api.inline import InlineDriver
 from .api.iteration import LoaderIterator
 from .api.iterators import EpochIterator
 from .api.kinds import resolve_kind
@@ -250,7 +251,7 @@ class Loader:
         if resume is None or resume["epoch"] != epoch:
             resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
-            it: LoaderIterator = self._kind.inline(self._context, resume)
+            it: LoaderIterator = InlineDriver(self._context, resume, self._kind.names)
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it

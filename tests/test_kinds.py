@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import procpipe
-from procpipe.api.iterators import InlineIterator
+from procpipe.api.inline import IndexNames, RecordNames
 from procpipe.api.kinds import StreamKind, resolve_kind
 from procpipe.plan.index import IndexPlan
-from procpipe.streaming import InlineStream, ShardPlan
+from procpipe.streaming import ShardPlan
 from procpipe.worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
 
 OPTIONS = dict(batch_size=2, shuffle=False, seed=0, drop_last=False, reshuffle=True, shard=None, batches=None,
@@ -39,7 +39,7 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     streaming = name in ("shards", "mix of shards", "growing")
     assert isinstance(kind, StreamKind) is streaming is kind.streaming
     assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
-    assert kind.inline is (InlineStream if streaming else InlineIterator)
+    assert isinstance(kind.names, RecordNames if streaming else IndexNames)
     assert (kind.mixing is not None) is name.startswith("mix")
     if streaming:  # the configured copy of the Shards reads its own blocks
         assert kind.reader is kind.source is kind.plan.source  # type: ignore[attr-defined]

@@ -2,12 +2,12 @@
 
 The Loader builds one ``IterationContext`` when it is created (frozen: the sampler or
 stream plan, the worker spec, the delivery settings, the coordinator) and hands it to
-every iterator it makes (``iterators.EpochIterator``, ``iterators.InlineIterator``,
-``streaming.InlineStream``). The one thing an iterator changes in its Loader is where
+every iterator it makes (``iterators.EpochIterator``, and ``inline.InlineDriver`` for
+``workers=0``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
 ``LoaderIterator`` is what the Loader asks of an iterator in return (``owns_epoch``,
-``cancel``, ``running``...), and the part of it the three share: each is a source node
+``cancel``, ``running``...), and the part of it the two share: each is a source node
 (procpipe/api/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
 procpipe/api/position.py) and whose ``reset(state)`` restarts it there.
 """

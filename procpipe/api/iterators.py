@@ -5,9 +5,8 @@ Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly
 consumer. With workers, ``EpochIterator`` reads the batches of a ``Stream`` (epochs.py)
 from the one queue the coordinator thread fills through each epoch's reassembly (in
 order or as they finish) and tells the coordinator of each batch the consumer took.
-With ``workers=0``, ``InlineIterator`` produces each batch in ``next()`` with the same
-sampler, sample scope and collation, so the results are identical. (A streaming source
-with ``workers=0`` uses ``streaming.InlineStream`` instead.)
+With ``workers=0`` the Loader uses ``inline.InlineDriver`` instead, which drives the same
+``Stream`` and epochs in the calling thread, so the results are identical.
 
 Both are given what they need by the Loader (an ``iteration.IterationContext``, built
 once), keep where the loader stands current (``iteration.Standing``: ``loader.epoch`` and
@@ -22,19 +21,11 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from ..core import collate
-from ..core.notes import add_note
-from ..core.reassembly import Progress, ResumePoint
-from ..core.rng import SampleScope
-from ..core.skips import SkipBudget
-from ..core.stats import EpochCounters, array_bytes
+from ..core.reassembly import ResumePoint
 from ..engine.commands import CancelStream, StartStream
 from ..engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
-from ..errors import summarize_indices
-from ..worker.produce import produce
 from .iteration import IterationContext, LoaderIterator
 
 if TYPE_CHECKING:
@@ -207,147 +198,3 @@ class EpochIterator(LoaderIterator):
                 self._coordinator.submit(CancelStream(self._stream.gen))
             except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass
-
-
-class InlineIterator(EpochIterator):
-    """``workers=0``: the same sampler, sample scope and collation, in the calling process."""
-
-    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
-
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
-        self._attach(context)
-        # workers=0: no coordinator; this class overrides every method of EpochIterator that uses one
-        self._coordinator = None  # type: ignore[assignment]  # (see above)
-        self._with_epoch = context.with_epoch
-        self._scope = SampleScope(context.spec.seed, seed_globals=context.spec.seed_globals, restore_globals=True)
-        self._lock = threading.Lock()
-        self._done = True  # no iteration yet (reset starts one)
-        self.reset(initial_state)
-
-    def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
-        self._until = until
-        self._ahead = dict(ahead or {})
-        self._done = False
-        self._complete = False
-        self._cancelled = None
-        self._failed = None
-        self._open(number, self._context.sampler.batches(number), done, time.perf_counter())
-
-    def _halt(self) -> None:
-        self._done = True
-
-    def _open(self, number: int, batches: list[list[int]], done: frozenset, started: float) -> None:
-        context = self._context
-        self._number = self.number = number
-        self.batch_count = len(batches)
-        self._batches = ((seq, b) for seq, b in enumerate(batches) if seq not in done)
-        self._progress = Progress(done)
-        self._counters = self._standing.counters = EpochCounters(epoch=number, started=started)
-        self._skips = (
-            SkipBudget(context.max_skipped, sum(map(len, batches)), self._counters) if context.spec.skip else None
-        )
-        self._set_epoch(number + 1)
-
-    def _next(self) -> Any:
-        if self._done:
-            self._over()
-        started = time.perf_counter()
-        while True:
-            item = next(self._batches, None)
-            if item is None:
-                now = time.perf_counter()
-                self._counters.ended = now
-                following = self._number + 1
-                if (self._until is not None and following >= self._until) or (
-                    self._until is None and not self.batch_count
-                ):
-                    self._done = self._complete = True
-                    raise StopIteration
-                try:
-                    batches = self._context.sampler.batches(following)
-                except Exception as exc:
-                    self._done, self._failed = True, exc
-                    raise
-                self._open(following, batches, self._ahead.pop(following, frozenset()), now)
-                started = now
-                continue
-            seq, indices = item
-            try:
-                layout, kept = self._load(seq, indices)
-            except Exception as exc:
-                if self._skips is not None:  # on_error="skip" past its budget: the epoch ends
-                    self._done, self._failed = True, exc
-                else:  # as with workers: this batch raises, the next next() goes on after it
-                    self._progress.add(seq)
-                raise
-            self._progress.add(seq)
-            if layout is not None:  # None: on_error="skip" left out every sample of the batch
-                break
-        self.position = (self._number, seq)
-        counters = self._counters
-        counters.batches += 1
-        counters.samples += len(kept)
-        counters.array_bytes += array_bytes(layout)
-        batch = collate.build(layout, None)
-        counters.wait_s += time.perf_counter() - started
-        return (self._number, batch) if self._with_epoch else batch
-
-    def _load(self, seq: int, indices: list[int]) -> tuple[Any, Sequence[int | tuple[int, int]]]:
-        """One batch's layout and the indices in it (``on_error="skip"`` may leave some out)."""
-        skips, scope = self._skips, self._scope
-        try:
-            batch = produce(self._context.spec, scope, self._number, indices, None, 0)
-        except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
-            index = scope.index
-            scope.leave()
-            if isinstance(exc, SystemExit):
-                raise
-            # on_error="skip": a sample's Exception would have been skipped, so collation failed
-            if skips is not None and isinstance(exc, Exception):
-                if skips.add(
-                    indices, f"batch {seq} ({summarize_indices(indices)})", f"collating it failed: {_describe(exc)}"
-                ):
-                    return None, indices
-                add_note(exc, skips.note())
-            where = (
-                f"while loading index {index}" if index is not None else f"while collating {summarize_indices(indices)}"
-            )
-            add_note(exc, f"procpipe: raised in the calling process (workers=0) {where} (epoch {self._number}).")
-            raise
-        for index, error in batch.skipped:  # (skips is set: on_error="skip" is what leaves samples out)
-            budget = cast(SkipBudget, skips)
-            if not budget.add([index], f"index {index} (batch {seq})", _describe(error)):
-                add_note(error, budget.note())
-                raise error
-        return batch.layout, batch.kept
-
-    @property
-    def consumed(self) -> None:
-        return None
-
-    def _point(self) -> ResumePoint | None:
-        if self._complete:
-            return None
-        low, done, until = self._number, Progress(self._progress), self._until
-        if len(done) >= self.batch_count:  # all returned; the next epoch not begun
-            low += 1
-            if until is not None and low >= until:
-                return None
-            done = Progress(self._ahead.get(low, ()))
-        ahead = {n: Progress(v) for n, v in sorted(self._ahead.items()) if n > low and v}
-        return ResumePoint(low, done, ahead, until)
-
-    def _next_start(self) -> int:
-        return self._number + 1
-
-    def cancel(self, why: str) -> None:
-        if not self._done:  # like the workers' iterator: a superseded epoch says so
-            self._cancelled = why
-            self._done = True
-
-    def __del__(self) -> None:
-        pass
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"

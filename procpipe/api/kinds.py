@@ -3,18 +3,19 @@
 ``Loader(source, ...)`` accepts four kinds of source, which differ in how an epoch is
 ordered, what a task is, how a position is counted and how the cache is laid out:
 
-| source | plan (order per epoch) | task (the worker's reader) | ``workers=0`` driver |
+| source | plan (order per epoch) | task (the worker's reader) | samples named (``names``) |
 |---|---|---|---|
-| indexed (``len``, ``[i]``) | ``Sampler`` (``ExplicitBatches``) | indices (``IndexedReader``) | ``InlineIterator`` |
-| ``Mix`` of indexed datasets | ``MixSampler`` | indices (``IndexedReader``) | ``InlineIterator`` |
-| ``Shards`` (torch replicas too) | ``StreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
-| ``Mix`` with a stream | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``InlineStream`` |
+| indexed (``len``, ``[i]``) | ``Sampler`` (``ExplicitBatches``) | indices (``IndexedReader``) | ``IndexNames`` |
+| ``Mix`` of indexed datasets | ``MixSampler`` | indices (``IndexedReader``) | ``IndexNames`` |
+| ``Shards`` (torch replicas too) | ``StreamPlan`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
+| ``Mix`` with a stream | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
 
 ``resolve_kind`` asks "which kind is this?" once, here, and returns a ``SourceKind`` that
 answers every later question: the plan (its ``batches(epoch)``, ``len``; its
 ``plan_class`` is the per-epoch ``EpochPlan`` the engine builds), the source and the
 ``reader`` the workers get (worker/reader.py: the producer of a task and the cache's
-layout), the inline driver, and what a saved state must match (``settings``,
+layout), how messages name its samples (``names``: ``workers=0``'s one driver,
+``api/inline.py``, serves every kind), and what a saved state must match (``settings``,
 ``mixing``). Nothing else in the package tests a source's type (tests/test_architecture.py
 counts the places): like Grain's ``RandomAccessDataSource`` beside its iterator datasets,
 or torchdata's nodes, the rest of the code holds a protocol.
@@ -22,20 +23,15 @@ or torchdata's nodes, the rest of the code holds a protocol.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ..plan.base import BatchPlan
 from ..plan.mix import Mix, MixSampler
 from ..plan.sampler import ExplicitBatches, Sampler
-from ..streaming import InlineStream, Shards, StreamPlan
+from ..streaming import Shards, StreamPlan
 from ..worker.reader import IndexedReader, SourceReader
-from .iteration import IterationContext, LoaderIterator
-from .iterators import InlineIterator
+from .inline import IndexNames, RecordNames, SampleNames
 from .mixing import MixStreamPlan
-
-#: A ``workers=0`` source node: built like the Loader's other iterators (context, then a position or None).
-InlineDriver = Callable[[IterationContext, "dict[str, Any] | None"], LoaderIterator]
 
 
 class SourceKind:
@@ -45,7 +41,7 @@ class SourceKind:
         plan: the epochs' plan (``batches(epoch)``, ``len()``, ``plan_class``): the sampler.
         source: what the workers read (a stream's configured copy of its ``Shards``).
         reader: the worker side (``spec.reader``): how a task is produced, the cache's layout.
-        inline: the source node that runs everything in ``next()`` (``workers=0``).
+        names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
         streaming: a stream (records counted per shard; positions hold a ``StreamProgress``).
         mixing: a ``procpipe.Mix``'s ``MixSampler`` (the weights each epoch used), else None.
     """
@@ -54,11 +50,11 @@ class SourceKind:
     #: how a message names this kind of source
     described = "an indexable source"
 
-    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, inline: InlineDriver) -> None:
+    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, names: SampleNames) -> None:
         self.plan = plan
         self.source = source
         self.reader = reader
-        self.inline = inline
+        self.names = names
         self.mixing: MixSampler | None = None
 
     def settings(self) -> dict[str, Any]:
@@ -85,7 +81,7 @@ class StreamKind(SourceKind):
 
     def __init__(self, plan: StreamPlan) -> None:
         # (the configured Shards reads its own blocks: it is the workers' source and reader both)
-        super().__init__(plan, plan.source, plan.source, InlineStream)
+        super().__init__(plan, plan.source, plan.source, RecordNames())
         self.mixing = getattr(plan, "mixing", None)  # a MixStreamPlan's
 
     def settings(self) -> dict[str, Any]:
@@ -143,13 +139,13 @@ def resolve_kind(
                 "given batches=..., which would replace it: leave batches= out to mix by weight"
             )
         mixed = MixSampler(*options, mix=source)
-        kind = SourceKind(mixed, source, IndexedReader(source), InlineIterator)
+        kind = SourceKind(mixed, source, IndexedReader(source), IndexNames())
         kind.mixing = mixed.mixing
     elif batches is not None:
         explicit = ExplicitBatches(batches, len(source), batch_size is None)
-        return SourceKind(explicit, source, IndexedReader(source), InlineIterator)
+        return SourceKind(explicit, source, IndexedReader(source), IndexNames())
     else:
-        kind = SourceKind(Sampler(*options), source, IndexedReader(source), InlineIterator)
+        kind = SourceKind(Sampler(*options), source, IndexedReader(source), IndexNames())
     if not len(kind.plan):
         warn_no_batches(len(source), batch_size, bool(drop_last))
     return kind

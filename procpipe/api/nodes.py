@@ -23,8 +23,7 @@ without one and back. ``Loader.state_dict()`` is the root node's ``get_state()``
 sampler's settings (resume.py).
 
 The nodes, from the engine up: the sources (``iterators.EpochIterator``: batches of the
-workers' stream; ``iterators.InlineIterator``: ``workers=0``, indexed;
-``streaming.InlineStream``: ``workers=0``, streaming), then, with ``device=``,
+workers' stream; ``inline.InlineDriver``: ``workers=0``, every source kind), then, with ``device=``,
 ``torch_device.Stage`` (a prefetching thread) or ``torch_device.Mapped`` (a function per
 batch).
 """

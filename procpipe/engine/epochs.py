@@ -9,8 +9,8 @@ every kind. Each task sent is a ``Job``, and each time a job is sent to a worker
 see coordinator.py). The coordinator thread takes the plans' offers, turns the replies
 into results and hands them to ``Epoch.result``; the plan turns them into batches in
 their order, which go into the stream's queue, ``out``, that the consumer's iterator
-reads (iterators.py). A streaming source with ``workers=0`` drives the same kind of
-stream in the consumer's thread (streaming.InlineStream).
+reads (iterators.py). With ``workers=0`` the Loader drives the same kind of stream in
+the consumer's thread, for every source kind (api/inline.py ``InlineDriver``).
 
 The stream opens the next epoch as soon as every task of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
@@ -105,7 +105,7 @@ class Epoch:
     the plan's batches to the stream's queue.
 
     Threads: the coordinator thread dispatches (``offers``, ``take``), reports results
-    (``result``) and losses (``lost``); with ``workers=0`` a streaming source's iterator
+    (``result``) and losses (``lost``); with ``workers=0`` the inline driver (api/inline.py)
     does the same in the consumer's thread. The consumer calls ``mark_consumed`` and reads
     ``consumer_progress`` / ``all_consumed`` (``Loader.state_dict``).
     """

@@ -54,7 +54,8 @@ collation, leases, the coordinator's loop, worker-death recovery):
 Modules, in the order a block meets them on the data path:
 
 - ``plan.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,
-  block layout, each epoch's shard order) and ``InlineStream`` (``workers=0``).
+  block layout, each epoch's shard order); ``workers=0`` is the Loader's one inline
+  driver (procpipe/api/inline.py), for every source kind.
 - ``shard_plan.py``: an epoch's plan (``ShardPlan``, ``BlockWork``): opening shards,
   offering blocks by lane, turning results into batches; pure (no processes).
 - ``shards.py``: the source (``Shards``), a record's identity (``RecordKey``), the task
@@ -67,8 +68,8 @@ Modules, in the order a block meets them on the data path:
 
 from .blocks import Block, RecordKey
 from .order import Interleave, StreamProgress
-from .plan import InlineStream, StreamPlan
+from .plan import StreamPlan
 from .shard_plan import ShardPlan
 from .shards import Shards
 
-__all__ = ["Block", "InlineStream", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]
+__all__ = ["Block", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]

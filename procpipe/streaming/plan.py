@@ -1,32 +1,22 @@
-"""What the Loader uses for a streaming source: ``StreamPlan``, and ``InlineStream`` for ``workers=0``.
+"""What the Loader uses for a streaming source: ``StreamPlan``.
 
 Where it sits in the data path: when its source is a ``Shards`` (shards.py), the Loader
 (procpipe/loader.py) builds a ``StreamPlan`` where it would build a Sampler. The plan
 checks what streaming does not support, decides how workers lay out blocks, gives each
 epoch's shard order, and names ``ShardPlan`` (shard_plan.py) as the plan of the epochs
 the ``Stream`` (procpipe/engine/epochs.py) opens; with workers the coordinator then drives
-those epochs like any other. With ``workers=0`` the Loader iterates an ``InlineStream`` instead, which
+those epochs like any other. With ``workers=0`` the Loader's one inline driver (procpipe/api/inline.py)
 drives the same stream and epochs in the calling thread, reading each block there.
 """
 
 from __future__ import annotations
 
-import queue
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from ..api.iteration import IterationContext, LoaderIterator
 from ..core.checks import check_int, is_count
-from ..core.notes import add_note
-from ..core.reassembly import ResumePoint
-from ..core.rng import SampleScope
-from ..engine.epochs import EndOfStream, EpochEnd, Stream, iteration_over
-from ..plan.base import EMPTY, Loaded
 from ..plan.sampler import epoch_order
-from ..worker.produce import produce
 from .batching import BatchingConfig
-from .blocks import RecordKey
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
 from .shards import CHUNKS, RECORDS, STACK, Shards
@@ -254,153 +244,3 @@ class StreamPlan:
             raise corrupt(
                 f"has cursor {cursor!r} (not an interleave over {shards} shards, cycle_length {self.cycle_length})"
             )
-
-
-# ---------------------------------------------------------------------- workers=0
-class InlineStream(LoaderIterator):
-    """``workers=0`` for a streaming source: the same ``Stream`` and epochs as with workers,
-    driven in the calling thread: each time the stream's queue is empty, the block the
-    interleave waits for is read here (``produce``, so ``Shards.produce_block``). The
-    output is identical to that of workers (in the deterministic order, whatever
-    ``ordered``). The Loader uses it like its own epoch iterators: a source node
-    (procpipe/api/nodes.py) with ``get_state`` / ``reset``; ``position`` is ``(epoch, position
-    in the epoch)`` of the batch ``next()`` returned last (``device_fn``'s ``batch_rng()`` key).
-    """
-
-    position: tuple[int, int] | None = None
-    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
-
-    def __init__(self, context: IterationContext, initial_state: dict[str, Any] | None = None) -> None:
-        self._attach(context)
-        self._coordinator = None
-        self._spec = context.spec
-        self._max_skipped = context.max_skipped
-        self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
-        self._with_epoch = context.with_epoch
-        self._done = True  # no iteration yet (reset starts one)
-        self.reset(initial_state)
-
-    def _start(self, number: int, done: dict | None, until: int | None, ahead: dict[int, dict]) -> None:
-        plan: StreamPlan = self._context.sampler
-        # (engine/epochs.py's Stream is annotated for an indexed source's batches and positions only)
-        self._stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)  # type: ignore[arg-type]
-        self._stream.open(self._stream.first)
-        self._epoch = self._stream.first
-        self.number = number
-        self.batch_count = 0
-        self._done = False
-        self._complete = False  # every batch of the stream was returned
-        self._cancelled: str | None = None
-        self._standing.counters = self._epoch.counters
-        self._set_epoch(number + 1)
-
-    def _halt(self) -> None:
-        if not self._done:
-            self._stop()
-
-    def __iter__(self) -> InlineStream:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            iteration_over(self._cancelled)
-        stream = self._stream
-        started = time.perf_counter()
-        while True:
-            try:
-                item = stream.out.get_nowait()
-            except queue.Empty:
-                if self._cancelled:  # by iter() or close() from another thread or a signal handler
-                    iteration_over(self._cancelled)
-                try:
-                    self._load()
-                except BaseException:
-                    self._stop()
-                    raise
-                continue
-            if type(item) is tuple:
-                epoch, seq, batch = item
-                epoch.counters.wait_s += time.perf_counter() - started
-                epoch.mark_consumed(seq)
-                stream.consumed += 1
-                self.position = (epoch.number, seq)  # device_fn's batch_rng() key, as EpochIterator's
-                if epoch is not self._epoch:  # the first batch of the next epoch
-                    for number in [n for n in stream.opened if n < epoch.number]:
-                        del stream.opened[number]  # past (resume_point starts at this epoch): let it go
-                    self._epoch, self.number = epoch, epoch.number
-                    self._standing.counters = epoch.counters
-                    self._set_epoch(epoch.number + 1)
-                return (epoch.number, batch) if self._with_epoch else batch
-            if isinstance(item, EpochEnd):
-                item.epoch.counters.ended = time.perf_counter()
-                continue
-            self._stop()
-            if item is EndOfStream:
-                self._complete = True
-                self._set_epoch(self._next_start())
-                raise StopIteration
-            raise item.exc  # a Failure
-
-    def _load(self) -> None:
-        """Read the block the open epoch waits for (opening the next epoch when one is done)."""
-        epoch = self._stream.fresh()
-        if epoch is None:
-            raise RuntimeError("procpipe: internal error: a streaming epoch had nothing left to read but did not end")
-        # The block the interleave waits for (the stream is ordered): the urgent offer.
-        offer = next((o for o in epoch.offers(1) if o.urgent), None)
-        if offer is None:
-            raise RuntimeError("procpipe: internal error: a streaming epoch waits for no block but did not end")
-        job = epoch.take(offer, -1)
-        scope = self._scope
-        try:
-            produced = produce(self._spec, scope, epoch.number, job.payload, None, 0)
-        except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
-            scope.leave()
-            if isinstance(exc, SystemExit):
-                raise
-            add_note(
-                exc,
-                f"procpipe: raised in the calling process (workers=0) while loading {job.payload} "
-                f"(epoch {epoch.number}).",
-            )
-            raise
-        if produced.skipped:  # on_error="skip": records whose fn or augment raised
-            if epoch.skips is None:
-                epoch.skips = epoch.skip_budget(self._max_skipped)
-            # (a streaming source's samples are named by RecordKey, not by an int index)
-            for key, error in cast("list[tuple[RecordKey, Exception]]", produced.skipped):
-                if not epoch.skips.add(
-                    [key], f"record {key[1]} of shard {key[0]} ({job.payload})", f"{type(error).__name__}: {error}"
-                ):
-                    add_note(error, epoch.skips.note())
-                    raise error
-        epoch.result(job, EMPTY if produced.layout is None else Loaded(produced.layout, None, 0))
-
-    def _stop(self) -> None:
-        self._done = True
-        self._stream.finish()
-        self._spec.source.close_readers()
-
-    @property
-    def consumed(self) -> int:
-        return self._epoch.consumed
-
-    def _point(self) -> ResumePoint | None:
-        """``Stream.resume_point``: the epochs come in order, so the oldest one the consumer is not
-        past is the one it is in."""
-        if self._complete:
-            return None
-        return self._stream.resume_point(self._epoch.number)
-
-    def _next_start(self) -> int:
-        stream = self._stream
-        return stream.until if stream.until is not None else stream.next_number
-
-    def cancel(self, why: str) -> None:
-        if not self._done:
-            self._cancelled = why
-            self._stop()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            self._spec.source.close_readers()

@@ -8,7 +8,7 @@ the worker reading the shard gets it; results are put in the interleave's order 
 ordered (``Interleave``, order.py), turned into batches (``Output``, batching.py) and
 handed out, each with the record ranges it covers, which are added to the epoch's
 ``StreamProgress`` as the consumer takes the batch (``taken``). With ``workers=0``
-``InlineStream`` (plan.py) drives the same plan in the consumer's thread.
+the Loader's inline driver (procpipe/api/inline.py) drives the same plan in the consumer's thread.
 
 Pure: it never sees a process, a ring slot or a worker, only a worker's index.
 """

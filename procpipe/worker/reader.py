@@ -57,6 +57,10 @@ class SourceReader(Protocol):
         lay the cache out."""
         ...
 
+    def close_readers(self) -> None:
+        """Close what this process holds open to read tasks (``workers=0``: when an iteration ends)."""
+        ...
+
 
 class IndexedReader:
     """The reader of an indexed source: tasks are lists of indices, read with ``source[i]``."""
@@ -73,6 +77,9 @@ class IndexedReader:
 
     def cache_length(self) -> int:
         return len(self.source)
+
+    def close_readers(self) -> None:
+        """Nothing to close: an indexed source is read with ``source[i]``."""
 
     def first_cached(self, spec: Any) -> tuple[int, Any]:
         """The first index whose cached stage succeeds (``on_error="skip"``: among the first 16)."""
