@@ -17,6 +17,7 @@ chosen by ``api/kinds.py``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -79,6 +80,7 @@ class InlineDriver(LoaderIterator):
         self, context: IterationContext, initial_state: dict[str, Any] | None = None, names: SampleNames | None = None
     ) -> None:
         self._attach(context)
+        self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
         self._spec = context.spec
         self._names: SampleNames = names if names is not None else IndexNames()
         self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
@@ -115,6 +117,10 @@ class InlineDriver(LoaderIterator):
         return self
 
     def __next__(self) -> Any:
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> Any:
         if self._done:
             if self._failed is not None:
                 raise RuntimeError(
