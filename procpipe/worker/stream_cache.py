@@ -43,12 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from ..core.notes import add_note
 from ..core.rng import SampleScope, no_sample_rng
 from ..core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
-from .reader import GROWING
+from .reader import GROWING, first_record_cached
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
 LINK = 64  # bytes before a chunk's slots: [next chunk: u64][pad]
@@ -411,21 +410,8 @@ def _first_record(spec: Any) -> tuple[Any, Any] | None:
     found = spec.source.first_record(scope)
     if found is None:
         return None
-    _, key, record = found
-    scope.enter(0, key)
-    try:
-        with no_sample_rng(NO_RNG):
-            return key, record if spec.fn is None else spec.fn(record)
-    except Exception as exc:
-        add_note(
-            exc,
-            "procpipe: raised in the calling process while computing the first record to lay out the "
-            "cache (cache=...): the first record of the cached stage is computed when the Loader is "
-            "created.",
-        )
-        raise
-    finally:
-        scope.leave()
+    _, sample = first_record_cached(spec, scope, found)  # (the same first record an indexed cache lays out by)
+    return found[1], sample
 
 
 def _remove(path: str, pid: int) -> None:
