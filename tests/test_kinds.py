@@ -83,3 +83,65 @@ def test_the_cached_stage_draws_from_its_samples_own_seed_for_every_kind(stream:
             values.append(np.concatenate(list(loader)).tolist())
     assert values[0] == values[1]
     assert len(set(values[0])) > 1  # (the draws differ per sample)
+
+
+def _fn_case(case):
+    """``(fn, collate_fn, batched)`` of one case of the fn-only loop's equivalence test."""
+    def raises(i):
+        if i == 3:
+            raise KeyError(f"no record {i}")
+        return i * 2
+
+    return {
+        "no fn": (None, None, True),
+        "fn": (lambda i: {"x": np.full(2, i), "id": str(i)}, None, True),
+        "draws": (lambda i: int(procpipe.sample_rng().integers(1 << 30)) + i, None, True),
+        "returns None": (lambda i: None if i == 4 else i, None, True),
+        "None with collate_fn": (lambda i: None, list, True),
+        "None unbatched": (lambda i: None, None, False),
+        "raises": (raises, None, True),
+    }[case]
+
+
+def _outcome(run):
+    try:
+        return ("samples", repr(run()))
+    except Exception as exc:
+        return (type(exc).__name__, str(exc))
+
+
+@pytest.mark.parametrize("case", ["no fn", "fn", "draws", "returns None", "None with collate_fn", "None unbatched",
+                                  "raises"])
+def test_the_fn_only_loop_gives_what_run_sample_gives(case) -> None:
+    """``stages.run_indices`` skips the call per sample where ``fn`` is the only stage
+    (``fn_only``): the samples, the random draws, the error for a None and an exception raised
+    by ``fn`` (and the index the scope names when it fails) are those of ``run_sample`` per index."""
+    from procpipe.core.rng import SampleScope
+    from procpipe.worker.process import WorkerSpec
+    from procpipe.worker.stages import SKIPPED, fn_only, run_indices, run_sample
+
+    fn, collate_fn, batched = _fn_case(case)
+    spec = WorkerSpec(list(range(6)), fn, collate_fn, batched, seed=5)
+    indices = [5, 1, 0, 3, 4, 2]
+
+    def each(scope):
+        samples = []
+        for index in indices:
+            scope.enter(2, index)
+            sample = run_sample(spec, scope, index, spec.source, index, [])
+            assert sample is not SKIPPED
+            samples.append(sample)
+        return samples
+
+    scopes = [SampleScope(5, seed_globals="task"), SampleScope(5, seed_globals="task"), SampleScope(5, seed_globals="task")]
+    status_fast = [0, -1]
+    fast = _outcome(lambda: fn_only(spec, scopes[0], 2, indices, spec.source, status_fast))
+    general = _outcome(lambda: each(scopes[1]))
+    via = _outcome(lambda: run_indices(spec, scopes[2], 2, indices, None, [])[0])
+    named = [scope.index for scope in scopes]  # (the sample being produced; a failing one's stays named)
+    for scope in scopes:
+        scope.leave()
+    assert fast == general == via
+    if fast[0] != "samples":
+        assert named[0] == named[1] == named[2] == status_fast[1] in indices, "the scope names the failing index"
+    assert (fast[0] == "samples") is (case in ("no fn", "fn", "draws", "None with collate_fn", "None unbatched"))

@@ -32,7 +32,7 @@ from ..core import collate
 from ..core.notes import add_note
 from ..core.rng import BatchScope, SampleScope, no_sample_rng
 from ..errors import summarize_indices
-from .stages import SKIPPED, run_sample
+from .stages import run_indices
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
@@ -78,20 +78,10 @@ def produce_indices(
     capacity: int,
     status: Any | None = None,
 ) -> Produced:
-    """An indexed source's task: each index through the stages (``stages.run_sample``) under its
+    """An indexed source's task: each index through the stages (``stages.run_indices``) under its
     sample scope, then collation (and ``batch_fn``)."""
-    samples, kept = [], []
     skipped: list[tuple[Any, Exception]] = []
-    source = spec.source
-    for index in indices:
-        if status is not None:
-            status[1] = index
-        scope.enter(epoch, index)
-        sample = run_sample(spec, scope, index, source, index, skipped)
-        if sample is SKIPPED:
-            continue
-        samples.append(sample)
-        kept.append(index)
+    samples, kept = run_indices(spec, scope, epoch, indices, status, skipped)
     if status is not None:
         status[1] = -1
     if not samples or not spec.batched or (spec.batch_fn is None and spec.collate_fn is None):

@@ -16,6 +16,12 @@ stages, the same seeding of the cached stage (``SampleScope.own_seed``), the sam
 The caller has entered the sample's scope (``scope.enter``) before, as the source's own read
 draws from it too (a stream's iterator). The hot loop calls it once per sample: it does no
 allocation of its own on the way through.
+
+An indexed task goes through ``run_indices``, which calls ``run_sample`` per index, except in
+the most common case, where ``fn`` is the only stage (no ``cache``, no ``augment``,
+``on_error="raise"``): there ``run_sample`` reduces to ``fn(source[i])`` and the None check,
+and ``fn_only`` runs exactly that in its loop, without a call per sample (a fifth of the
+cost of a 64-int task; ``tests/test_stages.py`` checks both give the same samples and errors).
 """
 
 from __future__ import annotations
@@ -75,6 +81,44 @@ def run_sample(
         skipped.append((key, exc))
         return SKIPPED
     return sample
+
+
+def run_indices(
+    spec: Any, scope: SampleScope, epoch: int, indices: list[int], status: Any, skipped: list[tuple[Any, Exception]]
+) -> tuple[list[Any], list[int]]:
+    """Each of an indexed task's ``indices`` through the stages, in its sample scope:
+    ``(samples, the indices kept)``; ``status[1]`` (if given) names the index being loaded."""
+    source = spec.source
+    if spec.cache is None and spec.augment is None and not spec.skip:
+        return fn_only(spec, scope, epoch, indices, source, status), indices
+    samples, kept = [], []
+    for index in indices:
+        if status is not None:
+            status[1] = index
+        scope.enter(epoch, index)
+        sample = run_sample(spec, scope, index, source, index, skipped)
+        if sample is SKIPPED:
+            continue
+        samples.append(sample)
+        kept.append(index)
+    return samples, kept
+
+
+def fn_only(spec: Any, scope: SampleScope, epoch: int, indices: list[int], source: Any, status: Any) -> list[Any]:
+    """``run_sample`` for each index where ``fn`` is the only stage: ``fn(source[i])``, a None
+    refused, an exception propagated as it is (module doc)."""
+    fn, enter = spec.fn, scope.enter
+    refuse_none = spec.batched and spec.collate_fn is None
+    samples = []
+    for index in indices:
+        if status is not None:
+            status[1] = index
+        enter(epoch, index)
+        sample = source[index] if fn is None else fn(source[index])
+        if sample is None and refuse_none:
+            raise TypeError(returned_none(spec, index))
+        samples.append(sample)
+    return samples
 
 
 def returned_none(spec: Any, key: Any) -> str:
