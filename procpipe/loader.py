@@ -202,24 +202,7 @@ class Loader:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
         config = self._config = LoaderConfig.from_arguments(**arguments)
         # Which kind of source this is, asked once (api/kinds.py): its plan, the workers' reader, workers=0's driver
-        self._kind = kind = resolve_kind(
-            source,
-            batch_size=batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            reshuffle=reshuffle,
-            shard=shard,
-            batches=batches,
-            shuffle_buffer=shuffle_buffer,
-            collate_fn=collate_fn,
-            on_error=on_error,
-            max_skipped=max_skipped,
-            speculate=speculate,
-            batch_fn=batch_fn,
-            cache=cache,
-            even_ranks=even_ranks,
-        )
+        self._kind = kind = resolve_kind(source, config)
         self._sampler: BatchPlan = kind.plan
         self._parts = assemble(config, kind)  # workers start here
         self._coordinator, self._context = self._parts.coordinator, self._parts.context

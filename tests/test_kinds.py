@@ -4,18 +4,24 @@ what is checked is which objects the Loader holds and what each sample goes thro
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
 import procpipe
+from procpipe.api.config import LoaderConfig
 from procpipe.api.inline import IndexNames, RecordNames
-from procpipe.api.kinds import StreamKind, resolve_kind
+from procpipe.api.kinds import StreamKind, plan_options, resolve_kind
 from procpipe.plan.index import IndexPlan
 from procpipe.streaming import ShardPlan
 from procpipe.worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
 
-OPTIONS = dict(batch_size=2, shuffle=False, seed=0, drop_last=False, reshuffle=True, shard=None, batches=None,
-               shuffle_buffer=None)
+OPTIONS = {"batch_size": 2}
+
+
+def config(**options):
+    return LoaderConfig.from_arguments(**{**OPTIONS, **options})
 
 
 def open_shard(shard):
@@ -35,7 +41,7 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
         "mix of shards": procpipe.Mix([shards(), shards()], [1, 1]),
         "growing": shards(lengths=False),
     }[name]
-    kind = resolve_kind(source, **OPTIONS)
+    kind = resolve_kind(source, config())
     streaming = name in ("shards", "mix of shards", "growing")
     assert isinstance(kind, StreamKind) is streaming is kind.streaming
     assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
@@ -50,13 +56,33 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     assert set(kind.settings()) >= {"batch_size", "shuffle", "seed", "drop_last", "shard", "reshuffle"}
 
 
+def test_every_plan_option_comes_from_the_loaders_configuration() -> None:
+    """The plans are built from ``loader.config``'s groups (``plan_options``), not from a list of
+    the Loader's arguments copied by hand: each keyword a stream plan takes is filled, with the
+    value the Loader was given."""
+    from procpipe.api.mixing import MixStreamPlan
+    from procpipe.streaming import StreamPlan
+
+    given = {"batch_size": 3, "shuffle": True, "seed": 7, "drop_last": True, "reshuffle": False, "shard": (1, 2),
+             "shuffle_buffer": 5, "even_ranks": True, "on_error": "skip", "max_skipped": 4, "speculate": 2.0}
+    options = plan_options(config(**given))
+    for plan in (StreamPlan, MixStreamPlan):
+        keywords = {name for name, p in inspect.signature(plan).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY or (p.default is not p.empty and name != "source")}
+        assert keywords <= set(options), f"{plan.__name__} takes {sorted(keywords - set(options))}, not filled"
+    for name, value in given.items():
+        assert options[name] == value, name
+    kind = resolve_kind(shards(), config(**given))
+    assert kind.plan.batch_size == 3 and kind.plan.shard == (1, 2)  # type: ignore[attr-defined]
+
+
 def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:
     with pytest.raises(TypeError, match="source must support len.*lacks __getitem__"):
-        resolve_kind({1, 2, 3}, **OPTIONS)
+        resolve_kind({1, 2, 3}, config())
     with pytest.raises(ValueError, match="shuffle_buffer applies to streaming sources"):
-        resolve_kind([1, 2], **{**OPTIONS, "shuffle_buffer": 4})
+        resolve_kind([1, 2], config(shuffle_buffer=4))
     with pytest.raises(ValueError, match="a procpipe.Mix draws each epoch's order"):
-        resolve_kind(procpipe.Mix([[1], [2]], [1, 1]), **{**OPTIONS, "batches": lambda epoch: [[0]]})
+        resolve_kind(procpipe.Mix([[1], [2]], [1, 1]), config(batches=lambda epoch: [[0]]))
 
 
 def test_a_stream_record_that_becomes_none_is_refused_as_an_indexed_sample_is() -> None:

@@ -14,7 +14,7 @@ uninterrupted run with the new world size.
   ``"combined"``. A loader that loads it computes the epoch's order less what was
   delivered (``remaining``), and takes its part ``rank, rank + world_size, ...``, without
   padding (padding would deliver some twice), as the order of that epoch only
-  (``Sampler.resumed``). So in the resumed epoch ranks may differ by one batch; later
+  (``Sampler.given``). So in the resumed epoch ranks may differ by one batch; later
   epochs are padded as usual. A state saved during that epoch keeps the base, so states
   can be combined again (and again) before the epoch ends.
 - **Shards.** A stream's progress is kept in records of shards named by their index in
@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..plan.sampler import epoch_order
+from ..plan.sampler import GivenOrders, epoch_order
 from ..streaming.order import StreamProgress
 from . import elastic_mix
 
@@ -61,7 +61,7 @@ _POSITION_KEYS = (
     "mix_weights",
 )
 
-__all__ = ["combine_states", "forget", "saved_base", "state_for"]
+__all__ = ["combine_states", "saved_base", "state_for"]
 
 
 def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -293,12 +293,15 @@ def _merged_progress(
 
 
 # ---------------------------------------------------------------------- loading and saving
-def state_for(state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any = None) -> dict[str, Any]:
+def state_for(
+    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any = None, given: GivenOrders | None = None
+) -> dict[str, Any]:
     """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
     progress about the shards of this rank's order; for an indexed one, the resumed epoch's
-    order installed in the sampler (``Sampler.resumed``). The result is checked as usual.
-    ``streaming`` and ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) are the loader's
-    source kind's (api/kinds.py)."""
+    order given to the sampler (``given``). The result is checked as usual. ``streaming``,
+    ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) and ``given`` (where an indexed
+    plan takes an epoch's order; None for ``batches=...``) are the loader's source kind's
+    (api/kinds.py)."""
     mine = getattr(sampler, "shard", None)
     saved = state.get("shard")
     if saved is not None and (mine is None or list(mine) != list(saved)):
@@ -335,9 +338,8 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any 
                 ],
             }
         return out
-    if not isinstance(getattr(sampler, "resumed", None), dict):
-        # (not a type error: a setting this loader has, batches=..., that a combined state cannot resume)
-        raise ValueError(  # noqa: TRY004 - a setting of the loader, not the type of an argument
+    if given is None:
+        raise ValueError(
             "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
             "own sampler; this loader's come from batches=..., which cannot be split anew"
         )
@@ -346,8 +348,7 @@ def state_for(state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any 
     combined = state["combined"]
     full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
     rank_order = _remaining(full, _delivered(settings, full, combined))[rank::world]
-    sampler.resumed.clear()
-    sampler.resumed[epoch] = (rank_order, combined)
+    given.give(epoch, rank_order, combined)
     return out
 
 
@@ -363,14 +364,7 @@ def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixi
     return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 
-def forget(sampler: Any) -> None:
-    """A plain state is loaded: no epoch's order comes from an earlier combined state any more."""
-    resumed = getattr(sampler, "resumed", None)
-    if isinstance(resumed, dict):
-        resumed.clear()
-
-
-def saved_base(sampler: Any, epoch: int) -> dict[str, Any]:
+def saved_base(given: GivenOrders | None, epoch: int) -> dict[str, Any]:
     """What a state saved in ``epoch`` adds: the combined state it resumed from, if the epoch is one."""
-    entry = getattr(sampler, "resumed", {}).get(epoch) if isinstance(getattr(sampler, "resumed", None), dict) else None
-    return {} if entry is None else {"combined": entry[1]}
+    base = None if given is None else given.base(epoch)
+    return {} if base is None else {"combined": base}

@@ -23,15 +23,18 @@ or torchdata's nodes, the rest of the code holds a protocol.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..plan.base import BatchPlan
 from ..plan.mix import Mix, MixSampler
-from ..plan.sampler import ExplicitBatches, Sampler
+from ..plan.sampler import ExplicitBatches, GivenOrders, Sampler
 from ..streaming import Shards, StreamPlan
 from ..worker.reader import IndexedReader, SourceReader
 from .inline import IndexNames, RecordNames, SampleNames
 from .mixing import MixStreamPlan
+
+if TYPE_CHECKING:
+    from .config import LoaderConfig
 
 
 class SourceKind:
@@ -44,6 +47,10 @@ class SourceKind:
         names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
         streaming: a stream (records counted per shard; positions hold a ``StreamProgress``).
         mixing: a ``procpipe.Mix``'s ``MixSampler`` (the weights each epoch used), else None.
+        given: where a combined state (``procpipe.combine_states``) installs the order of the
+            epoch it resumes (``GivenOrders``): an indexed source's or a ``Mix``'s plan; None
+            for ``batches=...`` (the caller's order cannot be split anew) and for streams (their
+            progress is per shard).
     """
 
     streaming = False
@@ -56,6 +63,7 @@ class SourceKind:
         self.reader = reader
         self.names = names
         self.mixing: MixSampler | None = None
+        self.given: GivenOrders | None = None
 
     def settings(self) -> dict[str, Any]:
         """The plan's settings a saved state must match to be resumed (api/resume.py)."""
@@ -88,66 +96,71 @@ class StreamKind(SourceKind):
         return self.plan.settings()  # type: ignore[attr-defined]  # (a StreamPlan)
 
 
-def resolve_kind(
-    source: Any,
-    *,
-    batch_size: int | None,
-    shuffle: bool,
-    seed: int,
-    drop_last: bool,
-    reshuffle: bool,
-    shard: tuple[int, int] | None,
-    batches: Any,
-    shuffle_buffer: int | None,
-    **stream_options: Any,
-) -> SourceKind:
-    """The kind of ``source`` and its plan, from the Loader's arguments (already type-checked by
-    ``validate``); raises ``TypeError``/``ValueError`` for a source no kind accepts, or an option
-    its kind does not support. ``stream_options``: what only a stream's plan takes
-    (``collate_fn``, ``on_error``, ``max_skipped``, ``speculate``, ``batch_fn``, ``cache``, ``even_ranks``)."""
-    stream_options.update(
-        batch_size=batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        reshuffle=reshuffle,
-        shard=shard,
-        shuffle_buffer=shuffle_buffer,
-        batches=batches,
-    )
+def plan_options(config: LoaderConfig) -> dict[str, Any]:
+    """What a plan is built from, read from the configuration's groups (``loader.config``): the
+    batching group's order settings, and what only a stream's plan takes (``collate_fn``,
+    ``batch_fn``, ``cache`` from the stages; ``on_error``, ``max_skipped``, ``speculate`` from the
+    faults; ``even_ranks``)."""
+    batching, stages, faults = config.batching, config.stages, config.faults
+    return {
+        "batch_size": batching.batch_size,
+        "shuffle": batching.shuffle,
+        "seed": batching.seed,
+        "drop_last": batching.drop_last,
+        "reshuffle": batching.reshuffle,
+        "shard": batching.shard,
+        "shuffle_buffer": batching.shuffle_buffer,
+        "batches": batching.batches,
+        "even_ranks": batching.even_ranks,
+        "collate_fn": stages.collate_fn,
+        "batch_fn": stages.batch_fn,
+        "cache": stages.cache,
+        "on_error": faults.on_error,
+        "max_skipped": faults.max_skipped,
+        "speculate": faults.speculate,
+    }
+
+
+def resolve_kind(source: Any, config: LoaderConfig) -> SourceKind:
+    """The kind of ``source`` and its plan, from a Loader's configuration (its groups already
+    checked, api/config.py); raises ``TypeError``/``ValueError`` for a source no kind accepts,
+    or an option its kind does not support."""
     if isinstance(source, Shards):
-        return StreamKind(StreamPlan(source, **stream_options))
+        return StreamKind(StreamPlan(source, **plan_options(config)))
     if isinstance(source, Mix) and source.streaming:
-        return StreamKind(MixStreamPlan(source, **stream_options))
+        return StreamKind(MixStreamPlan(source, **plan_options(config)))
+    b = config.batching
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(
             f"source must support len() and indexing with an int (a list, a numpy array, a torch Dataset...); "
             f"got {type(source).__name__}, which lacks "
             f"{'__len__' if not hasattr(source, '__len__') else '__getitem__'}. Wrap iterables in a list first."
         )
-    if shuffle_buffer is not None:
+    if b.shuffle_buffer is not None:
         raise ValueError(
             "shuffle_buffer applies to streaming sources (procpipe.Shards); an indexable "
             "source is shuffled whole with shuffle=True"
         )
-    rank = None if shard is None else (shard[0], shard[1])
-    options = (len(source), batch_size, bool(shuffle), int(seed), bool(drop_last), rank, bool(reshuffle))
+    rank = None if b.shard is None else (b.shard[0], b.shard[1])
+    options = (len(source), b.batch_size, bool(b.shuffle), int(b.seed), bool(b.drop_last), rank, bool(b.reshuffle))
     if isinstance(source, Mix):
-        if batches is not None:
+        if b.batches is not None:
             raise ValueError(
                 "a procpipe.Mix draws each epoch's order from its weights, but this Loader was also "
                 "given batches=..., which would replace it: leave batches= out to mix by weight"
             )
         mixed = MixSampler(*options, mix=source)
         kind = SourceKind(mixed, source, IndexedReader(source), IndexNames())
-        kind.mixing = mixed.mixing
-    elif batches is not None:
-        explicit = ExplicitBatches(batches, len(source), batch_size is None)
+        kind.mixing, kind.given = mixed.mixing, mixed.given
+    elif b.batches is not None:
+        explicit = ExplicitBatches(b.batches, len(source), b.batch_size is None)
         return SourceKind(explicit, source, IndexedReader(source), IndexNames())
     else:
-        kind = SourceKind(Sampler(*options), source, IndexedReader(source), IndexNames())
+        sampler = Sampler(*options)
+        kind = SourceKind(sampler, source, IndexedReader(source), IndexNames())
+        kind.given = sampler.given
     if not len(kind.plan):
-        warn_no_batches(len(source), batch_size, bool(drop_last))
+        warn_no_batches(len(source), b.batch_size, bool(b.drop_last))
     return kind
 
 
@@ -164,4 +177,4 @@ def warn_no_batches(length: int, batch_size: int | None, drop_last: bool) -> Non
     warnings.warn(f"procpipe.Loader yields no batch: {why}.", stacklevel=4)
 
 
-__all__ = ["SourceKind", "StreamKind", "resolve_kind"]
+__all__ = ["SourceKind", "StreamKind", "plan_options", "resolve_kind"]

@@ -26,7 +26,7 @@ __all__ = ["Resume", "load_state", "save_state"]
 def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
     """``Loader.state_dict()``: ``position`` (``position.encode_position``'s dict) with the settings
     (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
-    state = {"version": 1, **position, **kind.settings(), **elastic.saved_base(kind.plan, position["epoch"])}
+    state = {"version": 1, **position, **kind.settings(), **elastic.saved_base(kind.given, position["epoch"])}
     if kind.mixing is not None:
         state.update(kind.mixing.save_weights([position["epoch"], *(entry[0] for entry in position.get("ahead", []))]))
     return state
@@ -50,9 +50,9 @@ def load_state(state: Any, kind: SourceKind) -> Resume:
             f"{kinds['mix' not in state]}; resume with a loader built with the same arguments (mix=...)"
         )
     if "combined" in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
-        state = elastic.state_for(state, sampler, streaming, mixing)
-    else:
-        elastic.forget(sampler)
+        state = elastic.state_for(state, sampler, streaming, mixing, kind.given)
+    elif kind.given is not None:
+        kind.given.forget()
     settings = kind.settings()
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:

@@ -48,7 +48,7 @@ import numpy as np
 from ..streaming.shards import Shards
 from .index import IndexPlan
 from .mix_kinds import indexed_shard_size, virtual_shards
-from .sampler import epoch_order
+from .sampler import GivenOrders, epoch_order
 
 _MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
 _DRAW, _PERMUTE = 0, 1
@@ -321,9 +321,9 @@ class MixSampler:
         self.reshuffle = reshuffle
         self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
         self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
-        # Epochs whose order is given, not drawn: {epoch: (order, base)}, as Sampler.resumed (set when
-        # a state from procpipe.combine_states is loaded: api/elastic.py).
-        self.resumed: dict[int, tuple[np.ndarray, Any]] = {}
+        # Epochs whose order is given, not drawn, as Sampler.given (set when a state from
+        # procpipe.combine_states is loaded: api/elastic.py).
+        self.given = GivenOrders()
 
     @property
     def step(self) -> int:
@@ -362,9 +362,9 @@ class MixSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         """This rank's part of ``epoch``'s order (indices of the mixture)."""
-        entry = self.resumed.get(epoch)
-        if entry is not None:
-            return entry[0]
+        given = self.given.order(epoch)
+        if given is not None:
+            return given
         order = self.mixed_order(epoch)
         if self.shard is None or not len(order):
             return order

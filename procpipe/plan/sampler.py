@@ -44,6 +44,39 @@ def epoch_order(
     return order
 
 
+class GivenOrders:
+    """Epochs whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
+    installs in a ``Sampler`` or ``MixSampler`` (api/elastic.py): the indices no rank of the saved
+    run had delivered, this rank's part of them, and the combined state it came from (``base``,
+    kept for the states this loader saves in that epoch). At most one epoch at a time."""
+
+    __slots__ = ("_given",)
+
+    def __init__(self) -> None:
+        self._given: dict[int, tuple[np.ndarray, Any]] = {}
+
+    def give(self, epoch: int, order: np.ndarray, base: Any) -> None:
+        """``epoch``'s order is ``order`` (from the combined state ``base``), in place of any given before."""
+        self._given = {epoch: (order, base)}
+
+    def forget(self) -> None:
+        """A plain state is loaded: every epoch's order is drawn again."""
+        self._given = {}
+
+    def order(self, epoch: int) -> np.ndarray | None:
+        """The order given for ``epoch``, or None (drawn as usual)."""
+        entry = self._given.get(epoch)
+        return None if entry is None else entry[0]
+
+    def base(self, epoch: int) -> Any:
+        """The combined state ``epoch``'s order came from, or None."""
+        entry = self._given.get(epoch)
+        return None if entry is None else entry[1]
+
+    def __repr__(self) -> str:
+        return f"GivenOrders(epochs={sorted(self._given)})"
+
+
 @dataclass(frozen=True)
 class Sampler:
     """Splits ``range(length)`` into the batches of each epoch.
@@ -56,10 +89,8 @@ class Sampler:
     every index once per epoch (plus the padding).
     ``reshuffle=False`` keeps one order: every epoch uses epoch 0's permutation (the
     per-sample random generators still differ by epoch).
-    ``resumed``: epochs whose order is given, not computed: ``{epoch: (order, base)}``, set
-    when a state from ``procpipe.combine_states`` is loaded (the indices no rank of the
-    saved run had delivered, this rank's part of them; ``base`` is kept for the states
-    this loader saves in that epoch).
+    ``given``: epochs whose order is given, not computed (``GivenOrders``: set when a state
+    from ``procpipe.combine_states`` is loaded).
     """
 
     plan_class: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (plan/index.py)
@@ -71,7 +102,7 @@ class Sampler:
     drop_last: bool
     shard: tuple[int, int] | None = None
     reshuffle: bool = True
-    resumed: dict = field(default_factory=dict, compare=False, repr=False)
+    given: GivenOrders = field(default_factory=GivenOrders, compare=False, repr=False)
 
     @property
     def step(self) -> int:
@@ -91,16 +122,16 @@ class Sampler:
         return (self.count + self.step - 1) // self.step
 
     def epoch_batches(self, epoch: int) -> int:
-        """Batches in ``epoch``: ``len(self)``, except in an epoch ``resumed`` gives the order of."""
-        if epoch not in self.resumed:
+        """Batches in ``epoch``: ``len(self)``, except in an epoch whose order is ``given``."""
+        if self.given.order(epoch) is None:
             return len(self)
         n = len(self.order(epoch))
         return n // self.step if self.drop_last else -(-n // self.step)
 
     def order(self, epoch: int) -> np.ndarray:
-        entry = self.resumed.get(epoch)
-        if entry is not None:
-            return entry[0]
+        given = self.given.order(epoch)
+        if given is not None:
+            return given
         return epoch_order(
             self.length,
             epoch,
