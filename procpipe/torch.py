@@ -41,7 +41,7 @@ from .api.config import LoaderConfig
 from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .loader import Loader
 from .torch_epoch import EpochIterator
-from .torch_kinds import DatasetKind, dataset_kind
+from .torch_kinds import DatasetKind, TorchArguments, dataset_kind
 from .torch_sampling import SamplerBatches
 from .torch_state import FacadeState, on_moved, on_value
 from .worker.start_method import START_METHODS
@@ -168,15 +168,17 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         )
         self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
         self._pp_kind: DatasetKind = kind(
-            dataset,
-            self._index_sampler,
-            self._auto_collation,
-            self.collate_fn,
-            worker_init_fn,
-            num_workers,
-            self._pp_seed,
-            self.batch_size,
-            drop_last,
+            TorchArguments(
+                dataset,
+                self._index_sampler,
+                self._auto_collation,
+                self.collate_fn,
+                worker_init_fn,
+                num_workers,
+                self._pp_seed,
+                self.batch_size,
+                drop_last,
+            )
         )
         self._pp_start_method = _start_method(multiprocessing_context)
         self._pp_device = None if device is None else resolve_device(device)

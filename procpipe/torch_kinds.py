@@ -28,7 +28,7 @@ from .torch_iterable import Replicas, ReplicaSpec, in_process, sharding_init
 from .torch_sampling import BULK, CUSTOM, DEFAULT, UNBATCHED, BulkFetch, SamplerBatches, TorchSource
 from .torch_state import FacadeState
 
-__all__ = ["Batching", "DatasetKind", "IterableStyle", "MapStyle", "dataset_kind"]
+__all__ = ["Batching", "DatasetKind", "IterableStyle", "MapStyle", "TorchArguments", "dataset_kind"]
 
 
 class Batching(NamedTuple):
@@ -38,6 +38,23 @@ class Batching(NamedTuple):
     collate_fn: Callable[[list[Any]], Any] | None
 
 
+class TorchArguments(NamedTuple):
+    """What the facade takes from ``torch.utils.data.DataLoader`` once torch has checked its
+    arguments: the dataset, the index sampler torch built, whether it collates batches
+    (``auto_collation``), the ``collate_fn`` it settled on, and the options either kind reads.
+    Both kinds are built from it (``MapStyle(torch_args)``, ``IterableStyle(torch_args)``)."""
+
+    dataset: Any
+    index_sampler: Any
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+    worker_init_fn: Callable[[int], Any] | None
+    num_workers: int
+    seed: int
+    batch_size: int | None
+    drop_last: bool
+
+
 class MapStyle:
     """A map-style dataset (``__getitem__``): the sampler's batches of indices go to the workers,
     each sample through ``TorchSource``; the Loader's options ask for one sampler item per batch."""
@@ -45,18 +62,8 @@ class MapStyle:
     iterable = False
     datapipe = False  # (only an IterableDataset can be an IterDataPipe)
 
-    def __init__(
-        self,
-        dataset: Any,
-        index_sampler: Any,
-        auto_collation: bool,
-        collate_fn: Callable[[Any], Any],
-        worker_init_fn: Callable[[int], Any] | None,
-        num_workers: int,
-        seed: int,
-        batch_size: int | None,
-        drop_last: bool,
-    ) -> None:
+    def __init__(self, torch_args: TorchArguments) -> None:
+        dataset, index_sampler, collate_fn = torch_args.dataset, torch_args.index_sampler, torch_args.collate_fn
         try:
             len(index_sampler)
         except TypeError:
@@ -65,7 +72,7 @@ class MapStyle:
                 f"when it starts); {type(index_sampler).__name__} has no __len__"
             ) from None
         self.convert: Callable[[Any], Any]  # a batch as the consumer gets it, from what the engine delivers
-        if not auto_collation:  # collate_fn (default: default_convert) applies to each sample
+        if not torch_args.auto_collation:  # collate_fn (default: default_convert) applies to each sample
             default = collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else collate_fn)
             self.convert = unpack_convert if default else unpack
@@ -73,7 +80,9 @@ class MapStyle:
             mode, item_fn, self.convert = DEFAULT, None, from_default
         else:
             mode, item_fn, self.convert = CUSTOM, None, unpack
-        self.source = TorchSource(dataset, mode, item_fn, worker_init_fn, num_workers, seed)
+        self.source = TorchSource(
+            dataset, mode, item_fn, torch_args.worker_init_fn, torch_args.num_workers, torch_args.seed
+        )
         self.index_sampler = index_sampler
         self.batches: SamplerBatches | None = SamplerBatches(index_sampler, mode == UNBATCHED)
         self.batch_size: int | None = None if mode == UNBATCHED else 1  # the Loader's: sizes are the sampler's
@@ -130,25 +139,14 @@ class IterableStyle:
     collate_fn = None
     convert = staticmethod(unpack)
 
-    def __init__(
-        self,
-        dataset: Any,
-        index_sampler: Any,
-        auto_collation: bool,
-        collate_fn: Callable[[Any], Any],
-        worker_init_fn: Callable[[int], Any] | None,
-        num_workers: int,
-        seed: int,
-        batch_size: int | None,
-        drop_last: bool,
-    ) -> None:
-        self.dataset = dataset
+    def __init__(self, torch_args: TorchArguments) -> None:
+        self.dataset = dataset = torch_args.dataset
         self.datapipe = isinstance(dataset, _tud.IterDataPipe)
-        self.replica_collate = collate_fn
-        self.worker_init_fn = worker_init_fn
-        self.num_workers = num_workers
-        self.replica_batch_size = batch_size if auto_collation else None
-        self.drop_last = drop_last
+        self.replica_collate = torch_args.collate_fn
+        self.worker_init_fn = torch_args.worker_init_fn
+        self.num_workers = torch_args.num_workers
+        self.replica_batch_size = torch_args.batch_size if torch_args.auto_collation else None
+        self.drop_last = torch_args.drop_last
 
     def inline_epoch(self, state: FacadeState, shared_seed: int | None) -> Iterator[Any] | None:
         """``num_workers=0``: the dataset iterated in this process, as torch does (errors in its
