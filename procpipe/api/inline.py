@@ -90,7 +90,7 @@ class InlineDriver(LoaderIterator):
 
     def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
         plan = self._context.sampler
-        self._stream = stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
         if self._spec.skip:  # on_error="skip": each epoch's budget, as the coordinator sets it
             max_skipped = self._context.max_skipped
 
@@ -100,14 +100,7 @@ class InlineDriver(LoaderIterator):
             stream.on_open = open_epoch
         stream.open(stream.first)
         self._producing: Epoch | None = None  # the epoch whose tasks _load takes
-        self._epoch = stream.first
-        self.number = number
-        self._done = False
-        self._complete = False  # every batch of the stream was returned
-        self._cancelled: str | None = None
-        self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
-        self._standing.counters = self._epoch.counters
-        self._set_epoch(number + 1)
+        self._begin(stream, number)
 
     def _halt(self) -> None:
         if not self._done:

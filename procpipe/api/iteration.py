@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..core.reassembly import ResumePoint
     from ..core.stats import EpochCounters
     from ..engine.coordinator import Coordinator
+    from ..engine.epochs import Stream
     from ..worker.process import WorkerSpec
 
 
@@ -122,6 +123,20 @@ class LoaderIterator(Node):
     def _next_start(self) -> int:
         """The epoch the next iteration starts at, once every batch of this one was returned."""
         raise NotImplementedError
+
+    def _begin(self, stream: Stream, number: int) -> None:
+        """What every ``_start`` does once its ``stream`` is made: the consumer is in its first
+        epoch (``number``), nothing has ended, been cancelled or failed yet, ``stats()`` shows
+        that epoch's counters and ``loader.epoch`` moves past it."""
+        self._stream = stream
+        self._epoch = stream.first
+        self.number = number
+        self._done = False
+        self._complete = False  # every batch of the stream was returned
+        self._cancelled = None
+        self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
+        self._standing.counters = self._epoch.counters
+        self._set_epoch(number + 1)
 
     def _set_epoch(self, epoch: int) -> None:
         """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""

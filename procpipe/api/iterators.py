@@ -55,8 +55,7 @@ class EpochIterator(LoaderIterator):
 
     def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
         context = self._context
-        self.number = number
-        self._stream = Stream(
+        stream = Stream(
             next(_generations),
             context.sampler,
             number,
@@ -66,17 +65,11 @@ class EpochIterator(LoaderIterator):
             done,
             ahead,
         )
-        self._epoch = self._stream.first  # the epoch the consumer is in
-        self.batch_count = len(self._epoch.batches)
+        self.batch_count = len(stream.first.batches)
         self._low = number
         self._ended: set[int] = set()  # epochs at or above _low whose EpochEnd the consumer has seen
-        self._done = False
-        self._complete = False  # every batch of the stream was returned
-        self._cancelled: str | None = None
-        self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
-        self._standing.counters = self._epoch.counters
-        self._set_epoch(number + 1)
-        self._coordinator.submit(StartStream(self._stream))
+        self._begin(stream, number)  # (the consumer is in the stream's first epoch)
+        self._coordinator.submit(StartStream(stream))
 
     def _halt(self) -> None:
         if not self._done:
