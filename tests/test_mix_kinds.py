@@ -80,6 +80,9 @@ def test_shard_size_and_its_errors():
         Mix([np.arange(5), unsized], [1, 1])
     with Loader(Mix([np.arange(5), unsized], [1, 1], shard_size=2), batch_size=None, workers=0) as loader:
         assert sorted(int(x) for x in loader) == [0, 1, 2, 3, 4, 100_000, 100_001, 100_002]
+    # len() and repr() count shards in a mixture that holds a stream (3 slices of 2, and 1 shard)
+    assert repr(Mix([np.arange(5), unsized], [1, 1], shard_size=2)) == "Mix(2 sources, 4 shards, stop_on_empty=False)"
+    assert repr(Mix([np.arange(5), np.arange(3)], [1, 1])) == "Mix(2 sources, 8 elements, stop_on_empty=False)"
     with pytest.raises(ValueError, match="shard_size applies to an indexed dataset mixed with streams"):
         Mix([np.arange(5), np.arange(3)], [1, 1], shard_size=2)
     with pytest.raises(ValueError, match="shard_size must be an int >= 1"):

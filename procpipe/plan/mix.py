@@ -168,7 +168,9 @@ class Mix:
         return state
 
     def __repr__(self) -> str:
-        return f"Mix({len(self.sources)} sources, {len(self)} elements, stop_on_empty={self.stop_on_empty})"
+        # (a mixture holding a stream counts shards: an indexed source's slices of shard_size among them)
+        unit = "shards" if self.streaming else "elements"
+        return f"Mix({len(self.sources)} sources, {len(self)} {unit}, stop_on_empty={self.stop_on_empty})"
 
     # ---- the weights
     def set_weights(self, weights: WeightsSetting) -> None:
