@@ -64,7 +64,7 @@ import random
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import dill
 import numpy as np
@@ -75,6 +75,9 @@ from .core.notes import add_note
 from .errors import RemoteTraceback, WorkerError
 from .streaming import Block, Shards
 from .torch_snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 __all__ = [
     "BatchFetcher",
@@ -395,9 +398,8 @@ class Replicas(Shards):
         state["_snapshots"] = []
         return state
 
-    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Replicas:
-        clone = super().configured(block_length, mode, batch_size)
-        assert isinstance(clone, Replicas)  # (Shards.configured copies self)
+    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Self:
+        clone = super().configured(block_length, mode, batch_size)  # (a copy of self: a Replicas)
         clone.open_fn = clone.open  # the copy opens its own replicas
         return clone
 

@@ -323,9 +323,7 @@ class MixSampler:
         self.reshuffle = reshuffle
         self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
         self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
-        # Epochs whose order is given, not drawn, as Sampler.given (set when a state from
-        # procpipe.combine_states is loaded: api/elastic.py).
-        self.given = GivenOrders()
+        self.given = GivenOrders()  # epochs whose order a combined state gives (Sampler.given; api/elastic.py)
 
     @property
     def step(self) -> int:

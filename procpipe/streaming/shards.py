@@ -20,7 +20,7 @@ import copy
 import reprlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core import collate
 from ..core.checks import check_int, is_count
@@ -32,6 +32,9 @@ from ..worker.produce import Produced, collate_privately, run_batch_fn
 from ..worker.reader import GROWING, PER_RECORD, first_record_cached, first_scope
 from ..worker.stages import SKIPPED, run_sample
 from .blocks import Block, BlockRead, RecordKey, block_layout
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -118,7 +121,7 @@ class Shards:
         state["_readers"] = OrderedDict()  # open iterators stay in the process that opened them
         return state
 
-    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Shards:
+    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Self:
         """The copy a loader uses (and ships to its workers), with how blocks are laid out."""
         clone = copy.copy(self)
         clone._readers = OrderedDict()
