@@ -21,7 +21,7 @@ An indexed task goes through ``run_indices``, which calls ``run_sample`` per ind
 the most common case, where ``fn`` is the only stage (no ``cache``, no ``augment``,
 ``on_error="raise"``): there ``run_sample`` reduces to ``fn(source[i])`` and the None check,
 and ``fn_only`` runs exactly that in its loop, without a call per sample (a fifth of the
-cost of a 64-int task; ``tests/test_stages.py`` checks both give the same samples and errors).
+cost of a 64-int task; ``tests/test_kinds.py`` checks both give the same samples and errors).
 """
 
 from __future__ import annotations
