@@ -11,8 +11,9 @@ with other work slows the figures less than wall-clock time would.
     python bench/produce_ab.py --base main            # the working tree (B) against a commit (A)
     python bench/produce_ab.py --a /path/old --reps 9
 
-Workloads: ``tiny64`` (64 Python ints, no fn: the loop's own cost), ``fn64`` (64 small arrays
-through an ``fn`` and an ``augment``), ``skip64`` (the same with ``on_error="skip"``).
+Workloads: ``tiny64`` (64 Python ints, no fn: the loop's own cost), ``fnonly64`` (64 small
+arrays through an ``fn``, the only stage: ``stages.fn_only``'s loop), ``fn64`` (the same through
+an ``fn`` and an ``augment``: ``run_sample`` per sample), ``skip64`` (that with ``on_error="skip"``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from procpipe.core.rng import SampleScope
 name = sys.argv[1]
 source = list(range(4096)) if name == "tiny64" else [np.full(16, i, np.float32) for i in range(4096)]
 fn = None if name == "tiny64" else (lambda x: x * 2)
-augment = None if name == "tiny64" else (lambda x: x + 1)
+augment = None if name in ("tiny64", "fnonly64") else (lambda x: x + 1)
 spec = WorkerSpec(source, fn, None, True, 0, skip=name == "skip64", augment=augment, seed_globals=None)
 scope = SampleScope(0, seed_globals=None)
 buffer = bytearray(1 << 20)
@@ -77,7 +78,7 @@ def main() -> None:
         tree_a = Path(args.a) if args.a else export(args.base, Path(tmp))
         trees = {"A": tree_a, "B": Path(args.b)}
         print(f"A = {args.a or args.base}\nB = {args.b}\n\nworkload     A us/batch   B us/batch    B/A")
-        for workload in ("tiny64", "fn64", "skip64"):
+        for workload in ("tiny64", "fnonly64", "fn64", "skip64"):
             times: dict[str, list[float]] = {"A": [], "B": []}
             for rep in range(args.reps):
                 for name in ("AB" if rep % 2 == 0 else "BA"):
