@@ -294,7 +294,7 @@ def _merged_progress(
 
 # ---------------------------------------------------------------------- loading and saving
 def state_for(
-    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any = None, given: GivenOrders | None = None
+    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any, given: GivenOrders | None
 ) -> dict[str, Any]:
     """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
     progress about the shards of this rank's order; for an indexed one, the resumed epoch's

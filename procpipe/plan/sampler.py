@@ -45,36 +45,36 @@ def epoch_order(
 
 
 class GivenOrders:
-    """Epochs whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
+    """The epoch whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
     installs in a ``Sampler`` or ``MixSampler`` (api/elastic.py): the indices no rank of the saved
     run had delivered, this rank's part of them, and the combined state it came from (``base``,
-    kept for the states this loader saves in that epoch). At most one epoch at a time."""
+    kept for the states this loader saves in that epoch). One epoch at most."""
 
-    __slots__ = ("_given",)
+    __slots__ = ("_base", "_epoch", "_order")
 
     def __init__(self) -> None:
-        self._given: dict[int, tuple[np.ndarray, Any]] = {}
+        self._epoch: int | None = None
+        self._order: np.ndarray | None = None
+        self._base: Any = None
 
     def give(self, epoch: int, order: np.ndarray, base: Any) -> None:
         """``epoch``'s order is ``order`` (from the combined state ``base``), in place of any given before."""
-        self._given = {epoch: (order, base)}
+        self._epoch, self._order, self._base = epoch, order, base
 
     def forget(self) -> None:
         """A plain state is loaded: every epoch's order is drawn again."""
-        self._given = {}
+        self._epoch, self._order, self._base = None, None, None
 
     def order(self, epoch: int) -> np.ndarray | None:
         """The order given for ``epoch``, or None (drawn as usual)."""
-        entry = self._given.get(epoch)
-        return None if entry is None else entry[0]
+        return self._order if epoch == self._epoch else None
 
     def base(self, epoch: int) -> Any:
         """The combined state ``epoch``'s order came from, or None."""
-        entry = self._given.get(epoch)
-        return None if entry is None else entry[1]
+        return self._base if epoch == self._epoch else None
 
     def __repr__(self) -> str:
-        return f"GivenOrders(epochs={sorted(self._given)})"
+        return f"GivenOrders(epoch={self._epoch})"
 
 
 @dataclass(frozen=True)
