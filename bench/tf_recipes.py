@@ -10,7 +10,7 @@ is arbitrary Python, each timed on the same workloads as procpipe into TensorFlo
 - ``tf from_generator``: the preprocessing inside the generator, sequential;
 - ``PyDataset mp``: ``keras.utils.PyDataset(workers=N, use_multiprocessing=True)`` as Keras'
   TensorFlow backend feeds it (``get_tf_dataset()`` of its data adapter);
-- ``procpipe->tf``: ``procpipe.tf.dataset(Loader(..., stage_slots=procpipe.tf.VIEWS))``.
+- ``procpipe->tf``: ``procpipe.tf.dataset(Loader(...))``, the loader made with defaults.
 
 Workloads: ``tf_cpu``: a dict record (``image`` 32x32x3 uint8 randomly flipped, ``label``,
 ``id`` str) after about 2 ms of pure Python; ``tf_transfer``: the ``transfer`` workload's
@@ -163,13 +163,13 @@ def engines(source: Any, batch_size: int, workers: int, prefetch: int) -> Iterat
     As users run them: the loader, the ``tf.data`` dataset, the ``PyDataset`` adapter are made
     once, outside the timed passes, and each repetition is one more epoch over the same
     object (``model.fit(ds, epochs=...)``). The two procpipe loaders (numpy batches, and into
-    TensorFlow through ``procpipe.tf.dataset`` with its recommended spare slots) keep their
+    TensorFlow through ``procpipe.tf.dataset``, which reserves its spare slots) keep their
     workers between passes; their idle workers sleep while the other engines run.
     """
     import procpipe.tf
 
     common = {"batch_size": batch_size, "workers": workers, "prefetch": prefetch, "start_method": "forkserver"}
-    with Loader(source, stage_slots=procpipe.tf.VIEWS, **common) as bridged, Loader(source, **common) as direct:
+    with Loader(source, **common) as bridged, Loader(source, **common) as direct:
         bridged_ds = procpipe.tf.dataset(bridged)  # infers the element_spec from the first batch: once
         py_function = py_function_dataset(source, batch_size)
         generator = generator_dataset(source, batch_size)

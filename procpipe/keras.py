@@ -178,6 +178,9 @@ class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassin
         if self._tf_dataset is None:
             from . import tf as procpipe_tf  # imports TensorFlow: only on that backend
 
+            reserve = getattr(self.loader, "reserve_stage_slots", None)
+            if callable(reserve):  # the ring slots TensorFlow holds (procpipe.tf.dataset's views)
+                reserve(procpipe_tf.VIEWS)
             spec = self._element_spec
             if spec is None:
                 spec = procpipe_tf.element_spec(self.loader, map_batch=_standardize)

@@ -27,6 +27,7 @@ from .api.nodes import Node
 from .api.position import encode_position, start_position
 from .api.resume import load_state, save_state
 from .core.reassembly import ResumePoint
+from .engine.commands import ReserveSlots
 from .plan.base import BatchPlan
 
 if TYPE_CHECKING:
@@ -367,6 +368,21 @@ class Loader:
         file cannot be read, ``filled`` None then: reported, never raised); None without one."""
         cache = self._parts.spec.cache
         return None if cache is None or self._closed else cache.info()
+
+    def reserve_stage_slots(self, slots: int) -> None:
+        """Keep at least ``slots`` ring slots spare, beyond ``stage_slots=``, for a consumer that
+        holds batches as zero-copy views of the ring after it is done with them:
+        ``procpipe.tf.dataset`` calls it (TensorFlow lets go of the arrays it adopted late), so a
+        loader made with defaults needs no ``stage_slots=`` for it. The largest request counts;
+        a ring that exists already gains the slots. Nothing to do for ``workers=0`` (no ring).
+
+        Raises:
+            ValueError: ``slots`` is not an int >= 0.
+        """
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 0:
+            raise ValueError(f"procpipe.Loader.reserve_stage_slots: slots must be an int >= 0, got {slots!r}")
+        if self._coordinator is not None and not self._closed:
+            self._coordinator.submit(ReserveSlots(slots))
 
     @property
     def shm_prefix(self) -> str | None:

@@ -40,9 +40,14 @@ What it guarantees, and why:
   buffer that TensorFlow adopts as is (one copy, not two: numpy's own allocations are
   only 16-byte aligned, which TensorFlow copies again), the batch being dropped before it
   is handed over so that its slot is free at once. Arrays the batch owns (``workers=0``,
-  the inline path) are never copied. Build the loader with ``stage_slots=views``
-  (``Loader(..., stage_slots=procpipe.tf.VIEWS)``) so that the slots TensorFlow holds are
-  spare ones, not taken from the workers' share.
+  the inline path) are never copied. The loader keeps ``views`` ring slots spare for them
+  (``Loader.reserve_stage_slots``, called by :func:`dataset`), so the slots TensorFlow
+  holds are not taken from the workers' share; ``stage_slots=`` is for stages of your own.
+- **No wait at the end of a pass.** ``tf.data``'s autotuning is off for the pipeline
+  (``dataset(..., autotune=True)`` leaves it on): with it, dropping a TensorFlow iterator
+  at the end of a pass waits for the autotuning thread's timer, in some passes up to
+  about as long as the pass took, while the workers sit idle. The loader's workers and
+  prefetch do the tuning that matters here.
 - **Composable**: the result is a plain ``tf.data.Dataset`` (``map``, ``prefetch``,
   ``zip`` with another, ``strategy.experimental_distribute_dataset``).
 - **Cleans up with the loader**: the dataset holds the loader, not its workers or files;
@@ -76,7 +81,7 @@ _STRING_KINDS = ("U", "S")
 _NUMBER_TYPES = (bool, int, float, complex, np.generic)
 
 
-def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS) -> tf.data.Dataset:
+def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS, autotune: bool = False) -> tf.data.Dataset:
     """``loader`` as a ``tf.data.Dataset``: each pass over it is one ``iter(loader)``.
 
     Args:
@@ -87,10 +92,19 @@ def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS) -> tf.
         views: how many batches TensorFlow may hold at once as zero-copy views of the
             loader's ring (each holds a ring slot until its tensors are dropped); past it,
             each array that is a view is copied once into memory TensorFlow owns. ``0``:
-            always copy. Give the loader as many spare slots (``Loader(stage_slots=views)``),
-            so that the slots TensorFlow holds are not taken from the workers' share; a
-            pipeline that keeps ``k`` more batches (``prefetch(k)``) stays zero-copy with
-            ``views=k + VIEWS`` and ``stage_slots=k + VIEWS``.
+            always copy. The loader keeps as many ring slots spare for them
+            (``Loader.reserve_stage_slots(views)``, called here), so the slots TensorFlow holds
+            are not taken from the workers' share; a pipeline that keeps ``k`` more batches
+            (``prefetch(k)``) stays zero-copy with ``views=k + VIEWS``.
+        autotune: leave ``tf.data``'s autotuning on for the pipeline built on this dataset.
+            Off by default (``tf.data.Options().autotune.enabled = False``): the loader's
+            workers and prefetch already do what it tunes, and with it on, TensorFlow's
+            iterator, when it is dropped at the end of a pass, waits for its autotuning
+            thread's timer (in some passes and not others, up to about as long as the pass
+            took: measured 2 s after 3-second passes, 10 s after a 10-second one). Downstream
+            ``map(num_parallel_calls=AUTOTUNE)`` then runs as many calls as there are cores
+            and ``prefetch(AUTOTUNE)`` keeps its own buffer tuning. A later
+            ``.with_options()`` that sets ``autotune.enabled`` overrides this.
 
     Returns:
         A ``tf.data.Dataset`` whose ``element_spec`` is that structure. Its cardinality is
@@ -98,16 +112,27 @@ def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS) -> tf.
 
     Raises:
         TypeError: ``element_spec`` is not a structure of ``tf.TensorSpec``, or it is left
-            out for an object that cannot be looked at without consuming it.
+            out for an object that cannot be looked at without consuming it; ``autotune`` is
+            not a bool.
         ValueError: ``views`` is not an int >= 0, or the first batch holds something
             TensorFlow has no tensor type for.
     """
     if not isinstance(views, int) or isinstance(views, bool) or views < 0:
         raise ValueError(f"procpipe.tf.dataset: views must be an int >= 0, got {views!r}")
+    if not isinstance(autotune, bool):
+        raise TypeError(f"procpipe.tf.dataset: autotune must be True or False, got {autotune!r}")
+    reserve = getattr(loader, "reserve_stage_slots", None)
+    if views and callable(reserve):  # before the spec's look: the ring is then made with them
+        reserve(views)
     spec = _infer(loader) if element_spec is None else element_spec
     plan = _compile(spec, ())
     passes = _Passes(loader, plan, views)
-    return tf.data.Dataset.from_generator(passes, output_signature=spec)
+    result = tf.data.Dataset.from_generator(passes, output_signature=spec)
+    if autotune:
+        return result
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return result.with_options(options)
 
 
 def element_spec(loader: Any, *, map_batch: Callable[[Any], Any] | None = None) -> Any:

@@ -142,7 +142,7 @@ def test_commands_are_typed_and_a_name_is_refused():
     assert checked(typed) is typed and isinstance(checked(CancelStream(1)), CancelStream)
     assert isinstance(checked(CloseEngine()), CloseEngine)
     for wrong in ("close", ("cancel", 3), None):
-        with pytest.raises(TypeError, match=r"StartStream, CancelStream or CloseEngine.*not "):
+        with pytest.raises(TypeError, match=r"StartStream, CancelStream, ReserveSlots or CloseEngine.*not "):
             checked(wrong)
 
 
@@ -402,7 +402,7 @@ def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
     config = EngineConfig(workers=1, prefetch=1, slot_bytes=None, worker_env={}, start_method="fork")
     coordinator = Coordinator(config, PipePool(expect=1), SharedFiles(str(tmp_path)))
     try:
-        with pytest.raises(TypeError, match=r"a StartStream, CancelStream or CloseEngine"):
+        with pytest.raises(TypeError, match=r"a StartStream, CancelStream, ReserveSlots or CloseEngine"):
             coordinator.submit("close")  # type: ignore[arg-type]  # (the older spelling, accepted until now)
         with pytest.raises(TypeError):
             coordinator.submit("cancel", 0)  # type: ignore[call-arg]

@@ -212,3 +212,28 @@ def test_stage_slots_give_the_ring_that_many_more_slots():
     assert slots(stage_slots=3) == slots() + 3
     with pytest.raises(ValueError, match="stage_slots must be an int >= 0"):
         procpipe.Loader(range(8), image, stage_slots=-1)
+
+
+def test_reserve_stage_slots_adds_spare_slots_before_or_after_the_ring_exists():
+    """``Loader.reserve_stage_slots`` (procpipe.tf.dataset's ring views): counted in when the ring
+    is made, or added to a ring that exists (a wider generation, batches keep flowing); the
+    largest request counts, and it adds to ``stage_slots=``, which is for the caller's stages."""
+    with procpipe.Loader(range(64), image, batch_size=8, workers=2) as plain:
+        next(iter(plain))
+        base = plain.stats()["ring_slots"]
+    with procpipe.Loader(range(64), image, batch_size=8, workers=2, stage_slots=1) as before:
+        before.reserve_stage_slots(4)
+        before.reserve_stage_slots(2)  # (smaller: the 4 stay)
+        assert sum(len(b) for b in before) == 64
+        assert before.stats()["ring_slots"] == base + 1 + 4
+    with procpipe.Loader(range(64), image, batch_size=8, workers=2) as after:
+        assert sum(len(b) for b in after) == 64  # the ring exists
+        after.reserve_stage_slots(3)
+        assert sum(len(b) for b in after) == 64
+        stats = after.stats()
+        assert stats["ring_slots"] == base + 3 and stats["overflow_batches"] == 0
+    with procpipe.Loader(range(8), image, batch_size=8, workers=0) as inline:
+        inline.reserve_stage_slots(4)  # no ring: nothing to do
+        assert len(list(inline)) == 1
+    with pytest.raises(ValueError, match="slots must be an int >= 0, got -1"):
+        plain.reserve_stage_slots(-1)

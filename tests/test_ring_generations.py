@@ -50,3 +50,27 @@ def test_a_retired_ring_takes_its_slots_back_and_goes_once_they_are_all_back(fil
     assert rings.retired == [] and not os.path.exists(old.path)
     rings.close()
     assert new.closed
+
+
+def test_add_slots_makes_a_wider_generation_and_the_old_one_goes_once_its_slots_are_back(files):
+    """``add_slots`` (a stage's spare slots, reserved once the ring exists): same slot size, more
+    slots, numbers that never repeat; the old generation is removed once its slot is back."""
+    rings, counters = RingSet(files), EpochCounters()
+    rings.make(2, PAGE)
+    old = rings.current
+    held = rings.take(counters)
+    assert rings.add_slots(0) is None and rings.current is old  # nothing to add
+    assert rings.add_slots(3) is None
+    new = rings.current
+    assert new.slots == 5 and new.slot_bytes == old.slot_bytes and new.first_slot == 2
+    assert old.retired and rings.retired == [old] and os.path.exists(old.path)
+    assert [rings.take(counters) for _ in range(6)] == [2, 3, 4, 5, 6, None]
+    rings.release(held)  # the old generation's last slot: it can go now
+    rings.remove_idle()
+    assert rings.retired == [] and not os.path.exists(old.path)
+    rings.close()
+
+
+def test_add_slots_without_a_ring_does_nothing(files):
+    rings = RingSet(files)
+    assert rings.add_slots(4) is None and rings.current is None

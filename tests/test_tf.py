@@ -163,3 +163,45 @@ def test_closed_loader_and_no_tensorflow_in_import_procpipe():
                             cwd=REPO_ROOT, env=python_env())
     assert result.returncode == 0, result.stderr
     assert os.path.exists(os.path.join(REPO_ROOT, "procpipe", "tf.py"))
+
+
+def test_defaults_get_the_ring_slots_tensorflow_holds():
+    """No ceremony: on a loader made with defaults, ``procpipe.tf.dataset`` reserves ``views`` spare
+    ring slots (the batches TensorFlow holds, releasing them late), whether the ring exists yet
+    or not, so they are not taken from the workers' share; ``views=0`` reserves none."""
+    def ring_slots(make):
+        with procpipe.Loader(range(320), big, batch_size=8, workers=2) as loader:
+            ds = make(loader)
+            assert sum(1 for _ in ds) == 40
+            return loader.stats()["ring_slots"]
+
+    plain = ring_slots(lambda loader: loader)
+    assert ring_slots(procpipe.tf.dataset) == plain + procpipe.tf.VIEWS
+    assert ring_slots(lambda loader: procpipe.tf.dataset(loader, views=6)) == plain + 6
+    assert ring_slots(lambda loader: procpipe.tf.dataset(loader, views=0)) == plain
+
+    def iterated_first(loader):
+        assert sum(1 for _ in loader) == 40  # the ring is made before the dataset
+        return procpipe.tf.dataset(loader)
+
+    assert ring_slots(iterated_first) == plain + procpipe.tf.VIEWS
+
+
+def test_tf_data_autotuning_is_off_so_a_pass_ends_without_waiting():
+    """With ``tf.data`` autotuning on, dropping an iterator at a pass's end waits for the
+    autotuning thread's timer (about 2 s after a 3-second pass, in a third of the passes: the
+    bridge ran at ~0.55x the loader's rate). ``dataset`` turns it off for its pipeline, which a
+    downstream ``map``/``prefetch`` keeps; ``autotune=True`` or a later ``with_options`` turns it
+    back on."""
+    with procpipe.Loader(range(16), record, batch_size=8, workers=1) as loader:
+        ds = procpipe.tf.dataset(loader)
+        assert ds.options().autotune.enabled is False
+        downstream = ds.map(lambda b: b["label"], num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+        assert downstream.options().autotune.enabled is False
+        assert sum(int(tf.size(y)) for y in downstream) == 16
+        assert procpipe.tf.dataset(loader, autotune=True).options().autotune.enabled is not False
+        on = tf.data.Options()
+        on.autotune.enabled = True
+        assert ds.with_options(on).options().autotune.enabled is True
+        with pytest.raises(TypeError, match="autotune must be True or False"):
+            procpipe.tf.dataset(loader, autotune="yes")

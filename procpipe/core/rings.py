@@ -133,6 +133,24 @@ class RingSet:
                 self.remove_idle()
         return None
 
+    def add_slots(self, extra: int) -> str | None:
+        """Replace the current ring by one with ``extra`` more slots of the same size (the old
+        one is retired, and removed once its slots have come back). Returns why it could not
+        (``shm_dir`` has no room: the ring stays as it is), else None."""
+        old = self.current
+        if old is None or extra <= 0:
+            return None
+        try:
+            ring = Ring(self.files, old.ring_id + 1, old.slots + extra, old.slot_bytes, old.first_slot + old.slots)
+        except SharedMemoryError as exc:
+            return str(exc)
+        self.current = ring
+        old.retired = True
+        self.retired.append(old)
+        if old.idle:
+            self.remove_idle()
+        return None
+
     def close(self) -> None:
         """Unmap every generation (the files are removed with the others, by ``SharedFiles``)."""
         for ring in [self.current, *self.retired]:

@@ -31,15 +31,26 @@ class CancelStream:
         self.gen = gen
 
 
+class ReserveSlots:
+    """Keep at least ``slots`` ring slots spare for a stage of procpipe's that holds batches as
+    views of the ring (``procpipe.tf.dataset``), beyond ``stage_slots``: counted in when the
+    ring is made, or added to a ring that exists (a new generation with more slots)."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+
+
 class CloseEngine:
     """Abandon any stream, stop every worker and remove the shared files, then leave the loop."""
 
     __slots__ = ()
 
 
-Command = StartStream | CancelStream | CloseEngine
+Command = StartStream | CancelStream | ReserveSlots | CloseEngine
 
-_COMMANDS = (StartStream, CancelStream, CloseEngine)
+_COMMANDS = (StartStream, CancelStream, ReserveSlots, CloseEngine)
 
 
 def checked(command: object) -> Command:
@@ -48,7 +59,7 @@ def checked(command: object) -> Command:
     if isinstance(command, _COMMANDS):
         return command
     raise TypeError(
-        f"procpipe: a coordinator command is a StartStream, CancelStream or CloseEngine "
+        f"procpipe: a coordinator command is a StartStream, CancelStream, ReserveSlots or CloseEngine "
         f"(procpipe.engine.commands), not {type(command).__name__} {command!r}; "
         "e.g. submit(CancelStream(stream.gen)) instead of submit('cancel', stream.gen)"
     )

@@ -58,7 +58,7 @@ from ..core.wakeup import WakePipe
 from ..errors import TaskTimeoutError, WorkerError
 from ..worker import fork_safety
 from .autotune import Meter, Tuner, memory_room
-from .commands import CancelStream, CloseEngine, Command, StartStream, checked
+from .commands import CancelStream, CloseEngine, Command, ReserveSlots, StartStream, checked
 from .config import EngineConfig
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
@@ -175,7 +175,7 @@ class Coordinator:
 
     # ---------------------------------------------------------------- consumer side
     def submit(self, command: Command) -> None:
-        """Queue a command (commands.py: ``StartStream``, ``CancelStream``, ``CloseEngine``) for
+        """Queue a command (commands.py: ``StartStream``, ``CancelStream``, ``ReserveSlots``, ``CloseEngine``) for
         the coordinator thread and wake it; anything else is a ``TypeError``."""
         self._commands.append(checked(command))
         self._wakeup.wake()
@@ -255,6 +255,8 @@ class Coordinator:
             elif isinstance(command, CancelStream):
                 if self.stream is not None and self.stream.gen == command.gen:
                     self.stream.abandon()
+            elif isinstance(command, ReserveSlots):
+                self.delivery.reserve(command.slots)
             else:  # CloseEngine
                 self._closing = True
                 if self.stream is not None:

@@ -60,6 +60,7 @@ class Delivery:
         # Speculative attempts need slots of their own, beyond those of the batches in flight.
         self.spare_slots = config.workers if config.faults.speculate is not None else 0
         self.overflow_warned = False
+        self.reserved = 0  # spare slots a stage of procpipe's holds batches in (ReserveSlots), beyond stage_slots
 
     # ---------------------------------------------------------------- replies
     def on_readable(self, worker: WorkerLink) -> None:
@@ -187,7 +188,26 @@ class Delivery:
             self.spare_slots = workers
         # + the batch the consumer is working on
         slots = config.prefetch + roster.tasks_per_worker * workers + 1 + self.spare_slots + config.stage_slots
-        self.rings.make(slots, slot_bytes)
+        self.rings.make(slots + self.reserved, slot_bytes)
+
+    def reserve(self, slots: int) -> None:
+        """Keep at least ``slots`` slots spare for a stage of procpipe's that holds batches as ring
+        views (``procpipe.tf.dataset``: TensorFlow lets go of them late), so that its batches are
+        not taken from the workers' share: counted in when the ring is made, or added to the
+        ring now (a new generation with more slots; the old one goes once its slots are back)."""
+        extra = slots - self.reserved
+        if extra <= 0:
+            return
+        self.reserved = slots
+        if self.rings.current is not None:
+            why = self.rings.add_slots(extra)
+            if why is not None:
+                warnings.warn(
+                    f"procpipe: could not add {extra} ring slots for a stage that holds batches ({why}); its "
+                    "batches share the workers' slots. Give shm_dir more room, or pass stage_slots= to Loader.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def size_for(self, batch_bytes: int) -> None:
         """The first batch tells the size of a full one: make the ring (a pool whose workers
