@@ -1,0 +1,74 @@
+"""The tf.data bridge's rate against its own loader's, run after run (issue #34's workload).
+
+Each run is a fresh interpreter: a ``Loader`` made with defaults over 3,072 dict records
+(about 2 ms of GIL-bound Python each: an ``id``, a ``name`` str and a 32x32x3 image), batch
+32, ``procpipe.tf.dataset(loader)`` (with ``--prefetch``: ``.prefetch(2)`` after it), one
+warm pass, then ``--epochs`` passes of the loader alone and of the bridge, alternated. A
+run's ratio is the median bridge rate over the median loader rate; the script prints each
+run's and their min and median. ``--repo`` is the checkout whose ``procpipe`` is measured
+(compare two with the same command), e.g.::
+
+    python bench/tf_bridge_ratio.py --runs 10 --workers 2            # this checkout
+    python bench/tf_bridge_ratio.py --runs 10 --workers 2 --repo ../main
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+RUN = r"""
+import sys, time, statistics, numpy as np, tensorflow as tf, procpipe, procpipe.tf
+workers, prefetch, epochs = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+def load(r):
+    acc = 0
+    for k in range(20000):
+        acc = (acc * 31 + k + r["id"]) % 1000003
+    return {"image": np.full((32, 32, 3), acc % 251, np.uint8), "label": np.int64(r["id"] % 10),
+            "id": np.int64(r["id"]), "name": r["name"]}
+records = [{"id": i, "name": f"img_{i}"} for i in range(3072)]
+with procpipe.Loader(records, load, batch_size=32, workers=workers) as loader:
+    ds = procpipe.tf.dataset(loader)
+    if prefetch:
+        ds = ds.prefetch(2)
+    for _ in ds:
+        pass
+    rates = {"loader": [], "bridge": []}
+    for _ in range(epochs):
+        for name, passes in (("loader", loader), ("bridge", ds)):
+            started = time.perf_counter()
+            n = sum(int(b["id"].shape[0]) for b in passes)
+            rates[name].append(n / (time.perf_counter() - started))
+print("RESULT", statistics.median(rates["bridge"]) / statistics.median(rates["loader"]),
+      " ".join(f"{v:.0f}" for v in rates["loader"]), "|", " ".join(f"{v:.0f}" for v in rates["bridge"]))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2, help="passes of each engine per run")
+    parser.add_argument("--prefetch", action="store_true", help=".prefetch(2) after the bridge")
+    parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = parser.parse_args()
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(args.repo), TF_CPP_MIN_LOG_LEVEL="3")
+    ratios = []
+    for run in range(args.runs):
+        out = subprocess.run(
+            [sys.executable, "-c", RUN, str(args.workers), "1" if args.prefetch else "0", str(args.epochs)],
+            capture_output=True, text=True, env=env, check=True, timeout=1800,
+        ).stdout
+        line = next(line for line in out.splitlines() if line.startswith("RESULT"))
+        ratio = float(line.split()[1])
+        ratios.append(ratio)
+        print(f"run {run + 1}: bridge/loader {ratio:.2f}   loader {line.split(' ', 2)[2]}", flush=True)
+    print(f"workers={args.workers} prefetch={args.prefetch} repo={args.repo}: "
+          f"min {min(ratios):.2f} median {statistics.median(ratios):.2f} over {len(ratios)} runs")
+
+
+if __name__ == "__main__":
+    main()
