@@ -104,7 +104,7 @@ def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS, autotu
             took: measured 2 s after 3-second passes, 10 s after a 10-second one). Downstream
             ``map(num_parallel_calls=AUTOTUNE)`` then runs as many calls as there are cores
             and ``prefetch(AUTOTUNE)`` keeps its own buffer tuning. A later
-            ``.with_options()`` that sets ``autotune.enabled`` overrides this.
+            ``.with_options()`` that turns autotuning on overrides this.
 
     Returns:
         A ``tf.data.Dataset`` whose ``element_spec`` is that structure. Its cardinality is
