@@ -5,8 +5,10 @@ Each run is a fresh interpreter: a ``Loader`` made with defaults over 3,072 dict
 32, ``procpipe.tf.dataset(loader)`` (with ``--prefetch``: ``.prefetch(2)`` after it), one
 warm pass, then ``--epochs`` passes of the loader alone and of the bridge, alternated. A
 run's ratio is the median bridge rate over the median loader rate; the script prints each
-run's and their min and median. ``--repo`` is the checkout whose ``procpipe`` is measured
-(compare two with the same command), e.g.::
+run's and their min and median, and how long each bridge pass waited after its last batch
+(TensorFlow's iterator ending: it waited for ``tf.data``'s autotuning thread, up to
+seconds). ``--repo`` is the checkout whose ``procpipe`` is measured (compare two with the
+same command), e.g.::
 
     python bench/tf_bridge_ratio.py --runs 10 --workers 2            # this checkout
     python bench/tf_bridge_ratio.py --runs 10 --workers 2 --repo ../main
@@ -36,14 +38,21 @@ with procpipe.Loader(records, load, batch_size=32, workers=workers) as loader:
         ds = ds.prefetch(2)
     for _ in ds:
         pass
-    rates = {"loader": [], "bridge": []}
+    rates, waits = {"loader": [], "bridge": []}, []
     for _ in range(epochs):
         for name, passes in (("loader", loader), ("bridge", ds)):
-            started = time.perf_counter()
-            n = sum(int(b["id"].shape[0]) for b in passes)
-            rates[name].append(n / (time.perf_counter() - started))
+            started = last = time.perf_counter()
+            n = 0
+            for b in passes:
+                n += int(b["id"].shape[0])
+                last = time.perf_counter()
+            ended = time.perf_counter()
+            rates[name].append(n / (ended - started))
+            if name == "bridge":
+                waits.append(ended - last)  # after the last batch, until the pass ends
 print("RESULT", statistics.median(rates["bridge"]) / statistics.median(rates["loader"]),
-      " ".join(f"{v:.0f}" for v in rates["loader"]), "|", " ".join(f"{v:.0f}" for v in rates["bridge"]))
+      " ".join(f"{v:.0f}" for v in rates["loader"]), "|", " ".join(f"{v:.0f}" for v in rates["bridge"]),
+      "| end-of-pass wait (ms):", " ".join(f"{1000 * w:.0f}" for w in waits))
 """
 
 
