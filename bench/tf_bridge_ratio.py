@@ -69,14 +69,20 @@ def main() -> None:
     for run in range(args.runs):
         out = subprocess.run(
             [sys.executable, "-c", RUN, str(args.workers), "1" if args.prefetch else "0", str(args.epochs)],
-            capture_output=True, text=True, env=env, check=True, timeout=1800,
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=1800,
         ).stdout
         line = next(line for line in out.splitlines() if line.startswith("RESULT"))
         ratio = float(line.split()[1])
         ratios.append(ratio)
         print(f"run {run + 1}: bridge/loader {ratio:.2f}   loader {line.split(' ', 2)[2]}", flush=True)
-    print(f"workers={args.workers} prefetch={args.prefetch} repo={args.repo}: "
-          f"min {min(ratios):.2f} median {statistics.median(ratios):.2f} over {len(ratios)} runs")
+    print(
+        f"workers={args.workers} prefetch={args.prefetch} repo={args.repo}: "
+        f"min {min(ratios):.2f} median {statistics.median(ratios):.2f} over {len(ratios)} runs"
+    )
 
 
 if __name__ == "__main__":
