@@ -1,7 +1,7 @@
 """``procpipe.Loader``: the public entry point.
 
-The Loader checks its arguments into a frozen configuration (``loader.config``: api/config.py),
-plans its epochs (sampler.py, or the streaming/ package for a ``procpipe.Shards`` source),
+The Loader checks its arguments into a frozen configuration (``loader.config``: _consumer/config.py),
+plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
 workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
 consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
@@ -17,17 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .api.assembly import assemble
-from .api.config import LoaderConfig
-from .api.inline import InlineDriver
-from .api.iteration import LoaderIterator
-from .api.iterators import EpochIterator
-from .api.kinds import resolve_kind
-from .api.nodes import Node
-from .api.position import encode_position, start_position
-from .api.resume import load_state, save_state
-from .core.reassembly import ResumePoint
-from .plan.base import BatchPlan
+from ._consumer.assembly import assemble
+from ._consumer.config import LoaderConfig
+from ._consumer.inline import InlineDriver
+from ._consumer.iteration import LoaderIterator
+from ._consumer.iterators import EpochIterator
+from ._consumer.kinds import resolve_kind
+from ._consumer.nodes import Node
+from ._consumer.position import encode_position, start_position
+from ._consumer.resume import load_state, save_state
+from ._core.reassembly import ResumePoint
+from ._plan.base import BatchPlan
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -67,7 +67,7 @@ class Loader:
             safe to fork), else ``"forkserver"`` (safe when the parent runs threads); or one of
             ``"forkserver"``, ``"spawn"``, ``"fork"``, ``"zygote"``. Resolved once, when the loader is
             created (``loader.start_method``).
-            Workers never import the main script (procpipe.worker.start_method), so
+            Workers never import the main script (procpipe._worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
@@ -93,7 +93,7 @@ class Loader:
             with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
             copied by a background thread through pinned memory on its own CUDA stream.
             Needs torch (imported only when ``device`` is given); see
-            ``procpipe.api.torch_device`` and README.md, "Device prefetch". The ring is
+            ``procpipe.torch.device`` and README.md, "Device prefetch". The ring is
             registered with CUDA (page-locked in place), so batches are copied straight
             from their slots.
         device_fn: optional ``device_fn(batch) -> batch``, run on each batch once it is on
@@ -198,10 +198,10 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        # every argument but the source, as passed: into the checked groups (api/config.py), once
+        # every argument but the source, as passed: into the checked groups (_consumer/config.py), once
         arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
         config = self._config = LoaderConfig.from_arguments(**arguments)
-        # Which kind of source this is, asked once (api/kinds.py): its plan, the workers' reader, workers=0's driver
+        # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)
         self._sampler: BatchPlan = kind.plan
         self._parts = assemble(config, kind)  # workers start here
@@ -272,7 +272,7 @@ class Loader:
 
         For a streaming source (``procpipe.Shards``) what was returned is counted in
         records: ``stream`` replaces ``done_below``/``done`` (None, or the
-        ``procpipe.streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
+        ``procpipe._streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
         ordered interleave's ``cursor``, ``received`` record ranges), ``ahead`` entries are
         ``[epoch, stream]``, and the settings checked are ``shards`` (their number),
         ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``, ``reshuffle``,
@@ -332,7 +332,7 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         """Every argument of this loader but the source, checked, in six frozen groups: ``batching``,
-        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.api.config``).
+        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe._consumer.config``).
         Read-only (``print(loader.config)`` shows it all, a group per line); values as passed,
         ``"auto"`` included (``start_method`` has the start method resolved)."""
         return self._config

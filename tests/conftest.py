@@ -57,8 +57,8 @@ LEAK_DEADLINE_S = 15.0
 START_METHODS = ("fork", "forkserver", "spawn")  # every start method a test suite runs under
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main",
-                   "procpipe-reaper")  # (procpipe.core.reaper: one per process, it outlives it by design)
-_ZYGOTE = "procpipe-zygote"  # the process name of procpipe.worker.zygote (one per process, forked at import)
+                   "procpipe-reaper")  # (procpipe._core.reaper: one per process, it outlives it by design)
+_ZYGOTE = "procpipe-zygote"  # the process name of procpipe._worker.zygote (one per process, forked at import)
 
 
 # --------------------------------------------------------------------------- polling

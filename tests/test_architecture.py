@@ -9,7 +9,7 @@ answered once, by ``api/kinds.py``):
    function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
    still two modules that each need the other to be read). ``from . import wire`` is an
    edge to ``procpipe.wire``; ``from .streaming import Shards`` is an edge to the package
-   ``procpipe.streaming`` (whose ``__init__`` is a module of its own). Importing a
+   ``procpipe._streaming`` (whose ``__init__`` is a module of its own). Importing a
    submodule also runs its parent packages' ``__init__``; that implicit edge is not
    counted, since every module would then depend on ``procpipe`` itself.
 2. **Layers.** Every module belongs to one layer of ``LAYERS`` (the same table as in
@@ -66,14 +66,14 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 #: layer name -> modules (without the ``procpipe.`` prefix; ``procpipe`` is the package
 #: itself, ``bench.*`` the package ``bench`` and every module under it), bottom to top.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "core.*"),
-    "worker": ("worker.*",),
-    "plan": ("plan.*", "streaming.shards", "streaming.blocks", "streaming.order", "streaming.batching", "streaming.shard_plan",
-             "streaming.even_ranks"),
-    "engine": ("engine.*",),
-    "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
-    "adapters": ("torch", "torch_iterable", "torch_state", "torch_snapshots", "keras", "tf", "bench.*", "ray", "ray.*",
-                 "readers.*", "torch_collate", "torch_sampling", "torch_kinds", "torch_epoch"),
+    "base": ("errors", "_core.*"),
+    "worker": ("_worker.*",),
+    "plan": ("_plan.*", "_streaming.shards", "_streaming.blocks", "_streaming.order", "_streaming.batching",
+             "_streaming.shard_plan", "_streaming.even_ranks", "_mix", "_mix.mix", "_mix.kinds"),
+    "engine": ("_engine.*",),
+    "consumer": ("_consumer.*", "_mix.mixing", "_mix.virtual", "_mix.elastic", "_streaming.plan", "_streaming", "loader",
+                 "procpipe"),
+    "adapters": ("torch", "torch.*", "keras", "keras.*", "tf", "tf.*", "bench.*", "ray", "ray.*", "readers.*"),
 }
 
 
@@ -82,7 +82,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 class Module:
     """One ``.py`` file of the package, parsed."""
 
-    name: str  # dotted, e.g. "procpipe.streaming.plan"; a package's __init__ is the package's name
+    name: str  # dotted, e.g. "procpipe._streaming.plan"; a package's __init__ is the package's name
     path: Path
     is_package: bool
     tree: ast.Module
@@ -288,7 +288,7 @@ def test_no_layer_imports_upward() -> None:
 
 #: The per-epoch plans and what they use: pure bookkeeping, run in whichever thread drives
 #: them. They must not start, wait for or talk to anything (issue: "plan/: pure, no processes").
-PURE_PLANS = ("plan.sampler", "plan.base", "plan.index", "streaming.shard_plan", "streaming.order")
+PURE_PLANS = ("_plan.sampler", "_plan.base", "_plan.index", "_streaming.shard_plan", "_streaming.order")
 NOT_PURE = {"os", "threading", "multiprocess", "multiprocessing", "queue", "select", "selectors", "signal",
             "socket", "subprocess", "time", "concurrent", "asyncio", "psutil"}
 
@@ -486,7 +486,7 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
 # --------------------------------------------------------------------------- 4. the source kind, asked once
 #: Where "which kind of source is this?" is answered: ``api.kinds`` resolves a Loader's source once
 #: (its plan, reader, inline driver, saved-state check); ``worker.reader`` is its worker side.
-KIND_MODULES = ("api.kinds", "worker.reader")
+KIND_MODULES = ("_consumer.kinds", "_worker.reader")
 #: The classes whose ``isinstance`` asks a source's (or its plan's, or its task's) kind.
 KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "Sampler", "ExplicitBatches",
                 "Block", "RecordKey"}
@@ -494,8 +494,8 @@ KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "S
 KIND_ATTRIBUTES = {"produce_block", "plan_class", "mixing", "check_progress", "streaming", "cache_kind"}
 #: The other modules that may still test a kind (at most 3), and why.
 KIND_TESTS_ALLOWED: dict[str, str] = {
-    "plan.mix": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
-    "api.position": "the position format (a stream's progress or an index plan's), for any sampler it is given",
+    "_mix.mix": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
+    "_consumer.position": "the position format (a stream's progress or an index plan's), for any sampler it is given",
 }
 MAX_KIND_TEST_MODULES = 3
 
@@ -537,14 +537,14 @@ def kind_test_report(modules: dict[str, Module]) -> list[str]:
 def test_the_source_kind_is_tested_in_at_most_3_places() -> None:
     report = kind_test_report(read_modules())
     if report:
-        pytest.fail("the source kind is asked outside procpipe/api/kinds.py (resolved once: ask the Loader's "
+        pytest.fail("the source kind is asked outside procpipe/_consumer/kinds.py (resolved once: ask the Loader's "
                     "SourceKind, its plan or its reader instead):\n" + "\n".join(report), pytrace=False)
 
 
 def test_the_kind_checker_finds_every_kind_test() -> None:
     modules = _modules_of({
-        "procpipe.api.kinds": "isinstance(source, Shards)\n",
-        "procpipe.plan.mix": "isinstance(source, Mix)\n",
+        "procpipe._consumer.kinds": "isinstance(source, Shards)\n",
+        "procpipe._mix.mix": "isinstance(source, Mix)\n",
         "procpipe.loader": ("isinstance(source, (Shards, Mix))\nhasattr(source, 'produce_block')\n"
                             "getattr(sampler, 'plan_class', None)\ntype(indices) is not list\n"
                             "isinstance(x, dict)\ntype(x) is tuple\ngetattr(x, 'name', None)\n"),

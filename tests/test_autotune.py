@@ -1,4 +1,4 @@
-"""The ``workers="auto"`` policy (``procpipe.engine.autotune.Tuner``) on simulated pipelines.
+"""The ``workers="auto"`` policy (``procpipe._engine.autotune.Tuner``) on simulated pipelines.
 
 The tuner only sees one ``Sample`` per control interval, so its decisions can be tested
 exactly, without processes or timing: a model maps a worker count to what the
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-import procpipe.engine.autotune as autotune
-from procpipe.engine.autotune import AutoWorkers, Sample, Tuner
+import procpipe._engine.autotune as autotune
+from procpipe._engine.autotune import AutoWorkers, Sample, Tuner
 
 INTERVAL = 0.25
 

@@ -1,6 +1,6 @@
 """Nothing of a loader stays in its shm_dir when the training process is SIGKILLed, whatever
-its workers are doing (the reaper, procpipe.core.reaper), and a loader started later removes
-what a dead process left (the sweep, procpipe.core.sweep), never a live process's file, a
+its workers are doing (the reaper, procpipe._core.reaper), and a loader started later removes
+what a dead process left (the sweep, procpipe._core.sweep), never a live process's file, a
 symlink or another user's file.
 
 Each SIGKILL case runs the training process as a subprocess that reports its state on its
@@ -22,8 +22,8 @@ import pytest
 from conftest import python_env, wait_gone, wait_until
 
 import procpipe
-from procpipe.core import reaper
-from procpipe.core.sweep import SETTLE_S, sweep
+from procpipe._core import reaper
+from procpipe._core.sweep import SETTLE_S, sweep
 
 GONE_WITHIN_S = 5.0  # "a few seconds": from the SIGKILL to an empty shm_dir
 
@@ -31,7 +31,7 @@ CHILD = r'''
 import os, signal, sys
 import numpy as np
 import procpipe
-from procpipe.core import reaper
+from procpipe._core import reaper
 
 state, method, shm_dir, marks = sys.argv[1:5]
 
@@ -187,7 +187,7 @@ def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_dev_shm(tmp_pat
 # ------------------------------------------------------------------ the reaper itself
 REGISTERS = r'''
 import sys
-from procpipe.core import reaper
+from procpipe._core import reaper
 for path in sys.argv[1:]:
     reaper.register(path)
 print(reaper.reaper_pid(), flush=True)

@@ -338,7 +338,7 @@ def test_autotune_grows_on_io_bound_work_within_bounds():
 
 
 def test_autotune_grows_on_cpu_bound_work_up_to_the_cpus():
-    cpus = procpipe.engine.autotune.cpu_count()
+    cpus = procpipe._engine.autotune.cpu_count()
     with Loader(list(range(200)), cpu_bound, batch_size=4, workers=AutoWorkers(start=1, **FAST),
                 epochs=None, with_epoch=True) as loader:
         s, _ = run_until(loader, lambda s: len(s["autotune"]["trace"]) >= 16, 5000)

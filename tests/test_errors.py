@@ -286,7 +286,7 @@ finally:
 @pytest.mark.parametrize("start_method", ["auto", "forkserver", "spawn", "fork"])
 def test_a_script_without_a_main_guard_works(tmp_path, start_method):
     """The classic forkserver/spawn mistake is no mistake: workers never import the main
-    script (procpipe.worker.start_method), so the script runs once and multiprocess prints nothing."""
+    script (procpipe._worker.start_method), so the script runs once and multiprocess prints nothing."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
     result = run_python([str(script), start_method], timeout=120, cwd=str(tmp_path))

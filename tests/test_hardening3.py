@@ -138,7 +138,7 @@ def test_a_straggling_workers_lane_moves_even_without_a_copied_task() -> None:
     later blocks waited for the straggler's reply (the test above, now and then, under load)."""
     from types import SimpleNamespace
 
-    from procpipe.engine.roster import Roster
+    from procpipe._engine.roster import Roster
 
     def link(index: int, stalled: bool) -> SimpleNamespace:
         return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, tasks={})
@@ -181,7 +181,7 @@ CTRL_C_SCRIPT = r"""
 import os, signal, sys, time
 import numpy as np
 import procpipe
-from procpipe.engine.coordinator import Coordinator
+from procpipe._engine.coordinator import Coordinator
 
 close = Coordinator.close
 

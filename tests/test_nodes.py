@@ -1,4 +1,4 @@
-"""The consumer side as nodes (procpipe/api/nodes.py): one save/load test over every node kind.
+"""The consumer side as nodes (procpipe/_consumer/nodes.py): one save/load test over every node kind.
 
 torchdata's ``run_test_save_load_state`` idea: ``check_save_load`` iterates ``k`` items of a
 node, takes ``get_state()`` (through JSON), resets a FRESH node of the same kind with it and
@@ -31,8 +31,8 @@ from procpipe import Loader, Shards
 from shardkit import SHARDS, open_shard  # the workers import it: a module without torch (its docstring)
 
 torch = pytest.importorskip("torch")
-from procpipe.api import torch_device  # noqa: E402  (needs torch)
-from procpipe.api.prefetch import Mapped, Prefetcher  # noqa: E402
+from procpipe._consumer import torch_device  # noqa: E402  (needs torch)
+from procpipe._consumer.prefetch import Mapped, Prefetcher  # noqa: E402
 
 EPOCHS = 2
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)

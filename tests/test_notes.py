@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from procpipe.core import notes
+from procpipe._core import notes
 
 
 class _Structured(Exception):

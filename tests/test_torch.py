@@ -25,8 +25,8 @@ from batch_compare import assert_batches_equal
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.api.cuda_transfer as ppc
-import procpipe.api.prefetch as ppp
+import procpipe.torch.cuda_transfer as ppc
+import procpipe._consumer.prefetch as ppp
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..engine.autotune import CONTENDED, schedstat_seconds
+from .._engine.autotune import CONTENDED, schedstat_seconds
 
 MiB = 2**20
 

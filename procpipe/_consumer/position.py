@@ -1,0 +1,166 @@
+"""Where a consumer stands in an iteration, as a small JSON-serializable dict: encoded and checked.
+
+A *position* is what ``Loader.state_dict()`` saves besides the sampler's settings, and
+what every consumer-side node (``procpipe._consumer.nodes``) returns from ``get_state()`` and takes
+back in ``reset()``: ``epoch`` (to resume), what was returned of it, of later epochs
+(``ahead``), and ``until`` (the epoch the iteration stops before; ``None``: never). What
+was returned of an indexable source's epoch is a set of batch positions (``done_below``
+and ``done``; ``Progress`` in reassembly.py); of a streaming source's, a
+``StreamProgress`` state (``stream``; checked by the ``StreamPlan``).
+
+One encoder and one decoder, used by the nodes and by resume.py (which adds the version
+and the settings around them), so the format is written once. A sampler that checks its
+own progress states (``check_progress``: the ``StreamPlan`` of a ``procpipe.Shards``
+source) is a streaming one; this module does not import ``_streaming`` (whose ``workers=0``
+node uses it).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._core.checks import is_count
+from .._core.reassembly import Progress, ResumePoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
+
+LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
+
+
+class Resume(tuple):
+    """A decoded position: ``done`` and ``ahead``'s values are frozensets of batch positions, or
+    for a streaming source ``StreamProgress`` states (or None); ``until`` an int, None (endless)
+    or ``LOADER_EPOCHS`` (not saved: the loader's own ``epochs``)."""
+
+    def __new__(cls, epoch: int, done: Any, until: Any, ahead: dict[int, Any]) -> Self:
+        return super().__new__(cls, (epoch, done, until, ahead))
+
+    epoch = property(lambda self: self[0])
+    done = property(lambda self: self[1])
+    until = property(lambda self: self[2])  # int, None (endless) or LOADER_EPOCHS
+    ahead = property(lambda self: self[3])
+
+    def until_or(self, default: int | None) -> int | None:
+        """The epoch the resumed iteration stops before: the saved one, else ``default``
+        (the loader's own ``epochs`` from the resumed epoch on)."""
+        return default if self.until is LOADER_EPOCHS else self.until
+
+
+def is_streaming(sampler: Any) -> bool:
+    """``sampler`` plans a streaming source (its epochs' progress is a ``StreamProgress`` state)."""
+    return callable(getattr(sampler, "check_progress", None))
+
+
+def encode_position(sampler: Any, point: ResumePoint) -> dict[str, Any]:
+    """``point`` (what was returned, in the form ``Epoch.consumer_progress()`` gives) as a plain dict."""
+    epoch, done, ahead, until = point
+    if is_streaming(sampler):
+        progress = {"stream": done, "ahead": [[n, p] for n, p in sorted(ahead.items())]}
+    else:
+        done = _as_progress(done)
+        ahead = {n: _as_progress(p) for n, p in ahead.items()}
+        progress = {
+            "done_below": done.below,
+            "done": sorted(done.beyond),
+            "ahead": [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())],
+        }
+    return {"epoch": epoch, **progress, "until": until}
+
+
+def _as_progress(done: Any) -> Progress:
+    """Positions returned, as a ``Progress`` (a decoded position holds frozensets)."""
+    return done if isinstance(done, Progress) else Progress(done or ())
+
+
+def start_position(sampler: Any, epoch: int, until: int | None) -> dict[str, Any]:
+    """The position of an iteration that starts at ``epoch`` and has returned nothing yet."""
+    empty = None if is_streaming(sampler) else Progress()
+    return encode_position(sampler, ResumePoint(epoch, empty, {}, until))
+
+
+def decode_position(state: Any, sampler: Any) -> Resume:
+    """A position (``encode_position``'s dict, or a whole saved state), checked against ``sampler``;
+    raises ``ValueError`` naming what is corrupt."""
+    if not isinstance(state, dict):
+        # (a corrupt saved state is a ValueError whatever is wrong with it: callers catch ValueError)
+        raise ValueError(  # noqa: TRY004 - a corrupt state, see above
+            f"not a procpipe position (a dict from get_state() or Loader.state_dict()): {state!r:.200}"
+        )
+    epoch = state.get("epoch")
+    if not is_count(epoch, 0):
+        raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
+    if is_streaming(sampler):
+        done = sampler.check_progress(state.get("stream"), epoch)
+        until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, sampler))
+    else:
+
+        def progress(number: int, rest: list) -> frozenset:
+            return _index_progress(_batch_count(sampler, number), number, rest)
+
+        done = progress(epoch, [state.get("done_below"), state.get("done")])
+        until, ahead = _until_and_ahead(state, epoch, progress)
+    return Resume(epoch, done, until, ahead)
+
+
+def _batch_count(sampler: Any, epoch: int) -> int | None:
+    """Batches in ``epoch``, if the sampler knows (a ``batches=`` callable without ``__len__`` does not;
+    a ``Sampler`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
+    per_epoch = getattr(sampler, "epoch_batches", None)
+    try:
+        return per_epoch(epoch) if per_epoch is not None else len(sampler)
+    except TypeError:
+        return None
+
+
+def _until_and_ahead(
+    state: dict[str, Any], epoch: int, progress: Callable[[int, list], Any]
+) -> tuple[Any, dict[int, Any]]:
+    """``until`` and ``ahead`` of a saved state, checked (both optional: older states lack them).
+
+    ``ahead`` entries are ``[epoch, ...]``; ``progress(epoch, rest)`` checks and converts the rest.
+    """
+    until = state.get("until", LOADER_EPOCHS)
+    if until is not LOADER_EPOCHS and until is not None and not is_count(until, epoch + 1):
+        raise ValueError(f"corrupt procpipe Loader state: until={until!r} with epoch={epoch!r}")
+    ahead: dict[int, Any] = {}
+    raw = state.get("ahead", [])
+    if not isinstance(raw, list):
+        raise ValueError(f"corrupt procpipe Loader state: ahead={raw!r:.200}")  # noqa: TRY004 - a corrupt state
+    for entry in raw:
+        n = entry[0] if isinstance(entry, list) and entry else None
+        if not is_count(n, epoch + 1) or n in ahead or (isinstance(until, int) and n >= until):
+            raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
+        ahead[n] = progress(n, entry[1:])
+    return until, ahead
+
+
+def _index_progress(count: int | None, epoch: int, rest: list) -> frozenset:
+    """``[done_below, done]`` of an indexable source's epoch, checked: the positions returned.
+
+    ``count``: batches per epoch (None: unknown); a position past it is refused before any
+    set is built (``done_below=10**10`` would otherwise exhaust memory).
+    """
+    ok = len(rest) == 2
+    if ok:
+        below, beyond = rest
+        ok = is_count(below, 0) and isinstance(beyond, list) and all(is_count(x, below + 1) for x in beyond)
+    if not ok:
+        raise ValueError(f"corrupt procpipe Loader state: done_below, done = {rest!r:.200} for epoch {epoch}")
+    if count is not None and (below > count or (beyond and max(beyond) >= count)):
+        raise ValueError(
+            f"procpipe Loader state out of range: done_below, done = {rest!r:.200} for epoch {epoch}, "
+            f"but an epoch of this loader has {count} batches (positions 0 to {count - 1}); "
+            "the state is corrupt or from another loader"
+        )
+    return frozenset(itertools.chain(range(below), beyond))
+
+
+def _stream_ahead_entry(sampler: Any, epoch: int, rest: list) -> dict:
+    """``[stream]`` of an ``ahead`` entry of a streaming source's state, checked."""
+    if len(rest) != 1 or rest[0] is None:
+        raise ValueError(f"corrupt procpipe Loader state: ahead entry for epoch {epoch}: {rest!r:.200}")
+    return sampler.check_progress(rest[0], epoch)

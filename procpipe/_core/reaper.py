@@ -1,0 +1,272 @@
+"""The reaper: removes this process's shared files by name once it is gone, however it ended.
+
+A loader removes its files on ``close()``, when it is garbage, at interpreter exit, and its
+workers remove them when they see the training process die. None of that runs when the
+training process is SIGKILLed (the OOM killer's way) while no worker is alive to notice:
+its workers died in a failed epoch, are stopped (SIGSTOP), or are still starting. The
+reaper covers every such case:
+
+- One small process per training process, started once, the first time a file is made
+  (``register``). It is a bare interpreter, ``python -S -I -c <REAPER_CODE>``: no site
+  packages, no procpipe, no numpy (about 15 ms of CPU, started with ``posix_spawn``
+  without waiting for it, and with ``SCHED_IDLE`` until it waits, so it takes no CPU from
+  the workers starting at the same moment: it adds the spawn call to a loader's start-up).
+  It runs in a session of its own (``setsid``) and ignores SIGINT, SIGTERM and SIGHUP, so
+  Ctrl-C or a signal to the training job's process group does not end it first.
+- The training process tells it each file's path before creating the file (``register``)
+  and after removing it (``forget``), one message on a pipe each (a few per loader, none
+  per batch). It knows nothing else and removes nothing else.
+- It waits for the training process to end (a pidfd where Linux has them, else it checks
+  its parent every half second), then reads what is left on the pipe and removes every
+  path it was told about that is still a regular file of this user: ``lstat`` (a symlink
+  is never followed) and ``unlink`` (which removes a name, never a target). Then it exits.
+
+Each registered file is also held open here with a shared ``flock``, released when this
+process ends: the start-up sweep (``procpipe._core.sweep``) takes a file whose lock is free
+as one whose creator is gone, even from another pid namespace (a container sharing
+``/dev/shm``) where its pid means nothing.
+
+Forked children (workers) close the reaper's pipe and the locks at once
+(``os.register_at_fork``): the reaper follows the training process only, and a child
+stopped or stuck cannot keep a file "alive". If the reaper cannot start, procpipe says so
+once (logger ``procpipe``) and works as before (workers still clean up after a killed parent).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import sys
+import threading
+
+logger = logging.getLogger("procpipe")
+
+REAPER_MARK = "procpipe-reaper"  # in the reaper's command line: how tools (and the tests) recognise it
+
+# The reaper process's whole program (an interpreter started with -S -I runs it; stdin is the pipe).
+REAPER_CODE = f"""# {REAPER_MARK}: removes the files its parent registered once the parent is gone
+import os, select, signal, stat, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+    signal.signal(s, signal.SIG_IGN)
+parent, uid, paths, rest = int(sys.argv[1]), os.geteuid(), set(), b""
+os.chdir("/")  # (holds no directory busy; every path it is sent is absolute)
+for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+    if int(fd) > 2:  # what the parent let children inherit (not close-on-exec): never held open here
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
+try:  # started SCHED_IDLE (to take no CPU from starting workers): back to normal, to clean up at once
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
+try:
+    pidfd = os.pidfd_open(parent)
+except (AttributeError, OSError):
+    pidfd = None
+def take(data):
+    global rest
+    *records, rest = (rest + data).split(b"\\0")
+    for r in records:
+        (paths.add if r[:1] == b"+" else paths.discard)(r[1:])
+def gone():
+    return os.getppid() != parent
+reading = True
+while not gone():
+    watch = ([0] if reading else []) + ([pidfd] if pidfd is not None else [])
+    ready = select.select(watch, [], [], None if pidfd is not None else 0.5)[0]
+    if pidfd is not None and pidfd in ready:
+        break
+    if 0 in ready:
+        data = os.read(0, 65536)
+        if data:
+            take(data)
+        else:
+            reading = False
+os.set_blocking(0, False)
+while reading:
+    try:
+        data = os.read(0, 65536)
+    except (BlockingIOError, OSError):
+        break
+    reading = bool(data)
+    take(data)
+for p in paths:
+    try:
+        st = os.lstat(p)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+            os.unlink(p)
+    except OSError:
+        pass
+"""
+
+
+_WITHOUT = (
+    "if this process is killed while none of its workers runs, its files may stay in shm_dir until a "
+    "loader started later removes them"
+)
+
+
+class _Client:
+    """This process's side: the reaper's pid, the pipe to it, the registered paths and their locks."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.pid: int | None = None
+        self.pipe: int | None = None  # write end, non-blocking
+        self.pending = b""  # what the pipe could not take yet
+        self.paths: set[bytes] = set()
+        self.locks: dict[bytes, int] = {}
+        self.failed = False  # the reaper could not be started: said once, not tried again
+
+    def start(self) -> None:
+        """Start the reaper (again, after it died), and tell it every path registered so far."""
+        if self.pid is not None:
+            self._exited()  # a reaper that was killed: collected
+        if self.pipe is not None:
+            os.close(self.pipe)
+        self.pid = self.pipe = None
+        name = os.path.basename(sys.executable or "").lower()
+        if "python" not in name and "pypy" not in name:  # embedded (uwsgi...): no interpreter to run it
+            self.failed = True
+            logger.warning(
+                "procpipe could not start its cleanup process (sys.executable=%r is not a Python interpreter): %s",
+                sys.executable,
+                _WITHOUT,
+            )
+            return
+        read, write = os.pipe()  # (both not inherited: the reaper gets the read end as its stdin)
+        devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            argv = [sys.executable, "-S", "-I", "-c", REAPER_CODE, str(os.getpid())]
+            self.pid = os.posix_spawn(
+                sys.executable,
+                argv,
+                os.environ,
+                setsid=True,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, read, 0),
+                    (os.POSIX_SPAWN_DUP2, devnull, 1),
+                    (os.POSIX_SPAWN_DUP2, devnull, 2),
+                ],
+            )
+        except (OSError, ValueError, AttributeError) as exc:
+            os.close(write)
+            self.failed = True
+            logger.warning("procpipe could not start its cleanup process (%s): %s", exc, _WITHOUT)
+            return
+        finally:
+            os.close(read)
+            os.close(devnull)
+        try:  # SCHED_IDLE while it starts: its interpreter's start-up takes no CPU from the workers
+            os.sched_setscheduler(self.pid, os.SCHED_IDLE, os.sched_param(0))  # starting now (REAPER_CODE)
+        except (AttributeError, OSError):
+            pass
+        os.set_blocking(write, False)
+        self.pipe = write
+        self.pending = b"".join(b"+" + p + b"\0" for p in self.paths)
+
+    def _exited(self) -> bool:
+        """The reaper has ended (killed: it never ends on its own while this process runs)."""
+        try:
+            return self.pid is not None and os.waitpid(self.pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:  # collected already (by the user's os.wait()?): gone too
+            return True
+
+    def send(self, message: bytes) -> None:
+        if self.failed:
+            return
+        if self.pipe is None or self._exited():
+            self.start()
+            if self.pipe is None:
+                return
+        self.pending += message
+        try:
+            while self.pending:
+                self.pending = self.pending[os.write(self.pipe, self.pending) :]
+        except BlockingIOError:
+            pass  # the reaper is still starting and the pipe is full: sent with the next message
+        except BrokenPipeError:
+            self.start()  # the reaper was killed: a new one, told everything again
+            if self.pipe is not None and self.pending:
+                try:
+                    self.pending = self.pending[os.write(self.pipe, self.pending) :]
+                except OSError:
+                    pass
+
+
+_lock = threading.Lock()
+_client: _Client | None = None
+
+
+def _current() -> _Client:
+    global _client  # noqa: PLW0603 - one reaper client per process (re-made after a fork)
+    if _client is None or _client.owner != os.getpid():
+        _client = _Client()
+    return _client
+
+
+def register(path: str) -> None:
+    """``path`` is about to be created by this process: the reaper removes it if this process
+    ends while it still exists. Call before creating the file (no window where it is unknown)."""
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
+    with _lock:
+        client = _current()
+        if name not in client.paths:
+            client.paths.add(name)
+            client.send(b"+" + name + b"\0")
+
+
+def hold(path: str, fd: int) -> None:
+    """The registered file ``path`` was created as ``fd``: keep a shared lock on it while it
+    exists, the sign that its creator is alive (see the sweep)."""
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
+    try:
+        lock = os.dup(fd)  # (dup is close-on-exec: a spawned process never holds it)
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return
+    with _lock:
+        old = _current().locks.pop(name, None)
+        _current().locks[name] = lock
+    if old is not None:
+        os.close(old)
+
+
+def forget(path: str) -> None:
+    """``path`` was removed (or never created): the reaper no longer needs to remove it."""
+    name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
+    with _lock:
+        client = _current()
+        lock = client.locks.pop(name, None)
+        if name in client.paths:
+            client.paths.discard(name)
+            client.send(b"-" + name + b"\0")
+    if lock is not None:
+        os.close(lock)
+
+
+def reaper_pid() -> int | None:
+    """The pid of this process's reaper, once started (None before the first file, or if it could not start)."""
+    client = _client
+    return client.pid if client is not None and client.owner == os.getpid() else None
+
+
+def _after_fork_in_child() -> None:
+    """A forked child is not the training process: it drops the pipe and the locks (its
+    parent keeps them), so the reaper and the sweep follow the parent alone."""
+    global _client, _lock  # noqa: PLW0603 - the per-process state, dropped in a forked child
+    _lock = threading.Lock()  # (another thread may have held it at the fork)
+    client, _client = _client, None
+    if client is None:
+        return
+    for fd in [client.pipe, *client.locks.values()]:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,54 @@
+"""Typed commands from the consumer's thread to the coordinator thread.
+
+The consumer never touches the coordinator's state: it queues a command
+(``Coordinator.submit``) and wakes the thread, which applies the commands at the top of
+its loop, in order. A command is a small slotted class, told apart by type, not a string.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .epochs import Stream
+
+
+class StartStream:
+    """Start ``stream`` (a new ``iter(loader)``); any stream in progress is abandoned."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+
+class CancelStream:
+    """Abandon the stream of generation ``gen``, if it is still the one in progress."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+
+
+class CloseEngine:
+    """Abandon any stream, stop every worker and remove the shared files, then leave the loop."""
+
+    __slots__ = ()
+
+
+Command = StartStream | CancelStream | CloseEngine
+
+_COMMANDS = (StartStream, CancelStream, CloseEngine)
+
+
+def checked(command: object) -> Command:
+    """``command``, if it is one of the command types; else a ``TypeError`` naming them (a
+    command given by name, ``"start"``, is refused: the names were the older spelling)."""
+    if isinstance(command, _COMMANDS):
+        return command
+    raise TypeError(
+        f"procpipe: a coordinator command is a StartStream, CancelStream or CloseEngine "
+        f"(procpipe._engine.commands), not {type(command).__name__} {command!r}; "
+        "e.g. submit(CancelStream(stream.gen)) instead of submit('cancel', stream.gen)"
+    )
