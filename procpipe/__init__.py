@@ -26,7 +26,7 @@ from ._core.rng import batch_rng, sample_rng
 
 if TYPE_CHECKING:
     from ._consumer.elastic import combine_states
-    from ._engine.autotune import AutoWorkers
+    from .config import AutoWorkers
     from .loader import Loader
     from ._mix.mix import Mix
     from ._streaming import Shards
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # forkserver imports this package for its own modules, and needs none of the engine
 # (~0.15 s less before the first batch: docs/guide/startup.md).
 _LAZY = {
-    "AutoWorkers": "_engine.autotune",
+    "AutoWorkers": "config",
     "Loader": "loader",
     "Mix": "_mix.mix",
     "Records": "_worker.records",

@@ -1,6 +1,6 @@
 """``procpipe.Loader``: the public entry point.
 
-The Loader checks its arguments into a frozen configuration (``loader.config``: _consumer/config.py),
+The Loader checks its arguments into a frozen configuration (``loader.config``: config.py),
 plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
 workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._consumer.assembly import assemble
-from ._consumer.config import LoaderConfig
 from ._consumer.inline import InlineDriver
 from ._consumer.iteration import LoaderIterator
 from ._consumer.iterators import EpochIterator
@@ -28,6 +27,7 @@ from ._consumer.position import encode_position, start_position
 from ._consumer.resume import load_state, save_state
 from ._core.reassembly import ResumePoint
 from ._plan.base import BatchPlan
+from .config import LoaderConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -198,7 +198,7 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        # every argument but the source, as passed: into the checked groups (_consumer/config.py), once
+        # every argument but the source, as passed: into the checked groups (config.py), once
         arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
         config = self._config = LoaderConfig.from_arguments(**arguments)
         # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
@@ -332,7 +332,7 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         """Every argument of this loader but the source, checked, in six frozen groups: ``batching``,
-        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe._consumer.config``).
+        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.config``).
         Read-only (``print(loader.config)`` shows it all, a group per line); values as passed,
         ``"auto"`` included (``start_method`` has the start method resolved)."""
         return self._config

@@ -66,7 +66,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 #: layer name -> modules (without the ``procpipe.`` prefix; ``procpipe`` is the package
 #: itself, ``bench.*`` the package ``bench`` and every module under it), bottom to top.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "_core.*"),
+    "base": ("errors", "_core.*", "config"),
     "worker": ("_worker.*",),
     "plan": ("_plan.*", "_streaming.shards", "_streaming.blocks", "_streaming.order", "_streaming.batching",
              "_streaming.shard_plan", "_streaming.even_ranks", "_mix", "_mix.mix", "_mix.kinds"),

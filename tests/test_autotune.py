@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+import procpipe.config
 import procpipe._engine.autotune as autotune
 from procpipe._engine.autotune import AutoWorkers, Sample, Tuner
 
@@ -23,6 +24,7 @@ INTERVAL = 0.25
 
 def make_tuner(monkeypatch, cpus: int, capacity: int = 64, **settings) -> Tuner:
     monkeypatch.setattr(autotune, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(procpipe.config, "cpu_count", lambda: cpus)  # AutoWorkers.first, hard_max
     auto = AutoWorkers(**settings)
     return Tuner(auto, capacity=capacity, workers=auto.first, started=0.0)
 

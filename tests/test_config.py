@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from procpipe import AutoWorkers, Loader
-from procpipe._consumer.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
-from procpipe._core.config import Batching, Device, Faults, Memory, Stages
-from procpipe._engine.config import EngineConfig
+from procpipe.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
+from procpipe.config import Batching, Device, Faults, Memory, Stages
+from procpipe.config import EngineConfig
 from procpipe._worker.process import WorkerSpec
 from procpipe._worker.reader import IndexedReader
 
-CONFIG_MODULES = {"procpipe/_core/config.py", "procpipe/_consumer/config.py"}
+CONFIG_MODULES = {"config.py", "config.py"}
 
 
 def double(x):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import procpipe
-from procpipe._consumer.config import LoaderConfig
+from procpipe.config import LoaderConfig
 from procpipe._consumer.inline import IndexNames, RecordNames
 from procpipe._consumer.kinds import StreamKind, plan_options, resolve_kind
 from procpipe._plan.index import IndexPlan

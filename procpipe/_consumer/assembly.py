@@ -1,7 +1,7 @@
 """A Loader's running parts, made from its checked configuration, and the figures they report.
 
 ``Loader.__init__`` is three steps: the configuration (``LoaderConfig.from_arguments``,
-``_consumer/config.py``: every argument checked), the source's kind (``resolve_kind``,
+``config.py``: every argument checked), the source's kind (``resolve_kind``,
 ``_consumer/kinds.py``: its plan of epochs, its workers' reader), then ``assemble`` (here), which
 hands each part the slice of the configuration it needs:
 
@@ -32,7 +32,7 @@ from .._engine.start import start_engine
 from .._worker.process import WorkerSpec
 from .._worker.start_method import resolve as resolve_start_method
 from .._worker.stream_cache import open_loader_cache
-from .config import LoaderConfig, engine_config
+from ..config import LoaderConfig, engine_config
 from .iteration import IterationContext, LoaderIterator
 from .kinds import SourceKind
 from .nodes import Node

@@ -34,7 +34,7 @@ from .._worker.reader import IndexedReader, SourceReader
 from .inline import IndexNames, RecordNames, SampleNames
 
 if TYPE_CHECKING:
-    from .config import LoaderConfig
+    from ..config import LoaderConfig
 
 
 class SourceKind:
@@ -123,7 +123,7 @@ def plan_options(config: LoaderConfig) -> dict[str, Any]:
 
 def resolve_kind(source: Any, config: LoaderConfig) -> SourceKind:
     """The kind of ``source`` and its plan, from a Loader's configuration (its groups already
-    checked, _consumer/config.py); raises ``TypeError``/``ValueError`` for a source no kind accepts,
+    checked, config.py); raises ``TypeError``/``ValueError`` for a source no kind accepts,
     or an option its kind does not support."""
     if isinstance(source, Shards):
         return StreamKind(StreamPlan(source, **plan_options(config)))

@@ -53,7 +53,6 @@ until it is back or ``min`` is reached.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ from typing import Any
 
 import psutil
 
-from .._core.checks import check_int
+from ..config import AutoWorkers, cpu_count
 
 GROW_WAIT = 0.05  # consumer wait fraction above which more workers are tried
 GAIN = 0.05  # a new worker must raise throughput by this fraction to stay
@@ -78,68 +77,9 @@ IO_CPU = 0.5  # ...and on (or waiting for) a CPU less than this fraction of thei
 BACKOFF_S = 2.0  # first wait before re-trying a count that did not help
 BACKOFF_MAX_S = 60.0
 CONTENDED = 0.25  # workers waiting for a CPU this share of their busy time: the CPUs are shared
-IO_FACTOR = 4  # default max: this many workers per CPU (reached only when I/O-bound)
-HARD_CAP = 32
 TRACE_LEN = 2000  # trace entries kept (the most recent)
 MEMORY_RESERVE = 0.10  # fraction of total memory that must stay available
 MEMORY_RESERVE_MIN = 256 * 2**20
-
-
-@dataclass(frozen=True)
-class AutoWorkers:
-    """Settings of ``Loader(workers=AutoWorkers(...))``; ``workers="auto"`` is ``AutoWorkers()``.
-
-    Args:
-        start: workers to begin with (default 2; fewer if the limit is lower).
-        min: never fewer workers than this (>= 1).
-        max: never more; default ``4 x`` the CPUs this process may run on (at most 32).
-            Counts above the CPU count are used only while workers are I/O-bound.
-        interval: seconds per control interval, at least (default 0.25).
-        min_batches: batches the consumer must take in an interval before it is judged
-            (default 16), so that slow pipelines are judged on enough batches.
-    """
-
-    start: int = 2
-    min: int = 1
-    max: int | None = None
-    interval: float = 0.25
-    min_batches: int = 16
-
-    def __post_init__(self) -> None:
-        for name in ("start", "min", "min_batches"):
-            check_int(name, getattr(self, name), 1, owner="AutoWorkers: ")
-        check_int("max", self.max, self.min, allow_none=True, owner="AutoWorkers: ")
-        if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
-            raise ValueError(f"AutoWorkers: interval must be a number of seconds > 0, got {self.interval!r}")
-
-    @property
-    def hard_max(self) -> int:
-        """The most workers this may ever run (the status words and the ring are sized for it)."""
-        if self.max is not None:
-            return self.max
-        return max(self.min, min(HARD_CAP, IO_FACTOR * cpu_count()))
-
-    @property
-    def first(self) -> int:
-        """Workers to start with: ``start``, within ``[min, CPUs]`` and ``max``."""
-        return max(self.min, min(self.start, self.hard_max, max(cpu_count(), self.min)))
-
-
-def resolve(workers: Any) -> AutoWorkers | None:
-    """``"auto"`` -> ``AutoWorkers()``; an ``AutoWorkers`` as is; anything else None."""
-    if isinstance(workers, AutoWorkers):
-        return workers
-    if isinstance(workers, str) and workers == "auto":
-        return AutoWorkers()
-    return None
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return psutil.cpu_count() or 1
 
 
 def memory_room(worker_rss: int) -> int:

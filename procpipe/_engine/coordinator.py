@@ -56,10 +56,10 @@ from .._core.shm import Ring, SharedFiles
 from .._core.stats import WorkerCounters, worker_baseline
 from .._core.wakeup import WakePipe
 from .._worker import fork_safety
+from ..config import EngineConfig
 from ..errors import TaskTimeoutError, WorkerError
 from .autotune import Meter, Tuner, memory_room
 from .commands import CancelStream, CloseEngine, Command, StartStream, checked
-from .config import EngineConfig
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
 from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher

@@ -24,9 +24,9 @@ from .pool import Watchdog, WorkerLink, WorkerPool
 
 if TYPE_CHECKING:
     from .._core.rings import RingSet
+    from ..config import EngineConfig
     from .attempts import Attempt
     from .autotune import Tuner
-    from .config import EngineConfig
     from .dispatch import Dispatcher
     from .roster import Roster
 

@@ -22,7 +22,7 @@ from .._worker.preload_list import preload_list
 from .._worker.process import WorkerSpec, dump_spec
 from .._worker.start_method import context as start_context
 from .._worker.stream_cache import open_loader_cache
-from .config import EngineConfig
+from ..config import EngineConfig
 from .coordinator import Coordinator
 from .pool import LocalPool
 

@@ -435,7 +435,7 @@ class MixSampler:
         self._used.clear()
 
 
-# ---- checks (here, not in _consumer/config.py: a Mix is built, and its weights set, before any Loader)
+# ---- checks (here, not in config.py: a Mix is built, and its weights set, before any Loader)
 def check_sources(sources: Any) -> list[Any]:
     """``sources`` as a list of indexed sources or mixtures; raises naming the first one wrong."""
     if isinstance(sources, (str, bytes)) or not hasattr(sources, "__iter__"):

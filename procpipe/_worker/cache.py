@@ -45,12 +45,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._core.config import CACHE_IN_MEMORY
 from .._core.rng import no_sample_rng
 from .._core.shm import SharedFiles, check_capacity, create_file, open_owned, remove_file
+from ..config import CACHE_IN_MEMORY
 from ..errors import CacheError, SharedMemoryError
 
-MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: _core/config.py)
+MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
 ALIGN = 64
 _DICT, _SEQ, _LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).

@@ -35,10 +35,10 @@ from typing import Any
 import dill
 
 from .._core import collate, wire
-from .._core.config import Batching, Faults, Stages
 from .._core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
 from .._core.rng import SampleScope
 from .._core.shm import WorkerRings, map_file, open_owned
+from ..config import Batching, Faults, Stages
 from ..errors import CollateError
 from .identity import enter_worker
 from .produce import produce
@@ -76,7 +76,7 @@ class WorkerSpec:
     @classmethod
     def of(cls, source: Any, reader: SourceReader, stages: Stages, batching: Batching, faults: Faults) -> WorkerSpec:
         """The spec of a Loader over ``source`` (read by ``reader``, its kind's: _worker/reader.py)
-        from the groups of its configuration (_core/config.py)."""
+        from the groups of its configuration (config.py)."""
         return cls(
             source=source,
             reader=reader,

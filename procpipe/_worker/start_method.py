@@ -39,7 +39,6 @@ from multiprocess import util as _mp_util
 from . import fork_safety, zygote
 
 AUTO = "auto"
-START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")  # Loader(start_method=...)
 ZYGOTE = "zygote"
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 _launching = threading.local()  # .without_main: this thread is starting a procpipe worker

@@ -57,8 +57,8 @@ class Agent:
         import dill
 
         from .._core.shm import SharedFiles
-        from .._engine.config import EngineConfig
         from .._engine.start import local_pool
+        from ..config import EngineConfig
 
         self.files = SharedFiles(shm_dir)
         spec = dill.loads(spec_bytes)

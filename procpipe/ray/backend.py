@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._engine.config import EngineConfig
+from ..config import EngineConfig
 from . import nodes
 from .options import BackendOptions
 from .pool import RayPool

@@ -37,8 +37,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.utils.data as _tud
 
-from .._consumer.config import LoaderConfig
-from .._worker.start_method import START_METHODS
+from ..config import START_METHODS, LoaderConfig
 from ..loader import Loader
 from .device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
 from .epoch import EpochIterator
