@@ -9,7 +9,7 @@ with ``epochs=None``); workers persist between iterations. With ``workers=0`` ev
 in the calling process through the same sampler, sample scope and collation, so results are
 identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
 stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the sampler's
-settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (resume.py).
+settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (state.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from ._consumer.iteration import LoaderIterator
 from ._consumer.iterators import EpochIterator
 from ._consumer.kinds import resolve_kind
 from ._consumer.nodes import Node
-from ._consumer.position import encode_position, start_position
-from ._consumer.resume import load_state, save_state
+from ._consumer.state import encode_position, load_state, save_state, start_position
 from ._core.reassembly import ResumePoint
 from ._plan.base import BatchPlan
 from .config import LoaderConfig
@@ -199,8 +198,41 @@ class Loader:
         even_ranks: bool = False,
     ) -> None:
         # every argument but the source, as passed: into the checked groups (config.py), once
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
-        config = self._config = LoaderConfig.from_arguments(**arguments)
+        config = self._config = LoaderConfig.from_arguments(
+            fn=fn,
+            batch_size=batch_size,
+            workers=workers,
+            ordered=ordered,
+            prefetch=prefetch,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            reshuffle=reshuffle,
+            epochs=epochs,
+            with_epoch=with_epoch,
+            collate_fn=collate_fn,
+            start_method=start_method,
+            shm_dir=shm_dir,
+            slot_bytes=slot_bytes,
+            max_worker_restarts=max_worker_restarts,
+            worker_env=worker_env,
+            batches=batches,
+            shard=shard,
+            device=device,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            task_timeout=task_timeout,
+            speculate=speculate,
+            batch_fn=batch_fn,
+            cache=cache,
+            augment=augment,
+            shuffle_buffer=shuffle_buffer,
+            device_fn=device_fn,
+            seed_globals=seed_globals,
+            stage_slots=stage_slots,
+            backend=backend,
+            even_ranks=even_ranks,
+        )
         # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)
         self._sampler: BatchPlan = kind.plan

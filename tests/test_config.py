@@ -74,6 +74,23 @@ def test_every_loader_argument_is_in_one_group_with_the_same_default():
             owners.setdefault(f.name, []).append(group.name)
             assert params[f.name].default == f.default, f"{group.name}.{f.name}: the default differs from Loader's"
     assert all(len(groups) == 1 for groups in owners.values()), owners
+
+
+def test_loader_passes_each_argument_by_name_to_the_configuration():
+    """``Loader.__init__`` names every argument it hands ``LoaderConfig.from_arguments`` (``name=name``),
+    so a local variable added to ``__init__`` never becomes an argument by accident."""
+    import ast
+    import pathlib
+
+    import procpipe.loader
+
+    tree = ast.parse(pathlib.Path(procpipe.loader.__file__).read_text())
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    call = next(n for n in ast.walk(init) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_arguments")
+    passed = {k.arg: k.value.id for k in call.keywords if isinstance(k.value, ast.Name)}
+    assert not call.args and len(passed) == len(call.keywords), "every argument is passed as name=name"
+    params = set(inspect.signature(Loader.__init__).parameters) - {"self", "source"}
+    assert passed == {name: name for name in params}
     assert repr(LoaderConfig.from_arguments()) == repr(LoaderConfig())  # nothing passed: every default
 
 

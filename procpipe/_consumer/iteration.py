@@ -9,7 +9,7 @@ along as the consumer enters later epochs, and the counters ``loader.stats()`` s
 ``LoaderIterator`` is what the Loader asks of an iterator in return (``owns_epoch``,
 ``cancel``, ``running``...), and the part of it the two share: each is a source node
 (procpipe/_consumer/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
-procpipe/_consumer/position.py) and whose ``reset(state)`` restarts it there.
+procpipe/_consumer/state.py) and whose ``reset(state)`` restarts it there.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .nodes import Node
-from .position import decode_position, encode_position, start_position
+from .state import decode_position, encode_position, start_position
 
 if TYPE_CHECKING:
     from .._core.reassembly import ResumePoint

@@ -66,7 +66,7 @@ class SourceKind:
         self.given: GivenOrders | None = None
 
     def settings(self) -> dict[str, Any]:
-        """The plan's settings a saved state must match to be resumed (_consumer/resume.py)."""
+        """The plan's settings a saved state must match to be resumed (_consumer/state.py)."""
         plan: Any = self.plan
         shard = getattr(plan, "shard", None)
         return {

@@ -6,7 +6,7 @@ none), and:
 
 - ``next(node)`` returns its next item, or raises ``StopIteration`` at its end;
 - ``get_state()`` says where its consumer stands, as a small JSON-serializable dict: a
-  *position* (procpipe/_consumer/position.py: ``epoch``, what was returned of it and of later
+  *position* (procpipe/_consumer/state.py: ``epoch``, what was returned of it and of later
   epochs, ``until``), so that a fresh node of the same kind, ``reset(state)``, yields
   exactly the items not returned yet (and, ordered, in the same order);
 - ``reset(initial_state=None)`` restarts the node there (``None``: from the start: where
@@ -20,7 +20,7 @@ its own (the device stage, ``prefetch.Mapped``) passes its child's state through
 unchanged instead of nesting it under a key: the position then does not depend on the
 stages over the source, so a state saved with ``Loader(device=...)`` loads into a loader
 without one and back. ``Loader.state_dict()`` is the root node's ``get_state()`` with the
-sampler's settings (resume.py).
+sampler's settings (state.py).
 
 The nodes, from the engine up: the sources (``iterators.EpochIterator``: batches of the
 workers' stream; ``inline.InlineDriver``: ``workers=0``, every source kind), then, with ``device=``,

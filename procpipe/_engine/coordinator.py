@@ -235,7 +235,6 @@ class Coordinator:
                 self._apply_commands()
             if self._closing:
                 return
-            self._safe_point()
             wait = self._watch() if self._watching else _HEALTH_INTERVAL_S
             if self.tuner is not None:
                 wait = self._autotune(wait)
@@ -259,11 +258,6 @@ class Coordinator:
                 self._closing = True
                 if self.stream is not None:
                     self.stream.abandon()
-
-    def _safe_point(self) -> None:
-        """Step: a point where no reply, death or send is half-handled and no lock is held;
-        whatever must stop the loop for a while (a fork gate parking this thread around
-        ``os.fork()``) waits here. Nothing does yet."""
 
     def _watch(self) -> float:
         """Step: mark stragglers (speculate), kill workers stuck past task_timeout; the wait."""

@@ -92,11 +92,6 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles, preload:
 _INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle Value, Array, Lock, Event...
 
 
-def ship_spec(spec: WorkerSpec, files: SharedFiles, start_method: str = "forkserver") -> str:
-    """Pickle the dataset, fn and collate_fn once (dill), into a shared file every worker reads."""
-    return write_spec(serialize_spec(spec, start_method), files)
-
-
 def serialize_spec(spec: WorkerSpec, start_method: str) -> bytes:
     """The dataset, fn and collate_fn pickled by dill, or a ``TypeError`` saying why they cannot be."""
     try:

@@ -347,7 +347,7 @@ class MixSampler:
 
     @property
     def mixing(self) -> MixSampler:
-        """What keeps the weights of each epoch (_consumer/resume.py asks every sampler for one): itself."""
+        """What keeps the weights of each epoch (_consumer/state.py asks every sampler for one): itself."""
         return self
 
     def mixed_order(self, epoch: int, record: bool = True) -> np.ndarray:
@@ -381,7 +381,7 @@ class MixSampler:
         count = len(order) // step if self.drop_last else -(-len(order) // step)
         return [order[i * step : (i + 1) * step] for i in range(count)]
 
-    # ---- the state (_consumer/resume.py)
+    # ---- the state (_consumer/state.py)
     def settings(self) -> dict[str, Any]:
         """What a saved state must match, beyond ``Sampler``'s settings."""
         return {"mix": {"lengths": self.mix.structure(), "stop_on_empty": self.mix.stop_on_empty}}

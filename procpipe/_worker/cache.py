@@ -52,7 +52,9 @@ from ..errors import CacheError, SharedMemoryError
 
 MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
 ALIGN = 64
-_DICT, _SEQ, _LEAF = 0, 1, 2
+# The skeleton of ``plan``: [DICT, keys, children] a mapping, [SEQ, type, children] a sequence,
+# [LEAF, field] a leaf (shared with stream_cache.py, which stores records in the same layout).
+DICT, SEQ, LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).
 _PY_NUMBERS = {
     bool: np.dtype(np.bool_),
@@ -120,9 +122,9 @@ def plan(sample: Any) -> tuple[list, list[_Field]]:
     def walk(value: Any, path: tuple) -> list:
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
-            return [_DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
+            return [DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
         if isinstance(value, (tuple, list)):
-            return [_SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
+            return [SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
         if isinstance(value, np.ndarray) and not value.dtype.hasobject:
             fields.append(_Field("array", value.dtype, value.shape, path))
         elif type(value) in _PY_NUMBERS:
@@ -138,7 +140,7 @@ def plan(sample: Any) -> tuple[list, list[_Field]]:
                 "e.g. encode labels as ints; add str/bytes/object fields in augment=... (uncached), or pass "
                 "cache=False."
             )
-        return [_LEAF, len(fields) - 1]
+        return [LEAF, len(fields) - 1]
 
     return walk(sample, ()), fields
 
@@ -270,7 +272,7 @@ class Cache:
 
         def build(node: list) -> Any:
             kind = node[0]
-            if kind == _LEAF:
+            if kind == LEAF:
                 field = self.fields[node[1]]
                 value = arrays[node[1]][index]
                 if field.kind == "array":
@@ -278,7 +280,7 @@ class Cache:
                 if field.kind == "scalar":
                     return value
                 return value.item()  # a Python int/float/bool/complex, as fn returned it
-            if kind == _DICT:
+            if kind == DICT:
                 return dict(zip(node[1], [build(child) for child in node[2]], strict=True))
             items = [build(child) for child in node[2]]
             seq_type = node[1]
@@ -307,7 +309,7 @@ class Cache:
 
     def _match(self, node: list, value: Any, path: tuple, leaves: list, index: int) -> None:
         kind = node[0]
-        if kind == _DICT:
+        if kind == DICT:
             if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
                 self._mismatch(
                     index,
@@ -320,7 +322,7 @@ class Cache:
             for key, child in zip(node[1], node[2], strict=True):
                 self._match(child, value[key], path + (key,), leaves, index)
             return
-        if kind == _SEQ:
+        if kind == SEQ:
             length = len(node[2])
             if not isinstance(value, (tuple, list)) or len(value) != length:
                 self._mismatch(

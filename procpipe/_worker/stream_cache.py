@@ -47,6 +47,7 @@ from .._core.rng import SampleScope, no_sample_rng
 from .._core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
+from .cache import DICT, LEAF, SEQ
 from .reader import GROWING, first_record_cached
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
@@ -54,8 +55,6 @@ LINK = 64  # bytes before a chunk's slots: [next chunk: u64][pad]
 SLOT_HEAD = 8  # [filled: u8][pad: 3][crc: u32]
 CHUNK_BYTES = 1 << 20  # a chunk holds about this many bytes of records (at least one record)
 MAX_CHUNK = 256  # and at most this many
-# The skeleton of cache.plan: [0, keys, children] a mapping, [1, type, children] a sequence, [2, field] a leaf.
-DICT, SEQ, LEAF = 0, 1, 2
 _GROWING = threading.Lock()  # (a POSIX record lock excludes other processes only, not this one's threads)
 NO_RNG = (
     "procpipe.sample_rng() was called while computing a cached record (cache=... is on): fn's output is "

@@ -35,6 +35,8 @@ import numpy as np
 from keras import ops, tree
 from keras.utils import PyDataset
 
+from .._consumer.state import returned_nothing
+
 try:  # Keras >= 3.x accepts a DataAdapter instance as `x`: exact epoch boundaries
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter as _DataAdapter
 except ImportError:  # pragma: no cover - older Keras: the PyDataset protocol alone
@@ -86,10 +88,7 @@ def _start_state(loader: Any) -> dict[str, Any] | None:
     if not (callable(save) and callable(getattr(loader, "load_state_dict", None))):
         return None
     state = save()
-    fresh = (
-        not state.get("done_below") and not state.get("done") and state.get("stream") is None and not state.get("ahead")
-    )
-    return state if fresh else None
+    return state if returned_nothing(state) else None
 
 
 # (keras is typed Any for mypy, installed or not: pyproject's [tool.mypy] overrides)

@@ -1,13 +1,15 @@
 """PyTorch adapter: a drop-in ``DataLoader`` (needs ``torch``).
 
-``import procpipe`` never imports this module; it is loaded by ``import procpipe.torch``.
+``import procpipe`` never imports this package; it is loaded by ``import procpipe.torch``, or by the
+first ``Loader(device=...)``, whose stage is ``procpipe.torch.device`` (loaded by name:
+``procpipe._consumer.assembly.DEVICE_STAGE_MODULE``).
 
 - ``procpipe.torch.DataLoader``: ``torch.utils.data.DataLoader`` with procpipe's engine.
   Same arguments, same meaning, same batches in the same order; switch by changing one
   import. Tensors produced in the workers travel through the shared-memory ring (never
   pickled) and arrive as tensors sharing memory with it.
-- ``device_stage`` and ``to_torch`` (what ``Loader(device=...)`` uses) live in
-  ``procpipe.torch.device`` and are re-exported here.
+- ``procpipe.torch.device``: ``Loader(device=...)``'s stage (``device_stage``), its conversion to
+  tensors (``procpipe.torch.convert``) and CUDA copies (``procpipe.torch.cuda_transfer``).
 
 Where it sits in the data path (coordinator -> worker -> ring slot -> reassembly ->
 prefetch -> consumer): at both ends, in modules by job:
@@ -39,13 +41,13 @@ import torch.utils.data as _tud
 
 from ..config import START_METHODS, LoaderConfig
 from ..loader import Loader
-from .device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .device import CudaTransfer, Stage, resolve_device
 from .epoch import EpochIterator
 from .kinds import DatasetKind, TorchArguments, dataset_kind
 from .sampling import SamplerBatches
 from .state import FacadeState, on_moved, on_value
 
-__all__ = ["DataLoader", "device_stage", "to_torch"]
+__all__ = ["DataLoader"]
 
 
 # --------------------------------------------------------------------------- DataLoader facade

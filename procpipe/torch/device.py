@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from .._consumer.nodes import Node
-from .._consumer.prefetch import Mapped, Prefetcher
+from .._consumer.prefetch import Prefetcher
 from .convert import cpu_stage, to_torch
-from .cuda_transfer import CudaTransfer, RingPins
+from .cuda_transfer import CudaTransfer
 
-__all__ = ["CudaTransfer", "DeviceStage", "Mapped", "RingPins", "Stage", "device_stage", "resolve_device", "to_torch"]
+__all__ = ["CudaTransfer", "DeviceStage", "Stage", "device_stage", "resolve_device", "to_torch"]
 
 Stage = Prefetcher  # the name procpipe.torch (the DataLoader facade) uses for the prefetching thread
 

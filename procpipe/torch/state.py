@@ -36,6 +36,7 @@ from typing import Any
 import dill
 import torch
 
+from .._consumer.state import EPOCH, ended_epoch
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
 
@@ -389,17 +390,10 @@ class FacadeState:
             mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and (loader_state := self._position()) is not None:
-            if loader_state.get("epoch", self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
+            if loader_state.get(EPOCH, self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
                 if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
                     return self._ended_state()
-                loader_state = {
-                    **loader_state,
-                    "epoch": self.epoch,
-                    "done_below": self.batches,
-                    "done": [],
-                    "ahead": [],
-                    "until": self.epoch + 1,
-                }
+                loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
             mine["loader"] = loader_state
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
