@@ -23,7 +23,7 @@ they need, built once: the workers take ``Stages`` (``WorkerSpec.of``), the engi
 object of ``workers="auto"``; the tuner that follows it is ``_engine/autotune.py``.
 
 Every layer may read this module: it imports nothing of procpipe but ``_core``. The messages
-are the ones ``Loader`` has always raised: each names the argument, what it must be, and the
+name the cause and the fix: each names the argument, what it must be, and the
 value it got.
 """
 

@@ -2,13 +2,13 @@
 
 A Ctrl-C ends the training loop with ``KeyboardInterrupt``; the interpreter then runs its
 exit handlers, among them ``weakref.finalize``'s, which close every loader still open
-(ending its workers, removing its ``/dev/shm`` files). A second Ctrl-C then used to land
-inside that close: it was cut short (files left behind) and Python printed ``Exception
-ignored in atexit callback ... KeyboardInterrupt`` or a traceback ending in ``lost
-sys.stderr``. So a close in the main thread holds a Ctrl-C back until it is done (a close
-takes a fraction of a second: busy workers are told to leave their tasks, pool.stop_all).
-After that, a Ctrl-C held back is delivered again, except while the interpreter exits
-(what the user asked for is already happening).
+(ending its workers, removing its ``/dev/shm`` files). A second Ctrl-C landing inside that
+close would cut it short (files left behind) and make Python print ``Exception ignored in
+atexit callback ... KeyboardInterrupt`` or a traceback ending in ``lost sys.stderr``.
+So a close in the main thread holds a Ctrl-C back until it is done (a close takes a fraction
+of a second: busy workers are told to leave their tasks, pool.stop_all). After that, a Ctrl-C
+held back is delivered again, except while the interpreter exits (what the user asked for is
+already happening).
 """
 
 from __future__ import annotations
