@@ -31,7 +31,7 @@ from procpipe import Loader, Shards
 from shardkit import SHARDS, open_shard  # the workers import it: a module without torch (its docstring)
 
 torch = pytest.importorskip("torch")
-from procpipe._consumer import torch_device  # noqa: E402  (needs torch)
+from procpipe.torch import device as torch_device  # noqa: E402  (needs torch)
 from procpipe._consumer.prefetch import Mapped, Prefetcher  # noqa: E402
 
 EPOCHS = 2
