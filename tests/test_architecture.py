@@ -73,7 +73,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engine": ("engine.*",),
     "api": ("api.*", "streaming.plan", "streaming", "loader", "procpipe"),
     "adapters": ("torch", "torch_iterable", "torch_state", "torch_snapshots", "keras", "tf", "bench.*", "ray", "ray.*",
-                 "readers.*", "torch_collate", "torch_sampling", "torch_kinds", "torch_epoch"),
+                 "readers.*", "torch_collate", "torch_sampling", "torch_kinds", "torch_epoch", "jax", "jax.*"),
 }
 
 

@@ -122,13 +122,12 @@ class Converter:
             return value
         if isinstance(value, Mapping):
             return {k: self._walk(v, path + (k,), arrays, paths) for k, v in value.items()}
-        if isinstance(value, tuple):
-            items = [self._walk(v, path + (i,), arrays, paths) for i, v in enumerate(value)]
-            return _Rebuild(type(value), items) if hasattr(value, "_fields") else tuple(items)
-        if isinstance(value, list):
-            if value and isinstance(value[0], (str, bytes)):
+        if isinstance(value, (tuple, list)):
+            if value and all(isinstance(v, (str, bytes)) for v in value):
                 return value  # a batch's strings: left as they are, without walking them
-            return [self._walk(v, path + (i,), arrays, paths) for i, v in enumerate(value)]
+            items = [self._walk(v, path + (i,), arrays, paths) for i, v in enumerate(value)]
+            named = hasattr(value, "_fields")
+            return _Rebuild(type(value) if named else (list if isinstance(value, list) else tuple), items, named)
         return value
 
 
@@ -137,13 +136,15 @@ class _Slot:
 
 
 class _Rebuild:
-    """A namedtuple of the skeleton, rebuilt once its arrays are placed."""
+    """A tuple, namedtuple (``named``: its fields as arguments) or list of the skeleton, rebuilt
+    once its arrays are placed."""
 
-    __slots__ = ("items", "kind")
+    __slots__ = ("items", "kind", "named")
 
-    def __init__(self, kind: type, items: list[Any]) -> None:
+    def __init__(self, kind: type, items: list[Any], named: bool) -> None:
         self.kind = kind
         self.items = items
+        self.named = named
 
 
 def _fill(skeleton: Any, placed: Any) -> Any:
@@ -151,10 +152,7 @@ def _fill(skeleton: Any, placed: Any) -> Any:
         return next(placed)
     if type(skeleton) is dict:
         return {k: _fill(v, placed) for k, v in skeleton.items()}
-    if type(skeleton) is tuple:
-        return tuple(_fill(v, placed) for v in skeleton)
-    if type(skeleton) is list:
-        return [_fill(v, placed) for v in skeleton]
     if type(skeleton) is _Rebuild:
-        return skeleton.kind(*(_fill(v, placed) for v in skeleton.items))
+        items = [_fill(v, placed) for v in skeleton.items]
+        return skeleton.kind(*items) if skeleton.named else skeleton.kind(items)
     return skeleton

@@ -42,7 +42,7 @@ __all__ = ["LoaderCheckpointHandler", "LoaderRestore", "LoaderSave", "saved_stat
 _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
-def _name(index: int, count: int) -> str:
+def _file_name(index: int, count: int) -> str:
     return f"process_{index}-of-{count}.json"
 
 
@@ -78,13 +78,13 @@ class LoaderCheckpointHandler(ocp.CheckpointHandler):  # type: ignore[misc]
     """Orbax ``CheckpointHandler`` for a procpipe loader's ``state_dict()`` (see the module)."""
 
     def save(self, directory: Any, args: LoaderSave) -> None:
-        name = _name(jax.process_index(), jax.process_count())
+        name = _file_name(jax.process_index(), jax.process_count())
         (Path(str(directory)) / name).write_text(json.dumps(args.state))
 
     def restore(self, directory: Any, args: LoaderRestore | None = None) -> dict[str, Any]:
         """This process's state (the saved one, or ``combine_states`` of every saved process's
         when the process count changed), loaded into ``args.loader`` if given; returned."""
-        own = Path(str(directory)) / _name(jax.process_index(), jax.process_count())
+        own = Path(str(directory)) / _file_name(jax.process_index(), jax.process_count())
         if own.exists():
             state: dict[str, Any] = json.loads(own.read_text())
         else:
@@ -104,7 +104,7 @@ class LoaderCheckpointHandler(ocp.CheckpointHandler):  # type: ignore[misc]
         return None
 
 
-@ocp.args.register_with_handler(LoaderCheckpointHandler, for_save=True)  # type: ignore[misc]
+@ocp.args.register_with_handler(LoaderCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class LoaderSave(ocp.args.CheckpointArgs):  # type: ignore[misc]
     """Save a loader's position with the checkpoint: ``LoaderSave(loader)`` takes its
@@ -126,7 +126,7 @@ class LoaderSave(ocp.args.CheckpointArgs):  # type: ignore[misc]
         self.loader = None  # the state is what is saved: the loader is not held by Orbax
 
 
-@ocp.args.register_with_handler(LoaderCheckpointHandler, for_restore=True)  # type: ignore[misc]
+@ocp.args.register_with_handler(LoaderCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class LoaderRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]
     """Restore a loader's position: ``LoaderRestore(loader)`` loads it into the loader (whose
