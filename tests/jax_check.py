@@ -11,6 +11,7 @@ that the tests assert; ``CHECK done true`` last.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -142,6 +143,11 @@ def single() -> None:
     with loader(batch_size=12, workers=0) as lo:
         check("err_indivisible", raises(lambda: next(iter(procpipe.jax.iterator(lo)))))
     check("shard_single", procpipe.jax.shard())
+    plain = procpipe.jax.iterator([{"a": np.full((8, 2), k, np.int32)} for k in range(3)])
+    check("plain_iterable", [len(plain), [int(b["a"][0, 0]) for b in plain], [int(b["a"][7, 1]) for b in plain]])
+    if importlib.util.find_spec("torch") is not None:
+        with loader(workers=0, device="cpu") as lo:
+            check("err_device", raises(lambda: procpipe.jax.iterator(lo)))
 
 
 # --------------------------------------------------------------------------- Orbax, one process

@@ -92,6 +92,12 @@ def test_clear_errors(single):
     assert "must share their first dimension" in single["err_rows"] and "batch['b']: 4" in single["err_rows"]
     assert "rows: 12" in single["err_indivisible"] and "multiple of it" in single["err_indivisible"]
     assert single["shard_single"] is None
+    if "err_device" in single:  # (torch installed)
+        assert "device='cpu'" in single["err_device"] and "without device=" in single["err_device"]
+
+
+def test_any_iterable_of_numpy_batches(single):
+    assert single["plain_iterable"] == [3, [0, 1, 2], [0, 1, 2]], "each pass over a list is the whole list"
 
 
 @needs_orbax

@@ -50,9 +50,9 @@ def iterator(loader: Any, sharding: Sharding | None = None, prefetch: int = 2) -
         loader (one epoch by default); ``len()`` is the loader's.
 
     Raises:
-        ValueError: ``prefetch`` is not an int >= 0; or, with several processes, the
-            loader's ``shard`` is not the one the sharding asks of this process (the message
-            names both).
+        ValueError: ``prefetch`` is not an int >= 0; the loader has a ``device=`` (torch
+            tensors, not numpy); or, with several processes, the loader's ``shard`` is not
+            the one the sharding asks of this process (the message names both).
     """
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"procpipe.jax.iterator: prefetch must be an int >= 0, got {prefetch!r}")
@@ -62,6 +62,12 @@ def iterator(loader: Any, sharding: Sharding | None = None, prefetch: int = 2) -
         raise TypeError(
             f"procpipe.jax.iterator: sharding must be a jax.sharding.Sharding (e.g. NamedSharding(mesh, "
             f"PartitionSpec('data'))), got {type(sharding).__name__}"
+        )
+    device = getattr(getattr(getattr(loader, "config", None), "device", None), "device", None)
+    if device is not None:
+        raise ValueError(
+            f"procpipe.jax.iterator: the loader was built with device={device!r}, so its batches are torch "
+            "tensors; procpipe.jax makes jax.Arrays from numpy batches: build the loader without device="
         )
     _check_shard(loader, sharding)
     return GlobalBatches(loader, sharding, prefetch)
@@ -117,7 +123,7 @@ class GlobalBatches:
         iterate = getattr(self.loader, "iterate", None)
         if iterate is not None:
             return iterate(stage)  # type: ignore[no-any-return]
-        return stage(_Plain(iter(self.loader)))  # any iterable of numpy batches: no state kept
+        return stage(_Plain(iter(self.loader)))  # type: ignore[arg-type]  # any iterable of numpy batches
 
 
 def _ready(batch: Any, ready: Callable[[], None] | None) -> Any:
@@ -162,8 +168,9 @@ class _SizeCheck:
         self.agreed = size
 
 
-class _Plain(Node):
-    """Any iterator as a node without state (``iterator()`` over something other than a Loader)."""
+class _Plain(Iterator[Any]):
+    """Any iterator as a source without state (``iterator()`` over something other than a Loader):
+    no ``get_state``, so the stage keeps none."""
 
     def __init__(self, it: Iterator[Any]) -> None:
         self._it = it
