@@ -251,6 +251,19 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """Start the next epoch, or ``epochs`` epochs (ending an unfinished previous iteration), and iterate."""
+        return self.iterate()
+
+    def iterate(self, stage: Callable[[Node], Node] | None = None) -> Iterator[Any]:
+        """``iter(loader)``, with ``stage`` (optional) over the iteration's nodes: the consumer's end.
+
+        ``stage(node)`` gets the node ``iter(loader)`` would return (the source, or the device
+        stage over it) and returns the node the caller iterates, e.g. a
+        ``procpipe._consumer.prefetch.Prefetcher`` that copies batches to an accelerator ahead of the
+        training step (``procpipe.jax.iterator``). ``state_dict()`` is then that node's
+        ``get_state()``: a stage that holds batches ahead reports the state of the batch it
+        returned last (``procpipe._consumer.nodes``), so the batches it holds are not counted as
+        returned and a resume repeats nothing and skips nothing.
+        """
         if self._closed:
             raise RuntimeError("this procpipe.Loader is closed; create a new one to load more data")
         if self._coordinator is not None and self._coordinator.foreign():
@@ -270,9 +283,13 @@ class Loader:
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it
+        root: Node = it
         if self._parts.device_stage is not None:
-            self._root = self._parts.device_stage(it)
-        return self._root
+            root = self._parts.device_stage(it)
+        if stage is not None:
+            root = stage(root)
+        self._root = root
+        return root
 
     @property
     def epoch(self) -> int:

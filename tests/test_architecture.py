@@ -9,7 +9,7 @@ answered once, by ``_consumer/kinds.py``):
 1. **No import circles.** Every import of a procpipe module counts: top-level, inside a
    function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
    still two modules that each need the other to be read). ``from . import wire`` is an
-   edge to ``procpipe.wire``; ``from .streaming import Shards`` is an edge to the package
+   edge to ``procpipe.wire``; ``from ._streaming import Shards`` is an edge to the package
    ``procpipe._streaming`` (whose ``__init__`` is a module of its own). Importing a
    submodule also runs its parent packages' ``__init__``; that implicit edge is not
    counted, since every module would then depend on ``procpipe`` itself.
@@ -77,7 +77,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engine": ("_engine.*",),
     "consumer": ("_consumer.*", "_mix.mixing", "_mix.virtual", "_mix.elastic", "_streaming.plan", "_streaming", "loader",
                  "procpipe"),
-    "adapters": ("torch", "torch.*", "keras", "keras.*", "tf", "tf.*", "bench.*", "ray", "ray.*", "readers.*"),
+    "adapters": ("torch", "torch.*", "keras", "keras.*", "tf", "tf.*", "jax", "jax.*", "bench.*", "ray", "ray.*",
+                 "readers.*"),
 }
 
 

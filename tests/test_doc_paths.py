@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(REPO_ROOT) / "procpipe"
 EXAMPLES = {"mytrain/data.py"}  # a user's file in an example, not one of ours
 ALIASES = {"np"}  # numpy: how its users name it
 VARIABLES = {"loader"}  # ``loader.epoch``: a Loader the user made, not procpipe/loader.py
-EXTERNAL = {"torch", "keras", "ray", "tf", "tensorflow"}  # our adapters' names, and the libraries they adapt (``torch.Tensor``, ``tf.data``)
+EXTERNAL = {"torch", "keras", "ray", "tf", "tensorflow", "jax"}  # our adapters' names, and the libraries they adapt (``torch.Tensor``, ``tf.data``)
 _FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_/.]*\.py\b")
 _DOTTED = re.compile(r"``([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 

@@ -48,6 +48,17 @@ def test_tf_data_pipeline():
     assert "caption[0] = a picture of class" in out and out.rstrip().endswith("closed")
 
 
+def test_jax_flax():
+    for package, why in (("jax", "JAX (pip install procpipe[jax])"), ("flax", "Flax"), ("optax", "Optax"),
+                         ("orbax.checkpoint", "orbax-checkpoint")):
+        pytest.importorskip(package, reason=f"the example needs {why}, which is not installed")
+    out = run_example("jax_flax.py")
+    assert "devices: 2, batch sharding: P('data',)" in out
+    assert "batch image (64, 64) float32 over 2 devices, names stay a list of str" in out
+    assert "epoch 1: saved after 6 batches (384 samples)" in out and "resumed at epoch 1, batch 6" in out
+    assert "epoch 1 across the restart: 1024 samples, each once: yes" in out
+
+
 def test_straggler_demo():
     out = run_example("straggler_demo.py")
     assert "ordered=True" in out and "ordered=False" in out

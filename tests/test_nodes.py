@@ -193,6 +193,29 @@ def test_state_of_a_prefetching_device_stage_does_not_count_batches_it_holds(mon
     assert taken + rest == full, state
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["indexed", "shards"])
+def test_iterate_puts_the_callers_stage_at_the_root(kind, workers):
+    """``Loader.iterate(stage)`` (procpipe.jax's way in): the caller's stage over the iteration's
+    nodes is the node ``state_dict`` asks, so a prefetching thread's batches are not counted."""
+    transfer = _CountingTransfer()
+    k, depth = 3, 3
+    with contextlib.ExitStack() as stack:
+        first = loader_for(stack, kind, workers, True, 0)
+        it = first.iterate(lambda node: Prefetcher(node, transfer, depth=depth))
+        assert isinstance(it, Prefetcher)
+        taken = [tagged(next(it)) for _ in range(k)]
+        wait_until(lambda: transfer.count >= k + depth, 60, "the stage thread to prefetch")
+        state = json.loads(json.dumps(first.state_dict()))
+    with contextlib.ExitStack() as stack:
+        second = loader_for(stack, kind, workers, True, 0)
+        second.load_state_dict(state)
+        rest = [tagged(p) for p in second]
+    with contextlib.ExitStack() as stack:
+        full = [tagged(p) for p in loader_for(stack, kind, workers, True, 0)]
+    assert taken + rest == full, state
+
+
 def test_stage_state_before_any_batch_is_its_sources_start():
     with contextlib.ExitStack() as stack:
         source = iter(loader_for(stack, "indexed", 0, True, 0))
