@@ -375,6 +375,7 @@ class Coordinator:
         if node is not None and (sample is not None or node.due()):
             # the node's CPUs, shared with the other auto-tuned loaders there (never waits for the lock)
             tuner.cpus = node.update(tuner.want_cpus() if stream is not None else 0.0)
+            tuner.shared = node.peers > 1
         if sample is None:
             return
         rss = max((w.counters.rss_bytes for w in roster.links), default=0)

@@ -21,7 +21,8 @@ The law, in full:
    AUTOTUNE reasoning: parallelism against a CPU budget). ``limit``: the most workers
    ever, ``max``, the ring's capacity, what memory allows and, for CPU-bound work
    (``demand >= 0.5``), ``round(cpus)`` (one more when other processes hold the CPUs:
-   workers wait in the run queue more than a quarter of their busy time); I/O-bound
+   workers wait in the run queue more than a quarter of their busy time; not when the
+   node is shared with other auto-tuned loaders, whose workers those are); I/O-bound
    work may go to ``cpus / demand``.
 2. **Grow in steps that grow while they pay.** While the consumer waits (more than
    ``GROW_WAIT`` of the interval) and the workers are busy, try ``ceil(n * factor)``
@@ -100,6 +101,11 @@ class Sample:
     main_cpu: float = 0.0  # the training process's own CPU-seconds per second (all its threads)
 
 
+def _round(x: float) -> int:
+    """Half up (``round`` goes to even: 2.5 -> 2)."""
+    return math.floor(x + 0.5)
+
+
 class Tuner:
     """The policy of the module docstring: ``step(now, sample)`` returns the worker count wanted.
 
@@ -122,6 +128,8 @@ class Tuner:
         self.main_cpu = 0.0  # the training process's CPU use, last interval
         self._queued: float | None = None  # smoothed share of busy time waiting for a CPU
         self.contended = False
+        self.shared = False  # other auto-tuned loaders share the node (set by the caller): the
+        # contention is theirs, so no worker beyond this loader's share is tried
         self.memory_room: int | None = None  # more workers memory allows (None: not measured yet)
         self.factor = FACTOR
         self._settle = 1  # intervals left that are not judged (the first one: start-up)
@@ -148,7 +156,7 @@ class Tuner:
         if self.io_bound:
             limit = min(limit, math.floor(self.cpus / self.demand + 1e-9))
         else:
-            limit = min(limit, round(self.cpus) + (1 if self.contended else 0))
+            limit = min(limit, _round(self.cpus) + (1 if self.contended and not self.shared else 0))
         if self.memory_room is not None:
             limit = min(limit, self.workers + self.memory_room)
         return max(self.min, limit)
@@ -157,7 +165,7 @@ class Tuner:
     def target(self) -> int:
         """The workers the CPUs left by the training process keep busy (at most ``limit``)."""
         free = max(1.0, self.cpus - self.main_cpu)
-        return max(self.min, min(self.limit, round(free / self.demand)))
+        return max(self.min, min(self.limit, _round(free / self.demand)))
 
     def want_cpus(self) -> float:
         """The CPUs to ask of the node (``core/nodeshare.py``): all it can get while the consumer
