@@ -23,6 +23,7 @@ ranks 20 s, settle 10 s), which checks the 2-core goals in one run of about 5 mi
 
     python bench/nodes.py                        # a 16-CPU node: about 15 minutes
     python bench/nodes.py --quick                # 2 cores: about 5 minutes
+    python bench/nodes.py --quick --reps 3       # 2 cores, shared: medians of 3, settings rotating
     python bench/nodes.py --workloads cpu --json nodes.json
 
 Goals on a 16-CPU node (issue 32): one loader's auto >= 0.95 of the best fixed count within
@@ -36,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, help="seconds auto gets before its rate counts")
     p.add_argument("--ranks", type=int)
     p.add_argument("--every", type=float, default=5.0, help="auto's series: one line per this many seconds")
+    p.add_argument("--reps", type=int, default=1, help="one-loader repetitions, settings rotating (medians)")
     p.add_argument("--no-ranks", action="store_true", help="only the one-loader part")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -148,20 +151,35 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for name in resolve(opts.workloads):
         print(f"\n== {name}: {WORKLOADS[name].description}", flush=True)
-        fixed = {}
-        for n in cfg["fixed"]:
-            fixed[n] = consume(n, name, cfg["fixed_s"], cfg["warmup"])["samples_per_s"]
-            print(f"  workers={n:<3d} {fixed[n]:10,.0f} samples/s", flush=True)
-        auto = consume("auto", name, cfg["auto_s"] - cfg["settle"], cfg["settle"], every=opts.every)
-        for t, rate, workers in auto["series"]:
-            print(f"  auto  t={t:5.1f} s  {rate:10,.0f} samples/s  workers={workers}", flush=True)
+        runs: dict[Any, list[float]] = {n: [] for n in [*cfg["fixed"], "auto"]}
+        settings = list(runs)
+        autos = []
+        for rep in range(opts.reps):  # settings rotate between repetitions: drift hits them alike
+            k = rep % len(settings)
+            for setting in settings[k:] + settings[:k]:
+                if setting == "auto":
+                    auto = consume("auto", name, cfg["auto_s"] - cfg["settle"], cfg["settle"], every=opts.every)
+                    for t, rate, workers in auto["series"]:
+                        print(f"  auto  t={t:5.1f} s  {rate:10,.0f} samples/s  workers={workers}", flush=True)
+                    print(f"  auto after {cfg['settle']:g} s: {auto['samples_per_s']:10,.0f} samples/s", flush=True)
+                    autos.append(auto)
+                    runs["auto"].append(auto["samples_per_s"])
+                else:
+                    rate = consume(setting, name, cfg["fixed_s"], cfg["warmup"])["samples_per_s"]
+                    runs[setting].append(rate)
+                    print(f"  workers={setting:<3d} {rate:10,.0f} samples/s", flush=True)
+        med = {s_: statistics.median(v) for s_, v in runs.items()}
+        fixed = {n: med[n] for n in cfg["fixed"]}
+        auto = {**autos[-1], "samples_per_s": med["auto"]}
         best = max(fixed, key=lambda k: fixed[k])
         r_best = auto["samples_per_s"] / fixed[best]
         r_two = auto["samples_per_s"] / fixed[2] if 2 in fixed else float("nan")
+        print(f"  medians of {opts.reps}: " + ", ".join(f"{s_}: {v:,.0f}" for s_, v in med.items()), flush=True)
         print(f"  auto after {cfg['settle']:g} s: {auto['samples_per_s']:,.0f} samples/s = {r_best:.2f} of the best "
-              f"fixed count ({best}), {r_two:.2f} of workers=2; final workers {auto['workers']}; "
+              f"fixed count ({best}), {r_two:.2f} of workers=2; last run's final workers {auto['workers']}; "
               f"{auto['autotune']}", flush=True)
-        entry: dict[str, Any] = {"fixed": fixed, "auto": auto, "auto_over_best": r_best, "auto_over_two": r_two}
+        entry: dict[str, Any] = {"runs": runs, "medians": med, "auto_last": autos[-1], "auto_over_best": r_best,
+                                 "auto_over_two": r_two}
         summary.append((name, "one loader", f"auto {auto['samples_per_s']:,.0f}", f"best fixed ({best}) {fixed[best]:,.0f}",
                         f"{r_best:.2f}", f"vs workers=2: {r_two:.2f}"))
         if not opts.no_ranks:
