@@ -240,9 +240,10 @@ class Tuner:
 
     def _bigger(self, n: int, limit: int, target: int, now: float) -> int | None:
         """The next count to try up (None: none allowed now)."""
-        step = max(n + 1, math.ceil(n * self.factor - 1e-9))
-        if n < target:
-            step = min(step, target)
+        if n >= target:
+            step = n + 1  # past the model's target: one worker at a time
+        else:
+            step = min(max(n + 1, math.ceil(n * self.factor - 1e-9)), target)
         while step > n + 1 and not self._open(step, now):
             step = n + max(1, (step - n) // 2)  # a blocked count: halfway to it
         step = min(step, limit)
