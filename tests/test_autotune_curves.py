@@ -105,8 +105,14 @@ def curves() -> list[Curve]:
     for cpus, within in ((16, 12), (64, 20)):
         rate, measure = cpu_bound(cpus)
         out.append(Curve(f"linear to {cpus}, noisy +-15 % (seeds 0-9)", cpus, rate, measure, 120, within, noise=0.15))
+    rate, measure = cpu_bound(96)
+    out.append(Curve("linear to 96, noisy +-15 % (seeds 0-9)", 96, rate, measure, 160, 24, noise=0.15))
+    rate, measure = saturating(16, 10)
+    out.append(Curve("saturating at 10, noisy +-15 % (seeds 0-9)", 16, rate, measure, 120, 16, noise=0.15))
     rate, measure = io_bound(24)
     out.append(Curve("I/O-bound, linear to 24 (4 CPUs)", 4, rate, measure, 120, 12, max=32))
+    out.append(Curve("I/O-bound, linear to 24, noisy +-15 % (seeds 0-9)", 4, rate, measure, 120, 16, max=32,
+                     noise=0.15))
     rate, measure = cpu_bound(16, main=lambda t: MAIN_CPU if t < HALF else MAIN_CPU + 4,
                               free=lambda t: 16 if t < HALF else 12)
     out.append(Curve("training step takes 4 of 16 CPUs at 30 s", 16, rate, measure, 2 * HALF, 8, since=HALF))

@@ -30,13 +30,18 @@ The law, in full:
    ``target`` in one step (nor ``limit``), and one more when at ``target``. The first
    interval after a change is not judged (workers starting, queues filling); then the
    mean throughput of up to ``JUDGE_INTERVALS`` intervals is compared with the mean of
-   up to 3 before the change (one interval decides when the result is clear).
+   up to 3 before the change (one interval decides when the result is clear; up to
+   ``JUDGE_MAX`` while it is within the noise).
 3. **Judge.** A step up stays if throughput rose by more than ``GAIN`` and more than
-   ``NOISE_K`` times the relative noise seen at the count before; if it brought less than
+   ``NOISE_K`` times the noise of the difference of the two means (the relative noise
+   seen at the count before, scaled for the intervals averaged; a step of ``BIG_STEP`` or
+   more needs at most half its linear gain: that is no noise). If it brought less than
    ``EFFICIENCY`` of the linear gain (``(b - a) / a``), the knee is near: ``factor``
-   halves towards 1. A step up that did not pay is undone, that count is not tried again
-   for a while (``BACKOFF_S``, doubling, at most ``BACKOFF_MAX_S``), and ``factor``
-   halves: the next try is halfway (bisection). When a one-worker step is blocked, the
+   halves towards 1; a step that brought more lets it grow back (at most ``FACTOR``);
+   below half the target it stays at least 1.5 (unless a trim found the knee). A step up
+   that did not pay is undone, that count is not tried again for a while (``BACKOFF_S``,
+   doubling, at most ``BACKOFF_MAX_S``), and ``factor`` halves: the next try is halfway
+   (bisection). In noise a trial waits for a baseline of two intervals. When a one-worker step is blocked, the
    count has converged. A step kept with less than ``TRIM`` of the linear gain passed the
    knee: fewer workers may do as well, so the knee is bisected from above ("trims": a
    count halfway down stays if throughput fell by less than ``TRIM_LOSS`` minus twice the
@@ -68,6 +73,7 @@ GAIN = 0.05  # a new worker count must raise throughput by this fraction to stay
 IDLE_GAIN = 0.20  # ...or by this much, when it was tried while the workers were mostly idle
 NOISE_K = 2.0  # ...and in any case by this many times the baseline's interval-to-interval noise
 NOISE_WINDOW = 8  # intervals per worker count kept to estimate that noise
+BIG_STEP = 0.25  # a step expected to bring at least this gain needs at most half of it to stay
 EFFICIENCY = 0.5  # a step bringing less than this share of the linear gain: the knee is near
 QUIET_AFTER = 4  # intervals at a count before its noise is trusted (to trim)
 TRIM_LOSS = 0.02  # a trim stays if throughput fell by less than this (minus twice the noise)
@@ -75,7 +81,8 @@ TRIM = 0.75  # a step kept with less than this share of the linear gain is bisec
 FACTOR = 2.0  # the first growth factor (doubling); it halves towards 1 near the knee
 CLEAR = 0.25  # one interval decides a trial when its gain is this far from the threshold
 PROBE_BUSY = 0.5  # workers busier than this (mean fraction) may get more; idler ones, one fewer
-JUDGE_INTERVALS = 2  # a trial is judged on the mean of up to this many intervals
+JUDGE_INTERVALS = 2  # a trial is judged on the mean of this many intervals (1 when clear)...
+JUDGE_MAX = 4  # ...or up to this many, while its gain is within the noise of the threshold
 SHRINK_WAIT = 0.01  # consumer wait fraction below which the pipeline has spare capacity
 SHRINK_AFTER = 8  # intervals in a row of spare capacity before a worker is retired
 SHRINK_LOAD = 0.5  # ...when the remaining workers would be at most this busy
@@ -133,13 +140,16 @@ class Tuner:
         self.memory_room: int | None = None  # more workers memory allows (None: not measured yet)
         self.factor = FACTOR
         self._settle = 1  # intervals left that are not judged (the first one: start-up)
-        self._trial: tuple[int, float, float] | None = None  # (came_from, its throughput, gain needed)
+        # the count on trial: (came_from, its throughput, intervals that measured it, least gain, noise weight,
+        # the gain a linear curve would give: a big step needs at most half of it)
+        self._trial: tuple[int, float, int, float, float, float] | None = None
         self._judged: list[float] = []
         self._rates: deque[float] = deque(maxlen=3)  # recent throughputs at this count (the baseline)
         self._history: dict[int, deque[float]] = {}  # count -> its recent interval throughputs (noise)
         self._blocked: dict[int, float] = {}  # count -> time before which it is not tried again
         self._backoff: dict[int, float] = {}
         self._knee: tuple[int, int] | None = None  # (worse, as good): bisected down by trims
+        self._saturated = False  # a trim held: fewer workers gave as much (the model's target is not the knee)
         self._ceiling = 0  # the target the blocked counts were found under: a rise above it forgets them
         self._spare = 0
         self.wanting = False  # the consumer waited on busy workers last interval (more would help)
@@ -195,6 +205,7 @@ class Tuner:
             self._blocked.clear()
             self.factor = FACTOR
             self._knee = None
+            self._saturated = False
             self._ceiling = target
         elif target <= self._ceiling - 2:  # (a swing of one CPU is noise: it clears nothing)
             self._ceiling = target
@@ -214,7 +225,7 @@ class Tuner:
         else:
             self._rates.append(sample.batches_per_s)
         if n >= target + 1 and self._open(target, now):  # the training process needs CPUs: fewer
-            return self._try(n, target, -GAIN)
+            return self._try(n, target, -GAIN, 0.0)
         if sample.wait > GROW_WAIT:
             self._spare = 0
             if sample.busy >= PROBE_BUSY * n:
@@ -222,13 +233,15 @@ class Tuner:
                 if trim == n:
                     return n
                 if trim is not None:  # the last step up paid less than linearly: fewer may do as well
-                    return self._try(n, trim, NOISE_K * self._noise(n) - TRIM_LOSS)
+                    return self._try(n, trim, -TRIM_LOSS, NOISE_K)
                 bigger = self._bigger(n, limit, target, now)
-                return self._try(n, bigger, self._needed(n)) if bigger else n
+                if bigger and len(self._rates) < 2 and NOISE_K * self._noise(n) > GAIN:
+                    return n  # noisy throughput: a baseline of one interval would decide by chance
+                return self._try(n, bigger, GAIN, NOISE_K, (bigger - n) / n) if bigger else n
             # Idle workers while the consumer waits: the engine's per-batch work is the limit.
             for m in (n - 1, n + 1):
                 if self.min <= m <= limit and self._open(m, now):
-                    return self._try(n, m, max(IDLE_GAIN, NOISE_K * self._noise(n)) if m > n else -GAIN)
+                    return self._try(n, m, IDLE_GAIN, NOISE_K) if m > n else self._try(n, m, -GAIN, 0.0)
             return n
         if sample.wait < SHRINK_WAIT and n > self.min and sample.busy <= SHRINK_LOAD * (n - 1):
             self._spare += 1
@@ -242,8 +255,9 @@ class Tuner:
         """The next count to try up (None: none allowed now)."""
         if n >= target:
             step = n + 1  # past the model's target: one worker at a time
-        else:
-            step = min(max(n + 1, math.ceil(n * self.factor - 1e-9)), target)
+        else:  # (far below the target the steps stay big: the CPUs are there)
+            factor = max(self.factor, 1.5) if 2 * n <= target and not self._saturated else self.factor
+            step = min(max(n + 1, math.ceil(n * factor - 1e-9)), target)
         while step > n + 1 and not self._open(step, now):
             step = n + max(1, (step - n) // 2)  # a blocked count: halfway to it
         step = min(step, limit)
@@ -264,9 +278,6 @@ class Tuner:
             self._knee = None  # too noisy to tell a count that costs from one that does not
             return None
         return m
-
-    def _needed(self, n: int) -> float:
-        return max(GAIN, NOISE_K * self._noise(n))
 
     def _quiet(self, count: int) -> bool:
         """Whether throughput is steady enough to bisect the knee (a trim judged in noise would
@@ -289,13 +300,27 @@ class Tuner:
     def _judge(self, now: float, n: int, rate_now: float) -> int | None:
         """The trial's verdict: the count to keep (None: not clear yet, judge one more interval)."""
         assert self._trial is not None
-        came_from, base, needed = self._trial
+        came_from, base, k_base, least, weight, linear = self._trial
         self._judged.append(rate_now)
-        rate = sum(self._judged) / len(self._judged)
+        k = len(self._judged)
+        rate = sum(self._judged) / k
         gain = rate / base - 1.0 if base > 0 else (1.0 if rate > 0 else 0.0)
+        # The noise of a difference of two means (k intervals against k_base): a gain below
+        # ``weight`` times it is not believed (an addition), a loss within it is forgiven (a trim).
+        spread = self._noise(came_from) * math.sqrt(1.0 / k + 1.0 / max(1, k_base))
+        if weight and least >= 0:
+            noise = weight * spread
+            if linear >= BIG_STEP:  # (a gain of half the linear one is no noise: believed)
+                noise = min(noise, EFFICIENCY * linear)
+            needed = max(least, noise)
+        else:
+            needed = least + weight * spread
         kept = gain > needed if needed > 0 else gain >= needed
-        if abs(gain - needed) < CLEAR and len(self._judged) < JUDGE_INTERVALS:
-            return None
+        margin = abs(gain - needed)
+        if margin < CLEAR and k < JUDGE_INTERVALS:
+            return None  # not clear from one interval
+        if k < JUDGE_MAX and margin < NOISE_K * spread:
+            return None  # within the noise: more intervals (at most JUDGE_MAX)
         self._trial = None
         if kept:
             self._backoff.pop(n, None)
@@ -303,12 +328,15 @@ class Tuner:
             short = gain + NOISE_K * self._noise(came_from)  # (a shortfall within the noise is none)
             if n > came_from and short < EFFICIENCY * linear:
                 self.factor = 1.0 + (self.factor - 1.0) / 2  # the knee is near: smaller steps
+            elif n > came_from:
+                self.factor = min(FACTOR, 1.0 + 2 * (self.factor - 1.0))  # it paid: steps grow back
             if n > came_from and short < TRIM * linear and n - came_from > 1:
                 self._knee = (came_from, n)  # the knee is in (came_from, n]: fewer may do as well
             elif n < came_from and self._knee is not None:
                 self._knee = (self._knee[0], n)  # a trim that held: the knee is lower still
                 self._block(came_from, now)  # (no better than this count)
                 self.factor = 1.0  # past the knee: one worker at a time from here
+                self._saturated = True
             self._rates.clear()
             self._rates.extend(self._judged)
             return n
@@ -319,9 +347,12 @@ class Tuner:
             self._knee = (n, came_from)  # a trim that cost: throughput still rises up to came_from
         return self._change(came_from, base)
 
-    def _try(self, n: int, m: int, needed: float) -> int:
+    def _try(self, n: int, m: int, least: float, weight: float, linear: float = 0.0) -> int:
+        """Try ``m`` workers (from ``n``): kept if throughput changes by more than ``least`` and,
+        for ``weight > 0``, ``weight`` times the noise, or half of ``linear`` (the gain a linear
+        curve would give) if that is less and the step is big (``_judge``)."""
         base = sum(self._rates) / len(self._rates) if self._rates else 0.0
-        self._trial = (n, base, needed)
+        self._trial = (n, base, len(self._rates), least, weight, linear)
         self._judged = []
         return self._change(m)
 
