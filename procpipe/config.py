@@ -35,16 +35,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, cast
 
-import psutil
-
 from ._core.checks import check_int, is_count
+from ._core.cpus import cpu_budget
 from ._core.rng import seeding_mode
 from ._core.shm import check_private_dir
 
 #: ``Loader(start_method=...)``: the start methods procpipe knows ("auto" is resolved by ``_worker/start_method.py``)
 START_METHODS = ("auto", "forkserver", "spawn", "fork", "zygote")
 IO_FACTOR = 4  # AutoWorkers' default max: this many workers per CPU (reached only when I/O-bound)
-HARD_CAP = 32  # ...and never more than this many
+HARD_CAP = 128  # ...and never more than this by default (a 96-CPU node: 96 CPU-bound workers)
 
 CACHE_IN_MEMORY = "memory"  # cache="memory": the same as cache=True
 
@@ -262,7 +261,8 @@ class AutoWorkers:
     Args:
         start: workers to begin with (default 2; fewer if the limit is lower).
         min: never fewer workers than this (>= 1).
-        max: never more; default ``4 x`` the CPUs this process may run on (at most 32).
+        max: never more; default ``4 x`` the CPUs this process may use (affinity and cgroup
+            quota, ``_core/cpus.py``; at most 128).
             Counts above the CPU count are used only while workers are I/O-bound.
         interval: seconds per control interval, at least (default 0.25).
         min_batches: batches the consumer must take in an interval before it is judged
@@ -305,11 +305,8 @@ def resolve_autotune(workers: Any) -> AutoWorkers | None:
 
 
 def cpu_count() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return psutil.cpu_count() or 1
+    """The CPUs this process may really use: its affinity and its cgroup's quota (``_core/cpus.py``)."""
+    return cpu_budget()
 
 
 #: set in every worker unless ``worker_env`` says otherwise: one thread per math library

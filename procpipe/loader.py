@@ -40,11 +40,12 @@ class Loader:
         fn: optional per-sample function, ``fn(source[i]) -> sample``; runs in the workers.
         batch_size: samples per batch; ``None`` yields single samples, unbatched.
         workers: worker processes; ``0`` runs everything in the calling process;
-            ``"auto"`` (or a ``procpipe.AutoWorkers(...)``) starts with 2 and adds or
-            retires workers while running, until the consumer no longer waits or more
-            workers stop helping (bounded by CPUs, or more when workers wait on I/O,
-            and by memory); ``stats()["autotune"]`` shows its trace. See README.md,
-            "Epochs, order and autotuning".
+            ``"auto"`` (or a ``procpipe.AutoWorkers(...)``) starts with 2 and adds (in
+            doubling steps) or retires workers while running, until the consumer no longer
+            waits or more workers stop helping (bounded by the CPUs this process may use,
+            affinity and cgroup quota, less what the training step uses, or more when
+            workers wait on I/O, and by memory; auto-tuned loaders on one node share its
+            CPUs); ``stats()["autotune"]`` shows its trace. See docs/guide/autotuning.md.
         ordered: ``True`` yields batches in sampler order; ``False`` yields them as they
             finish ("sloppy"), so a slow batch does not hold back the others.
         prefetch: ready batches kept ahead of the consumer.
@@ -481,8 +482,11 @@ class Loader:
                 a retired worker is listed only in an epoch it worked in (``pid`` None).
             autotune: None unless ``workers="auto"``; else ``workers`` (now), ``min``,
                 ``max``, ``limit`` (the most it may use now: CPUs, I/O, memory),
-                ``capacity`` (workers the ring serves), ``cpus``, ``io_bound``,
-                ``contended``, ``changes``, and ``trace``: ``[time_s, workers,
+                ``target`` (what the CPUs left by the training step keep busy),
+                ``capacity`` (workers the ring serves), ``cpus`` (the CPUs this loader
+                may use: its share of the node), ``main_cpu`` (the training process's CPU
+                use), ``cpu_per_worker``, ``io_bound``, ``contended``, ``changes``, and
+                ``trace``: ``[time_s, workers,
                 batches_per_s, wait_fraction]`` per control interval (the last 2000),
                 over the loader's life.
             backend: None for workers on this machine; with ``backend=procpipe.ray.Backend(...)``,

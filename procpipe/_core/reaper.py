@@ -15,7 +15,9 @@ reaper covers every such case:
   Ctrl-C or a signal to the training job's process group does not end it first.
 - The training process tells it each file's path before creating the file (``register``)
   and after removing it (``forget``), one message on a pipe each (a few per loader, none
-  per batch). It knows nothing else and removes nothing else.
+  per batch). It knows nothing else and removes nothing else, but for the node files that
+  auto-tuned loaders share (``core/nodeshare.py``, ``register_node_file``): there it removes
+  this process's lines, and the file once no live process's line is left.
 - It waits for the training process to end (a pidfd where Linux has them, else it checks
   its parent every half second), then reads what is left on the pipe and removes every
   path it was told about that is still a regular file of this user: ``lstat`` (a symlink
@@ -46,10 +48,10 @@ REAPER_MARK = "procpipe-reaper"  # in the reaper's command line: how tools (and 
 
 # The reaper process's whole program (an interpreter started with -S -I runs it; stdin is the pipe).
 REAPER_CODE = f"""# {REAPER_MARK}: removes the files its parent registered once the parent is gone
-import os, select, signal, stat, sys
+import fcntl, os, select, signal, stat, sys
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
     signal.signal(s, signal.SIG_IGN)
-parent, uid, paths, rest = int(sys.argv[1]), os.geteuid(), set(), b""
+parent, uid, paths, nodes, rest = int(sys.argv[1]), os.geteuid(), set(), set(), b""
 os.chdir("/")  # (holds no directory busy; every path it is sent is absolute)
 for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
     if int(fd) > 2:  # what the parent let children inherit (not close-on-exec): never held open here
@@ -69,7 +71,8 @@ def take(data):
     global rest
     *records, rest = (rest + data).split(b"\\0")
     for r in records:
-        (paths.add if r[:1] == b"+" else paths.discard)(r[1:])
+        kind, into = r[:1], nodes if r[:1] in (b"n", b"m") else paths
+        (into.add if kind in (b"+", b"n") else into.discard)(r[1:])
 def gone():
     return os.getppid() != parent
 reading = True
@@ -99,6 +102,26 @@ for p in paths:
             os.unlink(p)
     except OSError:
         pass
+def live(line):  # a node file's line "<key> <pid> <heartbeat> <want>" of another live process
+    f = line.split()
+    return len(f) == 4 and f[1].isdigit() and int(f[1]) != parent and os.path.exists(b"/proc/" + f[1])
+for p in nodes:  # shared files (core/nodeshare.py): drop the parent's lines; the last one out removes it
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_size < 65536:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                kept = [line for line in os.pread(fd, 65536, 0).split(b"\\n") if live(line)]
+                if not kept and os.stat(p, follow_symlinks=False).st_ino == st.st_ino:
+                    os.unlink(p)
+                else:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, b"".join(line + b"\\n" for line in kept), 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 """
 
 
@@ -117,6 +140,7 @@ class _Client:
         self.pipe: int | None = None  # write end, non-blocking
         self.pending = b""  # what the pipe could not take yet
         self.paths: set[bytes] = set()
+        self.nodes: set[bytes] = set()  # shared node files (nodeshare.py): only this process's lines are removed
         self.locks: dict[bytes, int] = {}
         self.failed = False  # the reaper could not be started: said once, not tried again
 
@@ -165,7 +189,7 @@ class _Client:
             pass
         os.set_blocking(write, False)
         self.pipe = write
-        self.pending = b"".join(b"+" + p + b"\0" for p in self.paths)
+        self.pending = b"".join(b"+" + p + b"\0" for p in self.paths) + b"".join(b"n" + p + b"\0" for p in self.nodes)
 
     def _exited(self) -> bool:
         """The reaper has ended (killed: it never ends on its own while this process runs)."""
@@ -245,6 +269,27 @@ def forget(path: str) -> None:
             client.send(b"-" + name + b"\0")
     if lock is not None:
         os.close(lock)
+
+
+def register_node_file(path: str) -> None:
+    """This process writes lines into the shared node file ``path`` (core/nodeshare.py): once
+    this process is gone, the reaper removes its lines, and the file if no live process's remain."""
+    name = os.fsencode(os.path.abspath(path))
+    with _lock:
+        client = _current()
+        if name not in client.nodes:
+            client.nodes.add(name)
+            client.send(b"n" + name + b"\0")
+
+
+def forget_node_file(path: str) -> None:
+    """This process left the node file ``path`` (its lines are gone, or the file)."""
+    name = os.fsencode(os.path.abspath(path))
+    with _lock:
+        client = _current()
+        if name in client.nodes:
+            client.nodes.discard(name)
+            client.send(b"m" + name + b"\0")
 
 
 def reaper_pid() -> int | None:

@@ -18,6 +18,11 @@ A file is removed only when all of these hold:
   microseconds later, never swept in between;
 - its creator is gone: no process runs with its pid, or the one that does started after
   the file last changed (the pid was reused), or is a zombie.
+
+The node file that auto-tuned loaders share (``procpipe-node-u<uid>-<8 hex>-cpus``,
+``core/nodeshare.py``) has no single creator: it is removed when it is this user's regular
+file, unchanged for ``nodeshare.STALE_S`` (every live loader rewrites it each second),
+not locked at the moment, and none of its lines is a live loader's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
+
+from . import nodeshare
 
 logger = logging.getLogger("procpipe")
 
@@ -68,7 +75,7 @@ def sweep_once(directory: str) -> Swept | None:
             len(swept.paths),
             swept.nbytes / 2**20,
             directory,
-            ", ".join(map(str, sorted(swept.pids))),
+            ", ".join(map(str, sorted(swept.pids))) or "that shared a node file",
         )
     return swept
 
@@ -83,6 +90,10 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
     me, uid, now = os.getpid(), os.geteuid(), time.time()
     starts: dict[int, float | None] = {}  # pid -> its process's start time (None: none runs), looked up once
     for name in names:
+        node = nodeshare.NAME.match(name)
+        if node is not None and int(node.group(1)) == uid:
+            _stale_node_file(os.path.join(directory, name), uid, now, swept)  # (no single creator's pid)
+            continue
         match = NAME.match(name)
         if match is None or int(match.group(1)) == me:
             continue
@@ -109,6 +120,34 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
         swept.nbytes += st.st_blocks * 512
         swept.pids.add(pid)
     return swept
+
+
+def _stale_node_file(path: str, uid: int, now: float, swept: Swept) -> bool:
+    """Remove the node file ``path`` if no live loader uses it (module doc); whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < nodeshare.STALE_S:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a loader writes it now: alive
+        if nodeshare.parse(os.pread(fd, nodeshare.MAX_BYTES, 0).decode("ascii", "replace"), now):
+            return False
+        if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:
+            return False
+        os.unlink(path)
+        swept.paths.append(path)
+        swept.nbytes += st.st_blocks * 512
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _process_start(pid: int) -> float | None:

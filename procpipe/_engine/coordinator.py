@@ -36,9 +36,11 @@ The first attempt to finish delivers the batch; any other is discarded when it r
 (or dies), and its slot returns to the ring. Reassembly refuses a position twice, so no
 batch is ever delivered twice. What the consumer is told of a failure: faults.py.
 
-Autotune. With ``workers="auto"`` a ``Tuner`` (autotune.py) is consulted every control
+Autotune. With ``workers="auto"`` a ``Tuner`` (policy.py) is consulted every control
 interval; the coordinator starts workers or retires them (no more tasks, then ``None``
 once idle). The ring and the status words are sized for the most workers the tuner may use.
+Auto-tuned loaders with local workers share the node's CPUs through a small file in
+``shm_dir`` (core/nodeshare.py), written about once a second without waiting for its lock.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import time
 from collections import deque
 from typing import Any
 
+from .._core.nodeshare import NodeShare
 from .._core.rings import RingSet
 from .._core.shm import Ring, SharedFiles
 from .._core.stats import WorkerCounters, worker_baseline
@@ -58,7 +61,7 @@ from .._core.wakeup import WakePipe
 from .._worker import fork_safety
 from ..config import EngineConfig
 from ..errors import TaskTimeoutError, WorkerError
-from .autotune import Meter, Tuner, memory_room
+from .autotune import Meter, Tuner, cpu_count, memory_room
 from .commands import CancelStream, CloseEngine, Command, StartStream, checked
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
@@ -104,9 +107,14 @@ class Coordinator:
         self._attempts = self.dispatcher.attempts  # (the same table)
         self.tuner: Tuner | None = None
         self._meter: Meter | None = None  # measures the tuner's control intervals
+        self._node: NodeShare | None = None  # this loader's line in the node's CPU file (local workers)
         if config.autotune is not None:
-            self.tuner = Tuner(config.autotune, capacity, config.workers, time.monotonic())
-            self._meter = Meter(config.autotune)
+            auto = config.autotune
+            cpus = cpu_count()
+            self.tuner = Tuner(auto.min, auto.hard_max, capacity, config.workers, time.monotonic(), cpus)
+            self._meter = Meter(auto)
+            if pool.uses_ring:
+                self._node = NodeShare(files.directory, cpus)
         self.stream: Stream | None = None
         self._watchdog = Watchdog(config.faults.speculate, config.faults.task_timeout)
         self._watching = config.faults.speculate is not None or config.faults.task_timeout is not None
@@ -353,11 +361,17 @@ class Coordinator:
         if stream is None or stream.finished or self.rings.current is None:
             stream = None  # between iterations (or before the first batch): nothing to measure
         roster = self.roster
-        sample = self._meter.measure(now, stream, roster.links, roster.counters)  # type: ignore[union-attr]
-        if sample is None:
-            return
         tuner = self.tuner
         assert tuner is not None
+        starting = any(not (w.ready or w.retiring or w.dead) for w in roster.links)
+        sample = self._meter.measure(now, stream, roster.links, roster.counters, starting)  # type: ignore[union-attr]
+        node = self._node
+        if node is not None and (sample is not None or node.due()):
+            # the node's CPUs, shared with the other auto-tuned loaders there (never waits for the lock)
+            tuner.cpus = node.update(tuner.want_cpus() if stream is not None else 0.0)
+            tuner.shared = node.peers > 1
+        if sample is None:
+            return
         rss = max((w.counters.rss_bytes for w in roster.links), default=0)
         tuner.memory_room = memory_room(rss) if rss else None
         target = tuner.step(now, sample)
@@ -381,6 +395,8 @@ class Coordinator:
         if self._shut_down:
             return
         self._shut_down = True
+        if self._node is not None:
+            self._node.leave()
         workers, self.roster.links = self.roster.links, []
         try:
             self.pool.stop(workers)

@@ -19,13 +19,14 @@ I/O-bound, limited by the training process or its step).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .._engine.autotune import CONTENDED, schedstat_seconds
+from .._core.cpus import cpu_budget
+from .._engine.autotune import schedstat_seconds
+from .._engine.policy import CONTENDED
 
 MiB = 2**20
 
@@ -76,10 +77,8 @@ def default_worker_counts(cpus: int | None = None) -> list[int]:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The CPUs this process may really use: affinity and cgroup quota (``core/cpus.py``)."""
+    return cpu_budget()
 
 
 def _step(seconds: float, mode: str) -> None:
