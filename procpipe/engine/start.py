@@ -1,8 +1,8 @@
 """Starting a Loader's engine, in the calling process: everything before the first worker runs.
 
 ``start_engine`` creates the loader's shared files, opens the cache (which computes the
-first sample), ships the user's objects to the workers (pickled once with dill into a
-shared file each worker reads, see worker/process.py; with ``"fork"`` they are inherited instead),
+first sample), ships the user's objects to the workers (pickled once, with cloudpickle or dill
+(``process.dump_spec``), into a shared file each worker reads; with ``"fork"`` they are inherited instead),
 gets the multiprocess context (``context``: with ``"forkserver"``, the server is started
 with the workers' environment and told to preload the modules the pickle references, in
 the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
@@ -93,12 +93,12 @@ _INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle V
 
 
 def ship_spec(spec: WorkerSpec, files: SharedFiles, start_method: str = "forkserver") -> str:
-    """Pickle the dataset, fn and collate_fn once (dill), into a shared file every worker reads."""
+    """Pickle the dataset, fn and collate_fn once (``process.dump_spec``), into a shared file every worker reads."""
     return write_spec(serialize_spec(spec, start_method), files)
 
 
 def serialize_spec(spec: WorkerSpec, start_method: str) -> bytes:
-    """The dataset, fn and collate_fn pickled by dill, or a ``TypeError`` saying why they cannot be."""
+    """The dataset, fn and collate_fn pickled (``process.dump_spec``), or a ``TypeError`` saying why they cannot be."""
     try:
         return dump_spec(spec)
     except Exception as exc:
