@@ -34,11 +34,23 @@ import json
 import os
 import platform
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from . import sweep
 from .workloads import WORKLOADS, resolve
+
+DOCS = (
+    "docs/benchmarks.md"  # the bench's page: what it prints, your own pipeline (tests/test_bench.py checks the anchors)
+)
+OWN_PIPELINE = (
+    "To measure your own pipeline: python -m procpipe.bench --pipeline MODULE:FACTORY, where FACTORY() returns "
+    "your Loader's or DataLoader's keyword arguments as a dict (--help: the contract and an example; "
+    f"{DOCS}#your-own-pipeline); add --step-ms with your training step's time."
+)
+# procpipe.torch.DataLoader's options that torch takes only with workers (num_workers > 0)
+_NEED_WORKERS = ("persistent_workers", "prefetch_factor", "multiprocessing_context")
 
 FACTORY_HELP = """\
 --pipeline MODULE:FACTORY, the factory's contract:
@@ -63,6 +75,10 @@ FACTORY_HELP = """\
           return {"source": Images(), "batch_size": 64, "shuffle": True}
 
   then:  python -m procpipe.bench --pipeline mytrain.data:loader_kwargs --step-ms 30
+  A num_workers / workers in the dict is your own setting: the sweep replaces it with each
+  count, and the advice compares it with the recommended one. At 0 workers the options torch
+  takes only with workers (persistent_workers, prefetch_factor, multiprocessing_context) are
+  left out, and the output says so.
 """
 
 
@@ -82,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep procpipe's worker count on the reference workloads or on your own pipeline, "
         "and recommend one.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=FACTORY_HELP + "\nJSON fields and every column are documented in README.md "
-        "(section: python -m procpipe.bench).",
+        epilog=FACTORY_HELP + f"\nEvery column, the advice and the JSON fields: {DOCS}#what-it-prints; your own "
+        f"pipeline: {DOCS}#your-own-pipeline.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -157,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="chart throughput and wait %% against workers (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown on a terminal only)")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        help="when your pipeline fails, show its whole traceback (default: its message)",
+    )
     return p
 
 
@@ -208,23 +229,40 @@ def _check_keys(kwargs: Mapping[str, Any], target: Any, what: str) -> None:
             )
 
 
-def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
-    """A ``workers -> loader`` function from a factory returning kwargs, a Loader or a
-    ``procpipe.torch.DataLoader`` (see ``FACTORY_HELP``)."""
-    from procpipe import Loader
+class PipelineMaker:
+    """``workers -> loader`` for a ``--pipeline`` factory returning kwargs, a Loader or a
+    ``procpipe.torch.DataLoader`` (see ``FACTORY_HELP``); it remembers what the output says about
+    them: ``front`` (which loader), ``option`` (its worker-count argument), ``theirs`` (the count
+    the factory's dict sets, which the sweep replaces), ``arguments`` (the other settings, in
+    short) and ``notes`` (what the bench changed or could not measure, each said once)."""
 
-    try:
-        params = inspect.signature(factory).parameters
-        takes_workers = "workers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):
-        takes_workers = False
+    def __init__(self, factory: Callable[..., Any]) -> None:
+        self.factory = factory
+        try:
+            params = inspect.signature(factory).parameters
+            self.takes_workers = "workers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        except (TypeError, ValueError):
+            self.takes_workers = False
+        self.front = "procpipe.Loader"
+        self.option = "workers"
+        self.theirs: int | None = None
+        self.arguments = ""
+        self.notes: list[str] = []
 
-    def make(workers: int) -> Any:
-        made = factory(workers=workers) if takes_workers else factory()
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def __call__(self, workers: int) -> Any:
+        from procpipe import Loader
+
+        made = self.factory(workers=workers) if self.takes_workers else self.factory()
         is_dict = isinstance(made, Mapping)
         facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
         if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
             is_facade = facade is not None and isinstance(made, facade.DataLoader)
+            if is_facade:
+                self.front, self.option = "procpipe.torch.DataLoader", "num_workers"
             # (the facade, procpipe.torch, is typed Any here: mypy does not follow torch)
             have = cast(Any, made).num_workers if is_facade else made.workers_setting
             if have != workers or not isinstance(have, int):
@@ -242,14 +280,20 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
                 if facade is None:
                     raise SystemExit(
                         "--pipeline factory returned DataLoader arguments (a 'dataset' key), "
-                        "which need torch: pip install torch"
+                        "which need torch: pip install procpipe[torch]"
                     )
-                kwargs.pop("num_workers", None)
+                self.front, self.option = "procpipe.torch.DataLoader", "num_workers"
+                self._remember(kwargs.pop("num_workers", None), kwargs, "dataset")
                 _check_keys(kwargs, facade.DataLoader.__init__, "procpipe.torch.DataLoader")
+                if workers == 0:
+                    self._leave_out_worker_options(kwargs)
+                self._pin_memory_note(kwargs)
+                # the sweep goes beyond the CPUs on purpose: torch's warning about it would say so at every count
+                warnings.filterwarnings("ignore", message="This DataLoader will create")
                 # the workers outlive the measured epoch, so their memory and CPU can be read at its end
                 kwargs.setdefault("persistent_workers", workers > 0)
                 return facade.DataLoader(**kwargs, num_workers=workers)
-            kwargs.pop("workers", None)
+            self._remember(kwargs.pop("workers", None), kwargs, "source")
             _check_keys(kwargs, Loader.__init__, "procpipe.Loader")
             return Loader(**kwargs, workers=workers)
         raise SystemExit(
@@ -257,14 +301,82 @@ def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
             f"procpipe.torch.DataLoader, got {type(made).__name__}. See --help."
         )
 
-    return make
+    def _remember(self, theirs: Any, kwargs: dict[str, Any], source_key: str) -> None:
+        if isinstance(theirs, int) and not isinstance(theirs, bool):
+            self.theirs = theirs
+        shown = [f"{k}={_short(v)}" for k, v in kwargs.items() if k != source_key]
+        self.arguments = f"{source_key}={_short(kwargs.get(source_key))}" + "".join(f", {a}" for a in shown)
+
+    def _leave_out_worker_options(self, kwargs: dict[str, Any]) -> None:
+        """At 0 workers, the options torch's DataLoader refuses without workers, left out (and said)."""
+        left = {k: kwargs.pop(k) for k in _NEED_WORKERS if kwargs.get(k) not in (None, False)}
+        if left:
+            self.note(
+                "at 0 workers (loading in the training process) the bench left out "
+                + ", ".join(f"{k}={v!r}" for k, v in left.items())
+                + ": torch's DataLoader takes them only with num_workers > 0"
+            )
+
+    def _pin_memory_note(self, kwargs: dict[str, Any]) -> None:
+        if not kwargs.get("pin_memory"):
+            return
+        import torch
+
+        if torch.accelerator.is_available():
+            self.note("pin_memory=True: pinning is part of what was measured (the facade pins in its stage thread)")
+            return
+        # torch's DataLoader says this at every iteration; the bench says it once
+        warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
+        self.note(
+            "pin_memory=True: this machine has no accelerator, so nothing is pinned: the figures are the "
+            "loading alone; measure on the training machine to include pinning"
+        )
+
+    def advice(self, recommended: int, settings: list[sweep.Setting]) -> str:
+        """What to do, in the loader's own terms, with the factory's own count compared."""
+        text = f"set {self.option}={recommended} in your {self.front}"
+        if self.theirs is None:
+            return text
+        if self.theirs == recommended:
+            return f"keep {self.option}={recommended} in your {self.front}: it is the recommended count"
+        best = max(s.samples_per_s for s in settings) or 1.0
+        theirs = next((s for s in settings if s.workers == self.theirs), None)
+        if theirs is None:
+            return text + f" (yours, {self.option}={self.theirs}, was not measured: add it to --workers)"
+        return text + (
+            f" (yours, {self.option}={self.theirs}, gave {100 * theirs.samples_per_s / best:.0f} % of the best "
+            f"throughput with {abs(self.theirs - recommended)} {'more' if self.theirs > recommended else 'fewer'} "
+            "worker processes)"
+        )
+
+
+def _short(value: Any) -> str:
+    """A setting as the output shows it: its repr if short, else its type."""
+    text = repr(value)
+    return text if len(text) <= 30 else f"<{type(value).__name__}>"
+
+
+def loader_maker(factory: Callable[..., Any]) -> PipelineMaker:
+    """A ``workers -> loader`` function from a ``--pipeline`` factory (``PipelineMaker``)."""
+    return PipelineMaker(factory)
 
 
 LEGEND = (
     "  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
-    "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
-    "USS: private memory, the shared ring left out)"
+    "for a CPU, held by other processes (! = contended) or, when the workers and the training process "
+    "need more than the CPUs, by each other; USS: private memory, the shared ring left out)"
 )
+
+
+def _failed(name: str, workers: int, exc: BaseException) -> str:
+    """The message of a pipeline that raised while measured: its error, where, and what to do."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    return (
+        f"procpipe bench: your pipeline {name} failed with {workers} workers: {type(exc).__name__}: {first}\n"
+        "  This is the pipeline's own error (its factory, dataset or functions), not the bench's: fix it and "
+        "run again (--traceback shows where it was raised)."
+    )
 
 
 def _builtin_maker(name: str, size: int | None, full: bool) -> tuple[Callable[[int], Any], str]:
@@ -283,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     counts = args.workers or sweep.default_worker_counts()
     step_s = max(0.0, args.step_ms) / 1e3
+    pipeline: PipelineMaker | None = None
     if args.pipeline:
-        factory = load_factory(args.pipeline)
-        jobs = [(args.pipeline, loader_maker(factory), f"pipeline {args.pipeline}")]
+        pipeline = loader_maker(load_factory(args.pipeline))
+        jobs: list[tuple[str, Callable[[int], Any], str]] = [(args.pipeline, pipeline, f"pipeline {args.pipeline}")]
     else:
         try:
             names = resolve(args.workloads)
@@ -318,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, make, description in jobs:
             measured: dict[int, list[sweep.Setting]] = {w: [] for w in counts}
+            described = ""
             for rep in range(repeats):
                 # the counts in turn, starting one further each round: a passing load hits them alike
                 for workers in counts[rep % len(counts) :] + counts[: rep % len(counts)]:
@@ -329,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         bar.update(0)  # redraws at most every bar.mininterval
 
                     progress(0)
-                    measured[workers].append(
-                        sweep.measure(
+                    try:
+                        setting = sweep.measure(
                             make,
                             workers,
                             step_s=step_s,
@@ -339,20 +453,31 @@ def main(argv: list[str] | None = None) -> int:
                             max_seconds=seconds,
                             progress=None if bar.disable else progress,
                         )
-                    )
+                    except Exception as exc:
+                        if pipeline is None or args.traceback:
+                            raise
+                        raise SystemExit(_failed(name, workers, exc)) from None
+                    measured[workers].append(setting)
                     bar.update(1)
+                    if pipeline is not None and not described:  # (known once the factory has run)
+                        described = f"{pipeline.front}({pipeline.arguments})"
+                        out(f"measuring {name}: {described}, {pipeline.option} swept")
             settings = [sweep.combine(measured[w]) for w in counts]
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
             out(f"{name:>12}: {rec['text']}")
+            if pipeline is not None:
+                for note in pipeline.notes:
+                    out(f"  note: {note}")
+                out(f"  what to do: {pipeline.advice(rec['workers'], settings)}.")
             if args.table:
                 out(
-                    f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
+                    f"\n== {name}: {described or description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
                     f"{rec['text']}.\n  why: {rec['why']}.\n"
                 )
             runs.append(
                 {
                     "name": name,
-                    "description": description,
+                    "description": described or description,
                     "settings": [s.to_json() for s in settings],
                     "recommendation": rec,
                 }
@@ -360,7 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
     if not args.table:
-        print("(--table: each workload's measurements, and why)")
+        print(
+            "(--table: each setting's measurements, and why)"
+            if pipeline
+            else "(--table: each workload's measurements, and why)"
+        )
+    if pipeline is None:
+        print(OWN_PIPELINE)
     if args.json:
         from procpipe import __version__
 
