@@ -39,6 +39,7 @@ import torch.utils.data as _tud
 
 from .api.config import LoaderConfig
 from .api.torch_device import CudaTransfer, Stage, device_stage, resolve_device, to_torch
+from .errors import ShippingError, Words
 from .loader import Loader
 from .torch_epoch import EpochIterator
 from .torch_kinds import DatasetKind, TorchArguments, dataset_kind
@@ -69,6 +70,14 @@ def _torch_context(context: Any) -> Any:
 
 
 _T_co = TypeVar("_T_co", covariant=True)
+# How procpipe's errors name a DataLoader user's options and objects (procpipe.errors.Words).
+_WORDS = Words(
+    owner="procpipe.torch.DataLoader",
+    objects="the dataset, collate_fn or worker_init_fn",
+    option="multiprocessing_context",
+    auto="multiprocessing_context=None",
+    lazily="inside __getitem__ or worker_init_fn",
+)
 
 
 class _LoaderOptions(TypedDict):
@@ -343,7 +352,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
         (``shared_seed``: an IterDataPipe's, see ``procpipe.torch_iterable``)."""
-        loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+        try:
+            loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+        except ShippingError as exc:  # in the words of a DataLoader user, who has no start_method
+            raise exc.reworded(words=_WORDS) from None
         # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
         # start the same way, though the training loop runs threads by then (torch forks each epoch too)
         self._pp_options["start_method"] = loader.start_method

@@ -28,6 +28,8 @@ from ..core.stats import EpochCounters, snapshot
 from ..engine.coordinator import Coordinator
 from ..engine.pool import WorkerLink
 from ..engine.start import start_engine
+from ..errors import ShippingError
+from ..worker.fork_safety import why_not_safe
 from ..worker.process import WorkerSpec
 from ..worker.start_method import resolve as resolve_start_method
 from ..worker.stream_cache import open_loader_cache
@@ -107,7 +109,13 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     coordinator = None
     if execution.has_workers:
         engine = engine_config(config, start_method, 0 if device_stage is None else device_stage.slots_held)
-        coordinator = start_engine(engine, spec, cache, memory.shm_dir, execution.backend)  # sets spec.cache
+        try:
+            coordinator = start_engine(engine, spec, cache, memory.shm_dir, execution.backend)  # sets spec.cache
+        except ShippingError as exc:
+            why = why_not_safe() if execution.start_method == "auto" and start_method != "fork" else None
+            if why is None:
+                raise
+            raise exc.reworded(why_not_forked=why) from None
     else:
         spec.cache = open_loader_cache(spec, cache, None, memory.shm_dir)
     context = IterationContext(
@@ -121,7 +129,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     )
     # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
     finalizer = weakref.finalize(context, close_engine, coordinator)
-    watch_exit()  # (after a finalize exists: see api/shutdown.py)
+    watch_exit(finalizer)  # (after a finalize exists: see api/shutdown.py)
     return LoaderParts(device_stage, spec, start_method, coordinator, context, finalizer)
 
 

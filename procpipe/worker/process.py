@@ -129,12 +129,17 @@ def dump_spec(spec: WorkerSpec) -> bytes:
     and dill can pickle (a ``threading.Lock``, an open file); the error raised when both refuse is
     cloudpickle's, which names the object.
     """
+    return dump_value(spec)
+
+
+def dump_value(value: Any) -> bytes:
+    """``value`` pickled as ``dump_spec`` pickles the spec: cloudpickle, else dill."""
     try:
-        return cloudpickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as refused:  # noqa: BLE001 - cloudpickle refuses: dill may not (a lock, an open file)
         try:
             buffer = io.BytesIO()
-            _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(spec)
+            _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(value)
         except Exception:  # noqa: BLE001 - both refuse: cloudpickle's error says why (the caller words it)
             raise refused from None
         return buffer.getvalue()
