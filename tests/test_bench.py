@@ -206,6 +206,10 @@ def test_a_busy_training_step_is_not_blamed_on_other_processes(monkeypatch):
     assert busy.trainer_cpu_pct is not None and busy.trainer_cpu_pct > 0 and not busy.contended
     idle = sweep.measure(make, 1, step_s=0.005, step_mode="sleep", max_batches=40)
     assert idle.trainer_cpu_pct is not None and idle.trainer_cpu_pct < 100 and idle.contended
+    # the caution quotes the waits for CPUs held by others, not those behind the bench's own processes
+    rec = sweep.recommend([_setting(1, 100.0, 90, 60, runq=40.0, contended=True),
+                           _setting(2, 110.0, 95, 50, runq=90.0, contended=False)], cpus=2)
+    assert "workers waited up to 40 % of the time for a CPU held by other processes" in rec["why"], rec["why"]
 
 
 _DOC_REFERENCE = re.compile(

@@ -366,7 +366,7 @@ def recommend(
     else:
         text += "; it is the largest count measured, and more workers would not help (see why)"
     if contended:
-        worst = max((s.worker_runq_pct or 0.0) for s in settings)
+        worst = max((s.worker_runq_pct or 0.0) for s in settings if s.contended)  # (not waits behind our own)
         why += (
             f". Caution: the CPUs were contended (workers waited up to {worst:.0f} % of the time for a CPU "
             "held by other processes), so these figures vary from run to run; measure on an idle machine "
