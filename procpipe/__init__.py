@@ -19,6 +19,7 @@ from .errors import (
     RemoteTraceback,
     ShardLengthError,
     SharedMemoryError,
+    ShippingError,
     TaskTimeoutError,
     WorkerError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "ShardLengthError",
     "Shards",
     "SharedMemoryError",
+    "ShippingError",
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",

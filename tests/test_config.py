@@ -239,7 +239,7 @@ def test_a_cache_directory_is_checked_by_the_stages_group(tmp_path):
 def test_the_torch_facade_checks_procpipes_arguments_when_it_is_created():
     """``procpipe.torch.DataLoader`` makes its Loaders lazily (at ``iter()``); its procpipe-only
     arguments are now checked when it is created, as torch checks its own."""
-    ptorch = pytest.importorskip("procpipe.torch", reason="torch is not installed")
+    ptorch = pytest.importorskip("procpipe.torch", reason="torch is not installed (pip install procpipe[torch])")
     with pytest.raises(ValueError, match="shm_dir='/no/such/dir' is not a writable directory"):
         ptorch.DataLoader(list(range(8)), batch_size=2, num_workers=1, shm_dir="/no/such/dir")
     with pytest.raises(ValueError, match="max_worker_restarts must be an int >= 0, got -1"):

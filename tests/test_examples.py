@@ -29,7 +29,7 @@ def test_torch_training():
 
 
 def test_keras_fit():
-    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed (pip install procpipe[keras])")
     out = run_example("keras_fit.py")
     assert "(torch backend)" in out and "epoch 2:" in out
     assert "same worker processes in every epoch" in out and "predict: (256, 10)" in out
@@ -37,7 +37,7 @@ def test_keras_fit():
 
 def test_tf_data_pipeline():
     pytest.importorskip("tensorflow", reason="the example needs TensorFlow (pip install procpipe[tf])")
-    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed (pip install procpipe[keras])")
     out = run_example("tf_data_pipeline.py")
     spec = "element_spec {'image': ((None, 32, 32, 3), 'uint8'), 'label': ((None,), 'int64'), " \
            "'caption': ((None,), 'string')}"

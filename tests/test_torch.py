@@ -421,7 +421,7 @@ def test_unsupported_arguments_raise_clear_errors():
 
     with pytest.raises(TypeError, match="sampler with a length"):
         DataLoader(Indexed(), sampler=Endless())
-    with pytest.raises(ValueError, match="procpipe supports the start methods"):
+    with pytest.raises(ValueError, match="procpipe.torch.DataLoader supports the start methods"):
         DataLoader(Indexed(), num_workers=1, multiprocessing_context=_FakeContext())
     # torch's own validation applies unchanged
     with pytest.raises(ValueError, match="mutually exclusive"):

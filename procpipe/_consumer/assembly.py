@@ -29,10 +29,12 @@ from .._core.stats import EpochCounters, snapshot
 from .._engine.coordinator import Coordinator
 from .._engine.pool import WorkerLink
 from .._engine.start import start_engine
+from .._worker.fork_safety import why_not_safe
 from .._worker.process import WorkerSpec
 from .._worker.start_method import resolve as resolve_start_method
 from .._worker.stream_cache import open_loader_cache
 from ..config import LoaderConfig, engine_config
+from ..errors import ShippingError
 from .iteration import IterationContext, LoaderIterator
 from .kinds import SourceKind
 from .nodes import Node
@@ -123,7 +125,13 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     coordinator = None
     if execution.has_workers:
         engine = engine_config(config, start_method, 0 if device_stage is None else device_stage.slots_held)
-        coordinator = start_engine(engine, spec, cache, memory.shm_dir, execution.backend)  # sets spec.cache
+        try:
+            coordinator = start_engine(engine, spec, cache, memory.shm_dir, execution.backend)  # sets spec.cache
+        except ShippingError as exc:
+            why = why_not_safe() if execution.start_method == "auto" and start_method != "fork" else None
+            if why is None:
+                raise
+            raise exc.reworded(why_not_forked=why) from None
     else:
         spec.cache = open_loader_cache(spec, cache, None, memory.shm_dir)
     context = IterationContext(
@@ -137,7 +145,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     )
     # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
     finalizer = weakref.finalize(context, close_engine, coordinator)
-    watch_exit()  # (after a finalize exists: see _consumer/shutdown.py)
+    watch_exit(finalizer)  # (after a finalize exists: see api/shutdown.py)
     return LoaderParts(device_stage, spec, start_method, coordinator, context, finalizer)
 
 

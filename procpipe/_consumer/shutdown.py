@@ -9,6 +9,14 @@ So a close in the main thread holds a Ctrl-C back until it is done (a close take
 of a second: busy workers are told to leave their tasks, pool.stop_all). After that, a Ctrl-C
 held back is delivered again, except while the interpreter exits (what the user asked for is
 already happening).
+
+At exit, the loaders still open are closed by procpipe's own exit hook, *before*
+multiprocess's: that one terminates every daemonic child process, the workers included,
+and a coordinator still running would take those deaths for crashes and start
+replacements, from a forkserver whose socket multiprocess's hook then removes
+("worker 0 could not be replaced ([Errno 2] No such file or directory)", printed by a
+program that had already failed). The hooks run last registered first, so ours is
+registered after multiprocess's (``watch_exit`` imports it first).
 """
 
 from __future__ import annotations
@@ -16,24 +24,37 @@ from __future__ import annotations
 import atexit
 import signal
 import threading
+import weakref
 from typing import Any
 
 _exiting = False  # the interpreter is running its exit handlers
 _watching = False  # the hook that sets it is registered
+_open: list[weakref.finalize] = []  # the finalizers of the loaders this process made (dead ones pruned)
 
 
-def watch_exit() -> None:
-    """Register the hook that notes the interpreter's exit. Called after a ``weakref.finalize``
-    exists, whose own exit hook is then registered before ours, so ours runs first."""
+def watch_exit(finalizer: weakref.finalize | None = None) -> None:
+    """Register the hook that notes the interpreter's exit and closes the loaders still open
+    (``finalizer``: a new loader's), once per process. Called after a ``weakref.finalize``
+    exists, and after importing multiprocess, whose exit hooks are then registered before
+    ours, so ours runs first (module doc)."""
     global _watching  # noqa: PLW0603 - once per process: the module is the singleton
+    if finalizer is not None:
+        _open[:] = [f for f in _open if f.alive]
+        _open.append(finalizer)
     if not _watching:
+        import multiprocess.util  # noqa: F401 - its exit hook registered first, so it runs after ours
+
         _watching = True
         atexit.register(_note_exit)
 
 
 def _note_exit() -> None:
+    """At exit: note it, then close the loaders still open, before multiprocess ends their workers."""
     global _exiting  # noqa: PLW0603 - a process-wide fact, read by every Loader's finalizer
     _exiting = True
+    for finalizer in _open:
+        finalizer()  # (a finalizer runs once: the weakref module's own exit hook skips it after this)
+    _open.clear()
 
 
 def close_engine(coordinator: Any) -> None:

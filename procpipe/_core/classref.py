@@ -6,9 +6,10 @@ that pickle cannot find by ``module.__qualname__``:
 
 - a class made by a factory inside another class: ``class Outer: Row = namedtuple("Row", ...)``
   gives ``Row.__qualname__ == "Row"``, but ``Row`` lives at ``Outer.Row``;
-- a class the worker received *by value*: dill ships the classes of ``__main__`` that
-  way, and a worker started by forkserver or spawn does not import the main script
-  (start_method.py), so its ``__main__`` has no such class at all.
+- a class the worker received *by value*: the loader ships the classes of ``__main__``
+  that way (cloudpickle: worker/process.py ``dump_spec``), and a worker started by the
+  zygote, a forkserver or spawn does not import the main script (start_method.py), so its
+  ``__main__`` has no such class at all.
 
 pickle then fails and dill pickles the class by value, so the consumer rebuilds a new
 class with the same name: ``isinstance(batch, Outer.Row)`` is False. ``reduce_class``
@@ -32,6 +33,7 @@ import sys
 import weakref
 from typing import Any
 
+import cloudpickle
 import dill
 
 _MAX_DEPTH = 3  # how deep inside module-level classes a class is looked for
@@ -92,7 +94,7 @@ def _search(cls: type) -> str:
 def main_class(qualname: str, name: str, copy: bytes) -> Any:
     """In the process that unpickles: the class of *its* ``__main__`` that a worker named
     (at ``qualname``, else the one class called ``name`` there, nested ones included), else
-    the worker's copy (``copy``: the class pickled by value, as dill would have sent it)."""
+    the worker's copy (``copy``: the class pickled by value, ``_by_value``)."""
     try:
         found = find("__main__", qualname)
     except Exception:  # noqa: BLE001 - not there
@@ -101,7 +103,16 @@ def main_class(qualname: str, name: str, copy: bytes) -> Any:
         return found
     main = sys.modules.get("__main__")
     path = "" if main is None else _search_in(main, name, "__main__")
-    return find("__main__", path) if path else dill.loads(copy)
+    return find("__main__", path) if path else pickle.loads(copy)
+
+
+def _by_value(cls: type) -> bytes:
+    """Class ``cls`` pickled by value: by cloudpickle (a ``__main__`` class with ``Generic`` bases
+    and the script's ``TypeVar``s, an enum), else by dill."""
+    try:
+        return cloudpickle.dumps(cls, pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - whatever cloudpickle refuses, dill tries
+        return dill.dumps(cls, pickle.HIGHEST_PROTOCOL)
 
 
 def _locate(obj: type, found: Any) -> tuple | None:
@@ -115,7 +126,7 @@ def _locate(obj: type, found: Any) -> tuple | None:
         # A worker started by forkserver or spawn does not import the main script
         # (start_method.py): dill sent it the script's classes by value, and its own __main__
         # has none of them. Name the class for the receiver's __main__, which is the script.
-        return (main_class, (obj.__qualname__, obj.__name__, dill.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+        return (main_class, (obj.__qualname__, obj.__name__, _by_value(obj)))
     return None
 
 

@@ -59,9 +59,10 @@ def _describe(value: Any) -> str:
 class _Planner:
     """Builds a layout and the list of array writes it needs, before any byte moves."""
 
-    def __init__(self) -> None:
+    def __init__(self, made_in: str = "fn") -> None:
         self.writes: list[tuple[list, Any, bool]] = []  # (node, source, stack_it)
         self.nbytes = 0
+        self.made_in = made_in  # where the messages say to fix a sample: "fn", or "the dataset's __getitem__"
 
     def _array_node(self, dtype: np.dtype, shape: tuple, source: Any, stack_it: bool) -> list:
         node = [ARRAY, _dtype_token(dtype), shape, None]
@@ -124,7 +125,7 @@ class _Planner:
         if len(dtypes) > 1:
             raise CollateError(
                 f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: the tensors have "
-                f"different dtypes ({sorted(dtypes)}); cast them in fn."
+                f"different dtypes ({sorted(dtypes)}); cast them in {self.made_in}."
             )
         node = self._stack_arrays(arrays, path, indices)
         node.append(dtypes.pop())
@@ -136,7 +137,7 @@ class _Planner:
             raise CollateError(
                 f"cannot collate {_path_str(path)}: index {indices[0]} is an array of dtype object, "
                 "which cannot be placed in shared memory. Convert it to a numeric or fixed-width dtype "
-                "in fn, or pass collate_fn=... to build the batch yourself."
+                f"in {self.made_in}, or pass collate_fn=... to build the batch yourself."
             )
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
@@ -145,7 +146,7 @@ class _Planner:
                     f"{_describe(first)} but index {i} is "
                     f"{'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
                     "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
-                    "(for example to pad variable-length samples), or resize/cast them in fn."
+                    f"(for example to pad variable-length samples), or resize/cast them in {self.made_in}."
                 )
         return self._array_node(first.dtype, (len(values),) + first.shape, values, True)
 
@@ -224,9 +225,12 @@ def _seq_type(value: Any) -> type:
     return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
 
 
-def layout_batch(samples: list, indices: Sequence[object], buffer: Any | None, capacity: int) -> tuple[list, int, bool]:
-    """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``."""
-    planner = _Planner()
+def layout_batch(
+    samples: list, indices: Sequence[object], buffer: Any | None, capacity: int, made_in: str = "fn"
+) -> tuple[list, int, bool]:
+    """Collate ``samples`` by stacking; returns ``(layout, nbytes, in_slot)``. ``made_in``: where
+    the samples were made, which an error names as the place to fix them."""
+    planner = _Planner(made_in)
     layout = planner.stack(samples, (), indices)
     return layout, planner.nbytes, planner.write(buffer, capacity)
 

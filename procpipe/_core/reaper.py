@@ -21,7 +21,10 @@ reaper covers every such case:
 - It waits for the training process to end (a pidfd where Linux has them, else it checks
   its parent every half second), then reads what is left on the pipe and removes every
   path it was told about that is still a regular file of this user: ``lstat`` (a symlink
-  is never followed) and ``unlink`` (which removes a name, never a target). Then it exits.
+  is never followed) and ``unlink`` (which removes a name, never a target); or a directory
+  of this user with one of procpipe's directory names (``DIRECTORY_NAME``: the torch
+  facade's snapshot store), with ``shutil.rmtree``, which follows no symlink inside it and
+  refuses one in its place. Then it exits.
 
 Each registered file is also held open here with a shared ``flock``, released when this
 process ends: the start-up sweep (``procpipe._core.sweep``) takes a file whose lock is free
@@ -45,6 +48,10 @@ import threading
 logger = logging.getLogger("procpipe")
 
 REAPER_MARK = "procpipe-reaper"  # in the reaper's command line: how tools (and the tests) recognise it
+# The directories procpipe makes (the torch facade's snapshot store), the only ones the reaper and the
+# sweep remove: ``procpipe-<pid>-<8 hex>-<kind>``, as its files are named (sweep.py).
+DIRECTORY_KINDS = ("replicas",)
+DIRECTORY_NAME = r"procpipe-[0-9]+-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z"
 
 # The reaper process's whole program (an interpreter started with -S -I runs it; stdin is the pipe).
 REAPER_CODE = f"""# {REAPER_MARK}: removes the files its parent registered once the parent is gone
@@ -100,6 +107,10 @@ for p in paths:
         st = os.lstat(p)
         if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
             os.unlink(p)
+        elif stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+            import re, shutil  # (only here: a directory is rare)
+            if re.match(rb"{DIRECTORY_NAME}", os.path.basename(p)):
+                shutil.rmtree(p)  # (fd-based: no symlink inside is followed, and one in its place is refused)
     except OSError:
         pass
 def live(line):  # a node file's line "<key> <pid> <heartbeat> <want>" of another live process
@@ -233,7 +244,8 @@ def _current() -> _Client:
 
 def register(path: str) -> None:
     """``path`` is about to be created by this process: the reaper removes it if this process
-    ends while it still exists. Call before creating the file (no window where it is unknown)."""
+    ends while it still exists. Call before creating the file (no window where it is unknown);
+    a directory must have a ``DIRECTORY_NAME``."""
     name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     with _lock:
         client = _current()
@@ -243,8 +255,8 @@ def register(path: str) -> None:
 
 
 def hold(path: str, fd: int) -> None:
-    """The registered file ``path`` was created as ``fd``: keep a shared lock on it while it
-    exists, the sign that its creator is alive (see the sweep)."""
+    """The registered file (or directory) ``path`` was created as ``fd``: keep a shared lock on it
+    while it exists, the sign that its creator is alive (see the sweep)."""
     name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     try:
         lock = os.dup(fd)  # (dup is close-on-exec: a spawned process never holds it)

@@ -20,9 +20,14 @@ A file is removed only when all of these hold:
   the file last changed (the pid was reused), or is a zombie.
 
 The node file that auto-tuned loaders share (``procpipe-node-u<uid>-<8 hex>-cpus``,
-``core/nodeshare.py``) has no single creator: it is removed when it is this user's regular
+``_core/nodeshare.py``) has no single creator: it is removed when it is this user's regular
 file, unchanged for ``nodeshare.STALE_S`` (every live loader rewrites it each second),
 not locked at the moment, and none of its lines is a live loader's.
+
+A directory is removed on the same conditions (a directory of this user, never a symlink,
+named as procpipe names its directories: ``reaper.DIRECTORY_NAME``, the torch facade's
+snapshot store; its creator holds the lock on the directory itself), with everything in it
+(``shutil.rmtree``: no symlink inside is followed).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import stat
 import threading
 import time
@@ -39,11 +45,13 @@ from dataclasses import dataclass, field
 import psutil
 
 from . import nodeshare
+from .reaper import DIRECTORY_KINDS
 
 logger = logging.getLogger("procpipe")
 
 KINDS = ("ring[0-9]+", "status", "spec", "preload", "cache", "cachefile", "records")
 NAME = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(KINDS) + r")\Z")
+DIRECTORY = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z")
 SETTLE_S = 2.0  # a file changed this recently is never swept
 _START_SLACK_S = 2.0  # a process's start time is known to about a second (boot time in whole seconds)
 
@@ -58,6 +66,7 @@ class Swept:
     paths: list[str] = field(default_factory=list)
     nbytes: int = 0
     pids: set[int] = field(default_factory=set)
+    directories: int = 0  # of the paths, those that were directories (with what they held)
 
 
 def sweep_once(directory: str) -> Swept | None:
@@ -69,10 +78,12 @@ def sweep_once(directory: str) -> Swept | None:
         _swept.add(key)
     swept = sweep(directory)
     if swept.paths:
+        files = len(swept.paths) - swept.directories
         logger.warning(
-            "procpipe removed %d file(s) (%.1f MiB) from %s left by process(es) %s that ended without "
+            "procpipe removed %d file(s)%s (%.1f MiB) from %s left by process(es) %s that ended without "
             "cleaning up (killed, or an older procpipe)",
-            len(swept.paths),
+            files,
+            f" and {swept.directories} directory(ies)" if swept.directories else "",
             swept.nbytes / 2**20,
             directory,
             ", ".join(map(str, sorted(swept.pids))) or "that shared a node file",
@@ -94,7 +105,7 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
         if node is not None and int(node.group(1)) == uid:
             _stale_node_file(os.path.join(directory, name), uid, now, swept)  # (no single creator's pid)
             continue
-        match = NAME.match(name)
+        match = NAME.match(name) or DIRECTORY.match(name)
         if match is None or int(match.group(1)) == me:
             continue
         path = os.path.join(directory, name)
@@ -102,7 +113,9 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
             st = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < settle_s:
+        is_directory = match.re is DIRECTORY
+        kind_ok = stat.S_ISDIR(st.st_mode) if is_directory else stat.S_ISREG(st.st_mode)
+        if not kind_ok or st.st_uid != uid or now - st.st_mtime < settle_s:
             continue
         pid = int(match.group(1))
         if pid not in starts:
@@ -112,12 +125,17 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
             continue  # its creator may run: the process with that pid is older than the file's last change
         if _locked(path, st):  # a process holds it: alive (in another pid namespace, say)
             continue
+        nbytes = _directory_bytes(path) if is_directory else st.st_blocks * 512
         try:
-            os.unlink(path)  # (removes the name: if it was swapped for a symlink meanwhile, the link, never its target)
+            if is_directory:
+                shutil.rmtree(path)  # (fd-based: refuses a symlink swapped in its place, follows none inside)
+            else:
+                os.unlink(path)  # (the name: if swapped for a symlink meanwhile, the link, never its target)
         except OSError:
             continue
         swept.paths.append(path)
-        swept.nbytes += st.st_blocks * 512
+        swept.directories += is_directory
+        swept.nbytes += nbytes
         swept.pids.add(pid)
     return swept
 
@@ -148,6 +166,21 @@ def _stale_node_file(path: str, uid: int, now: float, swept: Swept) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def _directory_bytes(path: str) -> int:
+    """The space the files directly in directory ``path`` take (symlinks not followed)."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return total
 
 
 def _process_start(pid: int) -> float | None:

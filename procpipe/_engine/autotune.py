@@ -1,6 +1,6 @@
 """``workers="auto"``: the settings, and the plumbing between the coordinator and the policy.
 
-The policy (how many workers) is :class:`procpipe.engine.policy.Tuner`, a pure object; its
+The policy (how many workers) is :class:`procpipe._engine.policy.Tuner`, a pure object; its
 module docstring states the control law. Here: :class:`AutoWorkers` (the settings),
 :class:`Meter` (what the coordinator measures over each control interval: how many batches
 the consumer took, how long it waited inside ``next()``, how long the workers were busy

@@ -107,7 +107,8 @@ def rebuild_error(error: ErrorInfo, worker: WorkerLink, job: Job, epoch: int) ->
         f"procpipe: raised in worker {worker.index} {where} (epoch {epoch}, batch {job.seq}); "
         "the worker's traceback is shown above.",
     )
-    exc.__cause__ = RemoteTraceback(error.traceback)
+    headline = RemoteTraceback.headline_of(error.type_name, error.message, f"in worker {worker.index} {where}")
+    exc.__cause__ = RemoteTraceback(error.traceback, headline)
     return exc
 
 

@@ -1,8 +1,8 @@
 """Starting a Loader's engine, in the calling process: everything before the first worker runs.
 
 ``start_engine`` creates the loader's shared files, opens the cache (which computes the
-first sample), ships the user's objects to the workers (pickled once with dill into a
-shared file each worker reads, see _worker/process.py; with ``"fork"`` they are inherited instead),
+first sample), ships the user's objects to the workers (pickled once, with cloudpickle or dill
+(``process.dump_spec``), into a shared file each worker reads; with ``"fork"`` they are inherited instead),
 gets the multiprocess context (``context``: with ``"forkserver"``, the server is started
 with the workers' environment and told to preload the modules the pickle references, in
 the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
@@ -17,12 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .._core.shm import SharedFiles, check_capacity, create_file
 from .._worker.preload_list import preload_list
-from .._worker.process import WorkerSpec, dump_spec
+from .._worker.process import WorkerSpec, dump_spec, dump_value
 from .._worker.start_method import context as start_context
 from .._worker.stream_cache import open_loader_cache
 from ..config import EngineConfig
+from ..errors import ShippingError
 from .coordinator import Coordinator
 from .pool import LocalPool
 
@@ -90,28 +93,67 @@ def context(start_method: str, env: dict[str, str], files: SharedFiles, preload:
 
 
 _INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle Value, Array, Lock, Event...
+_CULPRIT_DEPTH = 6  # how deep inside the user's objects the refusing attribute is looked for
 
 
 def serialize_spec(spec: WorkerSpec, start_method: str) -> bytes:
-    """The dataset, fn and collate_fn pickled by dill, or a ``TypeError`` saying why they cannot be."""
+    """The dataset, fn and collate_fn pickled (``process.dump_spec``), or a ``ShippingError`` (a
+    ``TypeError``) naming what refuses and why."""
     try:
         return dump_spec(spec)
-    except Exception as exc:
-        if _INHERITED_ONLY in str(exc):
-            raise TypeError(
-                f"procpipe could not send the source, fn or collate_fn to workers started with "
-                f"start_method={start_method!r}: {exc}. They hold a multiprocessing synchronization object "
-                "(Value, Array, Lock, Event, Semaphore...), which reaches a child process only by "
-                "inheritance: use start_method='fork' (procpipe.torch.DataLoader: "
-                "multiprocessing_context='fork'), where workers inherit it, or create it in the worker."
-            ) from exc
-        raise TypeError(
-            f"procpipe could not serialize the source, fn or collate_fn for the workers "
-            f"(start_method={start_method!r}): {exc}. "
-            "Everything passed to Loader must be picklable by dill; open files, locks and sockets "
-            "should be opened lazily inside __getitem__ or fn instead. start_method='fork' avoids "
-            "serialization altogether."
-        ) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises becomes a ShippingError naming it
+        raise ShippingError(
+            start_method,
+            f"{type(exc).__name__}: {exc}",
+            culprit=culprit(spec),
+            inherited_only=_INHERITED_ONLY in str(exc),
+        ) from None  # (the pickler's own traceback, dozens of its frames, says no more: it stays as __context__)
+
+
+def culprit(spec: WorkerSpec) -> str:
+    """The innermost attribute or item of the user's objects that refuses pickling, as an error
+    names it (``"an attribute 'conn' holds a socket.socket"``), or "" if none is found."""
+    for obj in (spec.source, spec.fn, spec.collate_fn, spec.batch_fn, spec.augment):
+        if obj is None or _picklable(obj):
+            continue
+        found = _refusing(obj, _CULPRIT_DEPTH, set())
+        if found is not None:
+            name, value = found
+            kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+            return f"an {name} holds a {kind}"
+    return ""
+
+
+def _parts_of(obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"item {k!r}", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"item {i}", v) for i, v in enumerate(obj)]  # ("an item 3 holds ...")
+    try:
+        attributes = vars(obj)
+    except TypeError:
+        return []
+    return [(f"attribute {k!r}", v) for k, v in attributes.items()]
+
+
+def _refusing(obj: Any, depth: int, seen: set[int]) -> tuple[str, Any] | None:
+    """The innermost ``(name, value)`` under ``obj`` (which refuses pickling) that refuses too."""
+    if depth == 0 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    for name, value in _parts_of(obj):
+        if isinstance(value, (np.ndarray, str, bytes, int, float)) or _picklable(value):
+            continue
+        return _refusing(value, depth - 1, seen) or (name, value)
+    return None
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        dump_value(obj)
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the answer is no
+        return False
+    return True
 
 
 def write_spec(data: bytes, files: SharedFiles) -> str:

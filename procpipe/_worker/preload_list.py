@@ -1,11 +1,12 @@
 """Which modules a forkserver preloads: those the shipped dataset and functions reference.
 
-A worker started from the forkserver unpickles the loader's spec (dill), which imports
-every module a class or function in it lives in. Imported once in the server instead,
+A worker started from the forkserver unpickles the loader's spec (cloudpickle, or dill:
+process.dump_spec), which imports every module a class or function in it lives in. Imported once in the server instead,
 they cost nothing per worker. Only those: a process that imported TensorFlow or torch
 for its training loop does not make a numpy-only dataset's workers wait for them (10 s
 for TensorFlow). The list is read off the pickle itself (``referenced_modules``: its
-``GLOBAL`` / ``STACK_GLOBAL`` opcodes, and the modules dill pickles by reference), and
+``GLOBAL`` / ``STACK_GLOBAL`` opcodes, and the modules cloudpickle and dill pickle by
+reference: the argument of their import function), and
 ordered as the parent imported them (``sys.modules`` keeps that order), so that a module
 whose import depends on another's having run first (a plugin registry, a post-import hook)
 is imported after it, as in the parent. Modules imported only inside a function body are
@@ -21,10 +22,22 @@ from typing import cast
 _STRING_OPS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
 _GET_OPS = frozenset({"BINGET", "LONG_BINGET", "GET"})
 _NO_STACK_OPS = frozenset({"FRAME", "PROTO", "STOP"})
-# (module, name) of the function dill's pickles call to import a module pickled by reference
-_IMPORT_MODULE = ("dill._dill", "_import_module")
+# (module, name) of the functions cloudpickle's and dill's pickles call to import a module pickled by reference
+_IMPORT_MODULE = frozenset({("cloudpickle.cloudpickle", "subimport"), ("dill._dill", "_import_module")})
 # Already imported by every worker: never worth listing.
-_ALWAYS_THERE = frozenset({"__main__", "builtins", "__builtin__", "copyreg", "dill", "dill._dill", "numpy"})
+_ALWAYS_THERE = frozenset(
+    {
+        "__main__",
+        "builtins",
+        "__builtin__",
+        "copyreg",
+        "dill",
+        "dill._dill",
+        "cloudpickle",
+        "cloudpickle.cloudpickle",
+        "numpy",
+    }
+)
 
 
 def referenced_modules(data: bytes) -> set[str]:
@@ -32,7 +45,7 @@ def referenced_modules(data: bytes) -> set[str]:
     modules: set[str] = set()
     memo: dict[int, str | None] = {}
     recent: list[str | None] = [None, None]  # the last two values pushed (None: not a string)
-    want_module = False  # the next string is the argument of dill's _import_module
+    want_module = False  # the next string is the argument of an _IMPORT_MODULE function
     for opcode, arg, _ in pickletools.genops(data):
         name = opcode.name
         value: str | None = None
@@ -52,7 +65,7 @@ def referenced_modules(data: bytes) -> set[str]:
             module, attr = (recent[-2], recent[-1]) if name == "STACK_GLOBAL" else str(arg).split(" ", 1)
             if module is not None:
                 modules.add(module)
-                want_module = (module, attr) == _IMPORT_MODULE
+                want_module = (module, attr) in _IMPORT_MODULE
             recent.append(None)
             del recent[0]
             continue

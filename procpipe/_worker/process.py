@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import select
 import signal
 import sys
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import dill
 
 from .._core import collate, wire
@@ -92,7 +94,8 @@ class WorkerSpec:
 
 
 class _SpecPickler(dill.Pickler):
-    """dill, except that importable modules are always pickled by reference.
+    """dill, except that importable modules are always pickled by reference (the fallback of
+    ``dump_spec``).
 
     dill pickles a module that is not under site-packages or the stdlib (an editable
     install such as procpipe itself, or the user's own helper module) *with its whole
@@ -114,9 +117,32 @@ class _SpecPickler(dill.Pickler):
 
 
 def dump_spec(spec: WorkerSpec) -> bytes:
-    buffer = io.BytesIO()
-    _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(spec)
-    return buffer.getvalue()
+    """``spec`` pickled for workers that do not inherit it (every start method but ``"fork"``).
+
+    cloudpickle first: it pickles what an importable module defines by reference (the worker
+    imports the module) and what the main script or a notebook defines (``__main__``), or a
+    function body, by value, as the script runs it: a class with its whole hierarchy of
+    ``__main__`` bases, ``typing.Generic`` bases and their ``TypeVar``s (torch's ``Dataset`` is
+    ``Generic[T_co]``), dataclasses, enums, closures, lambdas in class attributes. A worker started
+    by the zygote, a forkserver or spawn never imports the main script (start_method.py), so these
+    by-value copies are all it has of them. dill is the fallback for the objects cloudpickle refuses
+    and dill can pickle (a ``threading.Lock``, an open file); the error raised when both refuse is
+    cloudpickle's, which names the object.
+    """
+    return dump_value(spec)
+
+
+def dump_value(value: Any) -> bytes:
+    """``value`` pickled as ``dump_spec`` pickles the spec: cloudpickle, else dill."""
+    try:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as refused:  # noqa: BLE001 - cloudpickle refuses: dill may not (a lock, an open file)
+        try:
+            buffer = io.BytesIO()
+            _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(value)
+        except Exception:  # noqa: BLE001 - both refuse: cloudpickle's error says why (the caller words it)
+            raise refused from None
+        return buffer.getvalue()
 
 
 def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:

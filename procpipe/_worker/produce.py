@@ -91,7 +91,7 @@ def produce_indices(
         if not spec.batched:
             layout, nbytes, in_slot = collate.layout_value(samples[0], buffer, capacity)
         else:
-            layout, nbytes, in_slot = collate.layout_batch(samples, kept, buffer, capacity)
+            layout, nbytes, in_slot = collate.layout_batch(samples, kept, buffer, capacity, made_in(spec))
         return Produced(layout, nbytes, in_slot, kept, skipped)
     scope.collating(epoch, indices[0])  # draws in collate_fn / batch_fn: the same with or without workers
     if spec.batch_fn is not None:
@@ -103,6 +103,12 @@ def produce_indices(
     scope.leave()
     layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     return Produced(layout, nbytes, in_slot, kept, skipped)
+
+
+def made_in(spec: Any) -> str:
+    """Where a sample is made, as collation errors name the place to fix it: the ``fn`` of a
+    Loader that has one, else the dataset's ``__getitem__`` (procpipe.torch.DataLoader's case)."""
+    return "fn" if spec.fn is not None else "the dataset's __getitem__"
 
 
 def collate_privately(collate_fn: Callable[[list], Any] | None, samples: list, keys: Sequence[Any]) -> Any:

@@ -12,7 +12,7 @@ multiprocess's forkserver protocol (its ``main`` loop and request format, unchan
 
 The zygote
 
-- imports procpipe's worker code (``procpipe._worker.process``: numpy, dill, multiprocess),
+- imports procpipe's worker code (``procpipe._worker.process``: numpy, cloudpickle, dill, multiprocess),
   and ``procpipe.torch`` when torch was imported, after it is forked, in the background, so
   neither the import of procpipe nor the workers pay for it; it never imports the main
   script or anything else (a module imported after the zygote was forked, that the
@@ -213,7 +213,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
     _neutralize_fds({listener_fd, alive_r})
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # not the program's handlers
-    # The workers' code (numpy, dill, multiprocess), and the adapter of a framework already
+    # The workers' code (numpy, cloudpickle, dill, multiprocess), and the adapter of a framework already
     # imported (procpipe.torch.DataLoader's workers unpickle its functions).
     for name in ["procpipe._worker.process"] + [a for f, a in _ADAPTERS if f in sys.modules]:
         try:

@@ -40,6 +40,7 @@ import torch
 import torch.utils.data as _tud
 
 from ..config import START_METHODS, LoaderConfig
+from ..errors import ShippingError, Words
 from ..loader import Loader
 from .device import CudaTransfer, Stage, resolve_device
 from .epoch import EpochIterator
@@ -56,11 +57,28 @@ def _start_method(context: Any) -> str:
         return "auto"
     method = context if isinstance(context, str) else context.get_start_method()
     if method not in START_METHODS:
-        raise ValueError(f"multiprocessing_context={context!r}: procpipe supports the start methods {START_METHODS}")
+        raise ValueError(
+            f"multiprocessing_context={context!r}: procpipe.torch.DataLoader supports the start methods "
+            f"{START_METHODS} (None: 'auto')"
+        )
     return method
 
 
+def _torch_context(context: Any) -> Any:
+    """What torch's ``DataLoader`` is told of ``multiprocessing_context``: procpipe's own names
+    (``"auto"``, ``"zygote"``), which torch's check refuses, as None (procpipe starts the workers)."""
+    return None if context in ("auto", "zygote") else context
+
+
 _T_co = TypeVar("_T_co", covariant=True)
+# How procpipe's errors name a DataLoader user's options and objects (procpipe.errors.Words).
+_WORDS = Words(
+    owner="procpipe.torch.DataLoader",
+    objects="the dataset, collate_fn or worker_init_fn",
+    option="multiprocessing_context",
+    auto="multiprocessing_context=None",
+    lazily="inside __getitem__ or worker_init_fn",
+)
 
 
 class _LoaderOptions(TypedDict):
@@ -101,9 +119,15 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
     - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
       default) while the process runs no OS thread but its main one and those that ran when
-      procpipe was imported (numpy's BLAS pool), else the fork-safe ``"forkserver"`` (a
-      dataset holding ``multiprocessing`` locks or shared values then needs ``"fork"``);
-      resolved for the first epoch and kept for later epochs' workers;
+      procpipe was imported (numpy's BLAS pool), else the fork-safe ``"zygote"`` (a copy of
+      the process forked at ``import procpipe``), else ``"forkserver"`` (a dataset holding
+      ``multiprocessing`` locks or shared values then needs ``"fork"``); resolved for the
+      first epoch and kept for later epochs' workers. ``"zygote"`` may be asked for by name;
+    - whatever the start method, the dataset and functions reach the workers as the script
+      defines them (classes of ``__main__`` or a notebook with their bases, ``Generic`` and
+      ``TypeVar``s, dataclasses, enums, closures, lambdas): procpipe ships them with
+      cloudpickle (docs/guide/startup.md), where torch's spawn and forkserver need them
+      importable from the main script;
     - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
       is the worker that really loads it;
     - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
@@ -160,7 +184,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             drop_last,
             timeout,
             worker_init_fn,
-            multiprocessing_context,
+            _torch_context(multiprocessing_context),
             generator,
             prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers,
@@ -329,7 +353,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
         (``shared_seed``: an IterDataPipe's, see ``procpipe.torch.iterable``)."""
-        loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+        try:
+            loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+        except ShippingError as exc:  # in the words of a DataLoader user, who has no start_method
+            raise exc.reworded(words=_WORDS) from None
         # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
         # start the same way, though the training loop runs threads by then (torch forks each epoch too)
         self._pp_options["start_method"] = loader.start_method

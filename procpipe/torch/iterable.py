@@ -165,7 +165,9 @@ def reraise(raised: RaisedInReplica) -> NoReturn:
         f"procpipe: raised in {raised.stage} of the IterableDataset replica of worker {raised.worker}, "
         f"at its batch {raised.position} of this epoch; the worker's traceback is shown above.",
     )
-    raise exc from RemoteTraceback(raised.traceback)
+    where = f"in {raised.stage} of the IterableDataset replica of worker {raised.worker}"
+    headline = RemoteTraceback.headline_of(raised.type_name, raised.message, where)
+    raise exc from RemoteTraceback(raised.traceback, headline)
 
 
 def _raised(exc: BaseException, worker: int, position: int, stage: str) -> RaisedInReplica:

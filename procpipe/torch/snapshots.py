@@ -30,10 +30,12 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeGuard
+
+from .._core import reaper
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]
 
@@ -125,8 +127,29 @@ class SnapshotStore:
 
     @classmethod
     def create(cls, parent: str) -> SnapshotStore:
-        """A new, private (0700) directory under ``parent`` (the loader's ``shm_dir``)."""
-        return cls(tempfile.mkdtemp(prefix="procpipe-replicas-", dir=parent))
+        """A new, private (0700) directory under ``parent`` (the loader's ``shm_dir``), named as
+        procpipe names what it leaves there (``procpipe-<pid>-<8 hex>-replicas``): registered with
+        this process's reaper and locked while it exists, so that the reaper removes it if the
+        process is killed, and a later process's start-up sweep if the reaper could not
+        (core/reaper.py, core/sweep.py)."""
+        while True:
+            path = os.path.join(parent, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-replicas")
+            reaper.register(path)
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                reaper.forget(path)  # (someone else's: never ours to remove)
+                continue
+            except BaseException:
+                reaper.forget(path)
+                raise
+            break
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            reaper.hold(path, fd)  # locked at once: the sweep never takes it for a dead process's
+        finally:
+            os.close(fd)
+        return cls(path)
 
     def _file(self, worker: int) -> str:
         return os.path.join(self.path, f"replica-{int(worker)}.pkl")
@@ -161,3 +184,4 @@ class SnapshotStore:
     def remove(self) -> None:
         """Delete the directory and its files (the loader is closed)."""
         shutil.rmtree(self.path, ignore_errors=True)  # a worker still writing finds it gone (write())
+        reaper.forget(self.path)
