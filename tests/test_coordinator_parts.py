@@ -1,10 +1,10 @@
 """The coordinator's parts, tested in-process against a fake pool (no worker processes).
 
-The coordinator (engine/coordinator.py) is a loop of named steps over parts: the worker
+The coordinator (_engine/coordinator.py) is a loop of named steps over parts: the worker
 ``Roster`` (roster.py), the ``Dispatcher`` with its speculation (dispatch.py), the verdict
 on a death (``deaths.settle``), the ring generations (``RingSet``), typed commands and the
-``WakePipe`` (core/wakeup.py). Each is driven here with ``FakePool``/``FakeLink`` (the
-``WorkerPool``/``WorkerLink`` interface of engine/pool.py, recording what is sent) and
+``WakePipe`` (_core/wakeup.py). Each is driven here with ``FakePool``/``FakeLink`` (the
+``WorkerPool``/``WorkerLink`` interface of _engine/pool.py, recording what is sent) and
 stand-in epochs, so deaths, timeouts and speculation are checked without a process.
 """
 from __future__ import annotations

@@ -110,7 +110,7 @@ EXIT_AFTER_A_FAILURE = textwrap.dedent("""
 
 def test_a_failed_run_prints_nothing_spurious_at_exit():
     """multiprocess's exit hook terminates the daemonic workers; the loaders still open are closed
-    before it (api/shutdown.py), so no coordinator takes those deaths for crashes and tries to
+    before it (_consumer/shutdown.py), so no coordinator takes those deaths for crashes and tries to
     replace them from a forkserver whose socket is gone ("could not be replaced ([Errno 2] ...)")."""
     result = run_python(["-c", EXIT_AFTER_A_FAILURE], timeout=180)
     assert result.returncode == 1

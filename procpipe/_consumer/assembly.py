@@ -145,7 +145,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     )
     # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
     finalizer = weakref.finalize(context, close_engine, coordinator)
-    watch_exit(finalizer)  # (after a finalize exists: see api/shutdown.py)
+    watch_exit(finalizer)  # (after a finalize exists: see _consumer/shutdown.py)
     return LoaderParts(device_stage, spec, start_method, coordinator, context, finalizer)
 
 

@@ -16,7 +16,7 @@ reaper covers every such case:
 - The training process tells it each file's path before creating the file (``register``)
   and after removing it (``forget``), one message on a pipe each (a few per loader, none
   per batch). It knows nothing else and removes nothing else, but for the node files that
-  auto-tuned loaders share (``core/nodeshare.py``, ``register_node_file``): there it removes
+  auto-tuned loaders share (``_core/nodeshare.py``, ``register_node_file``): there it removes
   this process's lines, and the file once no live process's line is left.
 - It waits for the training process to end (a pidfd where Linux has them, else it checks
   its parent every half second), then reads what is left on the pipe and removes every
@@ -116,7 +116,7 @@ for p in paths:
 def live(line):  # a node file's line "<key> <pid> <heartbeat> <want>" of another live process
     f = line.split()
     return len(f) == 4 and f[1].isdigit() and int(f[1]) != parent and os.path.exists(b"/proc/" + f[1])
-for p in nodes:  # shared files (core/nodeshare.py): drop the parent's lines; the last one out removes it
+for p in nodes:  # shared files (_core/nodeshare.py): drop the parent's lines; the last one out removes it
     try:
         fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -284,7 +284,7 @@ def forget(path: str) -> None:
 
 
 def register_node_file(path: str) -> None:
-    """This process writes lines into the shared node file ``path`` (core/nodeshare.py): once
+    """This process writes lines into the shared node file ``path`` (_core/nodeshare.py): once
     this process is gone, the reaper removes its lines, and the file if no live process's remain."""
     name = os.fsencode(os.path.abspath(path))
     with _lock:

@@ -6,7 +6,7 @@ module docstring states the control law. Here: :class:`AutoWorkers` (the setting
 the consumer took, how long it waited inside ``next()``, how long the workers were busy
 loading, how long they were on a CPU or waiting for one, ``/proc/<pid>/schedstat`` else
 psutil, and the training process's own CPU time), :func:`cpu_count` (the CPU budget,
-``core/cpus.py``: affinity and cgroup quota), and what memory allows (:func:`memory_room`,
+``_core/cpus.py``: affinity and cgroup quota), and what memory allows (:func:`memory_room`,
 :func:`ring_workers`).
 
 A control interval lasts at least ``interval`` seconds (default 0.25) and until the consumer

@@ -40,7 +40,7 @@ Autotune. With ``workers="auto"`` a ``Tuner`` (policy.py) is consulted every con
 interval; the coordinator starts workers or retires them (no more tasks, then ``None``
 once idle). The ring and the status words are sized for the most workers the tuner may use.
 Auto-tuned loaders with local workers share the node's CPUs through a small file in
-``shm_dir`` (core/nodeshare.py), written about once a second without waiting for its lock.
+``shm_dir`` (_core/nodeshare.py), written about once a second without waiting for its lock.
 """
 
 from __future__ import annotations

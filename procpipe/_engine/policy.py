@@ -3,13 +3,13 @@
 A pure object (no process, thread or clock: the caller passes the time and what it
 measured), so the tests drive it with synthetic throughput curves of any core count
 (``tests/test_autotune_curves.py``). The coordinator measures and follows it
-(``engine/autotune.py``, ``engine/coordinator.py``).
+(``_engine/autotune.py``, ``_engine/coordinator.py``).
 
 What it knows each interval (a :class:`Sample`): the consumer's throughput and the share
 of the interval it waited for batches; the workers' busy time, CPU time and run-queue
 time (waiting for a CPU); the training process's own CPU time. And, set by the caller:
 ``cpus``, the CPUs this loader's workers may use (this process's budget, or its share of
-the node when several auto-tuned loaders run there: ``core/nodeshare.py``), and
+the node when several auto-tuned loaders run there: ``_core/nodeshare.py``), and
 ``memory_room``.
 
 The law, in full:
@@ -178,7 +178,7 @@ class Tuner:
         return max(self.min, min(self.limit, _round(free / self.demand)))
 
     def want_cpus(self) -> float:
-        """The CPUs to ask of the node (``core/nodeshare.py``): all it can get while the consumer
+        """The CPUs to ask of the node (``_core/nodeshare.py``): all it can get while the consumer
         waits on busy workers, else about what it uses now."""
         if self.wanting:
             return math.inf

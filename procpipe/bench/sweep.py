@@ -82,7 +82,7 @@ def default_worker_counts(cpus: int | None = None) -> list[int]:
 
 
 def cpu_count() -> int:
-    """The CPUs this process may really use: affinity and cgroup quota (``core/cpus.py``)."""
+    """The CPUs this process may really use: affinity and cgroup quota (``_core/cpus.py``)."""
     return cpu_budget()
 
 
