@@ -216,21 +216,19 @@ for k, batch in enumerate(loader):
 
 @pytest.mark.parametrize("presses", ["once", "twice"])
 def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, presses: str) -> None:
-    import signal
     import subprocess
     import sys
 
-    from conftest import python_env, shm_files
+    from conftest import CTRL_C_READY, interrupt, python_env, shm_files
 
     script = tmp_path / "train.py"
-    script.write_text(CTRL_C_SCRIPT)
+    script.write_text(CTRL_C_READY + CTRL_C_SCRIPT)  # (Ctrl-C reaches it however pytest was started)
     notes = tmp_path / "notes"
     child = subprocess.Popen([sys.executable, str(script), str(notes), presses], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=python_env())
     try:
         assert child.stdout.readline() == "looping\n"
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=60)
+        _, stderr = interrupt(child, 60)  # (a child that does not exit fails with its stacks)
     finally:
         if child.poll() is None:
             child.kill()
