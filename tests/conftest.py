@@ -291,20 +291,21 @@ def interrupt(proc: subprocess.Popen, timeout: float) -> tuple[Any, Any]:
         except subprocess.TimeoutExpired:
             problem = f"the child (pid {proc.pid}) did not exit within {timeout:.0f} s of SIGINT"
     report = [problem, f"SIGINT in this test process (pid {os.getpid()}): {signal_state(os.getpid(), signal.SIGINT)}"]
-    for pid in [proc.pid, *sorted(descendants(proc.pid))]:
-        report.append(f"  {_describe(pid)}: SIGINT {signal_state(pid, signal.SIGINT)}")
+    report += [f"  {_describe(pid)}: SIGINT {signal_state(pid, signal.SIGINT)}"
+               for pid in [proc.pid, *sorted(descendants(proc.pid))]]
     spy = shutil.which("py-spy")
     if spy:
-        dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60)
+        dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60,
+                              check=False)
         report.append(f"py-spy dump:\n{dump.stdout}{dump.stderr}")
     proc.send_signal(signal.SIGUSR2)  # faulthandler writes every thread's stack to its stderr
     try:
-        proc.communicate(timeout=3)  # (it does not exit: a bounded wait for the dump, kept by communicate)
+        proc.communicate(timeout=3)  # (it does not exit: a bounded wait for the dump, which communicate keeps)
     except subprocess.TimeoutExpired:
         pass
     proc.kill()
     out, err = proc.communicate()
-    pytest.fail("\n".join(report) + f"\nits stdout:\n{out}\nits stderr (its stacks last: SIGUSR2):\n{err}")
+    pytest.fail("\n".join(report) + f"\nits stdout:\n{out}\nits stderr (its stacks last):\n{err}")
 
 
 # --------------------------------------------------------------------------- fixtures

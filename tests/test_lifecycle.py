@@ -19,8 +19,20 @@ import textwrap
 import numpy as np
 import psutil
 import pytest
-from conftest import (CTRL_C_READY, START_METHODS, assert_cleaned, assert_running, descendants, interrupt, python_env,
-                      run_python, shm_files, signal_state, wait_gone, wait_until)
+from conftest import (
+    CTRL_C_READY,
+    START_METHODS,
+    assert_cleaned,
+    assert_running,
+    descendants,
+    interrupt,
+    python_env,
+    run_python,
+    shm_files,
+    signal_state,
+    wait_gone,
+    wait_until,
+)
 
 from procpipe import Loader
 
