@@ -206,12 +206,17 @@ def test_workers_take_their_signals_whatever_mask_the_training_process_has():
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         with Loader(list(range(N)), square, batch_size=BS, workers=2, start_method="fork") as loader:
-            states = {pid: [signal_state(pid, s) for s in sorted(blocked)] for pid in loader.worker_pids}
             assert signal_state(os.getpid(), signal.SIGUSR1) == "blocked"  # (the test's premise)
+
+            def states() -> dict[int, list[str]]:
+                return {pid: [signal_state(pid, s) for s in sorted(blocked)] for pid in loader.worker_pids}
+
+            # "caught": the worker's handlers are in place and not blocked ("blocked" else)
+            wait_until(lambda: all(s == ["caught", "caught"] for s in states().values()), 15,
+                       "workers taking SIGTERM and SIGUSR1")
             assert firsts(loader) == EXPECTED
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    assert all("blocked" not in s for s in states.values()), states
 
 
 def test_a_training_process_that_ignores_sigint_keeps_it_ignored(tmp_path):
