@@ -274,9 +274,10 @@ def signal_state(pid: int, signum: int) -> str:
     return "default"
 
 
-def interrupt(proc: subprocess.Popen, timeout: float) -> tuple[Any, Any]:
+def interrupt(proc: subprocess.Popen, timeout: float, group: bool = False) -> tuple[Any, Any]:
     """Send SIGINT to ``proc`` (a script that starts with ``CTRL_C_READY``) and return its
-    ``communicate()`` once it exits. If SIGINT cannot reach it, or it does not exit within
+    ``communicate()`` once it exits; ``group``: to its whole process group, as a terminal's Ctrl-C
+    (``proc`` started with ``start_new_session=True``). If SIGINT cannot reach it, or it does not exit within
     ``timeout`` seconds, fail the test with what explains it: the SIGINT state of the child, its
     processes and this one, the child's stacks (SIGUSR2: faulthandler; py-spy too where
     installed), then its output. The child is killed."""
@@ -285,7 +286,10 @@ def interrupt(proc: subprocess.Popen, timeout: float) -> tuple[Any, Any]:
     if state in ("blocked", "ignored"):
         problem = f"SIGINT is {state} in the child (pid {proc.pid}): a Ctrl-C cannot reach it"
     else:
-        proc.send_signal(signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         try:
             return proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -146,11 +146,12 @@ SCRIPT = textwrap.dedent('''
 class Child:
     """A Python subprocess running SCRIPT; reads its lines with a deadline."""
 
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, session=False):
         script = tmp_path / "consumer.py"
         script.write_text(CTRL_C_READY + SCRIPT)  # (a test's Ctrl-C reaches it however pytest was started)
         self.proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path))
+                                     stderr=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path),
+                                     start_new_session=session)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
 
@@ -176,23 +177,27 @@ class Child:
         self.proc.stderr.close()
 
 
-def _start(tmp_path, mode, start_method="forkserver"):
-    child = Child(tmp_path, mode, start_method)
+def _start(tmp_path, mode, start_method="forkserver", session=False):
+    child = Child(tmp_path, mode, start_method, session=session)
     prefix, *pids = child.line()
     pids = [int(p) for p in pids]
     assert len(pids) == 2 and set(pids) <= descendants(child.proc.pid)
     return child, prefix, pids
 
 
-@pytest.mark.parametrize("mode", ["with", "bare"])
-def test_keyboard_interrupt_cleans_up(tmp_path, mode):
-    child, prefix, pids = _start(tmp_path, mode)
+@pytest.mark.parametrize("mode,terminal", [("with", False), ("bare", False), ("bare", True)],
+                         ids=["with", "bare", "bare-terminal"])
+def test_keyboard_interrupt_cleans_up(tmp_path, mode, terminal):
+    # terminal: Ctrl-C as a terminal sends it, to the whole process group (the workers, the zygote,
+    # the forkserver and the resource tracker are in it; the reaper has a session of its own)
+    child, prefix, pids = _start(tmp_path, mode, session=terminal)
     try:
         assert child.line() == ["looping"]
         tree = descendants(child.proc.pid)  # workers, forkserver, resource tracker
         assert set(pids) <= tree and shm_files(prefix)
-        _, stderr = interrupt(child.proc, 30)  # (a child that does not exit fails with its stacks)
+        _, stderr = interrupt(child.proc, 30, group=terminal)  # (a child that does not exit fails with its stacks)
         assert child.proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+        assert stderr.count("Traceback") == 1, stderr  # the loop's: nothing from the other processes
         assert_cleaned(tree, prefix)
     finally:
         child.close()
