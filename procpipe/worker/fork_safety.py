@@ -162,8 +162,11 @@ def _without_fork_warning() -> Iterator[None]:
     if sys.version_info < (3, 12) or why_not_safe() is not None:
         yield
         return
-    # Only this message, only for this fork: catch_warnings swaps the process's filter list for
-    # the fork's duration (a thread's context only, on 3.14 with context-aware warnings).
+    # Only this message, only for this fork: catch_warnings swaps in a copy of the filter list
+    # with one entry more for the fork's duration (milliseconds), and puts the list back. On
+    # 3.12 and 3.13 the list is the process's: another thread's own catch_warnings overlapping
+    # this window could keep the entry after it (this one message, silenced); with 3.14's
+    # context-aware warnings it is this thread's only.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
         yield
