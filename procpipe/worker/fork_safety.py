@@ -166,7 +166,7 @@ def _without_fork_warning() -> Iterator[None]:
     # with one entry more for the fork's duration (milliseconds), and puts the list back. On
     # 3.12 and 3.13 the list is the process's: another thread's own catch_warnings overlapping
     # this window could keep the entry after it (this one message, silenced); with 3.14's
-    # context-aware warnings it is this thread's only.
+    # context-aware warnings (the default in free-threaded builds) it is this thread's only.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
         yield
