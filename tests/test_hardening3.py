@@ -237,7 +237,9 @@ def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, pres
     assert "Exception ignored" not in stderr and "lost sys.stderr" not in stderr, stderr
     assert stderr.count("KeyboardInterrupt") == 1, stderr  # one traceback: the loop's
     assert shm_files(f"/dev/shm/procpipe-{child.pid}-") == []
-    # Exiting does not wait for the batches queued in the workers' pipes: at most the sample each
-    # worker was starting as the close began (before: every task queued, tens of samples).
+    # Exiting does not wait for the batches queued in the workers' pipes (before: every task queued,
+    # tens of samples): at most two per worker, the one under way as the close began and one it may
+    # start before the close's ABANDON_SIGNAL reaches it (a 50 ms sample: under load, that happened
+    # once in 50 runs with a bound of one per worker).
     lines = notes.read_text().splitlines()
-    assert lines.count("closing") == 1 and lines[lines.index("closing") + 1:].count("sample") <= 2, lines
+    assert lines.count("closing") == 1 and lines[lines.index("closing") + 1:].count("sample") <= 4, lines
