@@ -19,6 +19,11 @@ the child: forking is safe only while no other thread can hold a lock the child 
   pool is its thread count less one). A native thread that was running before procpipe was
   imported (TensorFlow's, a C library's) is *not* safe: it counts against forking.
 
+CPython 3.12+ warns after every fork of a multi-threaded process (``DeprecationWarning``: "This
+process is multi-threaded, use of fork() may lead to deadlocks in the child"). For a fork that
+this module deems safe, ``forking()`` silences exactly that warning; a fork beside a thread of
+the program's still warns, as does the program's own ``os.fork()``.
+
 Anything else (a thread the program started, a native pool that started later: torch's
 intra-op pool once a parallel op ran, TensorFlow's) makes ``"auto"`` use the forkserver
 (``why_not_safe`` says which). Threads are counted at the OS level (``/proc/self/task``).
@@ -30,6 +35,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -143,10 +149,34 @@ def native_region() -> Iterator[None]:
             _gate.notify_all()
 
 
+# CPython 3.12+ says this after every fork of a process that has more than one OS thread.
+FORK_WARNING = r"This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to deadlocks in the child\."
+
+
+@contextmanager
+def _without_fork_warning() -> Iterator[None]:
+    """Silence CPython's fork warning (``FORK_WARNING``) for a fork this module knows is safe:
+    every other thread is procpipe's, parked by ``forking()``, numpy's BLAS pool (fork-safe by
+    ``pthread_atfork``) or the main thread (module doc). A fork beside a thread of the program's
+    (``start_method="fork"`` forced) still warns: that warning is the program's to see."""
+    if sys.version_info < (3, 12) or why_not_safe() is not None:
+        yield
+        return
+    # Only this message, only for this fork: catch_warnings swaps in a copy of the filter list
+    # with one entry more for the fork's duration (milliseconds), and puts the list back. On
+    # 3.12 and 3.13 the list is the process's: another thread's own catch_warnings overlapping
+    # this window could keep the entry after it (this one message, silenced); with 3.14's
+    # context-aware warnings (the default in free-threaded builds) it is this thread's only.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FORK_WARNING, category=DeprecationWarning)
+        yield
+
+
 @contextmanager
 def forking() -> Iterator[None]:
     """Held around ``fork()``: one fork at a time, and none while a procpipe thread is
-    inside a native region (module doc)."""
+    inside a native region (module doc); CPython's fork warning silenced when the fork is
+    safe (``_without_fork_warning``)."""
     global _forking
     me = threading.get_ident()
     with _gate:
@@ -154,7 +184,8 @@ def forking() -> Iterator[None]:
             _gate.wait()
         _forking = me
     try:
-        yield
+        with _without_fork_warning():
+            yield
     finally:
         with _gate:
             _forking = None

@@ -255,6 +255,10 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(ABANDON_SIGNAL, _abandon)
+    # A signal mask is inherited (fork and exec): a training process started with SIGTERM or
+    # SIGUSR1 blocked (by its launcher, or a thread that blocked them) must not hold back a
+    # closing loader's ABANDON_SIGNAL or the parent's death signal in its workers.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, ABANDON_SIGNAL})
     if own_session:  # (and no death signal from its parent process: Ray kills an agent's forkserver
         os.setsid()  # before the agent itself; the watch below follows the agent)
     else:

@@ -211,6 +211,10 @@ def _serve(listener_fd: int, alive_r: int) -> None:
     _set_name(NAME)
     os.register_at_fork(after_in_child=lambda: _set_name(parent_name))  # workers keep the program's name
     _neutralize_fds({listener_fd, alive_r})
+    # A Ctrl-C in a terminal reaches the whole foreground process group, the zygote included:
+    # it is the training process's to handle (the zygote ends with it), so it is ignored here
+    # from the start, not only once multiprocess's loop below ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # not the program's handlers
     # The workers' code (numpy, cloudpickle, dill, multiprocess), and the adapter of a framework already
