@@ -3,7 +3,7 @@
 - CPython 3.12+ warns after every fork of a multi-threaded process (``DeprecationWarning``: "This
   process (pid=...) is multi-threaded, use of fork() may lead to deadlocks in the child"). procpipe
   forks beside its own threads (an earlier loader's coordinator, the coordinator replacing a worker),
-  which it parks first (``procpipe.worker.fork_safety``): those forks must not warn, while the
+  which it parks first (``procpipe._worker.fork_safety``): those forks must not warn, while the
   program's own forks still do.
 - Python 3.14 makes ``forkserver`` multiprocessing's default start method on Linux: procpipe picks
   its own (``start_method="auto"``), whatever multiprocessing's default is.
