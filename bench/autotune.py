@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import procpipe  # noqa: E402
-from procpipe.engine.autotune import cpu_count  # noqa: E402
+from procpipe._engine.autotune import cpu_count  # noqa: E402
 from procpipe.bench.workloads import WORKLOADS, resolve  # noqa: E402
 
 DEFAULT_WORKLOADS = "cpu,transfer,straggler,tiny64"

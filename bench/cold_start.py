@@ -55,8 +55,8 @@ SCRIPT = textwrap.dedent('''
         import procpipe
         method = "forkserver" if kind == "procpipe-forkserver" else "auto"
         make = lambda: procpipe.Loader(Images(), batch_size=32, workers=workers, start_method=method)
-    import procpipe.worker.start_method
-    auto = procpipe.worker.start_method.resolve("auto", warn=False)  # what "auto" picks here, for the report
+    import procpipe._worker.start_method
+    auto = procpipe._worker.start_method.resolve("auto", warn=False)  # what "auto" picks here, for the report
     start = time.perf_counter()
     loader = make()
     it = iter(loader)

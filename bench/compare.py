@@ -54,7 +54,7 @@ from procpipe import Loader, __version__
 from procpipe.bench.sweep import cpu_count
 from procpipe.bench.workloads import WORKLOADS, StragglerDataset, TinyDataset, load_batch
 
-from procpipe.engine.coordinator import TASKS_PER_WORKER_SMALL
+from procpipe._engine.coordinator import TASKS_PER_WORKER_SMALL
 
 PREFETCH = 2  # procpipe's default prefetch; the DataLoader's prefetch_factor is matched to it
 

@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 import procpipe
-from procpipe.plan.mix import MixSampler
-from procpipe.plan.sampler import Sampler
+from procpipe._mix.mix import MixSampler
+from procpipe._plan.sampler import Sampler
 
 WARMUP_BATCHES = 50
 

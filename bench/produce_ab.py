@@ -2,7 +2,7 @@
 
 ``bench/ab.py`` times whole epochs (workers, pipes, the ring), where a few hundred
 nanoseconds per sample drown in the noise of a busy machine. This times only what a worker
-runs per task, ``procpipe.worker.produce.produce`` of a batch of indices (the per-sample
+runs per task, ``procpipe._worker.produce.produce`` of a batch of indices (the per-sample
 stages, then collation into a buffer), in one process per tree, alternating the trees
 (A B, then B A, ...), and prints the median microseconds per batch and the ratio B / A.
 Each process reports its best of 9 passes in CPU time (``process_time``), so a machine busy
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import sys, time, numpy as np
-from procpipe.worker.process import WorkerSpec
-from procpipe.worker.produce import produce
-from procpipe.core.rng import SampleScope
+from procpipe._worker.process import WorkerSpec
+from procpipe._worker.produce import produce
+from procpipe._core.rng import SampleScope
 name = sys.argv[1]
 source = list(range(4096)) if name == "tiny64" else [np.full(16, i, np.float32) for i in range(4096)]
 fn = None if name == "tiny64" else (lambda x: x * 2)

@@ -10,7 +10,7 @@ of the script). The cases:
   (each kind against its own kind: DataLoader beside DataLoader);
 - ``thread``: a script with torch imported and one thread of its own running (a metrics
   or logging thread), started before the loader (after ``import procpipe``: "auto" forks
-  the workers from the zygote, procpipe.worker.zygote);
+  the workers from the zygote, procpipe._worker.zygote);
 - ``tf``: a script that imported TensorFlow and ran a few ops, then imported procpipe
   (numpy-only ``fn``), beside tf.data's recipe for Python code (``from_generator``). Runs
   only where ``--tf-python`` (default: this interpreter) can import tensorflow.

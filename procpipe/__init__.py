@@ -9,9 +9,9 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 # First: it counts the threads importing numpy starts (its BLAS pool), the only native threads
-# start_method="auto" treats as safe to fork beside (procpipe.worker.fork_safety).
-from .worker import fork_safety as _fork_safety  # noqa: F401
-from .worker import zygote as _zygote
+# start_method="auto" treats as safe to fork beside (procpipe._worker.fork_safety).
+from ._worker import fork_safety as _fork_safety  # noqa: F401
+from ._worker import zygote as _zygote
 from .errors import (
     CacheError,
     CollateError,
@@ -19,29 +19,30 @@ from .errors import (
     RemoteTraceback,
     ShardLengthError,
     SharedMemoryError,
+    ShippingError,
     TaskTimeoutError,
     WorkerError,
 )
-from .core.rng import batch_rng, sample_rng
+from ._core.rng import batch_rng, sample_rng
 
 if TYPE_CHECKING:
-    from .api.elastic import combine_states
-    from .engine.autotune import AutoWorkers
+    from ._consumer.elastic import combine_states
+    from .config import AutoWorkers
     from .loader import Loader
-    from .plan.mix import Mix
-    from .streaming import Shards
-    from .worker.records import Records
+    from ._mix.mix import Mix
+    from ._streaming import Shards
+    from ._worker.records import Records
 
 # The rest of the API is imported when first used (PEP 562): a worker started from a
 # forkserver imports this package for its own modules, and needs none of the engine
 # (~0.15 s less before the first batch: docs/guide/startup.md).
 _LAZY = {
-    "AutoWorkers": "engine.autotune",
+    "AutoWorkers": "config",
     "Loader": "loader",
-    "Mix": "plan.mix",
-    "Records": "worker.records",
-    "Shards": "streaming",
-    "combine_states": "api.elastic",
+    "Mix": "_mix.mix",
+    "Records": "_worker.records",
+    "Shards": "_streaming",
+    "combine_states": "_consumer.elastic",
 }
 
 
@@ -70,6 +71,7 @@ __all__ = [
     "ShardLengthError",
     "Shards",
     "SharedMemoryError",
+    "ShippingError",
     "TaskTimeoutError",
     "WorkerError",
     "batch_rng",
@@ -79,5 +81,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 # Last, while the process is still safe to fork: the zygote that later workers are forked
-# from when it no longer is (a thread of the program runs; procpipe.worker.zygote).
+# from when it no longer is (a thread of the program runs; procpipe._worker.zygote).
 _zygote.start()

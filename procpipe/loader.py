@@ -1,7 +1,7 @@
 """``procpipe.Loader``: the public entry point.
 
-The Loader checks its arguments into a frozen configuration (``loader.config``: api/config.py),
-plans its epochs (sampler.py, or the streaming/ package for a ``procpipe.Shards`` source),
+The Loader checks its arguments into a frozen configuration (``loader.config``: config.py),
+plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
 workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
 consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
@@ -9,7 +9,7 @@ with ``epochs=None``); workers persist between iterations. With ``workers=0`` ev
 in the calling process through the same sampler, sample scope and collation, so results are
 identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
 stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the sampler's
-settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (resume.py).
+settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (state.py).
 """
 
 from __future__ import annotations
@@ -17,18 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .api.assembly import assemble
-from .api.config import LoaderConfig
-from .api.inline import InlineDriver
-from .api.iteration import LoaderIterator
-from .api.iterators import EpochIterator
-from .api.kinds import resolve_kind
-from .api.nodes import Node
-from .api.position import encode_position, start_position
-from .api.resume import load_state, save_state
-from .core.reassembly import ResumePoint
-from .engine.commands import ReserveSlots
-from .plan.base import BatchPlan
+from ._consumer.assembly import assemble
+from ._consumer.inline import InlineDriver
+from ._consumer.iteration import LoaderIterator
+from ._consumer.iterators import EpochIterator
+from ._consumer.kinds import resolve_kind
+from ._consumer.nodes import Node
+from ._consumer.state import encode_position, load_state, save_state, start_position
+from ._core.reassembly import ResumePoint
+from ._engine.commands import ReserveSlots
+from ._plan.base import BatchPlan
+from .config import LoaderConfig
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -42,11 +41,12 @@ class Loader:
         fn: optional per-sample function, ``fn(source[i]) -> sample``; runs in the workers.
         batch_size: samples per batch; ``None`` yields single samples, unbatched.
         workers: worker processes; ``0`` runs everything in the calling process;
-            ``"auto"`` (or a ``procpipe.AutoWorkers(...)``) starts with 2 and adds or
-            retires workers while running, until the consumer no longer waits or more
-            workers stop helping (bounded by CPUs, or more when workers wait on I/O,
-            and by memory); ``stats()["autotune"]`` shows its trace. See README.md,
-            "Epochs, order and autotuning".
+            ``"auto"`` (or a ``procpipe.AutoWorkers(...)``) starts with 2 and adds (in
+            doubling steps) or retires workers while running, until the consumer no longer
+            waits or more workers stop helping (bounded by the CPUs this process may use,
+            affinity and cgroup quota, less what the training step uses, or more when
+            workers wait on I/O, and by memory; auto-tuned loaders on one node share its
+            CPUs); ``stats()["autotune"]`` shows its trace. See docs/guide/autotuning.md.
         ordered: ``True`` yields batches in sampler order; ``False`` yields them as they
             finish ("sloppy"), so a slow batch does not hold back the others.
         prefetch: ready batches kept ahead of the consumer.
@@ -68,7 +68,7 @@ class Loader:
             safe to fork), else ``"forkserver"`` (safe when the parent runs threads); or one of
             ``"forkserver"``, ``"spawn"``, ``"fork"``, ``"zygote"``. Resolved once, when the loader is
             created (``loader.start_method``).
-            Workers never import the main script (procpipe.worker.start_method), so
+            Workers never import the main script (procpipe._worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
         shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
@@ -94,7 +94,7 @@ class Loader:
             with the ring; ``"cuda"``/``"cuda:N"`` yields tensors already on that device,
             copied by a background thread through pinned memory on its own CUDA stream.
             Needs torch (imported only when ``device`` is given); see
-            ``procpipe.api.torch_device`` and README.md, "Device prefetch". The ring is
+            ``procpipe.torch.device`` and README.md, "Device prefetch". The ring is
             registered with CUDA (page-locked in place), so batches are copied straight
             from their slots.
         device_fn: optional ``device_fn(batch) -> batch``, run on each batch once it is on
@@ -199,10 +199,43 @@ class Loader:
         backend: Any = None,
         even_ranks: bool = False,
     ) -> None:
-        # every argument but the source, as passed: into the checked groups (api/config.py), once
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "source")}
-        config = self._config = LoaderConfig.from_arguments(**arguments)
-        # Which kind of source this is, asked once (api/kinds.py): its plan, the workers' reader, workers=0's driver
+        # every argument but the source, as passed: into the checked groups (config.py), once
+        config = self._config = LoaderConfig.from_arguments(
+            fn=fn,
+            batch_size=batch_size,
+            workers=workers,
+            ordered=ordered,
+            prefetch=prefetch,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            reshuffle=reshuffle,
+            epochs=epochs,
+            with_epoch=with_epoch,
+            collate_fn=collate_fn,
+            start_method=start_method,
+            shm_dir=shm_dir,
+            slot_bytes=slot_bytes,
+            max_worker_restarts=max_worker_restarts,
+            worker_env=worker_env,
+            batches=batches,
+            shard=shard,
+            device=device,
+            on_error=on_error,
+            max_skipped=max_skipped,
+            task_timeout=task_timeout,
+            speculate=speculate,
+            batch_fn=batch_fn,
+            cache=cache,
+            augment=augment,
+            shuffle_buffer=shuffle_buffer,
+            device_fn=device_fn,
+            seed_globals=seed_globals,
+            stage_slots=stage_slots,
+            backend=backend,
+            even_ranks=even_ranks,
+        )
+        # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)
         self._sampler: BatchPlan = kind.plan
         self._parts = assemble(config, kind)  # workers start here
@@ -220,6 +253,19 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """Start the next epoch, or ``epochs`` epochs (ending an unfinished previous iteration), and iterate."""
+        return self.iterate()
+
+    def iterate(self, stage: Callable[[Node], Node] | None = None) -> Iterator[Any]:
+        """``iter(loader)``, with ``stage`` (optional) over the iteration's nodes: the consumer's end.
+
+        ``stage(node)`` gets the node ``iter(loader)`` would return (the source, or the device
+        stage over it) and returns the node the caller iterates, e.g. a
+        ``procpipe._consumer.prefetch.Prefetcher`` that copies batches to an accelerator ahead of the
+        training step (``procpipe.jax.iterator``). ``state_dict()`` is then that node's
+        ``get_state()``: a stage that holds batches ahead reports the state of the batch it
+        returned last (``procpipe._consumer.nodes``), so the batches it holds are not counted as
+        returned and a resume repeats nothing and skips nothing.
+        """
         if self._closed:
             raise RuntimeError("this procpipe.Loader is closed; create a new one to load more data")
         if self._coordinator is not None and self._coordinator.foreign():
@@ -239,9 +285,13 @@ class Loader:
         else:
             it = EpochIterator(self._context, resume)
         self._active = self._root = it
+        root: Node = it
         if self._parts.device_stage is not None:
-            self._root = self._parts.device_stage(it)
-        return self._root
+            root = self._parts.device_stage(it)
+        if stage is not None:
+            root = stage(root)
+        self._root = root
+        return root
 
     @property
     def epoch(self) -> int:
@@ -273,7 +323,7 @@ class Loader:
 
         For a streaming source (``procpipe.Shards``) what was returned is counted in
         records: ``stream`` replaces ``done_below``/``done`` (None, or the
-        ``procpipe.streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
+        ``procpipe._streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
         ordered interleave's ``cursor``, ``received`` record ranges), ``ahead`` entries are
         ``[epoch, stream]``, and the settings checked are ``shards`` (their number),
         ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``, ``reshuffle``,
@@ -333,7 +383,7 @@ class Loader:
     @property
     def config(self) -> LoaderConfig:
         """Every argument of this loader but the source, checked, in six frozen groups: ``batching``,
-        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.api.config``).
+        ``stages``, ``execution``, ``memory``, ``faults``, ``device`` (``procpipe.config``).
         Read-only (``print(loader.config)`` shows it all, a group per line); values as passed,
         ``"auto"`` included (``start_method`` has the start method resolved)."""
         return self._config
@@ -448,8 +498,11 @@ class Loader:
                 a retired worker is listed only in an epoch it worked in (``pid`` None).
             autotune: None unless ``workers="auto"``; else ``workers`` (now), ``min``,
                 ``max``, ``limit`` (the most it may use now: CPUs, I/O, memory),
-                ``capacity`` (workers the ring serves), ``cpus``, ``io_bound``,
-                ``contended``, ``changes``, and ``trace``: ``[time_s, workers,
+                ``target`` (what the CPUs left by the training step keep busy),
+                ``capacity`` (workers the ring serves), ``cpus`` (the CPUs this loader
+                may use: its share of the node), ``main_cpu`` (the training process's CPU
+                use), ``cpu_per_worker``, ``io_bound``, ``contended``, ``changes``, and
+                ``trace``: ``[time_s, workers,
                 batches_per_s, wait_fraction]`` per control interval (the last 2000),
                 over the loader's life.
             backend: None for workers on this machine; with ``backend=procpipe.ray.Backend(...)``,

@@ -31,6 +31,9 @@ Helpers, importable from the tests (``from conftest import wait_until, ...``):
   workers and files exist while it runs / are all gone after cleanup (with a deadline).
 - ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout;
   ``python_env()``: the environment for a ``subprocess.Popen`` of your own.
+- ``CTRL_C_READY`` (the first lines of a child script that a test sends SIGINT) and
+  ``interrupt(proc, timeout)``: send it SIGINT and wait for its exit; a child that does not exit
+  fails the test with its stacks (faulthandler, py-spy if installed) and its signal state.
 
 Fixture ``shm_dir``: a fresh directory for ``Loader(shm_dir=...)``, checked empty at the end.
 """
@@ -40,6 +43,8 @@ import faulthandler
 import gc
 import glob
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,8 +62,8 @@ LEAK_DEADLINE_S = 15.0
 START_METHODS = ("fork", "forkserver", "spawn")  # every start method a test suite runs under
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INFRASTRUCTURE = ("forkserver import main", "resource_tracker import main", "semaphore_tracker import main",
-                   "procpipe-reaper")  # (procpipe.core.reaper: one per process, it outlives it by design)
-_ZYGOTE = "procpipe-zygote"  # the process name of procpipe.worker.zygote (one per process, forked at import)
+                   "procpipe-reaper")  # (procpipe._core.reaper: one per process, it outlives it by design)
+_ZYGOTE = "procpipe-zygote"  # the process name of procpipe._worker.zygote (one per process, forked at import)
 
 
 # --------------------------------------------------------------------------- polling
@@ -233,6 +238,78 @@ def run_python(args: list[str], timeout: float = 120, cwd: str | None = None,
                               cwd=cwd, env=python_env(), **kwargs)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"python {' '.join(args)} did not finish in {timeout} s; output:\n{exc.stdout}\n{exc.stderr}")
+
+
+# --------------------------------------------------------------------------- Ctrl-C in a child
+# The first lines of a child script that a test sends SIGINT. A process started with SIGINT
+# ignored keeps it ignored (Python installs its KeyboardInterrupt handler only over SIG_DFL),
+# and one started with SIGINT blocked keeps it blocked: both are inherited through fork and
+# exec, and a CI job run in the background of a non-interactive shell (`cmd &`) starts with
+# SIGINT ignored, so pytest, its xdist workers and every child would ignore the test's Ctrl-C.
+# The child takes the interactive state, as a user's training process in a terminal has it,
+# and dumps its stacks on SIGUSR2 (``interrupt``) if it does not exit.
+CTRL_C_READY = (
+    "import faulthandler, signal\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+    "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+)
+
+
+def signal_state(pid: int, signum: int) -> str:
+    """How process ``pid`` takes ``signum``, from /proc: "blocked", "ignored", "caught" or "default"."""
+    masks = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("SigBlk", "SigIgn", "SigCgt"):
+                    masks[key] = int(value, 16)
+    except OSError as exc:
+        return f"unknown ({exc})"
+    bit = 1 << (signum - 1)
+    for key, state in (("SigBlk", "blocked"), ("SigIgn", "ignored"), ("SigCgt", "caught")):
+        if masks.get(key, 0) & bit:
+            return state
+    return "default"
+
+
+def interrupt(proc: subprocess.Popen, timeout: float, group: bool = False) -> tuple[Any, Any]:
+    """Send SIGINT to ``proc`` (a script that starts with ``CTRL_C_READY``) and return its
+    ``communicate()`` once it exits; ``group``: to its whole process group, as a terminal's Ctrl-C
+    (``proc`` started with ``start_new_session=True``). If SIGINT cannot reach it, or it does not exit within
+    ``timeout`` seconds, fail the test with what explains it: the SIGINT state of the child, its
+    processes and this one, the child's stacks (SIGUSR2: faulthandler; py-spy too where
+    installed), then its output. The child is killed."""
+    __tracebackhide__ = True
+    state = signal_state(proc.pid, signal.SIGINT)
+    if state in ("blocked", "ignored"):
+        problem = f"SIGINT is {state} in the child (pid {proc.pid}): a Ctrl-C cannot reach it"
+    else:
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        try:
+            return proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            problem = f"the child (pid {proc.pid}) did not exit within {timeout:.0f} s of SIGINT"
+    report = [problem, f"SIGINT in this test process (pid {os.getpid()}): {signal_state(os.getpid(), signal.SIGINT)}"]
+    report += [f"  {_describe(pid)}: SIGINT {signal_state(pid, signal.SIGINT)}"
+               for pid in [proc.pid, *sorted(descendants(proc.pid))]]
+    spy = shutil.which("py-spy")
+    if spy:
+        dump = subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60,
+                              check=False)
+        report.append(f"py-spy dump:\n{dump.stdout}{dump.stderr}")
+    proc.send_signal(signal.SIGUSR2)  # faulthandler writes every thread's stack to its stderr
+    try:
+        proc.communicate(timeout=3)  # (it does not exit: a bounded wait for the dump, which communicate keeps)
+    except subprocess.TimeoutExpired:
+        pass
+    proc.kill()
+    out, err = proc.communicate()
+    pytest.fail("\n".join(report) + f"\nits stdout:\n{out}\nits stderr (its stacks last):\n{err}")
 
 
 # --------------------------------------------------------------------------- fixtures

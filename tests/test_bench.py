@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import REPO_ROOT, run_python
@@ -15,6 +16,7 @@ SETTING_FIELDS = {
     "workers", "batches", "samples", "seconds", "samples_per_s", "batches_per_s", "mb_per_s", "wait_pct",
     "worker_busy_pct", "worker_cpu_pct", "peak_rss_mib", "total_rss_mib", "first_batch_s", "overflow_batches",
     "stats", "uss_mib", "worker_runq_pct", "contended", "repeats", "samples_per_s_min", "samples_per_s_max",
+    "trainer_cpu_pct",
 }
 RECOMMENDATION_FIELDS = {"workers", "fraction_of_best", "best_workers", "best_samples_per_s", "gain_beyond",
                          "diagnosis", "contended", "text", "why"}
@@ -143,6 +145,111 @@ def test_cli_sweeps_the_facades_num_workers(tmp_path, monkeypatch):
     assert main(["--pipeline", "tests.bench_pipeline:facade_kwargs", "--workers", "0,1", "--repeat", "1",
                  "--no-progress", "--seconds", "0.3", "--json", str(out_json)]) == 0
     check_document(json.loads(out_json.read_text()), [0, 1])
+
+
+def test_cli_sweeps_a_dataloader_with_the_settings_users_have(tmp_path, monkeypatch, capsys):
+    """persistent_workers=True, pin_memory=True, prefetch_factor, a sampler and the user's own
+    num_workers: the sweep's 0 workers leaves out what torch takes only with workers, and says
+    so; the output says what it measured and what to do, in the DataLoader's terms."""
+    pytest.importorskip("torch", reason="the factory returns procpipe.torch.DataLoader arguments: pip install procpipe[torch]")
+    monkeypatch.chdir(REPO_ROOT)
+    out_json = tmp_path / "settings.json"
+    assert main(["--pipeline", "tests.bench_pipeline:dataloader_settings", "--workers", "0,1", "--repeat", "1",
+                 "--no-progress", "--seconds", "0.3", "--json", str(out_json)]) == 0
+    check_document(json.loads(out_json.read_text()), [0, 1])
+    out = capsys.readouterr().out
+    assert "measuring tests.bench_pipeline:dataloader_settings: procpipe.torch.DataLoader(dataset=<CpuDataset>" in out
+    assert "persistent_workers=True, pin_memory=True, prefetch_factor=4" in out
+    assert ("note: at 0 workers (loading in the training process) the bench left out persistent_workers=True, "
+            "prefetch_factor=4: torch's DataLoader takes them only with num_workers > 0") in out
+    assert "what to do: set num_workers=" in out and "in your procpipe.torch.DataLoader" in out
+    assert "yours, num_workers=4, was not measured: add it to --workers" in out
+    assert "Traceback" not in out
+
+
+def test_a_failing_pipeline_is_its_own_error_in_one_message(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    with pytest.raises(SystemExit) as info:
+        main(["--pipeline", "tests.bench_pipeline:broken", "--workers", "0", "--repeat", "1", "--no-progress",
+              "--batches", "2"])
+    message = str(info.value.code)
+    assert message.startswith("procpipe bench: your pipeline tests.bench_pipeline:broken failed with 0 workers: "
+                              "ValueError: cannot decode sample"), message
+    assert "--traceback" in message
+    with pytest.raises(ValueError, match="cannot decode sample"):  # --traceback: the exception itself
+        main(["--pipeline", "tests.bench_pipeline:broken", "--workers", "0", "--repeat", "1", "--no-progress",
+              "--batches", "2", "--traceback"])
+
+
+def test_the_main_job_ends_by_saying_how_to_run_it_on_your_own_pipeline(monkeypatch, capsys):
+    from procpipe.bench.__main__ import OWN_PIPELINE
+
+    monkeypatch.setattr(sweep, "measure", lambda make, workers, **kw: _setting(workers, 100.0 + workers, 99, 95))
+    assert main(["--workloads", "tiny64", "--workers", "0,1", "--no-progress", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == OWN_PIPELINE and "--pipeline MODULE:FACTORY" in out[-1]
+
+
+def test_a_busy_training_step_is_not_blamed_on_other_processes(monkeypatch):
+    """With --step-mode busy the training process holds a CPU itself: workers queueing behind it
+    are not "contended by other processes". The run queue is made to look long (schedstat)."""
+    from procpipe.bench.__main__ import loader_maker
+
+    assert not sweep.contended_by_others(2, busy_s=1.0, runq_s=0.6, trainer_cpus=1.0, cpus=2)  # our own step
+    assert sweep.contended_by_others(1, busy_s=1.0, runq_s=0.6, trainer_cpus=0.1, cpus=2)  # someone else's
+    assert not sweep.contended_by_others(1, busy_s=1.0, runq_s=0.1, trainer_cpus=0.1, cpus=2)  # no real wait
+    clock = iter(range(1, 10**6))
+    monkeypatch.setattr(sweep, "schedstat_seconds", lambda pid: (0.0, 100.0 * next(clock)))  # a long run queue
+    monkeypatch.setattr(sweep, "cpu_count", lambda: 2)
+    make = loader_maker(lambda: {"source": list(range(64)), "batch_size": 4})
+    busy = sweep.measure(make, 2, step_s=0.005, step_mode="busy", max_batches=40)
+    assert busy.trainer_cpu_pct is not None and busy.trainer_cpu_pct > 0 and not busy.contended
+    idle = sweep.measure(make, 1, step_s=0.005, step_mode="sleep", max_batches=40)
+    assert idle.trainer_cpu_pct is not None and idle.trainer_cpu_pct < 100 and idle.contended
+    # the caution quotes the waits for CPUs held by others, not those behind the bench's own processes
+    rec = sweep.recommend([_setting(1, 100.0, 90, 60, runq=40.0, contended=True),
+                           _setting(2, 110.0, 95, 50, runq=90.0, contended=False)], cpus=2)
+    assert "workers waited up to 40 % of the time for a CPU held by other processes" in rec["why"], rec["why"]
+
+
+_DOC_REFERENCE = re.compile(
+    r"((?:docs/[\w./-]+|README)\.md)(?:#([\w-]+)|,? \(?\"([^\"]+)\"\)?|\s*\(section: ([^)]+)\))?")
+
+
+def _doc_references(text: str) -> list[tuple[str, str]]:
+    """``(path, anchor)`` of every Markdown file the text names (``docs/x.md#anchor``, or a section
+    named after it: ``README.md ("Section")``, ``README.md (section: Section)``); the anchor is ""
+    where none is named."""
+    from test_usability import _slug
+
+    found = []
+    for m in _DOC_REFERENCE.finditer(text):
+        section = m.group(3) or m.group(4)
+        found.append((m.group(1), m.group(2) or (_slug(section) if section else "")))
+    return found
+
+
+def test_every_doc_reference_the_cli_prints_exists():
+    """--help, the main job's closing line, the legend, the factory's contract, and every message
+    and docstring of procpipe/bench point to pages and sections that exist."""
+    import pathlib
+
+    from test_usability import _anchors
+
+    from procpipe.bench import __main__ as cli
+
+    texts = {"--help": cli.build_parser().format_help(), "OWN_PIPELINE": cli.OWN_PIPELINE, "LEGEND": cli.LEGEND,
+             "FACTORY_HELP": cli.FACTORY_HELP}
+    for path in sorted((pathlib.Path(REPO_ROOT) / "procpipe" / "bench").glob("*.py")):
+        texts[str(path.relative_to(REPO_ROOT))] = path.read_text()
+    references = {where: _doc_references(text) for where, text in texts.items()}
+    assert ("docs/benchmarks.md", "what-it-prints") in references["--help"]
+    assert ("docs/benchmarks.md", "your-own-pipeline") in references["OWN_PIPELINE"]
+    broken = [f"{where}: {path}" + (f"#{anchor}" if anchor else "")
+              for where, found in references.items() for path, anchor in found
+              if not (pathlib.Path(REPO_ROOT) / path).is_file()
+              or (anchor and anchor not in _anchors(str(pathlib.Path(REPO_ROOT) / path)))]
+    assert broken == []
 
 
 def test_cli_help_shows_the_factory_contract(capsys):

@@ -1,4 +1,4 @@
-"""The user's classes come back from the workers as the very class objects (procpipe/core/classref.py).
+"""The user's classes come back from the workers as the very class objects (procpipe/_core/classref.py).
 
 pickle names a class by ``module.__qualname__``; a class made by a factory inside another class
 (``Outer.Row = namedtuple("Row", ...)``) or the worker's by-value copy of a ``__main__`` class
@@ -19,7 +19,7 @@ import pytest
 from conftest import run_python
 
 from procpipe import Loader
-from procpipe.core import classref
+from procpipe._core import classref
 
 
 class Holder:

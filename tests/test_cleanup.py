@@ -1,6 +1,6 @@
 """Nothing of a loader stays in its shm_dir when the training process is SIGKILLed, whatever
-its workers are doing (the reaper, procpipe.core.reaper), and a loader started later removes
-what a dead process left (the sweep, procpipe.core.sweep), never a live process's file, a
+its workers are doing (the reaper, procpipe._core.reaper), and a loader started later removes
+what a dead process left (the sweep, procpipe._core.sweep), never a live process's file, a
 symlink or another user's file.
 
 Each SIGKILL case runs the training process as a subprocess that reports its state on its
@@ -22,8 +22,8 @@ import pytest
 from conftest import python_env, wait_gone, wait_until
 
 import procpipe
-from procpipe.core import reaper
-from procpipe.core.sweep import SETTLE_S, sweep
+from procpipe._core import reaper
+from procpipe._core.sweep import SETTLE_S, sweep
 
 GONE_WITHIN_S = 5.0  # "a few seconds": from the SIGKILL to an empty shm_dir
 
@@ -31,7 +31,7 @@ CHILD = r'''
 import os, signal, sys
 import numpy as np
 import procpipe
-from procpipe.core import reaper
+from procpipe._core import reaper
 
 state, method, shm_dir, marks = sys.argv[1:5]
 
@@ -187,7 +187,7 @@ def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_dev_shm(tmp_pat
 # ------------------------------------------------------------------ the reaper itself
 REGISTERS = r'''
 import sys
-from procpipe.core import reaper
+from procpipe._core import reaper
 for path in sys.argv[1:]:
     reaper.register(path)
 print(reaper.reaper_pid(), flush=True)
@@ -317,3 +317,102 @@ def test_a_loader_sweeps_its_shm_dir_once_and_says_what_it_removed(shm_dir, capl
         assert sum(len(b) for b in loader) == 8
     assert len(os.listdir(shm_dir)) == 1
     os.unlink(os.path.join(shm_dir, os.listdir(shm_dir)[0]))
+
+
+# ------------------------------------------------------------ directories: the torch facade's snapshot store
+FACADE_CHILD = r'''
+import sys
+import numpy as np
+import torch
+import procpipe.torch
+from procpipe._core import reaper
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(np.full(4, i) for i in range(10**6))
+
+loader = procpipe.torch.DataLoader(Stream(), batch_size=4, num_workers=2, shm_dir=sys.argv[1])
+it = iter(loader)
+next(it)
+print("ready", reaper.reaper_pid(), flush=True)
+sys.stdin.read()  # until killed
+'''
+
+
+def test_sigkill_of_a_facade_over_an_iterable_dataset_leaves_nothing(tmp_path, shm_dir):
+    """Its snapshot store (a directory, procpipe.torch.snapshots) goes too: the reaper removes it."""
+    pytest.importorskip("torch", reason="procpipe.torch needs torch (pip install procpipe[torch])")
+    script = tmp_path / "facade.py"
+    script.write_text(FACADE_CHILD)
+    proc = subprocess.Popen([sys.executable, str(script), shm_dir], env=python_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        reaper_pid, = _ready(proc)
+        stores = [n for n in os.listdir(shm_dir) if n.startswith(f"procpipe-{proc.pid}-") and n.endswith("-replicas")]
+        assert len(stores) == 1 and os.path.isdir(os.path.join(shm_dir, stores[0])), os.listdir(shm_dir)
+        _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid])
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def _leftover_directory(directory, pid, kind="replicas", age=SETTLE_S + 5.0, token="0badf00d"):
+    path = os.path.join(directory, f"procpipe-{pid}-{token}-{kind}")
+    os.mkdir(path, 0o700)
+    with open(os.path.join(path, "replica-0.pkl"), "wb") as f:
+        f.write(b"\0" * 4096)
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_the_sweep_removes_a_dead_processs_directories_safely(tmp_path):
+    """A dead process's snapshot store is removed with what it holds, following no symlink; a live
+    (locked) one, a fresh one, a symlink named like one and a directory of another name stay."""
+    d = str(tmp_path / "shm")
+    os.mkdir(d)
+    dead = _dead_pid()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data").write_text("keep me")
+    removed = _leftover_directory(d, dead)
+    os.symlink(precious / "data", os.path.join(removed, "link-to-data"))  # inside: unlinked, never followed
+    os.symlink(precious, os.path.join(removed, "link-to-dir"))
+    os.utime(removed, (time.time() - SETTLE_S - 5, time.time() - SETTLE_S - 5))
+    young = _leftover_directory(d, dead, token="00000001", age=0.0)
+    locked = _leftover_directory(d, dead, token="00000002")
+    other_name = _leftover_directory(d, dead, kind="mine")
+    link = os.path.join(d, f"procpipe-{dead}-00000003-replicas")
+    os.symlink(precious, link)
+    lock = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # its creator holds it: alive in another pid namespace
+        swept = sweep(d)
+    finally:
+        os.close(lock)
+    assert swept.paths == [removed] and swept.directories == 1 and swept.pids == {dead}
+    assert swept.nbytes >= 4096
+    assert not os.path.lexists(removed)
+    for path in (young, locked, other_name, link):
+        assert os.path.lexists(path), path
+    assert (precious / "data").read_text() == "keep me"
+
+
+def test_the_snapshot_store_is_named_registered_and_locked_as_procpipes_files_are(tmp_path):
+    from procpipe._core.sweep import DIRECTORY
+    from procpipe.torch.snapshots import SnapshotStore
+
+    store = SnapshotStore.create(str(tmp_path))
+    try:
+        name = os.path.basename(store.path)
+        assert DIRECTORY.match(name) and name.startswith(f"procpipe-{os.getpid()}-")
+        assert os.stat(store.path).st_mode & 0o777 == 0o700
+        fd = os.open(store.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(BlockingIOError):  # held: the sweep leaves it alone
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert sweep(str(tmp_path), settle_s=0.0).paths == []  # (its creator, this process, runs)
+    finally:
+        store.remove()
+    assert os.listdir(tmp_path) == []

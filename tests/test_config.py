@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from procpipe import AutoWorkers, Loader
-from procpipe.api.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
-from procpipe.core.config import Batching, Device, Faults, Memory, Stages
-from procpipe.engine.config import EngineConfig
-from procpipe.worker.process import WorkerSpec
-from procpipe.worker.reader import IndexedReader
+from procpipe.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
+from procpipe.config import Batching, Device, Faults, Memory, Stages
+from procpipe.config import EngineConfig
+from procpipe._worker.process import WorkerSpec
+from procpipe._worker.reader import IndexedReader
 
-CONFIG_MODULES = {"procpipe/core/config.py", "procpipe/api/config.py"}
+CONFIG_MODULES = {"config.py", "config.py"}
 
 
 def double(x):
@@ -74,6 +74,23 @@ def test_every_loader_argument_is_in_one_group_with_the_same_default():
             owners.setdefault(f.name, []).append(group.name)
             assert params[f.name].default == f.default, f"{group.name}.{f.name}: the default differs from Loader's"
     assert all(len(groups) == 1 for groups in owners.values()), owners
+
+
+def test_loader_passes_each_argument_by_name_to_the_configuration():
+    """``Loader.__init__`` names every argument it hands ``LoaderConfig.from_arguments`` (``name=name``),
+    so a local variable added to ``__init__`` never becomes an argument by accident."""
+    import ast
+    import pathlib
+
+    import procpipe.loader
+
+    tree = ast.parse(pathlib.Path(procpipe.loader.__file__).read_text())
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    call = next(n for n in ast.walk(init) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_arguments")
+    passed = {k.arg: k.value.id for k in call.keywords if isinstance(k.value, ast.Name)}
+    assert not call.args and len(passed) == len(call.keywords), "every argument is passed as name=name"
+    params = set(inspect.signature(Loader.__init__).parameters) - {"self", "source"}
+    assert passed == {name: name for name in params}
     assert repr(LoaderConfig.from_arguments()) == repr(LoaderConfig())  # nothing passed: every default
 
 
@@ -222,7 +239,7 @@ def test_a_cache_directory_is_checked_by_the_stages_group(tmp_path):
 def test_the_torch_facade_checks_procpipes_arguments_when_it_is_created():
     """``procpipe.torch.DataLoader`` makes its Loaders lazily (at ``iter()``); its procpipe-only
     arguments are now checked when it is created, as torch checks its own."""
-    ptorch = pytest.importorskip("procpipe.torch", reason="torch is not installed")
+    ptorch = pytest.importorskip("procpipe.torch", reason="torch is not installed (pip install procpipe[torch])")
     with pytest.raises(ValueError, match="shm_dir='/no/such/dir' is not a writable directory"):
         ptorch.DataLoader(list(range(8)), batch_size=2, num_workers=1, shm_dir="/no/such/dir")
     with pytest.raises(ValueError, match="max_worker_restarts must be an int >= 0, got -1"):

@@ -1,10 +1,10 @@
 """The coordinator's parts, tested in-process against a fake pool (no worker processes).
 
-The coordinator (engine/coordinator.py) is a loop of named steps over parts: the worker
+The coordinator (_engine/coordinator.py) is a loop of named steps over parts: the worker
 ``Roster`` (roster.py), the ``Dispatcher`` with its speculation (dispatch.py), the verdict
 on a death (``deaths.settle``), the ring generations (``RingSet``), typed commands and the
-``WakePipe`` (core/wakeup.py). Each is driven here with ``FakePool``/``FakeLink`` (the
-``WorkerPool``/``WorkerLink`` interface of engine/pool.py, recording what is sent) and
+``WakePipe`` (_core/wakeup.py). Each is driven here with ``FakePool``/``FakeLink`` (the
+``WorkerPool``/``WorkerLink`` interface of _engine/pool.py, recording what is sent) and
 stand-in epochs, so deaths, timeouts and speculation are checked without a process.
 """
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Any
 
 import pytest
 
-from procpipe.core.messages import Task
-from procpipe.core.shm import SharedFiles
-from procpipe.core.stats import EpochCounters, WorkerCounters
-from procpipe.core.wakeup import WakePipe
-from procpipe.engine.commands import CancelStream, CloseEngine, StartStream, checked
-from procpipe.engine.deaths import Next, settle
-from procpipe.engine.dispatch import Dispatcher, needs_copy
-from procpipe.engine.epochs import Job
-from procpipe.engine.pool import WorkerLink, WorkerPool
-from procpipe.core.rings import RingSet
-from procpipe.engine.roster import Roster, WorkerState, state_of
+from procpipe._core.messages import Task
+from procpipe._core.shm import SharedFiles
+from procpipe._core.stats import EpochCounters, WorkerCounters
+from procpipe._core.wakeup import WakePipe
+from procpipe._engine.commands import CancelStream, CloseEngine, StartStream, checked
+from procpipe._engine.deaths import Next, settle
+from procpipe._engine.dispatch import Dispatcher, needs_copy
+from procpipe._engine.epochs import Job
+from procpipe._engine.pool import WorkerLink, WorkerPool
+from procpipe._core.rings import RingSet
+from procpipe._engine.roster import Roster, WorkerState, state_of
 
 
 # --------------------------------------------------------------------------- fakes
@@ -379,7 +379,7 @@ class PipePool(FakePool):
 
 
 def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
-    from procpipe.engine.coordinator import Coordinator, EngineConfig
+    from procpipe._engine.coordinator import Coordinator, EngineConfig
 
     config = EngineConfig(workers=2, prefetch=2, slot_bytes=None, worker_env={}, start_method="fork")
     pool = PipePool(expect=3)
@@ -397,7 +397,7 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
 
 
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
-    from procpipe.engine.coordinator import Coordinator, EngineConfig
+    from procpipe._engine.coordinator import Coordinator, EngineConfig
 
     config = EngineConfig(workers=1, prefetch=1, slot_bytes=None, worker_env={}, start_method="fork")
     coordinator = Coordinator(config, PipePool(expect=1), SharedFiles(str(tmp_path)))

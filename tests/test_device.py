@@ -12,7 +12,7 @@ import torch.utils.data as tud
 from conftest import mappings
 
 import procpipe
-import procpipe.api.cuda_transfer as ppc
+import procpipe.torch.cuda_transfer as ppc
 from procpipe.torch import DataLoader
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

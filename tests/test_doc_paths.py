@@ -1,7 +1,7 @@
 """Docstrings and comments name files and modules that exist (they are the code map's footnotes).
 
 A file moves, and the docstrings that say where to look go stale (``worker.py`` after the
-move to ``worker/process.py``, ``plans.Loaded`` after ``plan/base.py``): this reads every
+move to ``_worker/process.py``, ``plans.Loaded`` after ``_plan/base.py``): this reads every
 module of the package and checks each ``name.py`` / ``folder/name.py`` it mentions, and each
 ````module.Name```` whose module is one of procpipe's (or, capitalised, any importable one).
 """
@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(REPO_ROOT) / "procpipe"
 EXAMPLES = {"mytrain/data.py"}  # a user's file in an example, not one of ours
 ALIASES = {"np"}  # numpy: how its users name it
 VARIABLES = {"loader"}  # ``loader.epoch``: a Loader the user made, not procpipe/loader.py
-EXTERNAL = {"torch", "keras", "ray", "tf", "tensorflow"}  # our adapters' names, and the libraries they adapt (``torch.Tensor``, ``tf.data``)
+EXTERNAL = {"torch", "keras", "ray", "tf", "tensorflow", "jax"}  # our adapters' names, and the libraries they adapt (``torch.Tensor``, ``tf.data``)
 _FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_/.]*\.py\b")
 _DOTTED = re.compile(r"``([a-z_][a-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+)")
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import run_python, wait_until
 
 from procpipe import Loader
-from procpipe.api import iterators
+from procpipe._consumer import iterators
 
 DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
 
@@ -355,8 +355,8 @@ def test_a_reply_that_does_not_unpickle_is_skipped_with_on_error_skip(tmp_path):
 def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
     import multiprocess
 
-    from procpipe.core import wire
-    from procpipe.core.messages import STOP, Task
+    from procpipe._core import wire
+    from procpipe._core.messages import STOP, Task
 
     ours, theirs = multiprocess.Pipe(duplex=True)
     outbox = wire.Outbox(ours)

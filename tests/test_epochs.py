@@ -338,7 +338,7 @@ def test_autotune_grows_on_io_bound_work_within_bounds():
 
 
 def test_autotune_grows_on_cpu_bound_work_up_to_the_cpus():
-    cpus = procpipe.engine.autotune.cpu_count()
+    cpus = procpipe._engine.autotune.cpu_count()
     with Loader(list(range(200)), cpu_bound, batch_size=4, workers=AutoWorkers(start=1, **FAST),
                 epochs=None, with_epoch=True) as loader:
         s, _ = run_until(loader, lambda s: len(s["autotune"]["trace"]) >= 16, 5000)
@@ -401,3 +401,27 @@ def test_workers_auto_is_accepted_and_zero_workers_is_unchanged():
 
 def indices_of(batches):
     return sorted(int(i) for b in batches for i in np.asarray(b))
+
+
+def test_autotuned_loaders_share_the_node_file_and_leave_nothing_behind(tmp_path):
+    """Two auto-tuned loaders iterating at once (a train and a validation loader) split this
+    process's CPU budget through the node file in shm_dir; closed, they leave nothing there."""
+    budget = procpipe._engine.autotune.cpu_count()
+    half = max(1.0, budget / 2)
+    make = lambda: Loader(list(range(400)), io_bound, batch_size=4, shm_dir=str(tmp_path),  # noqa: E731
+                          workers=AutoWorkers(start=1, max=3, **FAST), epochs=None, with_epoch=True)
+    with make() as train, make() as val:
+        a, b = iter(train), iter(val)
+        for _ in range(5000):
+            next(a), next(b)
+            sa, sb = train.stats()["autotune"], val.stats()["autotune"]
+            if len(sa["trace"]) >= 8 and len(sb["trace"]) >= 8 and sa["cpus"] == sb["cpus"] == half:
+                break
+        assert sa["cpus"] == sb["cpus"] == half, (sa["cpus"], sb["cpus"])
+        names = [n for n in os.listdir(tmp_path) if "-node-" in n]
+        assert len(names) == 1
+        with open(tmp_path / names[0]) as f:
+            assert len(f.read().splitlines()) == 2
+        for s in (sa, sb):
+            assert 1 <= s["workers"] <= 3 and s["target"] >= 1 and 0 < s["cpu_per_worker"] <= 1
+    assert os.listdir(tmp_path) == []

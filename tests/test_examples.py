@@ -29,7 +29,7 @@ def test_torch_training():
 
 
 def test_keras_fit():
-    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed (pip install procpipe[keras])")
     out = run_example("keras_fit.py")
     assert "(torch backend)" in out and "epoch 2:" in out
     assert "same worker processes in every epoch" in out and "predict: (256, 10)" in out
@@ -37,7 +37,7 @@ def test_keras_fit():
 
 def test_tf_data_pipeline():
     pytest.importorskip("tensorflow", reason="the example needs TensorFlow (pip install procpipe[tf])")
-    pytest.importorskip("keras", reason="the example needs keras, which is not installed")
+    pytest.importorskip("keras", reason="the example needs keras, which is not installed (pip install procpipe[keras])")
     out = run_example("tf_data_pipeline.py")
     spec = "element_spec {'image': ((None, 32, 32, 3), 'uint8'), 'label': ((None,), 'int64'), " \
            "'caption': ((None,), 'string')}"
@@ -46,6 +46,17 @@ def test_tf_data_pipeline():
     assert "loader epoch after building the dataset: 0" in out
     assert "after (procpipe.tf, 2 workers):" in out and "loader epochs run: 2 (fit epochs=2)" in out
     assert "caption[0] = a picture of class" in out and out.rstrip().endswith("closed")
+
+
+def test_jax_flax():
+    for package, why in (("jax", "JAX (pip install procpipe[jax])"), ("flax", "Flax"), ("optax", "Optax"),
+                         ("orbax.checkpoint", "orbax-checkpoint")):
+        pytest.importorskip(package, reason=f"the example needs {why}, which is not installed")
+    out = run_example("jax_flax.py")
+    assert "devices: 2, batch sharding: P('data',)" in out
+    assert "batch image (64, 64) float32 over 2 devices, names stay a list of str" in out
+    assert "epoch 1: saved after 6 batches (384 samples)" in out and "resumed at epoch 1, batch 6" in out
+    assert "epoch 1 across the restart: 1024 samples, each once: yes" in out
 
 
 def test_straggler_demo():

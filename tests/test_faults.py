@@ -21,7 +21,7 @@ from conftest import our_shm_files, python_env, shm_files, wait_gone, wait_until
 from faultkit import BS, N, CrashWhileFlag, FailingCollate, Faulty, check_epoch, reference, take
 
 from procpipe import Loader, TaskTimeoutError, WorkerError
-from procpipe.core.reassembly import Ordered, Progress, Sloppy
+from procpipe._core.reassembly import Ordered, Progress, Sloppy
 
 
 def spread(seed, count, n=N):
@@ -406,9 +406,9 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
     import multiprocess
     from types import SimpleNamespace
 
-    from procpipe.engine.delivery import Delivery
-    from procpipe.engine.pool import LocalWorker
-    from procpipe.core.stats import WorkerCounters
+    from procpipe._engine.delivery import Delivery
+    from procpipe._engine.pool import LocalWorker
+    from procpipe._core.stats import WorkerCounters
 
     ours, theirs = multiprocess.Pipe()
     link = LocalWorker(0, SimpleNamespace(pid=1), ours, WorkerCounters(), [-1, -1])

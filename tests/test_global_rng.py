@@ -128,7 +128,7 @@ def test_streaming_torch_tensor_batches_span_blocks():
 def test_the_per_sample_seeding_is_random_seed_and_np_random_seed(seed):
     """seed_global_generators calls the seeding below random.seed directly (speed): same states,
     the gauss cache included; a SampleScope's seed is mix_seed(seed, epoch, index)."""
-    from procpipe.core.rng import SampleScope, mix_seed, seed_global_generators
+    from procpipe._core.rng import SampleScope, mix_seed, seed_global_generators
 
     random.gauss(0, 1)  # leaves a cached gaussian, which seeding must clear
     np.random.normal()

@@ -19,7 +19,7 @@ import pytest
 from conftest import run_python
 
 from procpipe import CacheError, Loader, WorkerError
-from procpipe.engine.faults import death_message, timeout_message
+from procpipe._engine.faults import death_message, timeout_message
 
 N, BS = 40, 4
 STRUCT = np.dtype([("a", "<f4"), ("b", "<i4")])
@@ -163,7 +163,7 @@ def test_workers_do_not_unpickle_a_spec_file_procpipe_did_not_write(shm_dir, tmp
 
 
 def test_open_owned_refuses_symlinks_and_shared_files(tmp_path):
-    from procpipe.core.shm import open_owned
+    from procpipe._core.shm import open_owned
 
     mine = tmp_path / "mine"
     mine.write_bytes(b"x")

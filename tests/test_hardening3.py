@@ -138,7 +138,7 @@ def test_a_straggling_workers_lane_moves_even_without_a_copied_task() -> None:
     later blocks waited for the straggler's reply (the test above, now and then, under load)."""
     from types import SimpleNamespace
 
-    from procpipe.engine.roster import Roster
+    from procpipe._engine.roster import Roster
 
     def link(index: int, stalled: bool) -> SimpleNamespace:
         return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, tasks={})
@@ -181,7 +181,7 @@ CTRL_C_SCRIPT = r"""
 import os, signal, sys, time
 import numpy as np
 import procpipe
-from procpipe.engine.coordinator import Coordinator
+from procpipe._engine.coordinator import Coordinator
 
 close = Coordinator.close
 
@@ -216,21 +216,19 @@ for k, batch in enumerate(loader):
 
 @pytest.mark.parametrize("presses", ["once", "twice"])
 def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, presses: str) -> None:
-    import signal
     import subprocess
     import sys
 
-    from conftest import python_env, shm_files
+    from conftest import CTRL_C_READY, interrupt, python_env, shm_files
 
     script = tmp_path / "train.py"
-    script.write_text(CTRL_C_SCRIPT)
+    script.write_text(CTRL_C_READY + CTRL_C_SCRIPT)  # (Ctrl-C reaches it however pytest was started)
     notes = tmp_path / "notes"
     child = subprocess.Popen([sys.executable, str(script), str(notes), presses], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=python_env())
     try:
         assert child.stdout.readline() == "looping\n"
-        child.send_signal(signal.SIGINT)
-        _, stderr = child.communicate(timeout=60)
+        _, stderr = interrupt(child, 60)  # (a child that does not exit fails with its stacks)
     finally:
         if child.poll() is None:
             child.kill()
@@ -239,7 +237,9 @@ def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, pres
     assert "Exception ignored" not in stderr and "lost sys.stderr" not in stderr, stderr
     assert stderr.count("KeyboardInterrupt") == 1, stderr  # one traceback: the loop's
     assert shm_files(f"/dev/shm/procpipe-{child.pid}-") == []
-    # Exiting does not wait for the batches queued in the workers' pipes: at most the sample each
-    # worker was starting as the close began (before: every task queued, tens of samples).
+    # Exiting does not wait for the batches queued in the workers' pipes (before: every task queued,
+    # tens of samples): at most two per worker, the one under way as the close began and one it may
+    # start before the close's ABANDON_SIGNAL reaches it (a 50 ms sample: under load, that happened
+    # once in 50 runs with a bound of one per worker).
     lines = notes.read_text().splitlines()
-    assert lines.count("closing") == 1 and lines[lines.index("closing") + 1:].count("sample") <= 2, lines
+    assert lines.count("closing") == 1 and lines[lines.index("closing") + 1:].count("sample") <= 4, lines

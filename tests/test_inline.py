@@ -1,4 +1,4 @@
-"""``workers=0``: one driver (procpipe/api/inline.py ``InlineDriver``) for every source kind, driving
+"""``workers=0``: one driver (procpipe/_consumer/inline.py ``InlineDriver``) for every source kind, driving
 the engine's own epochs and plans in the calling thread. What each kind keeps (errors, skips,
 positions, resume, seeding) is checked where the feature is tested; here: that every kind runs on
 the one driver, and what the driver gives every kind alike."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import procpipe
-from procpipe.api.inline import InlineDriver
+from procpipe._consumer.inline import InlineDriver
 
 
 def open_shard(shard):

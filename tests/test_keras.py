@@ -8,7 +8,7 @@ os.environ["KERAS_BACKEND"] = "torch"  # before any keras import
 
 import pytest  # noqa: E402
 
-keras = pytest.importorskip("keras", reason="these tests need keras, which is not installed")
+keras = pytest.importorskip("keras", reason="these tests need keras, which is not installed (pip install procpipe[keras])")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data as tud  # noqa: E402

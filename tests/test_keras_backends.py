@@ -16,12 +16,14 @@ from conftest import REPO_ROOT, python_env
 
 CHECK = os.path.join(REPO_ROOT, "tests", "keras_backend_check.py")
 PACKAGES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+EXTRAS = {"keras": "keras", "tensorflow": "tf", "jax": "jax", "torch": "torch"}  # the extra that installs each package
 
 
 def run_backend(backend: str) -> dict:
     for package in ("keras", PACKAGES[backend]):
         if importlib.util.find_spec(package) is None:
-            pytest.skip(f"the {backend} backend needs {package}, which is not installed (pip install procpipe[tf])")
+            pytest.skip(f"the {backend} backend needs {package}, which is not installed "
+                        f"(pip install procpipe[{EXTRAS[package]}])")
     try:
         result = subprocess.run([sys.executable, CHECK], capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
                                 env=python_env(KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2"))

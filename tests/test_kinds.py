@@ -1,5 +1,5 @@
-"""The source kind, resolved once (procpipe/api/kinds.py), and the one per-sample pipeline
-(procpipe/worker/stages.py) that indexed sources and streams share. All with ``workers=0``:
+"""The source kind, resolved once (procpipe/_consumer/kinds.py), and the one per-sample pipeline
+(procpipe/_worker/stages.py) that indexed sources and streams share. All with ``workers=0``:
 what is checked is which objects the Loader holds and what each sample goes through."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import procpipe
-from procpipe.api.config import LoaderConfig
-from procpipe.api.inline import IndexNames, RecordNames
-from procpipe.api.kinds import StreamKind, plan_options, resolve_kind
-from procpipe.plan.index import IndexPlan
-from procpipe.streaming import ShardPlan
-from procpipe.worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
+from procpipe.config import LoaderConfig
+from procpipe._consumer.inline import IndexNames, RecordNames
+from procpipe._consumer.kinds import StreamKind, plan_options, resolve_kind
+from procpipe._plan.index import IndexPlan
+from procpipe._streaming import ShardPlan
+from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
 
 OPTIONS = {"batch_size": 2}
 
@@ -60,8 +60,8 @@ def test_every_plan_option_comes_from_the_loaders_configuration() -> None:
     """The plans are built from ``loader.config``'s groups (``plan_options``), not from a list of
     the Loader's arguments copied by hand: each keyword a stream plan takes is filled, with the
     value the Loader was given."""
-    from procpipe.api.mixing import MixStreamPlan
-    from procpipe.streaming import StreamPlan
+    from procpipe._mix.mixing import MixStreamPlan
+    from procpipe._streaming import StreamPlan
 
     given = {"batch_size": 3, "shuffle": True, "seed": 7, "drop_last": True, "reshuffle": False, "shard": (1, 2),
              "shuffle_buffer": 5, "even_ranks": True, "on_error": "skip", "max_skipped": 4, "speculate": 2.0}
@@ -142,9 +142,9 @@ def test_the_fn_only_loop_gives_what_run_sample_gives(case) -> None:
     """``stages.run_indices`` skips the call per sample where ``fn`` is the only stage
     (``fn_only``): the samples, the random draws, the error for a None and an exception raised
     by ``fn`` (and the index the scope names when it fails) are those of ``run_sample`` per index."""
-    from procpipe.core.rng import SampleScope
-    from procpipe.worker.process import WorkerSpec
-    from procpipe.worker.stages import SKIPPED, fn_only, run_indices, run_sample
+    from procpipe._core.rng import SampleScope
+    from procpipe._worker.process import WorkerSpec
+    from procpipe._worker.stages import SKIPPED, fn_only, run_indices, run_sample
 
     fn, collate_fn, batched = _fn_case(case)
     spec = WorkerSpec(list(range(6)), fn, collate_fn, batched, seed=5)

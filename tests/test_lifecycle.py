@@ -19,8 +19,20 @@ import textwrap
 import numpy as np
 import psutil
 import pytest
-from conftest import (START_METHODS, assert_cleaned, assert_running, descendants, python_env, shm_files, wait_gone,
-                      wait_until)
+from conftest import (
+    CTRL_C_READY,
+    START_METHODS,
+    assert_cleaned,
+    assert_running,
+    descendants,
+    interrupt,
+    python_env,
+    run_python,
+    shm_files,
+    signal_state,
+    wait_gone,
+    wait_until,
+)
 
 from procpipe import Loader
 
@@ -134,11 +146,12 @@ SCRIPT = textwrap.dedent('''
 class Child:
     """A Python subprocess running SCRIPT; reads its lines with a deadline."""
 
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, session=False):
         script = tmp_path / "consumer.py"
-        script.write_text(SCRIPT)
+        script.write_text(CTRL_C_READY + SCRIPT)  # (a test's Ctrl-C reaches it however pytest was started)
         self.proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path))
+                                     stderr=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path),
+                                     start_new_session=session)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.proc.stdout, selectors.EVENT_READ)
 
@@ -164,31 +177,68 @@ class Child:
         self.proc.stderr.close()
 
 
-def _start(tmp_path, mode, start_method="forkserver"):
-    child = Child(tmp_path, mode, start_method)
+def _start(tmp_path, mode, start_method="forkserver", session=False):
+    child = Child(tmp_path, mode, start_method, session=session)
     prefix, *pids = child.line()
     pids = [int(p) for p in pids]
     assert len(pids) == 2 and set(pids) <= descendants(child.proc.pid)
     return child, prefix, pids
 
 
-@pytest.mark.parametrize("mode", ["with", "bare"])
-def test_keyboard_interrupt_cleans_up(tmp_path, mode):
-    child, prefix, pids = _start(tmp_path, mode)
+@pytest.mark.parametrize("mode,terminal", [("with", False), ("bare", False), ("bare", True)],
+                         ids=["with", "bare", "bare-terminal"])
+def test_keyboard_interrupt_cleans_up(tmp_path, mode, terminal):
+    # terminal: Ctrl-C as a terminal sends it, to the whole process group (the workers, the zygote,
+    # the forkserver and the resource tracker are in it; the reaper has a session of its own)
+    child, prefix, pids = _start(tmp_path, mode, session=terminal)
     try:
         assert child.line() == ["looping"]
         tree = descendants(child.proc.pid)  # workers, forkserver, resource tracker
         assert set(pids) <= tree and shm_files(prefix)
-        child.proc.send_signal(signal.SIGINT)
-        try:
-            child.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the consumer did not exit within 30 s of SIGINT")
-        stderr = child.proc.stderr.read()
+        _, stderr = interrupt(child.proc, 30, group=terminal)  # (a child that does not exit fails with its stacks)
         assert child.proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
+        assert stderr.count("Traceback") == 1, stderr  # the loop's: nothing from the other processes
         assert_cleaned(tree, prefix)
     finally:
         child.close()
+
+
+def test_workers_take_their_signals_whatever_mask_the_training_process_has():
+    # A signal mask is inherited by fork and exec: a training process started with SIGTERM and
+    # SIGUSR1 blocked (by its launcher) gave them to its workers, which then ignored a closing
+    # loader's ABANDON_SIGNAL (SIGUSR1) and their parent's death signal (SIGTERM).
+    blocked = {signal.SIGTERM, signal.SIGUSR1}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        with Loader(list(range(N)), square, batch_size=BS, workers=2, start_method="fork") as loader:
+            assert signal_state(os.getpid(), signal.SIGUSR1) == "blocked"  # (the test's premise)
+
+            def states() -> dict[int, list[str]]:
+                return {pid: [signal_state(pid, s) for s in sorted(blocked)] for pid in loader.worker_pids}
+
+            # "caught": the worker's handlers are in place and not blocked ("blocked" else)
+            wait_until(lambda: all(s == ["caught", "caught"] for s in states().values()), 15,
+                       "workers taking SIGTERM and SIGUSR1")
+            assert firsts(loader) == EXPECTED
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def test_a_training_process_that_ignores_sigint_keeps_it_ignored(tmp_path):
+    # Started with SIGINT ignored (nohup, a background job of a script): a Ctrl-C is not meant for
+    # it, and procpipe does not change that, closing a loader included (api/shutdown.py).
+    script = tmp_path / "ignoring.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        import procpipe
+        with procpipe.Loader(list(range(8)), lambda i: i, batch_size=2, workers=2) as loader:
+            assert sum(len(b) for b in loader) == 8
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: the script goes on
+        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+    """))
+    done = run_python([str(script)], timeout=120)
+    assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
 
 
 def test_interpreter_exit_without_close_cleans_up(tmp_path):

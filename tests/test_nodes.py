@@ -1,4 +1,4 @@
-"""The consumer side as nodes (procpipe/api/nodes.py): one save/load test over every node kind.
+"""The consumer side as nodes (procpipe/_consumer/nodes.py): one save/load test over every node kind.
 
 torchdata's ``run_test_save_load_state`` idea: ``check_save_load`` iterates ``k`` items of a
 node, takes ``get_state()`` (through JSON), resets a FRESH node of the same kind with it and
@@ -31,8 +31,8 @@ from procpipe import Loader, Shards
 from shardkit import SHARDS, open_shard  # the workers import it: a module without torch (its docstring)
 
 torch = pytest.importorskip("torch")
-from procpipe.api import torch_device  # noqa: E402  (needs torch)
-from procpipe.api.prefetch import Mapped, Prefetcher  # noqa: E402
+from procpipe.torch import device as torch_device  # noqa: E402  (needs torch)
+from procpipe._consumer.prefetch import Mapped, Prefetcher  # noqa: E402
 
 EPOCHS = 2
 INDEXED = list(range(30))  # 8 batches of 4 per epoch (the last one short)
@@ -190,6 +190,29 @@ def test_state_of_a_prefetching_device_stage_does_not_count_batches_it_holds(mon
         rest = [tagged(p) for p in second]
     with contextlib.ExitStack() as stack:
         full = [tagged(p) for p in loader_for(stack, "indexed", workers, True, 0)]
+    assert taken + rest == full, state
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["indexed", "shards"])
+def test_iterate_puts_the_callers_stage_at_the_root(kind, workers):
+    """``Loader.iterate(stage)`` (procpipe.jax's way in): the caller's stage over the iteration's
+    nodes is the node ``state_dict`` asks, so a prefetching thread's batches are not counted."""
+    transfer = _CountingTransfer()
+    k, depth = 3, 3
+    with contextlib.ExitStack() as stack:
+        first = loader_for(stack, kind, workers, True, 0)
+        it = first.iterate(lambda node: Prefetcher(node, transfer, depth=depth))
+        assert isinstance(it, Prefetcher)
+        taken = [tagged(next(it)) for _ in range(k)]
+        wait_until(lambda: transfer.count >= k + depth, 60, "the stage thread to prefetch")
+        state = json.loads(json.dumps(first.state_dict()))
+    with contextlib.ExitStack() as stack:
+        second = loader_for(stack, kind, workers, True, 0)
+        second.load_state_dict(state)
+        rest = [tagged(p) for p in second]
+    with contextlib.ExitStack() as stack:
+        full = [tagged(p) for p in loader_for(stack, kind, workers, True, 0)]
     assert taken + rest == full, state
 
 

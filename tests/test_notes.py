@@ -1,4 +1,4 @@
-"""core/notes.py: `add_note` works on Python 3.10, where `BaseException.add_note` does not exist."""
+"""_core/notes.py: `add_note` works on Python 3.10, where `BaseException.add_note` does not exist."""
 from __future__ import annotations
 
 import pickle
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from procpipe.core import notes
+from procpipe._core import notes
 
 
 class _Structured(Exception):

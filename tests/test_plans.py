@@ -16,13 +16,13 @@ import json
 import numpy as np
 import pytest
 
-from procpipe.plan.index import IndexPlan
-from procpipe.plan.base import EMPTY, EpochPlan, Failure, Loaded
-from procpipe.worker.produce import produce
-from procpipe.core.rng import SampleScope
-from procpipe.plan.sampler import Sampler
-from procpipe.streaming import Shards, StreamPlan
-from procpipe.worker.process import WorkerSpec
+from procpipe._plan.index import IndexPlan
+from procpipe._plan.base import EMPTY, EpochPlan, Failure, Loaded
+from procpipe._worker.produce import produce
+from procpipe._core.rng import SampleScope
+from procpipe._plan.sampler import Sampler
+from procpipe._streaming import Shards, StreamPlan
+from procpipe._worker.process import WorkerSpec
 
 WORKERS = 3
 PER_LANE = 2

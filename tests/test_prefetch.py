@@ -1,4 +1,4 @@
-"""The generic nodes of procpipe/api/prefetch.py (``Prefetcher``, ``Mapped``) over plain sources.
+"""The generic nodes of procpipe/_consumer/prefetch.py (``Prefetcher``, ``Mapped``) over plain sources.
 
 No torch and no Loader here: the nodes are the stdlib part of the device stage, so they are
 tested over a small in-memory source node (``Numbers``) that says where it stands. The
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from conftest import run_python, wait_until
 
-from procpipe.api.nodes import Node
-from procpipe.api.prefetch import Mapped, Prefetcher
+from procpipe._consumer.nodes import Node
+from procpipe._consumer.prefetch import Mapped, Prefetcher
 
 
 class Numbers(Node):
@@ -69,10 +69,10 @@ def closing() -> Any:
 
 def test_the_prefetcher_needs_no_torch():
     code = ("import sys\n"
-            "from procpipe.api.prefetch import Mapped, Prefetcher\n"
+            "from procpipe._consumer.prefetch import Mapped, Prefetcher\n"
             "out = list(Prefetcher(iter(range(5)), lambda b: (b * 2, None), depth=2))\n"
             "assert out == [0, 2, 4, 6, 8], out\n"
-            "assert 'torch' not in sys.modules, 'procpipe.api.prefetch imported torch'\n"
+            "assert 'torch' not in sys.modules, 'procpipe._consumer.prefetch imported torch'\n"
             "print('ok')\n")
     result = run_python(["-c", code], timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

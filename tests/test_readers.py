@@ -81,7 +81,7 @@ def test_tfrecord_parses_examples_into_numpy(tmp_path):
 
 
 def test_tfrecord_written_by_tensorflow(tmp_path):
-    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (its own writer is the reference)")
+    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed here (its own writer is the reference; pip install procpipe[tf])")
     path = str(tmp_path / "tf.tfrecord")
     with tf.io.TFRecordWriter(path) as writer:
         for i in range(20):
@@ -102,7 +102,7 @@ def test_tfrecord_written_by_tensorflow(tmp_path):
 
 # --------------------------------------------------------------------------- parquet
 def test_parquet_written_by_pyarrow_row_groups(tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="the parquet reader needs pyarrow")
+    pa = pytest.importorskip("pyarrow", reason="the parquet reader needs pyarrow (pip install procpipe[readers])")
     import pyarrow.parquet as pq
 
     table = pa.table({"id": list(range(25)), "text": [f"t{i}" for i in range(25)],

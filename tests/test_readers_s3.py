@@ -65,7 +65,7 @@ def _records() -> list[bytes]:
 
 
 def test_s3_readers_through_local_server(s3, tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="the parquet reader needs pyarrow")
+    pa = pytest.importorskip("pyarrow", reason="the parquet reader needs pyarrow (pip install procpipe[readers])")
     import pyarrow.parquet as pq
 
     server, fs, options = s3

@@ -12,7 +12,7 @@ import pytest
 from conftest import mappings, shm_files
 
 import procpipe
-import procpipe.core.shm
+import procpipe._core.shm
 
 
 def image(i):
@@ -79,7 +79,7 @@ def test_ring_grows_when_batches_outgrow_their_slots():
 
 
 def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch):
-    real = procpipe.core.shm.check_capacity
+    real = procpipe._core.shm.check_capacity
     limit = {"bytes": None}
 
     def capped(directory, needed, what):
@@ -87,7 +87,7 @@ def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch
             raise procpipe.SharedMemoryError(f"procpipe needs {needed} bytes in {directory} for {what} (test cap)")
         real(directory, needed, what)
 
-    monkeypatch.setattr(procpipe.core.shm, "check_capacity", capped)
+    monkeypatch.setattr(procpipe._core.shm, "check_capacity", capped)
     with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
         it = iter(loader)
         first = next(it)
@@ -115,12 +115,12 @@ def no_gc():
 
 
 def test_a_removed_ring_is_unmapped_when_its_last_user_dies_without_the_cycle_collector(no_gc):
-    files = procpipe.core.shm.SharedFiles("/dev/shm")
-    ring = procpipe.core.shm.Ring(files, 0, 4, procpipe.core.shm.PAGE)
+    files = procpipe._core.shm.SharedFiles("/dev/shm")
+    ring = procpipe._core.shm.Ring(files, 0, 4, procpipe._core.shm.PAGE)
     released = []
     lease = ring.lease(2, released.append)
     batch = np.frombuffer(lease, np.uint8)
-    assert procpipe.core.shm.ring_of(batch) is ring
+    assert procpipe._core.shm.ring_of(batch) is ring
     exporter = ring.exporter()  # (what a CUDA registration holds)
     ring.remove()  # in use: the mapping is deferred
     assert mappings(files.prefix) and shm_files(files.prefix) == []
@@ -142,7 +142,7 @@ def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_
 
 def _ring_files(prefix, generations, slot_bytes):
     for g in range(generations):
-        procpipe.core.shm.create_file(f"{prefix}ring{g}", 2 * slot_bytes, "test ring")
+        procpipe._core.shm.create_file(f"{prefix}ring{g}", 2 * slot_bytes, "test ring")
 
 
 def fails_on_5(i):
@@ -158,12 +158,12 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
     import multiprocess
     import psutil
 
-    from procpipe.core import wire
-    from procpipe.core.messages import STOP, Task
-    from procpipe.core.shm import PAGE, WorkerRings
-    from procpipe.worker.process import WorkerSpec, _ParentWatch, _serve
+    from procpipe._core import wire
+    from procpipe._core.messages import STOP, Task
+    from procpipe._core.shm import PAGE, WorkerRings
+    from procpipe._worker.process import WorkerSpec, _ParentWatch, _serve
 
-    files = procpipe.core.shm.SharedFiles("/dev/shm")
+    files = procpipe._core.shm.SharedFiles("/dev/shm")
     _ring_files(files.prefix, 2, PAGE)
     try:
         ours, theirs = multiprocess.Pipe(duplex=True)
@@ -187,9 +187,9 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
 
 
 def test_worker_rings_retry_unmapping_an_old_ring_still_in_use():
-    from procpipe.core.shm import PAGE, WorkerRings
+    from procpipe._core.shm import PAGE, WorkerRings
 
-    files = procpipe.core.shm.SharedFiles("/dev/shm")
+    files = procpipe._core.shm.SharedFiles("/dev/shm")
     _ring_files(files.prefix, 2, PAGE)
     try:
         rings = WorkerRings(files.prefix)

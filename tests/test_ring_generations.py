@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from procpipe.core.rings import RingSet
-from procpipe.core.shm import PAGE, SharedFiles
-from procpipe.core.stats import EpochCounters
+from procpipe._core.rings import RingSet
+from procpipe._core.shm import PAGE, SharedFiles
+from procpipe._core.stats import EpochCounters
 
 
 @pytest.fixture

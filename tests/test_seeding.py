@@ -13,7 +13,7 @@ import pytest
 from faultkit import BS, N, Faulty
 
 from procpipe import Loader
-from procpipe.core.rng import _TASK_MARK, SampleScope, mix_seed
+from procpipe._core.rng import _TASK_MARK, SampleScope, mix_seed
 
 
 class GlobalDraws(Faulty):

@@ -1,4 +1,4 @@
-"""Starting workers in the processes users run (procpipe.worker.fork_safety, start_method, preload).
+"""Starting workers in the processes users run (procpipe._worker.fork_safety, start_method, preload).
 
 ``start_method="auto"`` forks beside procpipe's own threads (a second loader while the first
 iterates), never beside a thread it does not control (one the program started, or a native
@@ -20,9 +20,9 @@ import pytest
 from conftest import run_python
 
 import procpipe
-from procpipe.worker import fork_safety, start_method, zygote
-from procpipe.worker.preload_list import preload_list, referenced_modules
-from procpipe.worker.process import WorkerSpec, dump_spec
+from procpipe._worker import fork_safety, start_method, zygote
+from procpipe._worker.preload_list import preload_list, referenced_modules
+from procpipe._worker.process import WorkerSpec, dump_spec
 
 SECOND_LOADER_WITH_A_VALUE = textwrap.dedent("""
     import multiprocessing, sys
@@ -70,7 +70,7 @@ NATIVE_THREADS_BEFORE_IMPORT = textwrap.dedent("""
         print("no-pool")
         sys.exit()
     import procpipe
-    from procpipe.worker import fork_safety, start_method
+    from procpipe._worker import fork_safety, start_method
     print(start_method.resolve("auto", warn=False), fork_safety.why_not_safe() is not None)
 """)
 

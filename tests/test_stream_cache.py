@@ -1,5 +1,5 @@
 """``cache=...`` for a stream without record counts (``Shards`` without ``lengths``): the
-growing cache of worker/stream_cache.py. Epoch 0 reads and runs ``fn`` once per record,
+growing cache of _worker/stream_cache.py. Epoch 0 reads and runs ``fn`` once per record,
 storing each output as it arrives; later epochs open no shard and run no ``fn``."""
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from conftest import wait_until
 from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, summarize
 
 from procpipe import Loader, Shards
-from procpipe.engine.epochs import Epoch
-from procpipe.streaming import ShardPlan
+from procpipe._engine.epochs import Epoch
+from procpipe._streaming import ShardPlan
 
 
 def make(workers, cycle_length=3, block_length=4, shards=SHARDS, open_fn=open_shard, fn=None, **kwargs):

@@ -162,7 +162,7 @@ def test_closed_loader_and_no_tensorflow_in_import_procpipe():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=REPO_ROOT, env=python_env())
     assert result.returncode == 0, result.stderr
-    assert os.path.exists(os.path.join(REPO_ROOT, "procpipe", "tf.py"))
+    assert os.path.exists(os.path.join(REPO_ROOT, "procpipe", "tf", "__init__.py"))
 
 
 def test_defaults_get_the_ring_slots_tensorflow_holds():

@@ -25,8 +25,8 @@ from batch_compare import assert_batches_equal
 from conftest import is_ring_view, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.api.cuda_transfer as ppc
-import procpipe.api.prefetch as ppp
+import procpipe.torch.cuda_transfer as ppc
+import procpipe._consumer.prefetch as ppp
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")
@@ -421,7 +421,7 @@ def test_unsupported_arguments_raise_clear_errors():
 
     with pytest.raises(TypeError, match="sampler with a length"):
         DataLoader(Indexed(), sampler=Endless())
-    with pytest.raises(ValueError, match="procpipe supports the start methods"):
+    with pytest.raises(ValueError, match="procpipe.torch.DataLoader supports the start methods"):
         DataLoader(Indexed(), num_workers=1, multiprocessing_context=_FakeContext())
     # torch's own validation applies unchanged
     with pytest.raises(ValueError, match="mutually exclusive"):

@@ -21,7 +21,7 @@ import torch.utils.data as tud
 from conftest import mappings
 
 from procpipe.torch import DataLoader
-from procpipe.torch_iterable import ReplicaLostError
+from procpipe.torch.iterable import ReplicaLostError
 
 LOADER = pytest.mark.parametrize("cls", [tud.DataLoader, DataLoader], ids=["torch", "procpipe"])
 

@@ -393,7 +393,7 @@ def test_dataset_synchronization_objects_need_fork():
     """Other start methods cannot send them; torch fails in pickling, procpipe says why and what to do."""
     with pytest.raises(RuntimeError, match="SemLock|through inheritance"):
         drain(TorchDataLoader(Counted(), batch_size=2, num_workers=2, multiprocessing_context="forkserver"))
-    with pytest.raises(TypeError, match=r"start_method='forkserver'.*multiprocessing_context='fork'") as info:
+    with pytest.raises(TypeError, match=r"multiprocessing_context='forkserver'.*multiprocessing_context='fork'") as info:
         drain(ProcpipeDataLoader(Counted(), batch_size=2, num_workers=2, multiprocessing_context="forkserver"))
     assert "through inheritance" in str(info.value)
 
@@ -402,7 +402,7 @@ def test_auto_start_method_is_kept_for_every_epoch(monkeypatch):
     """multiprocessing_context=None: "auto" is resolved for the first epoch and kept. Once the
     training loop runs threads, later epochs' fresh workers (persistent_workers=False) still fork,
     as torch's do: a dataset holding an mp.Value keeps working."""
-    import procpipe.worker.start_method as start_method
+    import procpipe._worker.start_method as start_method
 
     monkeypatch.setattr(start_method, "fork_is_safe", lambda: True)  # epoch 0: no thread runs yet
     ds = Counted()

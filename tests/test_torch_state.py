@@ -17,7 +17,7 @@ import torch
 import torch.utils.data as tud
 
 from procpipe.torch import DataLoader
-from procpipe.torch_iterable import ReplicaLostError
+from procpipe.torch.iterable import ReplicaLostError
 
 
 # ------------------------------------------------------------------ datasets, samplers

@@ -65,8 +65,8 @@ def test_seed_globals_false_leaves_them_alone():
 def test_auto_start_method_does_not_fork_a_process_running_threads():
     import threading
 
-    import procpipe.worker.start_method as start_method
-    from procpipe.worker import zygote
+    import procpipe._worker.start_method as start_method
+    from procpipe._worker import zygote
 
     # Never fork beside a foreign thread: the zygote made at import (when this process was still
     # safe to fork) where there is one, else the forkserver.
@@ -132,11 +132,11 @@ def test_dropping_an_iterator_after_the_first_batch_does_not_kill_workers(monkey
     """Workers blocked sending large inline batches must see the stop (their replies are
     drained while they stop), not wait to be killed after the 2 s grace period."""
     torch_data = pytest.importorskip("procpipe.torch")
-    import procpipe.engine.pool
+    import procpipe._engine.pool
 
     killed: list[int] = []
-    kill_tree = procpipe.engine.pool.kill_tree
-    monkeypatch.setattr(procpipe.engine.pool, "kill_tree", lambda pid, wait=True: (killed.append(pid), kill_tree(pid, wait)))
+    kill_tree = procpipe._engine.pool.kill_tree
+    monkeypatch.setattr(procpipe._engine.pool, "kill_tree", lambda pid, wait=True: (killed.append(pid), kill_tree(pid, wait)))
     # fork: workers that start in milliseconds, so the grace period measures the stop, not a slow start
     loader = torch_data.DataLoader(Images(), batch_size=32, num_workers=2, multiprocessing_context="fork")
     first = next(iter(loader))  # the iterator is dropped at once: its loader closes
@@ -201,12 +201,12 @@ def test_an_empty_source_warns():
 
 
 def test_a_large_ring_says_so_once(monkeypatch):
-    import procpipe.core.shm
+    import procpipe._core.shm
 
-    assert procpipe.core.shm.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
-    assert procpipe.core.shm.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
-    assert not procpipe.core.shm.is_large_reservation(100 << 20, 1 << 30)
-    monkeypatch.setattr(procpipe.core.shm, "LARGE_RESERVATION_BYTES", 1024)
+    assert procpipe._core.shm.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
+    assert procpipe._core.shm.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
+    assert not procpipe._core.shm.is_large_reservation(100 << 20, 1 << 30)
+    monkeypatch.setattr(procpipe._core.shm, "LARGE_RESERVATION_BYTES", 1024)
     with pytest.warns(UserWarning, match=r"the ring reserves .* slots of .*lower it: a smaller prefetch") as record:
         with procpipe.Loader(np.zeros((64, 256), np.float32), batch_size=8, workers=1) as loader:
             for _ in range(2):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import selectors
 
-from procpipe.core.wakeup import WakePipe
+from procpipe._core.wakeup import WakePipe
 
 
 def test_a_wake_wakes_the_selector_until_drained_and_nothing_blocks_or_raises():

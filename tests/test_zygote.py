@@ -1,4 +1,4 @@
-"""The zygote (procpipe.worker.zygote): workers forked from a copy of the process made at
+"""The zygote (procpipe._worker.zygote): workers forked from a copy of the process made at
 ``import procpipe``, when ``"auto"`` can no longer fork the process itself.
 
 Each case runs in a fresh interpreter (``run_python``): what the zygote holds depends on
@@ -25,7 +25,7 @@ FOREIGN_THREAD = textwrap.dedent(f"""
     import {EARLY_MODULE}
     import numpy as np
     import procpipe
-    from procpipe.worker import zygote
+    from procpipe._worker import zygote
 
     stop = threading.Event()
     threading.Thread(target=stop.wait, name="metrics", daemon=True).start()  # a thread of the program's
@@ -66,7 +66,7 @@ def test_with_a_foreign_thread_auto_forks_workers_from_the_zygote(tmp_path):
 NO_ZYGOTE = textwrap.dedent("""
     import threading, warnings
     import procpipe
-    from procpipe.worker import zygote
+    from procpipe._worker import zygote
     threading.Thread(target=threading.Event().wait, daemon=True).start()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -107,14 +107,14 @@ def test_a_dataset_that_only_inheritance_can_pass_names_the_cause_and_the_fix():
     result = run_python(["-c", VALUE_DATASET], timeout=120)
     assert result.returncode == 0, result.stderr
     message = result.stdout
-    assert "start_method='zygote'" in message
+    assert "start_method='auto' starts them with 'zygote' because 1 thread(s) not started by procpipe" in message
     assert "multiprocessing synchronization object" in message and "start_method='fork'" in message
 
 
 PARENT = textwrap.dedent("""
     import sys
     import procpipe
-    from procpipe.worker import zygote
+    from procpipe._worker import zygote
     print(zygote.pid(), flush=True)
     sys.stdin.read()  # until killed
 """)
@@ -138,7 +138,7 @@ SPAWNED = textwrap.dedent("""
     import multiprocess
     import numpy as np
     import procpipe
-    from procpipe.worker import zygote
+    from procpipe._worker import zygote
 
     def rank(queue):  # a training process started by spawn: it re-imports this script
         queue.put(zygote.pid() is not None)
@@ -175,7 +175,7 @@ DATA_MODULE = textwrap.dedent("""
             return 4
         def __getitem__(self, i):
             import sys
-            assert sys.modules["procpipe.worker"] is procpipe.worker  # the package imported afresh, linked
+            assert sys.modules["procpipe._worker"] is procpipe._worker  # the package imported afresh, linked
             return np.int64(i * i)
 """)
 

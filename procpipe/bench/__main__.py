@@ -28,18 +28,24 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
-import os
 import platform
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 from . import sweep
+from .pipeline import PipelineMaker, failed, load_factory, loader_maker
 from .workloads import WORKLOADS, resolve
 
+__all__ = ["PipelineMaker", "build_parser", "load_factory", "loader_maker", "main"]
+
+DOCS = "docs/benchmarks.md"  # the bench's page (tests/test_bench.py checks every doc reference the CLI prints)
+OWN_PIPELINE = (
+    "To measure your own pipeline: python -m procpipe.bench --pipeline MODULE:FACTORY, where FACTORY() returns "
+    "your Loader's or DataLoader's keyword arguments as a dict (--help: the contract and an example; "
+    f"{DOCS}#your-own-pipeline); add --step-ms with your training step's time."
+)
 FACTORY_HELP = """\
 --pipeline MODULE:FACTORY, the factory's contract:
   FACTORY() (or FACTORY(workers=N), if it takes workers) returns one of
@@ -63,6 +69,10 @@ FACTORY_HELP = """\
           return {"source": Images(), "batch_size": 64, "shuffle": True}
 
   then:  python -m procpipe.bench --pipeline mytrain.data:loader_kwargs --step-ms 30
+  A num_workers / workers in the dict is your own setting: the sweep replaces it with each
+  count, and the advice compares it with the recommended one. At 0 workers the options torch
+  takes only with workers (persistent_workers, prefetch_factor, multiprocessing_context) are
+  left out, and the output says so.
 """
 
 
@@ -82,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep procpipe's worker count on the reference workloads or on your own pipeline, "
         "and recommend one.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=FACTORY_HELP + "\nJSON fields and every column are documented in README.md "
-        "(section: python -m procpipe.bench).",
+        epilog=FACTORY_HELP + f"\nEvery column, the advice and the JSON fields: {DOCS}#what-it-prints; your own "
+        f"pipeline: {DOCS}#your-own-pipeline.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -157,113 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="chart throughput and wait %% against workers (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is shown on a terminal only)")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        help="when your pipeline fails, show its whole traceback (default: its message)",
+    )
     return p
-
-
-def load_factory(spec: str) -> Callable[..., Any]:
-    """``"package.module:name"`` -> the object, importing from the current directory too."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise SystemExit(f"--pipeline takes MODULE:FACTORY (e.g. mytrain.data:make_loader), got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SystemExit(f"--pipeline: cannot import {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise SystemExit(f"--pipeline: module {module_name!r} has no {attr!r}") from None
-    if not callable(obj):
-        raise SystemExit(f"--pipeline: {spec} is not callable")
-    return obj
-
-
-def _facade() -> Any:
-    """``procpipe.torch`` if torch is installed (imported only for a facade pipeline)."""
-    try:
-        import procpipe.torch as facade
-    except ImportError:
-        return None
-    return facade
-
-
-def _check_keys(kwargs: Mapping[str, Any], target: Any, what: str) -> None:
-    """A clear error for a key ``target`` does not take (with the closest valid ones)."""
-    import difflib
-
-    params = inspect.signature(target).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    valid = [name for name in params if name != "self"]
-    for key in kwargs:
-        if key not in params:
-            close = difflib.get_close_matches(str(key), valid, n=2)
-            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-            raise SystemExit(
-                f"--pipeline factory returned {key!r}, which is not a {what} argument{hint}. "
-                f"{what} takes: {', '.join(valid)}. See --help for the factory's contract."
-            )
-
-
-def loader_maker(factory: Callable[..., Any]) -> Callable[[int], Any]:
-    """A ``workers -> loader`` function from a factory returning kwargs, a Loader or a
-    ``procpipe.torch.DataLoader`` (see ``FACTORY_HELP``)."""
-    from procpipe import Loader
-
-    try:
-        params = inspect.signature(factory).parameters
-        takes_workers = "workers" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    except (TypeError, ValueError):
-        takes_workers = False
-
-    def make(workers: int) -> Any:
-        made = factory(workers=workers) if takes_workers else factory()
-        is_dict = isinstance(made, Mapping)
-        facade = _facade() if (is_dict and "dataset" in made) or not (is_dict or isinstance(made, Loader)) else None
-        if isinstance(made, Loader) or (facade is not None and isinstance(made, facade.DataLoader)):
-            is_facade = facade is not None and isinstance(made, facade.DataLoader)
-            # (the facade, procpipe.torch, is typed Any here: mypy does not follow torch)
-            have = cast(Any, made).num_workers if is_facade else made.workers_setting
-            if have != workers or not isinstance(have, int):
-                made.close()
-                what = f"{have} workers" if isinstance(have, int) else f"workers={have!r} (autotuned)"
-                raise SystemExit(
-                    f"--pipeline factory returned a loader with {what} where {workers} were asked: "
-                    "to sweep the worker count it must take a workers= argument and build the loader with "
-                    "that many, or return the loader's keyword arguments as a dict instead"
-                )
-            return made
-        if isinstance(made, Mapping):
-            kwargs = dict(made)
-            if "dataset" in kwargs:  # procpipe.torch.DataLoader's arguments
-                if facade is None:
-                    raise SystemExit(
-                        "--pipeline factory returned DataLoader arguments (a 'dataset' key), "
-                        "which need torch: pip install torch"
-                    )
-                kwargs.pop("num_workers", None)
-                _check_keys(kwargs, facade.DataLoader.__init__, "procpipe.torch.DataLoader")
-                # the workers outlive the measured epoch, so their memory and CPU can be read at its end
-                kwargs.setdefault("persistent_workers", workers > 0)
-                return facade.DataLoader(**kwargs, num_workers=workers)
-            kwargs.pop("workers", None)
-            _check_keys(kwargs, Loader.__init__, "procpipe.Loader")
-            return Loader(**kwargs, workers=workers)
-        raise SystemExit(
-            f"--pipeline factory must return a dict of Loader arguments, a Loader or a "
-            f"procpipe.torch.DataLoader, got {type(made).__name__}. See --help."
-        )
-
-    return make
 
 
 LEGEND = (
     "  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
-    "for a CPU, held by other processes (! = contended) or, beyond the CPU count, by each other; "
-    "USS: private memory, the shared ring left out)"
+    "for a CPU, held by other processes (! = contended) or, when the workers and the training process "
+    "need more than the CPUs, by each other; USS: private memory, the shared ring left out)"
 )
 
 
@@ -283,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     counts = args.workers or sweep.default_worker_counts()
     step_s = max(0.0, args.step_ms) / 1e3
+    pipeline: PipelineMaker | None = None
     if args.pipeline:
-        factory = load_factory(args.pipeline)
-        jobs = [(args.pipeline, loader_maker(factory), f"pipeline {args.pipeline}")]
+        pipeline = loader_maker(load_factory(args.pipeline))
+        jobs: list[tuple[str, Callable[[int], Any], str]] = [(args.pipeline, pipeline, f"pipeline {args.pipeline}")]
     else:
         try:
             names = resolve(args.workloads)
@@ -318,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, make, description in jobs:
             measured: dict[int, list[sweep.Setting]] = {w: [] for w in counts}
+            described = ""
             for rep in range(repeats):
                 # the counts in turn, starting one further each round: a passing load hits them alike
                 for workers in counts[rep % len(counts) :] + counts[: rep % len(counts)]:
@@ -329,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         bar.update(0)  # redraws at most every bar.mininterval
 
                     progress(0)
-                    measured[workers].append(
-                        sweep.measure(
+                    try:
+                        setting = sweep.measure(
                             make,
                             workers,
                             step_s=step_s,
@@ -339,20 +256,31 @@ def main(argv: list[str] | None = None) -> int:
                             max_seconds=seconds,
                             progress=None if bar.disable else progress,
                         )
-                    )
+                    except Exception as exc:
+                        if pipeline is None or args.traceback:
+                            raise
+                        raise SystemExit(failed(name, workers, exc)) from None
+                    measured[workers].append(setting)
                     bar.update(1)
+                    if pipeline is not None and not described:  # (known once the factory has run)
+                        described = f"{pipeline.front}({pipeline.arguments})"
+                        out(f"measuring {name}: {described}, {pipeline.option} swept")
             settings = [sweep.combine(measured[w]) for w in counts]
             rec = sweep.recommend(settings, within=args.within, step_s=step_s, cpus=cpus)
             out(f"{name:>12}: {rec['text']}")
+            if pipeline is not None:
+                for note in pipeline.notes:
+                    out(f"  note: {note}")
+                out(f"  what to do: {pipeline.advice(rec['workers'], settings)}.")
             if args.table:
                 out(
-                    f"\n== {name}: {description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
+                    f"\n== {name}: {described or description}\n{sweep.format_table(settings)}\n{LEGEND}\n"
                     f"{rec['text']}.\n  why: {rec['why']}.\n"
                 )
             runs.append(
                 {
                     "name": name,
-                    "description": description,
+                    "description": described or description,
                     "settings": [s.to_json() for s in settings],
                     "recommendation": rec,
                 }
@@ -360,7 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bar.close()
     if not args.table:
-        print("(--table: each workload's measurements, and why)")
+        print(
+            "(--table: each setting's measurements, and why)"
+            if pipeline
+            else "(--table: each workload's measurements, and why)"
+        )
+    if pipeline is None:
+        print(OWN_PIPELINE)
     if args.json:
         from procpipe import __version__
 
@@ -380,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(document, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        sweep.plot(runs, args.plot)
+        from .plot import plot
+
+        plot(runs, args.plot)
         print(f"wrote {args.plot}")
     return 0
 

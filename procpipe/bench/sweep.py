@@ -6,10 +6,12 @@ seconds) is spent, optionally spending ``step_s`` per batch as the training step
 it times the consumer's wait in ``next()`` itself and reads the workers' busy time
 (``busy_total_s`` of ``Loader.stats()``) before and after, over exactly the measured window. It also reads how long
 the workers were on a CPU and how long they waited for one (``/proc/<pid>/schedstat``, as
-the autotuner does): workers that wait in the run queue for more than a quarter of their
-busy time are *contended*, other processes hold the CPUs, and the figures are not to be
-trusted. :func:`combine` makes one ``Setting`` of repeated measurements: the median run,
-with the spread of samples/s. :func:`recommend` picks the smallest worker count whose
+the autotuner does), and the training process's own CPU time (its step with ``step_mode="busy"``,
+the coordinator): workers that wait in the run queue for more than a quarter of their busy
+time while the bench's own processes need no more than the CPUs (``contended_by_others``) are
+*contended*, other processes hold the CPUs, and the figures are not to be trusted.
+:func:`combine` makes one ``Setting`` of repeated measurements: the median run, with the
+spread of samples/s. :func:`recommend` picks the smallest worker count whose
 best repeat comes within ``within`` of the best median throughput (so that noise between
 runs does not move the advice), never more workers than CPUs unless the workers wait on
 I/O, and says why more would not help, its advice following one diagnosis (CPU-bound,
@@ -19,20 +21,21 @@ I/O-bound, limited by the training process or its step).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..engine.autotune import CONTENDED, schedstat_seconds
+from .._core.cpus import cpu_budget
+from .._engine.autotune import schedstat_seconds
+from .._engine.policy import CONTENDED
 
 MiB = 2**20
 
 
 @dataclass
 class Setting:
-    """What one worker count achieved (the JSON ``settings`` entries; see README.md)."""
+    """What one worker count achieved (the JSON ``settings`` entries: docs/benchmarks.md#json)."""
 
     workers: int
     batches: int  # batches consumed in the measured window (after the first batch)
@@ -51,10 +54,13 @@ class Setting:
     stats: dict = field(default_factory=dict)  # loader.stats() at the end of the window
     uss_mib: float | None = None  # the largest private memory (USS) of one worker: the shared ring left out
     worker_runq_pct: float | None = None  # mean over workers of the time runnable but waiting for a CPU
-    contended: bool = False  # workers (no more than the CPUs) waited for a CPU > CONTENDED of their busy time
+    contended: bool = (
+        False  # workers waited for a CPU > CONTENDED of their busy time, held by others (contended_by_others)
+    )
     repeats: int = 1  # measurements combined (combine())
     samples_per_s_min: float | None = None  # the spread of samples/s over the repeats
     samples_per_s_max: float | None = None
+    trainer_cpu_pct: float | None = None  # the training process's CPU time (step, coordinator) as % of the window
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,10 +82,17 @@ def default_worker_counts(cpus: int | None = None) -> list[int]:
 
 
 def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """The CPUs this process may really use: affinity and cgroup quota (``_core/cpus.py``)."""
+    return cpu_budget()
+
+
+def contended_by_others(workers: int, busy_s: float, runq_s: float, trainer_cpus: float, cpus: int) -> bool:
+    """Whether the workers' waits for a CPU (``runq_s`` in all, against ``busy_s`` of work) mean
+    that *other* processes held the CPUs: they waited more than ``CONTENDED`` of their busy time
+    although the bench's own processes, the workers and the training process (``trainer_cpus``
+    CPUs: a ``busy`` step, the coordinator), fit in the ``cpus``. Beyond that they queue behind
+    each other or behind the modelled step, which is not contention."""
+    return busy_s > 0 and runq_s > CONTENDED * busy_s and workers + trainer_cpus <= cpus
 
 
 def _step(seconds: float, mode: str) -> None:
@@ -171,6 +184,7 @@ def measure(
         cpu0 = _cpu_seconds(_pids(s0))
         sched0 = _schedstats(_pids(s0))
         busy0 = _busy_totals(s0)
+        trainer0 = time.process_time()
         start = time.perf_counter()
         deadline = start + max_seconds if max_seconds else math.inf
         endless = max_batches is None and max_seconds is None  # (then: the rest of the first epoch)
@@ -205,6 +219,7 @@ def measure(
             if now >= deadline:
                 break
         end = time.perf_counter()
+        trainer_s = time.process_time() - trainer0
         s1 = loader.stats()
         cpu1 = _cpu_seconds(_pids(s1))
         sched1 = _schedstats(_pids(s1))
@@ -233,9 +248,7 @@ def measure(
         runq = [max(0.0, sched1[p][1] - sched0[p][1]) for p in sched1 if p in sched0]
         if runq:
             runq_pct = 100.0 * sum(runq) / len(runq) / seconds
-            busy_s = sum(busy) * seconds
-            # beyond the CPU count the workers queue behind each other: only then is it not contention
-            contended = busy_s > 0 and sum(runq) > CONTENDED * busy_s and workers <= cpu_count()
+            contended = contended_by_others(workers, sum(busy) * seconds, sum(runq), trainer_s / seconds, cpu_count())
     return Setting(
         workers=workers,
         batches=consumed,
@@ -257,6 +270,7 @@ def measure(
         contended=contended,
         samples_per_s_min=samples / seconds,
         samples_per_s_max=samples / seconds,
+        trainer_cpu_pct=100.0 * trainer_s / seconds,
     )
 
 
@@ -351,7 +365,7 @@ def recommend(
     else:
         text += "; it is the largest count measured, and more workers would not help (see why)"
     if contended:
-        worst = max((s.worker_runq_pct or 0.0) for s in settings)
+        worst = max((s.worker_runq_pct or 0.0) for s in settings if s.contended)  # (not waits behind our own)
         why += (
             f". Caution: the CPUs were contended (workers waited up to {worst:.0f} % of the time for a CPU "
             "held by other processes), so these figures vary from run to run; measure on an idle machine "
@@ -466,33 +480,3 @@ def format_table(settings: list[Setting]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def plot(runs: list[dict[str, Any]], path: str) -> None:
-    """Throughput and consumer wait % against workers, one panel per run (matplotlib, Agg)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise SystemExit("--plot needs matplotlib: pip install 'procpipe[plot]'") from exc
-    fig = Figure(figsize=(7.0, 3.0 * len(runs)), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
-    for ax, run in zip(axes, runs, strict=True):
-        settings = run["settings"]
-        ws = [s["workers"] for s in settings]
-        ax.plot(ws, [s["samples_per_s"] for s in settings], "o-", color="tab:blue", label="samples/s")
-        ax.set_ylabel("samples/s", color="tab:blue")
-        ax.set_ylim(bottom=0)
-        ax.set_xticks(ws)
-        ax2 = ax.twinx()
-        ax2.plot(ws, [s["wait_pct"] for s in settings], "s--", color="tab:red", label="consumer wait %")
-        ax2.set_ylabel("consumer wait %", color="tab:red")
-        ax2.set_ylim(0, 105)
-        rec = run["recommendation"]["workers"]
-        ax.axvline(rec, color="gray", linestyle=":", label=f"recommended: {rec}")
-        ax.set_title(run["name"])
-        handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="lower right", fontsize="small")
-    axes[-1].set_xlabel("workers")
-    fig.savefig(path, dpi=100)

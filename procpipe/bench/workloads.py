@@ -1,6 +1,6 @@
 """The reference workloads, shared by ``python -m procpipe.bench`` and ``bench/compare.py``.
 
-They are the workloads the performance goals are measured on (README.md, "Performance goals").
+They are the workloads the performance goals are measured on (docs/benchmarks.md#performance-goals).
 
 Every dataset is a module-level class (picklable by reference, so any start method and
 any loader can ship it to its workers) with ``__len__`` and ``__getitem__(int)``:

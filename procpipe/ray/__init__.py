@@ -4,7 +4,7 @@
 instead of this machine. Everything else stays where it is: the sampler, the coordinator,
 ordered / sloppy reassembly, resume bookkeeping and the device stage run in the training
 process, exactly as with local workers; only the worker pool is remote (``RayPool``, the
-second implementation of engine/pool.py's ``WorkerPool``)::
+second implementation of _engine/pool.py's ``WorkerPool``)::
 
     training process                                   Ray node (one Agent actor each)
     ─────────────────────────────────────────           ─────────────────────────────────
@@ -31,7 +31,7 @@ second implementation of engine/pool.py's ``WorkerPool``)::
   position twice: every index exactly once, batches identical to a fault-free run.
 - **Cleanup.** ``close()`` ends the agents (their worker processes and ``/dev/shm`` files
   with them); an agent killed with its node or the cluster leaves nothing either: its
-  workers see it gone, remove the files and exit (worker/process.py).
+  workers see it gone, remove the files and exit (_worker/process.py).
 
 Every wait on a remote result has a timeout: replies come back through callbacks, agent
 starts are bounded by ``start_timeout``, heartbeats by ``node_timeout``, ``close()`` by a

@@ -3,7 +3,7 @@
 The trainer's ``RayPool`` (pool.py) calls ``run(lane, generation, seq, task)`` concurrently
 (a threaded actor); each lane is one local worker process, serving its calls one at a time in
 the order the trainer sent them. The batch is written into a slot of the agent's own ring
-(core/rings.py's ``RingSet``, the coordinator's too: grown when a batch outgrows its slot) and sent back inline,
+(_core/rings.py's ``RingSet``, the coordinator's too: grown when a batch outgrows its slot) and sent back inline,
 as views of the slot that Ray copies into its object store; then the slot is free again.
 A worker process that dies is restarted here before its death is reported (``WorkerLost``).
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import ray
 
-from ..core.messages import BatchDone, Reply, SamplesSkipped, Task, WorkerFatal, WorkerLost
-from ..core.rings import RingSet
-from ..core.stats import EpochCounters, WorkerCounters
+from .._core.messages import BatchDone, Reply, SamplesSkipped, Task, WorkerFatal, WorkerLost
+from .._core.rings import RingSet
+from .._core.stats import EpochCounters, WorkerCounters
 
 
 @dataclass(eq=False)
@@ -56,9 +56,9 @@ class Agent:
     ) -> None:
         import dill
 
-        from ..core.shm import SharedFiles
-        from ..engine.config import EngineConfig
-        from ..engine.start import local_pool
+        from .._core.shm import SharedFiles
+        from .._engine.start import local_pool
+        from ..config import EngineConfig
 
         self.files = SharedFiles(shm_dir)
         spec = dill.loads(spec_bytes)
@@ -80,7 +80,7 @@ class Agent:
         """The worker's next message, or None after ``timeout`` seconds; ``EOFError`` once it died."""
         from multiprocess.connection import wait
 
-        from ..core import wire
+        from .._core import wire
 
         ready = wait([link.conn, link.process.sentinel], timeout)
         if link.conn in ready:
@@ -94,7 +94,7 @@ class Agent:
 
     def _wait_ready(self, link: Any) -> None:
         """Wait until a new worker process has loaded the dataset and functions (``WorkerReady``)."""
-        from ..core.messages import WorkerReady
+        from .._core.messages import WorkerReady
 
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -153,8 +153,8 @@ class Agent:
                 lane.turn.notify_all()
 
     def _run(self, lane: _Lane, lane_index: int, generation: int, task: Task) -> tuple[list[SamplesSkipped], Reply]:
-        from ..core import wire
-        from ..core.messages import WorkerReady
+        from .._core import wire
+        from .._core.messages import WorkerReady
 
         link = lane.link
         with self.ring_lock:
@@ -187,7 +187,7 @@ class Agent:
             return skipped, reply
         if isinstance(reply, BatchDone) and reply.layout is not None:
             if reply.in_slot and ring is not None:  # (a worker writes into a slot only when given one)
-                from ..core import collate
+                from .._core import collate
 
                 lease = ring.lease(slot, self.rings.release)
                 reply = reply._replace(layout=collate.inline(reply.layout, lease), in_slot=False)

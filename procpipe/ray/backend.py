@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.config import EngineConfig
+from ..config import EngineConfig
 from . import nodes
 from .options import BackendOptions
 from .pool import RayPool
@@ -39,7 +39,7 @@ class Backend(BackendOptions):
     def pool(self, spec: Any, config: EngineConfig, files: Any, cache: Any) -> RayPool:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents,
         each with its share of the engine's workers and their environment."""
-        from ..worker.process import dump_spec
+        from .._worker.process import dump_spec
 
         nodes.connect(self.address)
         return RayPool(

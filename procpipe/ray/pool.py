@@ -17,9 +17,9 @@ from typing import Any
 
 import ray
 
-from ..core.messages import BatchFailed, ErrorInfo, Task, WorkerReady
-from ..core.stats import WorkerCounters
-from ..engine.pool import WorkerLink, WorkerPool
+from .._core.messages import BatchFailed, ErrorInfo, Task, WorkerReady
+from .._core.stats import WorkerCounters
+from .._engine.pool import WorkerLink, WorkerPool
 from . import nodes
 from .agent import Agent
 from .errors import NodeLostError, ObjectStoreError

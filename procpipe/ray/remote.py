@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import ray
 
-from ..core.messages import STOP, Reply, Task, WorkerFatal, WorkerLost
-from ..core.stats import WorkerCounters
-from ..core.wakeup import WakePipe
-from ..engine.pool import WorkerLink
+from .._core.messages import STOP, Reply, Task, WorkerFatal, WorkerLost
+from .._core.stats import WorkerCounters
+from .._core.wakeup import WakePipe
+from .._engine.pool import WorkerLink
 
 
 class LaneCalls(Protocol):

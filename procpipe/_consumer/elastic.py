@@ -1,0 +1,370 @@
+"""Elastic resume: ``combine_states`` (every rank's state into one), and loading the result.
+
+Why: a run saved by ``world_size`` ranks (each ``Loader(shard=(rank, world_size))`` saving its
+own ``state_dict()``) is often resumed on another number of machines. ``combine_states``
+turns the states of all the ranks into one state that a loader with *any*
+``shard=(rank, world_size)`` loads: across the new ranks, every index (record) of the saved
+epoch that no old rank had delivered comes exactly once, and later epochs are those of an
+uninterrupted run with the new world size.
+
+- **Indexed sources.** What each old rank delivered is a set of batch positions of its own
+  part of the epoch's order; from the settings (``length``, ``batch_size``, ``shuffle``,
+  ``seed``, ``reshuffle``) it is turned back into indices. The combined state keeps the
+  old ranks' positions (small: ``done_below`` and ``done``, not indices) under
+  ``"combined"``. A loader that loads it computes the epoch's order less what was
+  delivered (``remaining``), and takes its part ``rank, rank + world_size, ...``, without
+  padding (padding would deliver some twice), as the order of that epoch only
+  (``Sampler.given``). So in the resumed epoch ranks may differ by one batch; later
+  epochs are padded as usual. A state saved during that epoch keeps the base, so states
+  can be combined again (and again) before the epoch ends.
+- **Shards.** A stream's progress is kept in records of shards named by their index in
+  ``Shards.shards`` (``complete`` shards, ``received`` ranges; an ordered rank's ``cursor``
+  is first turned into those), so the ranks' progresses are simply merged. A loader that
+  loads the result keeps the part about the shards of its own order for that epoch: each
+  shard belongs to exactly one new rank, which skips what was received.
+- **Mixtures** (``procpipe.Mix``): as above, but an epoch's order is the mixture's, which
+  the states cannot rebuild (``_mix/elastic.py``): the combined state keeps the ranks' positions
+  (indexed) or their raw stream progress (``"ranks"``), with the weights of the epoch, and the
+  loader that loads it draws the order again with them before turning those into indices or
+  shard progress.
+
+Limits, said in errors: every rank of the old run must be given once, all at the same epoch
+(a rank already at the next one, with nothing of it returned, counts as done); no ``ahead``
+(``ordered=False`` across an epoch boundary); not with ``batches=`` or ``even_ranks=True``.
+``drop_last=True`` in the resumed epoch drops, as ever, each rank's last partial batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from .._mix import elastic as elastic_mix
+from .._plan.sampler import GivenOrders, epoch_order
+from .._streaming.order import StreamProgress
+
+# Keys of a saved state that say where it stands, not which loader saved it.
+# (A Mix's ``mix_weights`` name epochs too: merged apart, elastic_mix.merged_weights.)
+_POSITION_KEYS = (
+    "version",
+    "epoch",
+    "done_below",
+    "done",
+    "ahead",
+    "until",
+    "stream",
+    "combined",
+    "shard",
+    "mix_weights",
+)
+
+__all__ = ["combine_states", "saved_base", "state_for"]
+
+
+def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``state_dict()`` of every rank of a run, combined into one state for any world size.
+
+    Args:
+        states: one state per rank, ``Loader(shard=(rank, world_size)).state_dict()`` for every
+            ``rank`` of ``range(world_size)`` (in any order); a single unsharded loader's state
+            counts as ``shard=(0, 1)``.
+
+    Returns:
+        A state for ``Loader.load_state_dict`` of a loader with the same source and settings
+        and any ``shard=(rank, world_size)`` (or none): across the new ranks, every index or
+        record the old ranks had not returned comes exactly once (docs/guide/scale.md).
+
+    Raises ``ValueError`` naming the problem: a missing or repeated rank, states of
+    different loaders, or what is not supported (``ahead``, ``even_ranks``, ``batches=``).
+    """
+    states = _checked(states)
+    streaming = "stream" in states[0]
+    epoch = min(state["epoch"] for state in states)
+    untils = {repr(state.get("until")) for state in states if state["epoch"] == epoch}
+    if len(untils) > 1:
+        raise ValueError(
+            f"procpipe.combine_states: the ranks' states stop at different epochs (until = "
+            f"{', '.join(sorted(untils))}); they must come from one run"
+        )
+    first = next(state for state in states if state["epoch"] == epoch)
+    settings = {key: value for key, value in first.items() if key not in _POSITION_KEYS}
+    out = {
+        "version": 1,
+        "epoch": epoch,
+        **({"until": first["until"]} if "until" in first else {}),
+        **settings,
+        "shard": None,
+        "ahead": [],
+    }
+    if "mix" in first:
+        out.update(elastic_mix.merged_weights(states, epoch))
+    if streaming:
+        entries = _stream_entries(states, epoch)
+        if "mix" in first:  # (each rank's shards come from the mixture's order: merged by the loader that loads it)
+            out["stream"] = None
+            out["combined"] = {"world_size": len(states), "ranks": entries}
+        else:
+            out["stream"] = _merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
+            out["combined"] = {"world_size": len(states)}
+    else:
+        out.update(done_below=0, done=[])
+        base = next((state["combined"] for state in states if state["epoch"] == epoch and "combined" in state), None)
+        out["combined"] = {"ranks": [_rank_entry(state, epoch, base) for state in states]}
+    return out
+
+
+def _checked(states: Any) -> list[dict[str, Any]]:
+    """``states`` as a list sorted by rank, checked: one state per rank of one run."""
+    if isinstance(states, dict) or not isinstance(states, (list, tuple)):
+        raise TypeError(
+            "procpipe.combine_states takes a list of state dicts, one per rank "
+            f"(Loader.state_dict() of each), got {type(states).__name__}"
+        )
+    if not states:
+        raise ValueError("procpipe.combine_states: no state given (one per rank is needed)")
+    for i, state in enumerate(states):
+        if not isinstance(state, dict) or state.get("version") != 1 or "epoch" not in state:
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] is not a procpipe Loader state "
+                f"(from Loader.state_dict()): {state!r:.200}"
+            )
+        if state.get("ahead"):
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
+                "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
+                "states with ordered=True, or between epochs"
+            )
+        if state.get("even_ranks"):
+            raise ValueError(
+                "procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
+                "(the records each rank left out depend on the world size)"
+            )
+        combined = state.get("combined")
+        if (
+            state.get("shard") is None
+            and isinstance(combined, dict)
+            and ("stream" not in state or "ranks" in combined)  # (a plain stream's is a progress like any)
+        ):
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
+                "any rank; load it into the new ranks' loaders (or use it as it is)"
+            )
+    kinds = {"stream" in state for state in states}
+    if len(kinds) > 1:
+        raise ValueError(
+            "procpipe.combine_states: the states mix an indexable source and a streaming source "
+            "(procpipe.Shards); they must come from one run"
+        )
+    settings = [{k: v for k, v in state.items() if k not in _POSITION_KEYS} for state in states]
+    for i, other in enumerate(settings[1:], 1):
+        if other != settings[0]:
+            diff = sorted(k for k in set(other) | set(settings[0]) if other.get(k) != settings[0].get(k))
+            raise ValueError(
+                f"procpipe.combine_states: states[{i}] was saved by a loader with other settings than "
+                f"states[0] ({', '.join(diff)}); the states must come from the ranks of one run"
+            )
+    shards = [tuple(state["shard"]) if state.get("shard") is not None else (0, 1) for state in states]
+    world = shards[0][1]
+    if any(w != world for _, w in shards) or sorted(r for r, _ in shards) != list(range(world)):
+        raise ValueError(
+            f"procpipe.combine_states: the states must be those of every rank of one run, each once; "
+            f"got shard= {sorted(shards)} (world_size {world} needs ranks 0 to {world - 1})"
+        )
+    return [state for _, state in sorted(zip(shards, states, strict=True), key=lambda pair: pair[0])]
+
+
+# ---------------------------------------------------------------------- indexed sources
+def _rank_entry(state: dict[str, Any], epoch: int, base: dict | None) -> dict[str, Any]:
+    """One old rank in a combined state: its shard, the positions it returned in ``epoch``
+    (``done_below=None``: all, a rank already past the epoch) and the base it was resumed from."""
+    shard = list(state["shard"]) if state.get("shard") is not None else [0, 1]
+    if state["epoch"] == epoch:
+        entry = {"shard": shard, "done_below": state["done_below"], "done": list(state["done"])}
+        own = state.get("combined")
+    elif state["epoch"] == epoch + 1 and not state.get("done_below") and not state.get("done"):
+        entry, own = {"shard": shard, "done_below": None, "done": []}, base
+    else:
+        raise ValueError(
+            f"procpipe.combine_states: rank {shard[0]}'s state is at epoch {state['epoch']} (with "
+            f"batches of it returned), the others' at epoch {epoch}; save every rank in the same epoch"
+        )
+    if own is not None:
+        entry["combined"] = own
+    return entry
+
+
+def _full_order(settings: dict[str, Any], epoch: int) -> np.ndarray:
+    return epoch_order(
+        settings["length"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), None
+    )
+
+
+def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, Any]) -> np.ndarray:
+    """A mask over the source's indices: those some old rank of ``combined`` returned in the
+    epoch whose order (unsharded) is ``full``."""
+    length, step = settings["length"], settings["batch_size"] or 1
+    mask = np.zeros(length, dtype=bool)
+    padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
+    remaining: dict[int, np.ndarray] = {}  # id of a base -> the order it left (every rank resumed from one base)
+    for entry in combined["ranks"]:
+        rank, world = entry["shard"]
+        inner = entry.get("combined")
+        if inner is not None:
+            if id(inner) not in remaining:
+                before = _delivered(settings, full, inner)
+                mask |= before
+                remaining[id(inner)] = _remaining(full, before)
+            order = remaining[id(inner)][rank::world]
+        else:
+            if padded is None:  # (Sampler's and MixSampler's padding: to a multiple of world)
+                padded = np.resize(full, -(-len(full) // world) * world)
+            order = padded[rank::world]
+        below = entry["done_below"]
+        if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
+            below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
+        mask[order[: below * step]] = True
+        for position in entry["done"]:
+            mask[order[position * step : (position + 1) * step]] = True
+    return mask
+
+
+def _remaining(full: np.ndarray, delivered: np.ndarray) -> np.ndarray:
+    """The epoch's order ``full`` (unsharded) less the indices ``delivered``."""
+    return full[~delivered[full]]
+
+
+# ---------------------------------------------------------------------- Shards
+def _stream_entries(states: list[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
+    """Each old rank's part of ``epoch``: its shard, whether it was past the epoch (every shard of
+    its order read), and its stream progress (None: nothing returned)."""
+    entries = []
+    for state in states:
+        rank, world = state["shard"] if state.get("shard") is not None else (0, 1)
+        past = state["epoch"] != epoch
+        if past and not (state["epoch"] == epoch + 1 and state.get("stream") is None):
+            raise ValueError(
+                f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
+                f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
+                "epoch"
+            )
+        entries.append({"shard": [rank, world], "past": past, "stream": None if past else state.get("stream")})
+    return entries
+
+
+def _shard_order(settings: dict[str, Any], epoch: int, rank: int, world: int) -> list[int]:
+    """A ``Shards`` source's shards of ``epoch`` for rank ``rank`` of ``world`` (``StreamPlan.batches``)."""
+    return epoch_order(
+        settings["shards"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), (rank, world)
+    ).tolist()
+
+
+def _merged_progress(
+    entries: list[dict[str, Any]], order_of: Callable[[int, int], list[int]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Every rank's progress (``_stream_entries``) in shard terms (no cursor), merged;
+    ``order_of(rank, world)``: the shards of that rank's order in the epoch."""
+    complete: set[int] = set()
+    received: list[list[int]] = []
+    for entry in entries:
+        order = order_of(*entry["shard"])
+        if entry["past"]:
+            complete.update(order)  # past the epoch: every shard of it read
+            continue
+        if entry["stream"] is None:
+            continue
+        progress = StreamProgress(
+            order, settings["cycle_length"], settings["block_length"], False, entry["stream"]
+        ).state()  # (a cursor unfolded into complete / received)
+        complete.update(progress["complete"])
+        received.extend(progress["received"])
+    received.sort()
+    merged: list[list[int]] = []
+    for shard, start, stop in received:
+        if shard in complete:
+            continue
+        if merged and merged[-1][0] == shard and start <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], stop)
+        else:
+            merged.append([shard, start, stop])
+    return {"cursor": None, "complete": sorted(complete), "received": merged}
+
+
+# ---------------------------------------------------------------------- loading and saving
+def state_for(
+    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any, given: GivenOrders | None
+) -> dict[str, Any]:
+    """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
+    progress about the shards of this rank's order; for an indexed one, the resumed epoch's
+    order given to the sampler (``given``). The result is checked as usual. ``_streaming``,
+    ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) and ``given`` (where an indexed
+    plan takes an epoch's order; None for ``batches=...``) are the loader's source kind's
+    (_consumer/kinds.py)."""
+    mine = getattr(sampler, "shard", None)
+    saved = state.get("shard")
+    if saved is not None and (mine is None or list(mine) != list(saved)):
+        raise ValueError(
+            f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
+            f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
+            f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
+        )
+    epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
+    out = {key: value for key, value in state.items() if key != "combined"}
+    out["shard"] = None if mine is None else list(mine)
+    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
+    if mixing is not None and not _same_settings(settings, sampler, streaming, mixing):
+        return out  # (the usual checks name the setting that differs)
+    rank, world = mine if mine is not None else (0, 1)
+    if streaming:
+        progress = state.get("stream")
+        combined = state["combined"]
+        if mixing is not None:  # the epoch's shards in the mixture's order, with the weights saved for it
+            full = elastic_mix.saved_order(mixing, state, epoch).tolist()
+            order = set(full[rank::world])
+            if isinstance(combined, dict) and "ranks" in combined:
+                progress = out["stream"] = _merged_progress(combined["ranks"], lambda r, w: full[r::w], settings)
+        else:
+            order = set(sampler.batches(epoch))
+        if progress is not None and isinstance(progress, dict):
+            out["stream"] = {
+                "cursor": None,
+                "complete": [s for s in progress.get("complete", []) if s in order],
+                "received": [
+                    entry
+                    for entry in progress.get("received", [])
+                    if isinstance(entry, list) and entry and entry[0] in order
+                ],
+            }
+        return out
+    if given is None:
+        raise ValueError(
+            "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
+            "own sampler; this loader's come from batches=..., which cannot be split anew"
+        )
+    if mixing is None and not _same_settings(settings, sampler, streaming, mixing):
+        return out
+    combined = state["combined"]
+    full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
+    rank_order = _remaining(full, _delivered(settings, full, combined))[rank::world]
+    given.give(epoch, rank_order, combined)
+    return out
+
+
+def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixing: Any) -> bool:
+    """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
+    name the one that differs)."""
+    keys: list[str] = ["shuffle", "seed", "reshuffle"]
+    keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
+    mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
+    if mixing is not None:
+        keys.append("mix")
+        mine = {**mine, "mix": mixing.settings()["mix"]}
+    return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
+
+
+def saved_base(given: GivenOrders | None, epoch: int) -> dict[str, Any]:
+    """What a state saved in ``epoch`` adds: the combined state it resumed from, if the epoch is one."""
+    base = None if given is None else given.base(epoch)
+    return {} if base is None else {"combined": base}

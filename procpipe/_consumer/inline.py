@@ -1,0 +1,264 @@
+"""``workers=0``: one source node for every source kind, driving the engine's own epochs in the calling thread.
+
+With workers, the coordinator thread drives each epoch's plan (``_engine/epochs.py``:
+the epoch's ``offers()``, ``take()``, the worker's ``produce``, the epoch's ``result()``) and the
+consumer reads the stream's queue. ``InlineDriver`` does the very same in ``next()``: when
+the queue is empty it takes the plan's next task, produces it here (``_worker/produce.py``,
+with the same per-sample scope and collation) and hands the result to the epoch; the plan
+turns it into batches in their order (``IndexPlan`` for indexed sources, ``ShardPlan`` for
+streams). So the output, the positions, ``state_dict``/resume, ``on_error="skip"``'s
+budget and a batch's error are those of workers, for any kind, with no code per kind
+here: like torchdata's nodes, inline and parallel are one node behind one plan.
+
+The one thing a kind decides here is how a message names a sample and a task
+(``SampleNames``: an indexed sample by its index, a stream's record by ``(shard, record)``),
+chosen by ``_consumer/kinds.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol
+
+from .._core.notes import add_note
+from .._core.reassembly import ResumePoint
+from .._core.rng import SampleScope
+from .._core.stats import array_bytes
+from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, Stream, iteration_over
+from .._plan.base import loaded
+from .._worker.produce import produce
+from ..errors import summarize_indices
+from .iteration import IterationContext, LoaderIterator
+
+
+class SampleNames(Protocol):
+    """How messages name a source kind's samples and tasks (``workers=0``'s notes and skip logs)."""
+
+    def sample(self, key: Any, job: Job) -> str:
+        """A sample ``on_error="skip"`` left out: ``key`` (an index, or a record's key) of task ``job``."""
+        ...
+
+    def task(self, job: Job, loading: Any) -> str:
+        """Where an error was raised: task ``job``, while loading sample ``loading`` (None: after, collating)."""
+        ...
+
+
+class IndexNames:
+    """An indexed source's samples are named by their index, a task by its batch's indices."""
+
+    def sample(self, key: Any, job: Job) -> str:
+        return f"index {key} (batch {job.seq})"
+
+    def task(self, job: Job, loading: Any) -> str:
+        return f"loading index {loading}" if loading is not None else f"collating {summarize_indices(job.payload)}"
+
+
+class RecordNames:
+    """A stream's records are named by ``(shard, record)``, a task by its block."""
+
+    def sample(self, key: Any, job: Job) -> str:
+        return f"record {key[1]} of shard {key[0]} ({job.payload})"
+
+    def task(self, job: Job, loading: Any) -> str:
+        return f"loading {job.payload}"
+
+
+class InlineDriver(LoaderIterator):
+    """The ``workers=0`` source node (procpipe/_consumer/nodes.py) of any source kind: the engine's
+    ``Stream`` and epochs, driven in the calling thread.
+
+    The stream is ordered: the output is that of workers in the deterministic order (whatever
+    ``ordered``). ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()``
+    returned last (``device_fn``'s ``batch_rng()`` key), as ``EpochIterator``'s.
+    """
+
+    position: tuple[int, int] | None = None
+    runs_user_code = True  # the user's fn runs in the thread that iterates it (a device stage's: fork_safety)
+
+    def __init__(
+        self, context: IterationContext, initial_state: dict[str, Any] | None = None, names: SampleNames | None = None
+    ) -> None:
+        self._attach(context)
+        self._lock = threading.Lock()  # one next() at a time (threads may share the iterator)
+        self._spec = context.spec
+        self._names: SampleNames = names if names is not None else IndexNames()
+        self._scope = SampleScope(self._spec.seed, seed_globals=self._spec.seed_globals, restore_globals=True)
+        self._with_epoch = context.with_epoch
+        self._done = True  # no iteration yet (reset starts one)
+        self.reset(initial_state)
+
+    def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
+        plan = self._context.sampler
+        stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        if self._spec.skip:  # on_error="skip": each epoch's budget, as the coordinator sets it
+            max_skipped = self._context.max_skipped
+
+            def open_epoch(epoch: Epoch) -> None:
+                epoch.skips = epoch.skip_budget(max_skipped)
+
+            stream.on_open = open_epoch
+        stream.open(stream.first)
+        self._producing: Epoch | None = None  # the epoch whose tasks _load takes
+        self._begin(stream, number)
+
+    def _halt(self) -> None:
+        if not self._done:
+            self._stop()
+
+    def __iter__(self) -> InlineDriver:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> Any:
+        if self._done:
+            if self._failed is not None:
+                raise RuntimeError(
+                    "this epoch's iterator has already ended with an error, raised by an earlier next()"
+                ) from self._failed
+            iteration_over(self._cancelled)
+        stream = self._stream
+        started = time.perf_counter()
+        out = stream.out
+        while True:
+            while out.empty():  # (asked, not caught: an exception per batch costs more than the question)
+                if self._cancelled:  # by iter() or close() from another thread or a signal handler
+                    iteration_over(self._cancelled)
+                try:
+                    self._load()
+                except BaseException as exc:  # (KeyboardInterrupt...): later next() calls say so, never StopIteration
+                    self._failed = exc
+                    self._stop()
+                    raise
+            item = out.get_nowait()
+            if type(item) is tuple:
+                epoch, seq, batch = item
+                epoch.counters.wait_s += time.perf_counter() - started
+                epoch.mark_consumed(seq)
+                stream.consumed += 1
+                self.position = (epoch.number, seq)
+                if epoch is not self._epoch:  # the first batch of the next epoch
+                    self._enter(epoch)
+                if type(batch) is Failure:  # this batch's user code raised; the next one follows
+                    raise batch.exc
+                return (epoch.number, batch) if self._with_epoch else batch
+            if isinstance(item, EpochEnd):
+                item.epoch.counters.ended = time.perf_counter()
+                continue
+            self._stop()
+            if item is EndOfStream:
+                self._complete = True
+                self._set_epoch(self._next_start())
+                raise StopIteration
+            self._failed = item.exc
+            raise item.exc  # a Failure that ends the iteration
+
+    def _enter(self, epoch: Epoch) -> None:
+        stream = self._stream
+        for number in [n for n in stream.opened if n < epoch.number]:
+            del stream.opened[number]  # past (resume_point starts at this epoch): let it go
+        self._epoch, self.number = epoch, epoch.number
+        self._standing.counters = epoch.counters
+        self._set_epoch(epoch.number + 1)
+
+    def _load(self) -> None:
+        """Produce the task the open epoch needs next (opening the next epoch when one is done)."""
+        epoch = self._producing  # (most often still the one producing: no need to look through the stream)
+        if epoch is None or not epoch.fresh:
+            epoch = self._producing = self._stream.fresh()
+        if epoch is None:
+            if self._stream.out.empty():
+                raise RuntimeError("procpipe: internal error: an epoch had nothing left to produce but did not end")
+            return  # (opening the next epoch failed, or ended the stream: the queue says so)
+        offers = epoch.offers(1)
+        if not offers:
+            raise RuntimeError("procpipe: internal error: an epoch waits for no task but did not end")
+        # An ordered stream's interleave waits for one block (the urgent offer); an index plan's next batch.
+        offer = offers[0]
+        if not offer.urgent:
+            for other in offers:
+                if other.urgent:
+                    offer = other
+                    break
+        job = epoch.take(offer, -1)
+        scope, skips = self._scope, epoch.skips
+        try:
+            produced = produce(self._spec, scope, epoch.number, job.payload, None, 0)
+        except BaseException as exc:  # any type, as from a worker: the note, and the caller's generators back
+            loading = scope.index
+            scope.leave()
+            if isinstance(exc, SystemExit):
+                raise
+            if skips is not None and skips.whole_batches and isinstance(exc, Exception):
+                # on_error="skip": a batch whose collation failed is left out, within the budget
+                if skips.add(job.payload, f"batch {job.seq} ({summarize_indices(job.payload)})", _failed(exc)):
+                    epoch.result(job, EMPTY)
+                    return
+                add_note(exc, skips.note())
+            add_note(
+                exc,
+                f"procpipe: raised in the calling process (workers=0) while {self._names.task(job, loading)} "
+                f"(epoch {epoch.number}).",
+            )
+            if not isinstance(exc, Exception):  # KeyboardInterrupt and the like: the iteration stops here
+                raise
+            # As with workers: this batch raises and the next one follows; the plan decides
+            # whether the epoch can go on (a stream's shard cannot be read past an error), and
+            # with on_error="skip" an error not skipped ends it.
+            epoch.result(job, Failure(exc, batch_only=skips is None))
+            return
+        for key, error in produced.skipped:  # (skips is set: on_error="skip" is what leaves samples out)
+            assert skips is not None
+            if not skips.add([key], self._names.sample(key, job), _describe(error)):
+                add_note(error, skips.note())
+                epoch.result(job, Failure(error))
+                return
+        layout = produced.layout
+        if layout is None:  # on_error="skip" left out every sample of the task
+            epoch.result(job, EMPTY)
+            return
+        epoch.counters.array_bytes += array_bytes(layout)
+        epoch.result(job, loaded(layout, None, len(produced.skipped)))
+
+    def _stop(self) -> None:
+        self._done = True
+        self._stream.finish()
+        self._spec.reader.close_readers()
+
+    @property
+    def consumed(self) -> int:
+        return self._epoch.consumed
+
+    def _point(self) -> ResumePoint | None:
+        """``Stream.resume_point``: the epochs come in order, so the oldest one the consumer is not
+        past is the one it is in."""
+        if self._complete:
+            return None
+        return self._stream.resume_point(self._epoch.number)
+
+    def _next_start(self) -> int:
+        stream = self._stream
+        return stream.until if stream.until is not None else stream.next_number
+
+    def cancel(self, why: str) -> None:
+        if not self._done:
+            self._cancelled = why
+            self._stop()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self._spec.reader.close_readers()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+
+
+def _failed(exc: BaseException) -> str:
+    return f"collating it failed: {_describe(exc)}"
+
+
+__all__ = ["IndexNames", "InlineDriver", "RecordNames", "SampleNames"]

@@ -1,0 +1,227 @@
+"""The start-up sweep: remove procpipe files that a dead process of this user left in shm_dir.
+
+The reaper (``procpipe._core.reaper``) removes a killed process's files. What it cannot cover
+(a reaper killed together with its process, say by a cgroup's OOM kill, files from a
+version of procpipe without a reaper, a reboot of a disk-backed ``shm_dir``) is found here:
+the first loader of a process sweeps its ``shm_dir`` once (``sweep_once``), and says what it
+removed in one warning line (logger ``procpipe``): the count, the bytes and the pids.
+
+A file is removed only when all of these hold:
+
+- its name is one procpipe gives (``NAME``: ``procpipe-<pid>-<8 hex>-<kind>``, where
+  ``<kind>`` is one of ``KINDS``), and it is a regular file of this user (``lstat``: a
+  symlink is never followed, nor removed; another user's file is left alone, even as root);
+- no process holds its lock (a creator keeps a shared ``flock`` on each file while it exists,
+  reaper.py): this also protects a live process in another pid namespace (a container
+  sharing ``/dev/shm``), whose pid means nothing here;
+- it is older than ``SETTLE_S`` (its last change): a file just created is locked a few
+  microseconds later, never swept in between;
+- its creator is gone: no process runs with its pid, or the one that does started after
+  the file last changed (the pid was reused), or is a zombie.
+
+The node file that auto-tuned loaders share (``procpipe-node-u<uid>-<8 hex>-cpus``,
+``_core/nodeshare.py``) has no single creator: it is removed when it is this user's regular
+file, unchanged for ``nodeshare.STALE_S`` (every live loader rewrites it each second),
+not locked at the moment, and none of its lines is a live loader's.
+
+A directory is removed on the same conditions (a directory of this user, never a symlink,
+named as procpipe names its directories: ``reaper.DIRECTORY_NAME``, the torch facade's
+snapshot store; its creator holds the lock on the directory itself), with everything in it
+(``shutil.rmtree``: no symlink inside is followed).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from . import nodeshare
+from .reaper import DIRECTORY_KINDS
+
+logger = logging.getLogger("procpipe")
+
+KINDS = ("ring[0-9]+", "status", "spec", "preload", "cache", "cachefile", "records")
+NAME = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(KINDS) + r")\Z")
+DIRECTORY = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z")
+SETTLE_S = 2.0  # a file changed this recently is never swept
+_START_SLACK_S = 2.0  # a process's start time is known to about a second (boot time in whole seconds)
+
+_swept: set[tuple[int, str]] = set()  # (pid, directory): swept by this process already
+_swept_lock = threading.Lock()
+
+
+@dataclass
+class Swept:
+    """What a sweep removed: ``paths``, their total ``nbytes``, and the ``pids`` that made them."""
+
+    paths: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    pids: set[int] = field(default_factory=set)
+    directories: int = 0  # of the paths, those that were directories (with what they held)
+
+
+def sweep_once(directory: str) -> Swept | None:
+    """Sweep ``directory`` if this process has not yet (None if it has); warn about what was removed."""
+    key = (os.getpid(), os.path.realpath(directory))
+    with _swept_lock:
+        if key in _swept:
+            return None
+        _swept.add(key)
+    swept = sweep(directory)
+    if swept.paths:
+        files = len(swept.paths) - swept.directories
+        logger.warning(
+            "procpipe removed %d file(s)%s (%.1f MiB) from %s left by process(es) %s that ended without "
+            "cleaning up (killed, or an older procpipe)",
+            files,
+            f" and {swept.directories} directory(ies)" if swept.directories else "",
+            swept.nbytes / 2**20,
+            directory,
+            ", ".join(map(str, sorted(swept.pids))) or "that shared a node file",
+        )
+    return swept
+
+
+def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
+    """Remove the files in ``directory`` that a gone process of this user left (module doc)."""
+    swept = Swept()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return swept
+    me, uid, now = os.getpid(), os.geteuid(), time.time()
+    starts: dict[int, float | None] = {}  # pid -> its process's start time (None: none runs), looked up once
+    for name in names:
+        node = nodeshare.NAME.match(name)
+        if node is not None and int(node.group(1)) == uid:
+            _stale_node_file(os.path.join(directory, name), uid, now, swept)  # (no single creator's pid)
+            continue
+        match = NAME.match(name) or DIRECTORY.match(name)
+        if match is None or int(match.group(1)) == me:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        is_directory = match.re is DIRECTORY
+        kind_ok = stat.S_ISDIR(st.st_mode) if is_directory else stat.S_ISREG(st.st_mode)
+        if not kind_ok or st.st_uid != uid or now - st.st_mtime < settle_s:
+            continue
+        pid = int(match.group(1))
+        if pid not in starts:
+            starts[pid] = _process_start(pid)
+        started = starts[pid]
+        if started is not None and started <= st.st_mtime + _START_SLACK_S:
+            continue  # its creator may run: the process with that pid is older than the file's last change
+        if _locked(path, st):  # a process holds it: alive (in another pid namespace, say)
+            continue
+        nbytes = _directory_bytes(path) if is_directory else st.st_blocks * 512
+        try:
+            if is_directory:
+                shutil.rmtree(path)  # (fd-based: refuses a symlink swapped in its place, follows none inside)
+            else:
+                os.unlink(path)  # (the name: if swapped for a symlink meanwhile, the link, never its target)
+        except OSError:
+            continue
+        swept.paths.append(path)
+        swept.directories += is_directory
+        swept.nbytes += nbytes
+        swept.pids.add(pid)
+    return swept
+
+
+def _stale_node_file(path: str, uid: int, now: float, swept: Swept) -> bool:
+    """Remove the node file ``path`` if no live loader uses it (module doc); whether it was removed."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < nodeshare.STALE_S:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a loader writes it now: alive
+        if nodeshare.parse(os.pread(fd, nodeshare.MAX_BYTES, 0).decode("ascii", "replace"), now):
+            return False
+        if os.stat(path, follow_symlinks=False).st_ino != st.st_ino:
+            return False
+        os.unlink(path)
+        swept.paths.append(path)
+        swept.nbytes += st.st_blocks * 512
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _directory_bytes(path: str) -> int:
+    """The space the files directly in directory ``path`` take (symlinks not followed)."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    pass
+    except OSError:
+        pass
+    return total
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None if none runs (or a zombie).
+
+    Read from ``/proc/<pid>/stat`` (a few microseconds; psutil where there is no such file)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()  # (after the command name, which may hold anything)
+        if fields[0] == b"Z":
+            return None
+        return psutil.boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except FileNotFoundError:
+        return None if os.path.isdir("/proc/self") else _psutil_start(pid)
+    except (OSError, IndexError, ValueError):
+        return _psutil_start(pid)
+
+
+def _psutil_start(pid: int) -> float | None:
+    try:
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error:  # (access denied: another user's process; it runs, since when is unknown)
+        return float("-inf")
+
+
+def _locked(path: str, st: os.stat_result) -> bool:
+    """Whether a process holds the file's lock (its creator, alive); True when unsure."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            return True  # replaced since it was looked at: leave it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:  # EWOULDBLOCK: held; anything else: unsure, so held too
+        return True
+    finally:
+        os.close(fd)  # (closing releases the lock taken above)

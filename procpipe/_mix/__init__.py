@@ -1,0 +1,1 @@
+"""The mixture of sources (``procpipe.Mix``): its plan, its kinds, the consumer-side positions and elastic resume."""

@@ -1,0 +1,109 @@
+"""What a ``procpipe.Mix`` of streams becomes: a ``MixStreamPlan``, a ``StreamPlan`` over the
+shards of every source (_consumer/kinds.py picks it; a ``Mix`` of indexed sources is planned by
+_mix/mix.py's ``MixSampler``).
+
+A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
+space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
+``len(Shards)`` is its number of shards), so ``Mix.order`` gives the order in which an
+epoch opens shards, each drawn from source ``k`` with probability ``weights[k]``. Everything
+else is the stream's as it is: ``cycle_length`` shards open at once, read block by block in
+tf.data's interleave (``_streaming.order.Interleave``), resume through ``StreamProgress``
+(whose epoch order is the mixed one, rebuilt from the weights the state pins). So the cost
+is per open shard (``cycle_length``), not per source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from .._streaming import Shards, StreamPlan
+from .mix import Mix, MixSampler
+from .virtual import EpochShards, IndexSlices, leaf_streams
+
+
+class OpenMixed:
+    """``open_fn`` of the combined ``Shards``: shard ``(j, shard)`` is ``shard`` of the ``j``-th
+    stream of the mixture (depth first), opened with that stream's own ``open_fn``; with
+    ``tags`` (``Mix(with_source=True)``), each record comes as ``(k, record)``."""
+
+    def __init__(self, open_fns: list[Callable[[Any], Iterable[Any]]], tags: list[int] | None) -> None:
+        self.open_fns = open_fns
+        self.tags = tags
+
+    def __call__(self, shard: tuple[int, Any]) -> Iterable[Any]:
+        j, inner = shard
+        records = self.open_fns[j](inner)
+        return records if self.tags is None else _tagged(self.tags[j], records)
+
+
+def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+    for record in records:
+        yield k, record
+
+
+def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: bool = True) -> Shards:
+    """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order
+    (an indexed source among them: the slices of its epoch order, ``_mix/virtual.py``, read
+    with the loader's ``seed``, ``shuffle`` and ``reshuffle``)."""
+    streams = leaf_streams(mix, seed, shuffle, reshuffle)
+    sliced = any(isinstance(stream.open_fn, IndexSlices) for stream in streams)
+    for name in ("cycle_length", "block_length"):
+        values = {getattr(stream, name) for stream in streams}
+        if len(values) > 1:
+            raise ValueError(
+                f"Mix: the streams of a mixture are read as one interleave, so they must share "
+                f"{name}; got {sorted(values, key=str)}: give every Shards the same {name}"
+            )
+    tags = None
+    if mix.with_source:
+        tags = mix.leaf_owners()
+    lengths = [stream.lengths for stream in streams]
+    combined = (EpochShards if sliced else Shards)(
+        [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
+        OpenMixed([stream.open_fn for stream in streams], tags),
+        cycle_length=streams[0].cycle_length,
+        block_length=streams[0].block_length,
+        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part or ()],
+    )
+    combined.replayable = all(stream.replayable for stream in streams)
+    return combined
+
+
+class MixStreamPlan(StreamPlan):
+    """A ``StreamPlan`` whose epochs open shards in a mixture's order (``MixSampler.mixed_order``
+    over the shards), then ``shard=(rank, world)``: positions ``rank, rank + world, ...`` of it,
+    as for any stream. ``mixing`` keeps each epoch's weights (saved in, and pinned by, states)."""
+
+    def __init__(self, mix: Mix, **options: Any) -> None:
+        seed, shuffle, reshuffle = int(options["seed"]), bool(options["shuffle"]), bool(options.get("reshuffle", True))
+        shards = combined_shards(mix, seed, shuffle, reshuffle)
+        super().__init__(shards, **options)
+        shard = None if self.shard is None else (self.shard[0], self.shard[1])
+        self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
+
+    def batches(self, epoch: int) -> list[int]:
+        """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""
+        order = self.mixing.mixed_order(epoch)
+        if self.shard is None:
+            return order.tolist()
+        mine = order[self.shard[0] :: self.shard[1]].tolist()
+        limits = self.limits(epoch)  # even_ranks: cut from the mixed order, as every rank's
+        return mine if limits is None else limits.order(mine)
+
+    def full_order(self, epoch: int) -> Any:
+        """The mixed order of ``epoch``'s shards, before sharding (what ``even_ranks`` counts)."""
+        return self.mixing.mixed_order(epoch, record=False)
+
+    def __len__(self) -> int:
+        """Batches of an epoch reading every shard (an upper bound with ``stop_on_empty`` or a
+        weight 0), from ``Shards(lengths=...)``; ``TypeError`` without them, or with ``shard``."""
+        if self.shards.lengths is None or self.shard is not None:
+            raise TypeError(
+                "a Loader over a mixture of streams has a len() only with every Shards' lengths=... "
+                "and without shard=(rank, world_size) (each rank's shards, hence records, differ)"
+            )
+        return self.batch_count(list(range(len(self.shards.shards))))
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), **self.mixing.settings()}

@@ -1,0 +1,486 @@
+"""The sample cache (``Loader(cache=...)``): ``fn``'s output per index, computed once.
+
+``fn`` (with the source's ``__getitem__``) is the deterministic first stage; its output
+for index ``i`` is stored the first time any process computes it, and every later epoch
+reads it back instead of running ``fn`` again (``augment``, the random stage, still runs
+every epoch, on a copy).
+
+Storage is one file of typed arrays, not pickles: its structure comes from the first
+sample (computed in the calling process when the loader is created): every leaf of the
+sample tree (an array, or a number) is one *field*, stored as an array of shape
+``(N,) + leaf_shape`` with the leaf's dtype, each field 64-byte aligned, after one
+"filled" byte per index and, for a cache in a directory (a file on disk), one CRC-32
+per index over the sample's stored bytes::
+
+    [filled: N bytes][crc: N x uint32, directory caches][field 0: N x leaf0][field 1: N x leaf1]...
+
+The file is the loader's own (created 0600 and opened only if still so, never through a
+symlink, see shm.py), and its size is checked on every read: a truncated file, a filled
+byte that is neither 0 nor 1, or a sample whose bytes no longer match their CRC raises
+``CacheError`` naming the file, instead of SIGBUS or silently wrong data.
+
+A process writes a sample's fields (and CRC), then sets its filled byte; a reader copies a sample
+only once its byte is set. A worker that dies mid-write leaves the byte clear (the index
+is computed again); two processes filling the same index write the same bytes (``fn`` is
+deterministic), so concurrent fills are harmless. The tree's skeleton (dict keys,
+container types) and the field list travel in the ``WorkerSpec``, shipped once.
+
+Where the file lives: ``cache=True``/``"memory"``: in ``shm_dir`` (shared memory,
+``/dev/shm``), named with the loader's ``SharedFiles`` prefix, so ``close()``, garbage
+collection and a worker noticing its parent was SIGKILLed remove it like the ring.
+``cache="/a/dir"``: a memory-mapped file in that directory (for caches larger than
+memory), named like the loader's files; it is temporary too: removed by ``close()``,
+garbage collection, interpreter exit, and (through a pointer file under the loader's
+prefix) by workers whose parent was killed. With ``workers=0`` the file is unlinked as
+soon as it is mapped, so nothing can be left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+import zlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+
+from .._core.rng import no_sample_rng
+from .._core.shm import SharedFiles, check_capacity, create_file, open_owned, remove_file
+from ..config import CACHE_IN_MEMORY
+from ..errors import CacheError, SharedMemoryError
+
+MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
+ALIGN = 64
+# The skeleton of ``plan``: [DICT, keys, children] a mapping, [SEQ, type, children] a sequence,
+# [LEAF, field] a leaf (shared with stream_cache.py, which stores records in the same layout).
+DICT, SEQ, LEAF = 0, 1, 2
+# Python number types and the dtype they are stored as (restored as the Python type).
+_PY_NUMBERS = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float64),
+    complex: np.dtype(np.complex128),
+}
+NO_RNG = (
+    "procpipe.sample_rng() was called while computing a cached sample (cache=... is on): the cached "
+    "stage (the source's __getitem__ and fn) runs once per index and its output is reused in every "
+    "epoch, so it must be deterministic. Move random augmentation into augment=..., which runs every "
+    "epoch on top of the cached sample and may use sample_rng()."
+)
+
+
+def _path_str(path: tuple) -> str:
+    return "sample" + "".join(f"[{p!r}]" for p in path)
+
+
+def _seq_type(value: Any) -> type:
+    return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class _Field:
+    """One leaf of the sample tree: ``kind`` is ``"array"``, ``"scalar"`` (a numpy scalar) or a
+    Python number type's name (``"int"``...), restored as that type."""
+
+    __slots__ = ("dtype", "itemsize", "kind", "offset", "path", "shape")
+
+    def __init__(self, kind: str, dtype: np.dtype, shape: tuple, path: tuple) -> None:
+        self.kind, self.dtype, self.shape, self.path = kind, dtype, shape, path
+        self.itemsize = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.offset = 0
+
+    def __getstate__(self) -> tuple:  # (the dtype itself: its .str would lose a structured dtype's fields)
+        return (self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.kind, self.dtype, self.shape, self.path, self.offset, self.itemsize = state
+
+    def describe(self) -> str:
+        if self.kind == "array":
+            return f"an array of shape {self.shape} and dtype {self.dtype}"
+        if self.kind == "scalar":
+            return f"a numpy {self.dtype} scalar"
+        return f"a Python {self.kind}"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    if isinstance(value, np.generic):
+        return f"a numpy {value.dtype} scalar"
+    return f"a {type(value).__name__}"
+
+
+def plan(sample: Any) -> tuple[list, list[_Field]]:
+    """The skeleton of ``sample``'s tree (leaves are field numbers) and its fields."""
+    fields: list[_Field] = []
+
+    def walk(value: Any, path: tuple) -> list:
+        if isinstance(value, Mapping):
+            keys = tuple(value.keys())
+            return [DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
+        if isinstance(value, (tuple, list)):
+            return [SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
+        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+            fields.append(_Field("array", value.dtype, value.shape, path))
+        elif type(value) in _PY_NUMBERS:
+            if type(value) is int and not -(2**63) <= value < 2**63:
+                raise CacheError(f"cache=... cannot store {_path_str(path)} = {value}: it does not fit in int64")
+            fields.append(_Field(type(value).__name__, _PY_NUMBERS[type(value)], (), path))
+        elif isinstance(value, (np.number, np.bool_)):
+            fields.append(_Field("scalar", value.dtype, (), path))
+        else:
+            raise CacheError(
+                f"cache=... stores arrays and numbers only, but {_path_str(path)} is {_describe(value)}. "
+                "Return only numpy arrays, numbers and dicts/tuples/lists of them from the cached stage (fn), "
+                "e.g. encode labels as ints; add str/bytes/object fields in augment=... (uncached), or pass "
+                "cache=False."
+            )
+        return [LEAF, len(fields) - 1]
+
+    return walk(sample, ()), fields
+
+
+class Cache:
+    """The cache file, mapped in this process; pickled (for the workers) as its description only."""
+
+    def __init__(
+        self,
+        path: str,
+        length: int,
+        skeleton: list,
+        fields: list[_Field],
+        nbytes: int,
+        directory: str,
+        crc_offset: int | None = None,
+    ) -> None:
+        self.path = path
+        self.length = length
+        self.skeleton = skeleton
+        self.fields = fields
+        self.nbytes = nbytes
+        self.directory = directory
+        self.crc_offset = crc_offset  # where the per-sample CRC-32s are (None: not checksummed)
+        self.sample_bytes = sum(f.itemsize for f in fields)
+        self._map: Any = None
+        self._flags: np.ndarray | None = None
+        self._crcs: np.ndarray | None = None
+        self._bytes: np.ndarray | None = None
+        self._arrays: list[np.ndarray] = []
+        self._finalizer: weakref.finalize | None = None
+
+    # -------------------------------------------------------------- pickling (to workers)
+    def __getstate__(self) -> dict:
+        return {
+            "path": self.path,
+            "length": self.length,
+            "skeleton": self.skeleton,
+            "fields": self.fields,
+            "nbytes": self.nbytes,
+            "directory": self.directory,
+            "crc_offset": self.crc_offset,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        type(self).__init__(self, **state)
+
+    # -------------------------------------------------------------- mapping
+    def _attach(self) -> np.ndarray:
+        """Map the file, without populating it (a directory cache may be larger than memory); its ``_flags``.
+
+        Only the loader's own file (``open_owned``: no symlink, owner-only), of its full size:
+        a truncated file would kill the process with SIGBUS at the first read past its end.
+        Every later read checks the size again (``_check``).
+        """
+        import mmap
+
+        try:
+            fd = open_owned(self.path)
+        except OSError as exc:
+            raise CacheError(f"cannot open the cache file {self.path}: {exc}") from exc
+        try:
+            self._check(os.fstat(fd).st_size)
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._flags = flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
+        if self.crc_offset is not None:
+            self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
+            self._bytes = np.ndarray((self.nbytes,), np.uint8, buffer=self._map)
+        self._arrays = [
+            np.ndarray((self.length,) + f.shape, f.dtype, buffer=self._map, offset=f.offset) for f in self.fields
+        ]
+        return flags
+
+    def _check(self, size: int | None = None) -> None:
+        """``CacheError`` naming the file unless it still has its full size (``size``; by default
+        the mapped file's, one fstat of the map's own descriptor)."""
+        if size is None:
+            size = self._map.size()
+        if size != self.nbytes:
+            raise CacheError(
+                f"the cache file {self.path} is {size} bytes, but this loader laid it out as {self.nbytes} bytes: "
+                "something other than procpipe truncated or changed it. Close the loader and create a new one "
+                "(the cache is rebuilt), and keep other programs away from that file."
+            )
+
+    def _corrupt(self, index: int, what: str) -> CacheError:
+        return CacheError(
+            f"the cache file {self.path} is corrupt: {what} of index {index}; something other than procpipe "
+            "changed its bytes. Close the loader and create a new one (the cache is rebuilt), and keep other "
+            "programs away from that file."
+        )
+
+    def _crc(self, index: int) -> int:
+        """CRC-32 of the stored bytes of sample ``index`` (every field's row, in field order)."""
+        crc, raw = 0, cast(Any, self._bytes)  # (an ndarray: a buffer, which numpy's stubs say from Python 3.12)
+        for f in self.fields:
+            start = f.offset + index * f.itemsize
+            crc = zlib.crc32(raw[start : start + f.itemsize], crc)
+        return crc
+
+    def close(self) -> None:
+        """Unmap (here) and, in the process that created it, remove the file. Idempotent."""
+        self._flags, self._crcs, self._bytes, self._arrays = None, None, None, []
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive somewhere; unmapped when it dies
+                pass
+            self._map = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # -------------------------------------------------------------- samples
+    def get(self, index: int) -> Any | None:
+        """A private copy of the cached sample ``index``, or None if it was never filled."""
+        if (flags := self._flags) is None:
+            flags = self._attach()
+        self._check()
+        flag = flags[index]
+        if not flag:
+            return None
+        if flag != 1:
+            raise self._corrupt(index, f"the filled byte is {flag}, not 0 or 1")
+        if self._crcs is not None and self._crc(index) != self._crcs[index]:
+            raise self._corrupt(index, "the stored bytes do not match their checksum")
+        arrays = self._arrays
+
+        def build(node: list) -> Any:
+            kind = node[0]
+            if kind == LEAF:
+                field = self.fields[node[1]]
+                value = arrays[node[1]][index]
+                if field.kind == "array":
+                    return np.array(value)  # a copy: augment may change it in place
+                if field.kind == "scalar":
+                    return value
+                return value.item()  # a Python int/float/bool/complex, as fn returned it
+            if kind == DICT:
+                return dict(zip(node[1], [build(child) for child in node[2]], strict=True))
+            items = [build(child) for child in node[2]]
+            seq_type = node[1]
+            if seq_type is list:
+                return items
+            if seq_type is tuple:
+                return tuple(items)
+            return seq_type(*items)  # namedtuple
+
+        return build(self.skeleton)
+
+    def put(self, index: int, sample: Any) -> None:
+        """Store ``sample`` as index ``index``; ``CacheError`` if it does not match the first sample."""
+        if (flags := self._flags) is None:
+            flags = self._attach()
+        leaves: list[Any] = [None] * len(self.fields)
+        self._match(self.skeleton, sample, (), leaves, index)
+        self._check()
+        for array, value in zip(self._arrays, leaves, strict=False):
+            array[index] = value
+        if self._crcs is not None:
+            self._crcs[index] = self._crc(index)
+        # The data is written before the flag; a reader checks the flag first. (Stores are not reordered
+        # on x86; elsewhere, the interpreter does far more than a barrier's worth of work between the two.)
+        flags[index] = 1
+
+    def _match(self, node: list, value: Any, path: tuple, leaves: list, index: int) -> None:
+        kind = node[0]
+        if kind == DICT:
+            if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
+                self._mismatch(
+                    index,
+                    path,
+                    f"a mapping with keys {sorted(map(str, node[1]))}",
+                    f"a mapping with keys {sorted(map(str, value.keys()))}"
+                    if isinstance(value, Mapping)
+                    else _describe(value),
+                )
+            for key, child in zip(node[1], node[2], strict=True):
+                self._match(child, value[key], path + (key,), leaves, index)
+            return
+        if kind == SEQ:
+            length = len(node[2])
+            if not isinstance(value, (tuple, list)) or len(value) != length:
+                self._mismatch(
+                    index,
+                    path,
+                    f"a {node[1].__name__} of length {length}",
+                    f"a {type(value).__name__} of length {len(value)}"
+                    if isinstance(value, (tuple, list))
+                    else _describe(value),
+                )
+            for j, child in enumerate(node[2]):
+                self._match(child, value[j], path + (j,), leaves, index)
+            return
+        field = self.fields[node[1]]
+        if field.kind == "array":
+            ok = isinstance(value, np.ndarray) and value.shape == field.shape and value.dtype == field.dtype
+        else:
+            ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
+                np.asarray(value).dtype, field.dtype, "safe"
+            )
+        if not ok:
+            self._mismatch(index, path, field.describe(), _describe(value))
+        leaves[node[1]] = value
+
+    def _mismatch(self, index: int, path: tuple, expected: str, got: str) -> None:
+        raise CacheError(
+            f"cache=...: {_path_str(path)} of index {index} is {got}, but the cache was laid out from the first "
+            f"sample, where it is {expected}. Every sample of a cached fn must have the same structure, dtypes "
+            "and shapes: make fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
+        )
+
+    def filled(self) -> int:
+        """How many indices are in the cache."""
+        if (flags := self._flags) is None:
+            flags = self._attach()
+        self._check()
+        return int(np.count_nonzero(flags))
+
+    def compute(self, index: int, source: Any, fn: Any) -> Any:
+        """Run the cached stage for ``index``, store it, and return the stored copy."""
+        with no_sample_rng(NO_RNG):
+            sample = source[index]
+            if fn is not None:
+                sample = fn(sample)
+        self.put(index, sample)
+        return self.get(index)
+
+    def info(self) -> dict[str, Any]:
+        """``Loader.cache_info()``: a damaged file is reported (``error``; ``filled`` None), never raised."""
+        try:
+            filled, error = self.filled(), None
+        except CacheError as exc:
+            filled, error = None, str(exc)
+        return {
+            "directory": self.directory,
+            "samples": self.length,
+            "filled": filled,
+            "sample_bytes": self.sample_bytes,
+            "bytes": self.nbytes,
+            "error": error,
+        }
+
+
+# ------------------------------------------------------------------ creation and cleanup
+def location(cache: Any, shm_dir: str) -> str | None:
+    """The directory a ``cache=`` argument puts the cache in (None: no cache)."""
+    if cache is None or cache is False:
+        return None
+    if cache is True or cache == MEMORY:
+        return shm_dir
+    return os.fspath(cache)
+
+
+def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Cache | None:
+    """Create the cache of a loader: run the cached stage once here, to lay the file out.
+
+    ``files``: the loader's ``SharedFiles`` (workers > 0), or None (``workers=0``: the file
+    is unlinked once mapped). Returns None when there is no cache (or no sample at all).
+    """
+    directory = location(cache, shm_dir)
+    if directory is None:
+        return None
+    reader = spec.reader  # the source kind's: an index per sample, or per (shard, record) of a stream
+    length = reader.cache_length()
+    if length == 0:
+        return None
+    index, first = reader.first_cached(spec)
+    skeleton, fields = plan(first)
+    offset = _align(length)  # the filled bytes
+    crc_offset = None
+    if not (cache is True or cache == MEMORY):  # a file on disk: per-sample checksums catch changed bytes
+        crc_offset, offset = offset, offset + _align(4 * length)
+    for field in fields:
+        field.offset = offset
+        offset += _align(length * field.itemsize)
+    nbytes = max(offset, 1)
+    outside = files is not None and not os.path.samefile(files.directory, directory)
+    if files is None:
+        path = SharedFiles(directory).prefix + "cache"
+    else:
+        path = os.path.join(directory, os.path.basename(files.prefix)) + "cache"
+    sample_bytes = sum(f.itemsize for f in fields)
+    what = f"the sample cache ({length} samples x {sample_bytes} bytes)"
+    try:
+        check_capacity(directory, nbytes, what)
+    except SharedMemoryError:
+        import psutil
+
+        fix = (
+            "pass cache='/a/directory/on/disk' to keep the cache in a memory-mapped file there (for data larger "
+            "than memory)"
+            if cache is True or cache == MEMORY
+            else "pass a directory on a larger filesystem"
+        )
+        raise SharedMemoryError(
+            f"procpipe needs {nbytes / 2**20:.1f} MiB in {directory} for {what}, but only "
+            f"{psutil.disk_usage(directory).free / 2**20:.1f} MiB is free. Fixes: {fix}; make the cached "
+            "stage's output smaller (e.g. uint8 instead of float32, smaller images); or pass cache=False."
+        ) from None
+    create_file(path, nbytes, what)
+    if outside and files is not None:  # (outside implies files)
+        # A directory outside the loader's files: name it in a pointer file under the loader's
+        # prefix, so a worker whose parent was killed removes it too (remove_orphan).
+        try:
+            create_file(files.path("cachefile"), 0, "the cache file's name", path.encode())
+        except BaseException:
+            _unlink(path)
+            raise
+    result = Cache(path, length, skeleton, fields, nbytes, directory, crc_offset)
+    try:
+        result._attach()
+        result.put(index, first)
+    except BaseException:
+        result.close()
+        _unlink(path)
+        raise
+    if files is None:
+        _unlink(path)  # workers=0: only this process needs it, and it stays mapped
+    result._finalizer = weakref.finalize(result, _remove, path, os.getpid())
+    return result
+
+
+def _unlink(path: str) -> None:
+    remove_file(path)  # (and the reaper forgets it)
+
+
+def _remove(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # never from a forked worker that inherited the object
+        _unlink(path)
+
+
+def remove_orphan(files_prefix: str) -> None:
+    """A worker whose loader died: remove the loader's cache file in a cache directory, if any."""
+    pointer = files_prefix + "cachefile"
+    try:
+        with os.fdopen(open_owned(pointer, os.O_RDONLY)) as f:  # the loader's own file only
+            path = f.read()
+    except OSError:
+        return
+    if os.path.basename(path).startswith(os.path.basename(files_prefix)):  # only ever our own file
+        _unlink(path)

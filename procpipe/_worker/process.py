@@ -1,0 +1,408 @@
+"""The worker process: run the user's Python on a batch of indices, collate into a slot.
+
+A worker receives small task tuples on its own pipe, produces every sample of the batch
+(``fn(source[i])``), writes the collated arrays straight into the ring slot the task
+names, and replies with the batch's layout (a few hundred bytes). Nothing large is
+pickled unless the batch does not fit its slot.
+
+Messages (messages.py): in, a ``Task`` (``slot = -1`` meaning "no slot: send the arrays
+inline") or ``STOP``; out, per task, ``SamplesSkipped`` (``on_error="skip"``) before a
+``BatchDone``, or a ``BatchFailed``; ``WorkerFatal`` when the worker cannot start at all.
+
+Each worker also keeps two int64s in the loader's ``status`` file up to date: the task id
+and the index it is loading (-1 between samples), so that when a worker dies or is killed
+for ``task_timeout``, the coordinator can name the sample it was stuck on. The coordinator
+sets the task id to ``STARTING`` before it starts a worker process, and the worker sets it
+to -1 once it has loaded the dataset: a worker that dies still ``STARTING`` never got as
+far as the user's code (its process failed while starting, e.g. importing the main script).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import dill
+
+from .._core import collate, wire
+from .._core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from .._core.rng import SampleScope
+from .._core.shm import WorkerRings, map_file, open_owned
+from ..config import Batching, Faults, Stages
+from ..errors import CollateError
+from .identity import enter_worker
+from .produce import produce
+from .reader import IndexedReader, SourceReader
+
+_IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
+_EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
+
+STARTING = -2  # the task id in a worker's status words until its process has started (module doc)
+ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand and those queued, exit now
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, shipped once per worker (by file for non-fork starts)."""
+
+    source: Any
+    fn: Callable | None
+    collate_fn: Callable | None
+    batched: bool
+    seed: int
+    skip: bool = False  # on_error="skip": leave a failing sample out instead of failing the batch
+    batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
+    augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
+    cache: Any = None  # a procpipe._worker.cache.Cache: fn's output per index, computed once
+    seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
+    # How a task is read and the cache laid out: the source kind's reader (_worker/reader.py), resolved
+    # once by the Loader (_consumer/kinds.py); left out, the source is an indexed one.
+    reader: SourceReader = None  # type: ignore[assignment]  # (set in __post_init__)
+
+    def __post_init__(self) -> None:
+        if self.reader is None:
+            self.reader = IndexedReader(self.source)
+
+    @classmethod
+    def of(cls, source: Any, reader: SourceReader, stages: Stages, batching: Batching, faults: Faults) -> WorkerSpec:
+        """The spec of a Loader over ``source`` (read by ``reader``, its kind's: _worker/reader.py)
+        from the groups of its configuration (config.py)."""
+        return cls(
+            source=source,
+            reader=reader,
+            fn=stages.fn,
+            collate_fn=stages.collate_fn,
+            batched=batching.batch_size is not None,
+            seed=int(batching.seed),
+            skip=faults.skip,
+            batch_fn=stages.batch_fn,
+            augment=stages.augment,
+            seed_globals=stages.seeding,
+        )
+
+
+class _SpecPickler(dill.Pickler):
+    """dill, except that importable modules are always pickled by reference (the fallback of
+    ``dump_spec``).
+
+    dill pickles a module that is not under site-packages or the stdlib (an editable
+    install such as procpipe itself, or the user's own helper module) *with its whole
+    ``__dict__``*, so a lambda or ``__main__`` function that merely references
+    ``procpipe`` or ``mylib`` fails (thread locals, locks) or clobbers the worker's copy.
+    """
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if (
+            isinstance(obj, types.ModuleType)
+            and id(obj) not in self.memo
+            and obj.__name__ != "__main__"
+            and sys.modules.get(obj.__name__) is obj
+        ):
+            self.framer.commit_frame()
+            self.save_reduce(dill._dill._import_module, (obj.__name__,), obj=obj)
+            return
+        super().save(obj, save_persistent_id)
+
+
+def dump_spec(spec: WorkerSpec) -> bytes:
+    """``spec`` pickled for workers that do not inherit it (every start method but ``"fork"``).
+
+    cloudpickle first: it pickles what an importable module defines by reference (the worker
+    imports the module) and what the main script or a notebook defines (``__main__``), or a
+    function body, by value, as the script runs it: a class with its whole hierarchy of
+    ``__main__`` bases, ``typing.Generic`` bases and their ``TypeVar``s (torch's ``Dataset`` is
+    ``Generic[T_co]``), dataclasses, enums, closures, lambdas in class attributes. A worker started
+    by the zygote, a forkserver or spawn never imports the main script (start_method.py), so these
+    by-value copies are all it has of them. dill is the fallback for the objects cloudpickle refuses
+    and dill can pickle (a ``threading.Lock``, an open file); the error raised when both refuse is
+    cloudpickle's, which names the object.
+    """
+    return dump_value(spec)
+
+
+def dump_value(value: Any) -> bytes:
+    """``value`` pickled as ``dump_spec`` pickles the spec: cloudpickle, else dill."""
+    try:
+        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as refused:  # noqa: BLE001 - cloudpickle refuses: dill may not (a lock, an open file)
+        try:
+            buffer = io.BytesIO()
+            _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(value)
+        except Exception:  # noqa: BLE001 - both refuse: cloudpickle's error says why (the caller words it)
+            raise refused from None
+        return buffer.getvalue()
+
+
+def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:
+    if isinstance(spec, WorkerSpec):
+        return spec
+    # Only a file the loader's user created, owner-only: unpickling runs arbitrary code.
+    with os.fdopen(open_owned(spec, os.O_RDONLY), "rb") as f:
+        return dill.load(f)
+
+
+class _ParentWatch:
+    """Tells whether the loader's process is gone (it may have been SIGKILLed)."""
+
+    def __init__(self, parent_pid: int, parent_started: float) -> None:
+        self.pid = parent_pid
+        self.started = parent_started
+
+    def gone(self) -> bool:
+        import psutil
+
+        try:
+            process = psutil.Process(self.pid)
+            return process.create_time() != self.started or process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the loader's process has ended, at most ``timeout`` seconds (None: no limit).
+
+        Returns whether it has ended. Uses a pidfd where Linux has them, else polling.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            fd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            while not self.gone():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(_IDLE_CHECK_S)
+            return True
+        try:
+            if self.gone():  # (the pid may have been reused before the pidfd was opened)
+                return True
+            select.select([fd], [], [], None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return self.gone()
+        finally:
+            os.close(fd)
+
+
+def _remove_files(files_prefix: str) -> None:
+    from .._core.shm import SharedFiles
+    from .cache import remove_orphan
+
+    remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
+    SharedFiles.from_prefix(files_prefix).remove_all()
+
+
+def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
+    """Watchdog thread: when the loader's process dies, remove its files and end this worker.
+
+    It works even while the main thread is deep in user code. (PR_SET_PDEATHSIG is not
+    enough: a forkserver worker's parent is the forkserver, which outlives the loader as
+    long as any worker does.) SIGTERM makes the main thread exit normally; a main thread
+    stuck in native code, or swallowing SystemExit, is ended after a grace period.
+    """
+    parent.wait()
+    _remove_files(files_prefix)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(_EXIT_GRACE_S)
+    os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this worker when its parent process ends (best effort)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _abandon(signum: int, frame: Any) -> None:
+    """``ABANDON_SIGNAL``: the loader is closing and wants none of this worker's batches (pool.stop_all)."""
+    raise SystemExit(0)
+
+
+def worker_main(
+    worker_id: int,
+    conn: Any,
+    spec: WorkerSpec | str,
+    files_prefix: str,
+    parent_pid: int,
+    parent_started: float,
+    env: dict[str, str],
+    own_session: bool = False,
+) -> None:
+    """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
+
+    ``own_session``: start a session of its own, out of its parent's process group. A Ray
+    agent's workers need it: Ray kills a dead actor's whole process group at once, and a
+    worker killed so could not remove its agent's files; in a session of its own it sees the
+    agent gone, removes them, and exits (procpipe.ray)."""
+    enter_worker(worker_id)  # (adapters ask identity.worker_index(), never the process's name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(ABANDON_SIGNAL, _abandon)
+    # A signal mask is inherited (fork and exec): a training process started with SIGTERM or
+    # SIGUSR1 blocked (by its launcher, or a thread that blocked them) must not hold back a
+    # closing loader's ABANDON_SIGNAL or the parent's death signal in its workers.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, ABANDON_SIGNAL})
+    if own_session:  # (and no death signal from its parent process: Ray kills an agent's forkserver
+        os.setsid()  # before the agent itself; the watch below follows the agent)
+    else:
+        _die_with_parent()
+    # The whole environment, not an update: a forkserver keeps the environment it started
+    # with (the first loader's worker_env), which must not leak into another loader's workers.
+    os.environ.clear()
+    os.environ.update(env)
+    parent = _ParentWatch(parent_pid, parent_started)
+    pipe_closed = terminated = False
+    threading.Thread(
+        target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch", daemon=True
+    ).start()
+    try:
+        try:
+            loaded = _load_spec(spec)
+        except BaseException:  # noqa: BLE001 - the user's spec failing to load, however: the parent is told why
+            wire.send(conn, WorkerFatal(traceback.format_exc()))
+            return
+        status = _status_view(files_prefix, worker_id)
+        status[0] = -1  # started: no longer STARTING
+        wire.send(conn, WorkerReady(os.getpid()))
+        _serve(conn, loaded, WorkerRings(files_prefix), parent, status)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pipe_closed = True  # the loader closed our pipe, or died
+    except SystemExit as exc:
+        # SIGTERM: most often the death signal of a loader that was killed (PR_SET_PDEATHSIG),
+        # sent while it is still exiting. The watch thread removes its files then, but it is a
+        # daemon: this thread's exit would cut it short (some files removed, not all).
+        terminated = exc.code == 128 + signal.SIGTERM
+        raise
+    finally:
+        # A loader that was killed closes our pipe (or signals us) while it is still exiting
+        # (not yet a zombie): give its death a moment before deciding whether it is gone.
+        if parent.wait(timeout=_EXIT_GRACE_S if pipe_closed or terminated else 0.0):
+            # The loader was killed before it could clean up: remove its shared files.
+            _remove_files(files_prefix)
+
+
+def _status_view(files_prefix: str, worker_id: int) -> Any:
+    """This worker's ``(task id, index)`` pair in the loader's status file (see the module doc)."""
+    try:
+        mapped = map_file(files_prefix + "status")
+    except OSError:
+        return [-1, -1]
+    return memoryview(mapped)[16 * worker_id : 16 * worker_id + 16].cast("q")
+
+
+def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
+    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
+    while True:
+        while not conn.poll(_IDLE_CHECK_S):
+            if parent.gone():
+                return
+        task = wire.recv(conn)
+        if task is STOP:
+            return
+        reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
+        conn.send_bytes(encode_reply(reply, task))
+
+
+def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
+    """``reply`` for the wire; a batch holding a value that cannot be pickled (a generator, a
+    lock, a socket...) becomes that batch's error, naming the value, rather than ending the
+    worker: the consumer gets it from its ``next()``, as any other error of ``fn``."""
+    try:
+        return wire.encode(reply)
+    except Exception as exc:
+        if not isinstance(reply, BatchDone) or reply.layout is None:
+            raise
+        error = _unsendable(reply.layout, task.payload, exc)
+        return wire.encode(BatchFailed(task.id, error, reply.busy_s))
+
+
+def _refuses_pickle(value: Any) -> bool:
+    try:
+        wire.encode_value(value)
+    except Exception:  # noqa: BLE001 - a user value's pickling can raise anything: that is the answer
+        return True
+    return False
+
+
+def _unsendable(layout: list, payload: Any, exc: Exception) -> ErrorInfo:
+    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type."""
+    found = collate.find_inline(layout, _refuses_pickle)
+    if found is None:  # (only the whole batch fails to pickle: say so without a field)
+        where, index, kind = "the batch", None, "an object"
+    else:
+        path, position, value = found
+        if not isinstance(payload, list) and path[:1] == (1,):  # a stream's block layout: (info, records)
+            path = path[1:]
+        indices = payload if isinstance(payload, list) else None
+        index = indices[position] if indices is not None and position is not None else None
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        where = collate.describe_path(path) + (f" of index {index}" if index is not None else "")
+    error = CollateError(
+        f"cannot send {where} to the training process: it holds a {kind}, which cannot be pickled "
+        f"({type(exc).__name__}: {exc}). Return only picklable values from fn (arrays, numbers, str, "
+        f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
+        f"file), or drop the field in batch_fn / collate_fn."
+    )
+    return _error_info(index, error)
+
+
+def run_task(
+    spec: WorkerSpec,
+    scope: SampleScope,
+    rings: WorkerRings,
+    task: Task,
+    status: Any,
+    send_skipped: Callable[[SamplesSkipped], None],
+) -> BatchDone | BatchFailed:
+    """One task, start to end: its batch in its slot (or inline), or the error of user code.
+
+    ``send_skipped`` receives the samples left out (``on_error="skip"``)
+    before the reply is returned. A ``SystemExit`` (``sys.exit()`` in ``fn``, or SIGTERM)
+    propagates: the worker ends.
+    """
+    started = time.perf_counter()
+    status[0] = task.id
+    buffer = None
+    try:
+        buffer = rings.slot(task.ring_id, task.slot, task.slot_bytes) if task.slot >= 0 else None
+        batch = produce(spec, scope, task.epoch, task.payload, buffer, task.slot_bytes, status)
+        if batch.skipped:
+            send_skipped(SamplesSkipped(task.id, [_error_info(i, exc) for i, exc in batch.skipped]))
+            for _, error in batch.skipped:  # sent: their tracebacks (a cycle through produce's frame,
+                error.__traceback__ = None  # which holds the ring view) are let go of now, not at a gc
+        return BatchDone(task.id, batch.layout, batch.nbytes, batch.in_slot, time.perf_counter() - started)
+    except BaseException as exc:  # a BaseException subclass from fn keeps its type too, as with workers=0
+        if isinstance(exc, SystemExit):
+            raise  # sys.exit() in fn, or SIGTERM (_raise_exit): the worker ends
+        index = scope.index
+        scope.leave()
+        return BatchFailed(task.id, _error_info(index, exc), time.perf_counter() - started)
+    finally:
+        buffer = None  # a view of the ring, even when fn raised: an old ring is unmapped only once none is left
+
+
+def _error_info(index: int | tuple[int, ...] | None, exc: BaseException) -> ErrorInfo:
+    """An exception, as faults.rebuild_error rebuilds it."""
+    try:
+        exc_bytes = dill.dumps(exc, protocol=dill.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - a user exception may not pickle, however: its type name and message go
+        exc_bytes = None
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return ErrorInfo(index, exc_bytes, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb)

@@ -1,0 +1,427 @@
+"""PyTorch adapter: a drop-in ``DataLoader`` (needs ``torch``).
+
+``import procpipe`` never imports this package; it is loaded by ``import procpipe.torch``, or by the
+first ``Loader(device=...)``, whose stage is ``procpipe.torch.device`` (loaded by name:
+``procpipe._consumer.assembly.DEVICE_STAGE_MODULE``).
+
+- ``procpipe.torch.DataLoader``: ``torch.utils.data.DataLoader`` with procpipe's engine.
+  Same arguments, same meaning, same batches in the same order; switch by changing one
+  import. Tensors produced in the workers travel through the shared-memory ring (never
+  pickled) and arrive as tensors sharing memory with it.
+- ``procpipe.torch.device``: ``Loader(device=...)``'s stage (``device_stage``), its conversion to
+  tensors (``procpipe.torch.convert``) and CUDA copies (``procpipe.torch.cuda_transfer``).
+
+Where it sits in the data path (coordinator -> worker -> ring slot -> reassembly ->
+prefetch -> consumer): at both ends, in modules by job:
+
+- ``procpipe.torch.kinds``: map-style or ``IterableDataset``, resolved once into a small
+  strategy (``MapStyle`` / ``IterableStyle``) that this module asks wherever they differ;
+- ``procpipe.torch.sampling``: a map-style dataset in the workers (``TorchSource``: torch's
+  per-worker set-up, samples into numpy, tensors viewed, not copied) and each epoch's
+  batches from the torch sampler (``SamplerBatches``);
+- ``procpipe.torch.collate``: samples and ``collate_fn`` results on the wire (a custom
+  ``collate_fn``'s result pickled *without* its tensors and arrays, which go through the
+  ring), rebuilt in the consumer as zero-copy tensor views, whatever object holds them;
+- ``procpipe.torch.epoch``: the epoch iterator, fed by ``procpipe.torch.device``'s stage
+  thread when ``device=``, ``pin_memory=True`` or ``timeout`` asks for one;
+- ``procpipe.torch.iterable``: an ``IterableDataset``, one replica per worker, each a
+  streaming source; ``procpipe.torch.state``: ``state_dict`` / ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypedDict, TypeVar
+
+import torch
+import torch.utils.data as _tud
+
+from ..config import START_METHODS, LoaderConfig
+from ..errors import ShippingError, Words
+from ..loader import Loader
+from .device import CudaTransfer, Stage, resolve_device
+from .epoch import EpochIterator
+from .kinds import DatasetKind, TorchArguments, dataset_kind
+from .sampling import SamplerBatches
+from .state import FacadeState, on_moved, on_value
+
+__all__ = ["DataLoader"]
+
+
+# --------------------------------------------------------------------------- DataLoader facade
+def _start_method(context: Any) -> str:
+    if context is None:
+        return "auto"
+    method = context if isinstance(context, str) else context.get_start_method()
+    if method not in START_METHODS:
+        raise ValueError(
+            f"multiprocessing_context={context!r}: procpipe.torch.DataLoader supports the start methods "
+            f"{START_METHODS} (None: 'auto')"
+        )
+    return method
+
+
+def _torch_context(context: Any) -> Any:
+    """What torch's ``DataLoader`` is told of ``multiprocessing_context``: procpipe's own names
+    (``"auto"``, ``"zygote"``), which torch's check refuses, as None (procpipe starts the workers)."""
+    return None if context in ("auto", "zygote") else context
+
+
+_T_co = TypeVar("_T_co", covariant=True)
+# How procpipe's errors name a DataLoader user's options and objects (procpipe.errors.Words).
+_WORDS = Words(
+    owner="procpipe.torch.DataLoader",
+    objects="the dataset, collate_fn or worker_init_fn",
+    option="multiprocessing_context",
+    auto="multiprocessing_context=None",
+    lazily="inside __getitem__ or worker_init_fn",
+)
+
+
+class _LoaderOptions(TypedDict):
+    """The facade's keyword arguments for each ``procpipe.Loader`` it makes (a plain dict at run
+    time; typed so that a checker matches each key to the ``Loader`` parameter of that name)."""
+
+    batch_size: int | None
+    workers: int
+    ordered: bool
+    prefetch: int
+    seed: int
+    collate_fn: Callable[[list[Any]], Any] | None
+    start_method: str
+    shm_dir: str
+    slot_bytes: int | None
+    max_worker_restarts: int
+    worker_env: dict[str, str] | None
+    batches: SamplerBatches | None
+    seed_globals: bool
+    stage_slots: int
+
+
+class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is typed as Any (pyproject's [tool.mypy])
+    """``torch.utils.data.DataLoader``, loading with procpipe's engine.
+
+    Accepts torch's arguments with torch's meaning and yields the same batches, in the
+    same order (with ``in_order=False``, as they finish). torch validates the arguments
+    and builds the samplers; each epoch the index sampler runs in this process and its
+    batches go to procpipe's workers. Differences, all documented in the README section
+    "PyTorch: procpipe.torch.DataLoader":
+
+    - a map-style dataset's sampler must have a length and yield integer indices (with
+      ``batch_size=None``, or lists of them: each list is loaded with one ``dataset[list]``
+      call); ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which
+      is what it stands for);
+    - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
+      with ``in_order``; see ``procpipe.torch.iterable``), except that a worker that dies
+      ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
+    - ``multiprocessing_context=None`` means procpipe's ``"auto"``: ``"fork"`` (torch's
+      default) while the process runs no OS thread but its main one and those that ran when
+      procpipe was imported (numpy's BLAS pool), else the fork-safe ``"zygote"`` (a copy of
+      the process forked at ``import procpipe``), else ``"forkserver"`` (a dataset holding
+      ``multiprocessing`` locks or shared values then needs ``"fork"``); resolved for the
+      first epoch and kept for later epochs' workers. ``"zygote"`` may be asked for by name;
+    - whatever the start method, the dataset and functions reach the workers as the script
+      defines them (classes of ``__main__`` or a notebook with their bases, ``Generic`` and
+      ``TypeVar``s, dataclasses, enums, closures, lambdas): procpipe ships them with
+      cloudpickle (docs/guide/startup.md), where torch's spawn and forkserver need them
+      importable from the main script;
+    - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
+      is the worker that really loads it;
+    - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
+      before every sample from ``(seed, epoch, index)``, so augmentation does not depend
+      on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);
+    - ``prefetch_factor * num_workers`` ready batches are kept ahead (torch counts the same
+      total; procpipe also keeps up to two tasks per worker in flight).
+
+    ``state_dict()`` / ``load_state_dict()`` and ``snapshot_every_n_steps`` are torchdata's
+    ``StatefulDataLoader``'s (``procpipe.torch.state``; docs/guide/pytorch-resume.md).
+
+    Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
+    on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
+    ``max_worker_restarts``, ``worker_env``. ``close()`` ends the workers now.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: Any = None,
+        slot_bytes: int | None = None,
+        shm_dir: str = "/dev/shm",
+        max_worker_restarts: int = 3,
+        worker_env: dict[str, str] | None = None,
+        snapshot_every_n_steps: int | None = 1,
+    ) -> None:
+        kind = dataset_kind(dataset)  # resolved once: the DataLoader asks its kind, never which it is
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            _torch_context(multiprocessing_context),
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
+        self._pp_kind: DatasetKind = kind(
+            TorchArguments(
+                dataset,
+                self._index_sampler,
+                self._auto_collation,
+                self.collate_fn,
+                worker_init_fn,
+                num_workers,
+                self._pp_seed,
+                self.batch_size,
+                drop_last,
+            )
+        )
+        self._pp_start_method = _start_method(multiprocessing_context)
+        self._pp_device = None if device is None else resolve_device(device)
+        if self._pp_device is not None and self._pp_device.type == "cpu":
+            self._pp_device = None  # batches are CPU tensors already
+        self._pp_options = _LoaderOptions(
+            batch_size=self._pp_kind.batch_size,  # sizes: the batch sampler's
+            workers=num_workers,
+            ordered=bool(in_order),
+            prefetch=max(1, (self.prefetch_factor or 0) * num_workers),
+            seed=self._pp_seed,
+            collate_fn=self._pp_kind.collate_fn,
+            start_method=self._pp_start_method,
+            shm_dir=shm_dir,
+            slot_bytes=slot_bytes,
+            max_worker_restarts=max_worker_restarts,
+            worker_env=worker_env,
+            batches=self._pp_kind.batches,
+            seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
+            # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
+            stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
+        )
+        LoaderConfig.from_arguments(**self._pp_options)  # procpipe's arguments checked now, as torch checks its own
+        self._pp_loader: Loader | None = None
+        self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
+        self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
+        self._pp_iterated = False
+        self._pp_epochs = 0
+        self._pp_transfer: CudaTransfer | None = None
+        self._pp_state = FacadeState(
+            dataset=dataset,
+            iterable=self._pp_kind.iterable,
+            num_workers=num_workers,
+            persistent=persistent_workers,
+            generator=generator,
+            snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0),
+            shm_dir=shm_dir,
+            index_sampler=self._pp_kind.index_sampler,
+        )
+        weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
+        batches = self._pp_kind.batches
+        if batches is not None:
+            # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
+            batches.before_draw = functools.partial(self._pp_state.before_draw, self._index_sampler)
+
+    # ---------------------------------------------------------------- iteration
+    def __iter__(self) -> EpochIterator:
+        reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
+        pin = False
+        base_seed = 0
+        shared_seed: int | None = None  # an IterDataPipe's (torch draws one per iterator)
+        kind = self._pp_kind
+        datapipe = kind.datapipe
+        if not reuse:
+            # What torch's iterator does when it is created: the same warnings, and the same
+            # draw from the generator (so shuffling stays in step with torch's DataLoader).
+            if self.pin_memory and self.pin_memory_device:
+                warnings.warn(
+                    "pin_memory_device is deprecated, the current accelerator will be used as the "
+                    f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                    stacklevel=2,
+                )
+            if self.pin_memory and not torch.accelerator.is_available():
+                warnings.warn(
+                    "'pin_memory' argument is set as true but no accelerator is found, then device "
+                    "pinned memory won't be used.",
+                    stacklevel=2,
+                )
+            if datapipe:  # torch: a shared seed for the datapipe's random pipes, then the workers' base seed
+                shared_seed = _draw_seed(self.generator)
+            base_seed = _draw_seed(self.generator)
+            if datapipe and self.num_workers > 0:
+                _draw_seed(self.generator)  # torch's first _reset draws a shared seed its workers never see
+        elif datapipe:
+            _draw_seed(self.generator)  # torch's shared seed of this epoch (the replicas derive theirs)
+        self._pp_iterated = True
+        base_seed, shared_seed = self._pp_state.begin(self._pp_epochs, base_seed, shared_seed)
+        if self.pin_memory and torch.accelerator.is_available():
+            accelerator = torch.accelerator.current_accelerator()
+            pin = accelerator is not None and accelerator.type != "mps"
+        convert = kind.convert
+        owned = None
+        # num_workers=0: an IterableDataset is iterated here, as torch does; a map-style one by a Loader
+        epoch: Iterator[Any] | None = kind.inline_epoch(self._pp_state, shared_seed) if self.num_workers == 0 else None
+        if epoch is not None:
+            convert = _same
+            loader = None
+        else:
+            batching = kind.plan_epoch(self._pp_loader is not None)
+            if batching is not None:  # (batch_size=None: this epoch's sampler items switched kind)
+                self._pp_options["batch_size"], self._pp_options["collate_fn"] = batching
+            if self.persistent_workers or self.num_workers == 0:
+                if self._pp_loader is None:
+                    self._pp_loader = self._pp_new_loader(base_seed, shared_seed)
+                loader = self._pp_loader
+            else:  # like torch: fresh workers (and a fresh copy of the dataset) every epoch
+                loader = owned = self._pp_new_loader(base_seed, shared_seed)
+                self._pp_epoch_loader = weakref.ref(owned)
+            loader.set_epoch(self._pp_epochs)
+            self._pp_state.resume_loader(loader, None)
+            self._pp_current = loader
+            self._pp_epochs += 1
+            epoch = iter(loader)
+        stage: Stage | None = None  # a stage keeps its source's state with each batch (state_dict)
+        keep = loader is not None
+        depth = self._pp_options["prefetch"]
+        if self._pp_device is not None:
+            if self._pp_transfer is None:
+                self._pp_transfer = CudaTransfer(self._pp_device, capacity=depth + 2)
+            transfer = self._pp_transfer
+            move = on_moved(transfer, convert)
+            stage = Stage(
+                epoch,
+                lambda b: move(b, getattr(epoch, "position", None)),
+                depth,
+                self.timeout if self.num_workers else None,
+                keep_state=keep,
+            )
+        elif pin:
+            from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+            pin_value = on_value(_pin)
+            stage = Stage(
+                epoch,
+                lambda b: (pin_value(convert(b)), None),
+                depth,
+                self.timeout if self.num_workers else None,
+                keep_state=keep,
+            )
+        elif self.timeout > 0 and self.num_workers > 0:  # torch ignores timeout without workers
+            stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
+        self._pp_state.set_stage(stage)
+        self._pp_state.started_iteration()
+        return EpochIterator(
+            epoch,
+            convert,
+            stage,
+            owned,
+            kind.epoch_length(self),  # None: an IterableDataset's (torch's iterator has no len())
+            loader,
+            self._IterableDataset_len_called,  # (set by len(self) over an IterableDataset: warn past it)
+            self.dataset,
+            self.num_workers > 0,
+            self._pp_state,
+        )
+
+    def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
+        """The engine: over the dataset, or (IterableDataset) over one replica per worker
+        (``shared_seed``: an IterDataPipe's, see ``procpipe.torch.iterable``)."""
+        try:
+            loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+        except ShippingError as exc:  # in the words of a DataLoader user, who has no start_method
+            raise exc.reworded(words=_WORDS) from None
+        # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
+        # start the same way, though the training loop runs threads by then (torch forks each epoch too)
+        self._pp_options["start_method"] = loader.start_method
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the iteration stands, as torchdata's ``StatefulDataLoader.state_dict()``: loaded into
+        a DataLoader built the same way, the next ``iter()`` goes on with the next batch (docs:
+        docs/guide/pytorch-resume.md; the logic: ``procpipe.torch.state``)."""
+        return self._pp_state.state_dict(self._pp_seed)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` at the next ``iter()`` (the persistent workers, if any, are
+        replaced, as torchdata's are); ``ValueError`` for a state of another kind of DataLoader."""
+        self._pp_epochs = self._pp_state.load(state_dict)
+        seed = state_dict["procpipe"].get("seed", self._pp_seed)
+        if self._pp_loader is not None:
+            self._pp_loader.close()
+            self._pp_loader = None
+        # the next iter() draws as the saved one's successor would (persistent workers: no new seeds)
+        self._pp_iterated = bool(state_dict["procpipe"].get("finished")) and self.persistent_workers
+        if seed != self._pp_seed:  # the per-sample seeds are the saved loader's
+            self._pp_seed = self._pp_options["seed"] = seed
+            self._pp_kind.reseed(seed)
+
+    def stats(self) -> dict[str, Any]:
+        """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
+        ``python -m procpipe.bench`` reads); ``RuntimeError`` before the first one."""
+        if self._pp_current is None:
+            raise RuntimeError("stats() describes an iteration: iterate over the DataLoader first")
+        return self._pp_current.stats()
+
+    def close(self) -> None:
+        """End the workers and remove the shared memory now (otherwise done when collected),
+        those of an epoch still being iterated included."""
+        # The CUDA transfer first (as Loader.close): its registrations of the rings end
+        # before the rings are unmapped. A later iteration makes a new one (direct copies).
+        transfer, self._pp_transfer = self._pp_transfer, None
+        if transfer is not None:
+            transfer.close()
+        self._pp_state.close()
+        epoch_loader = self._pp_epoch_loader() if self._pp_epoch_loader is not None else None
+        if epoch_loader is not None:
+            epoch_loader.close()
+        if self._pp_loader is not None:
+            self._pp_loader.close()
+            self._pp_loader = None
+
+    @property
+    def start_method(self) -> str:
+        """How the workers start: ``"fork"``, ``"forkserver"`` or ``"spawn"`` once the first
+        iteration has created the engine (``"auto"`` is resolved then, and kept for every later
+        epoch: ``procpipe.Loader.start_method``); until then, the method asked for."""
+        return self._pp_options["start_method"]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the persistent workers (empty before the first epoch or without them)."""
+        return [] if self._pp_loader is None else self._pp_loader.worker_pids
+
+
+def _same(batch: Any) -> Any:
+    return batch
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A seed drawn from the loader's generator as torch's iterator draws its seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())

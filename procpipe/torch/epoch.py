@@ -1,0 +1,116 @@
+"""One epoch of a ``procpipe.torch.DataLoader``: the iterator ``iter(loader)`` returns.
+
+It takes batches from the device stage (``procpipe.torch.device.Stage``) or the epoch's
+source directly, converts them (``procpipe.torch.kinds``: the kind's ``convert``), tells the
+facade's state what it returned (``procpipe.torch.state``), and closes a per-epoch Loader at
+the end. Over an ``IterableDataset`` it also does what torch's iterator does: no ``len()``,
+a replica's error raised in its batch's place, torch's warning past the ``len()`` reported.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..loader import Loader
+from .device import Stage
+from .iterable import RaisedInReplica, reraise
+from .snapshots import ReplicaEnded
+from .state import FacadeState
+
+__all__ = ["EpochIterator"]
+
+
+class EpochIterator:
+    """One epoch of a ``procpipe.torch.DataLoader``."""
+
+    def __init__(
+        self,
+        epoch: Iterator[Any],
+        convert: Callable[[Any], Any],
+        stage: Stage | None,
+        owned: Loader | None,
+        length: int | None,
+        loader: Loader | None,
+        len_called: int | None = None,
+        dataset: Any = None,
+        with_workers: bool = False,
+        state: FacadeState | None = None,
+    ) -> None:
+        self._epoch = epoch
+        self._convert = convert
+        self._stage = stage
+        self._owned = owned  # a per-epoch Loader (persistent_workers=False), closed at the end
+        self._length = length  # None: an IterableDataset's (no len(), as torch's)
+        self._len_called = len_called  # an IterableDataset's len() if len(loader) was asked: warn past it
+        self._dataset = dataset
+        self._with_workers = with_workers
+        self._yielded = 0
+        self._loader = loader  # None: an IterableDataset iterated in this process
+        self._state = state  # the DataLoader's state_dict keeper: told what is returned
+
+    @property
+    def _workers(self) -> list[Any]:
+        """The worker processes (``multiprocess.Process``), as torch's iterator's ``_workers``
+        (code that reaches into it: ``pid``, ``is_alive()``, ``join()``). Empty once closed."""
+        return [] if self._loader is None else self._loader.worker_processes
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(
+                "an iterator over an IterableDataset has no len() (as torch's); len(loader) "
+                "gives the length the dataset reports"
+            )
+        return self._length
+
+    def __next__(self) -> Any:
+        while True:
+            try:
+                batch = next(self._stage) if self._stage is not None else self._convert(next(self._epoch))
+            except StopIteration:
+                self._finish()
+                if self._state is not None:
+                    self._state.finished()
+                raise
+            if self._state is None or type(batch := self._state.received(batch)) is not ReplicaEnded:
+                break
+        if self._length is None:
+            if type(batch) is RaisedInReplica:  # an error in a replica, in the place of its batch
+                reraise(batch)
+            self._counted()
+        return batch
+
+    def _counted(self) -> None:
+        """torch's check (and message, which code may filter on): more batches than the dataset's len()."""
+        self._yielded += 1
+        if self._len_called is not None and self._yielded > self._len_called:
+            message = (
+                f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                f"(when accessing len(dataloader)), but {self._yielded} samples have been fetched. "
+            )
+            if self._with_workers:
+                message += (
+                    "For multiprocessing data-loading, this could be caused by not properly configuring "
+                    "the IterableDataset replica at each worker (shard it in __iter__ with "
+                    "torch.utils.data.get_worker_info())."
+                )
+            warnings.warn(message, stacklevel=3)
+
+    def _finish(self) -> None:
+        if self._state is not None:
+            self._state.closing()  # (before the stage or the loader closes)
+        if self._stage is not None:
+            self._stage.close()
+        if self._owned is not None:
+            self._owned.close()
+            self._owned = None
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass

@@ -1,0 +1,491 @@
+"""``state_dict()`` / ``load_state_dict()`` of ``procpipe.torch.DataLoader``: torchdata's
+``StatefulDataLoader`` contract, built on procpipe's positions.
+
+User docs: docs/guide/pytorch-resume.md. One ``FacadeState`` per DataLoader; the facade calls
+it at fixed points of an iteration (``begin``, ``before_draw``, ``resume_loader``,
+``received``, ``finished``) and it composes the state from:
+
+- **procpipe's position** (``Loader.state_dict()``): which batches of the epoch were
+  returned, exact whatever ``num_workers``, ``in_order`` or prefetching did (for an
+  ``IterableDataset`` with workers: how many records of each replica);
+- **the sampler's draw**, for a map-style dataset: the epoch's sampler items are drawn in
+  this process when the epoch starts, so the state keeps what that draw depends on (the
+  states of the generators it may use, ``Stateful`` samplers' states), and a resumed epoch
+  draws them again identically; procpipe's position then skips the batches returned;
+- **the ``Stateful`` objects' states**: the dataset's (``num_workers=0``: taken here, as
+  torchdata does), and each ``IterableDataset`` replica's (dataset and iterator, taken in
+  its worker: ``procpipe.torch.snapshots``);
+- **the seeds**: per-sample seed, the epoch's ``base_seed`` (and an ``IterDataPipe``'s shared
+  seed), and between epochs the generator the next epoch draws from.
+
+The state is laid out as torchdata's (``_snapshot`` / ``_worker_snapshots`` / ``worker_<i>``
+with ``dataset_state`` and ``fetcher_state``; with ``num_workers=0``, ``dataset_state`` and
+``fetcher_state`` at the top), plus a ``procpipe`` entry holding the rest. It is JSON
+serializable when the user's states are (generator states are base64 text).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import dill
+import torch
+
+from .._consumer.state import EPOCH, ended_epoch
+from .iterable import BatchFetcher
+from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
+
+__all__ = ["FacadeState", "InProcessReplica", "on_moved", "on_value"]
+
+VERSION = 1
+
+
+def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``fn`` applied to a ``Tagged`` record's batch (pinning), or to the batch itself."""
+
+    def apply(x: Any) -> Any:
+        if type(x) is Tagged:
+            x.value = fn(x.value)
+            return x
+        return fn(x)
+
+    return apply
+
+
+def on_moved(transfer: Callable[..., tuple[Any, Any]], convert: Callable[[Any], Any]) -> Callable[..., tuple[Any, Any]]:
+    """The device stage's copy of a batch (``CudaTransfer``), for a ``Tagged`` record: its batch
+    is moved, its tag goes on to the consumer (``received``)."""
+
+    def move(batch: Any, position: Any) -> tuple[Any, Any]:
+        tags: list[Tagged] = []
+
+        def unwrap(x: Any) -> Any:
+            value = convert(x)
+            if type(value) is Tagged:
+                tags.append(value)
+                return value.value
+            return value
+
+        moved, ready = transfer(batch, unwrap, position)
+        if tags:
+            tags[0].value = moved
+            return tags[0], ready
+        return moved, ready
+
+    return move
+
+
+def _encode_rng(generator: torch.Generator) -> str:
+    return base64.b64encode(generator.get_state().numpy().tobytes()).decode("ascii")
+
+
+def _decode_rng(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _generators(index_sampler: Any, loader_generator: torch.Generator | None) -> list[torch.Generator]:
+    """The generators an epoch's sampler draw may use: the samplers' own, and the loader's
+    (or torch's global one, which torch's samplers use without a generator), each once."""
+    found: list[torch.Generator] = []
+    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not x for x in found):
+            found.append(g)
+    g = loader_generator if loader_generator is not None else torch.default_generator
+    if all(g is not x for x in found):
+        found.append(g)
+    return found
+
+
+def _samplers(index_sampler: Any) -> list[Any]:
+    """The ``Stateful`` samplers (the batch sampler, and the sampler inside it)."""
+    return [
+        obj for obj in (index_sampler, getattr(index_sampler, "sampler", None)) if obj is not None and is_stateful(obj)
+    ]
+
+
+def _decoded(state: Any) -> Any:
+    """A replica state as received (dill bytes from a worker) or loaded (an object): a private copy."""
+    return dill.loads(state) if isinstance(state, bytes) else copy.deepcopy(state)
+
+
+class InProcessReplica:
+    """An ``IterableDataset`` iterated in this process (``num_workers=0``): batches as torch's
+    fetcher makes them, counted, with its state at any moment (torchdata's single-process state).
+
+    ``start``: a saved ``{"state", "yielded"}`` to resume at: the state restored (torchdata's
+    order), or without one the first ``yielded`` batches made again and dropped; an ended
+    state is carried over (restored, then a new iterator: the epoch after it).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None,
+        drop_last: bool,
+        collate_fn: Callable,
+        start: dict[str, Any] | None,
+        carry: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.yielded = 0
+        state = None if start is None else start.get("state")
+        if start is not None and state is not None and has_state(state):
+            self.iterator = restore(dataset, state, iter)
+            ended = bool(state["fetcher_state"].get("fetcher_ended"))
+            if ended and carry:  # the previous epoch's end: this epoch's iterator
+                self.iterator = iter(dataset)
+            else:
+                self.yielded = int(start.get("yielded", 0))
+        else:
+            ended = False
+            self.iterator = iter(dataset)
+        self.fetcher = BatchFetcher(self.iterator, batch_size, drop_last, collate_fn)
+        self.fetcher.ended = ended and not carry
+        skip = 0 if start is None or (state is not None and has_state(state)) else int(start.get("yielded", 0))
+        if skip:
+            warnings.warn(
+                f"procpipe.torch.DataLoader: neither the IterableDataset nor its iterator is Stateful: "
+                f"resuming makes its first {skip} batches again and drops them",
+                stacklevel=4,
+            )
+            for _ in range(skip):
+                next(self.fetcher)
+            self.yielded = skip
+
+    def __iter__(self) -> InProcessReplica:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.fetcher)
+        self.yielded += 1
+        return batch
+
+    def state(self) -> dict[str, Any]:
+        return capture(self.dataset, self.iterator, self.fetcher.ended, private=True)
+
+
+class FacadeState:
+    """The state of one ``procpipe.torch.DataLoader``: kept during its iterations, saved and loaded."""
+
+    def __init__(
+        self,
+        *,
+        dataset: Any,
+        iterable: bool,
+        num_workers: int,
+        persistent: bool,
+        generator: torch.Generator | None,
+        snapshot_every: int,
+        shm_dir: str,
+        index_sampler: Any = None,
+    ) -> None:
+        self.dataset = dataset
+        self.index_sampler = index_sampler
+        self.iterable = iterable
+        self.num_workers = num_workers
+        self.persistent = persistent
+        self.generator = generator
+        self.snapshot_every = snapshot_every
+        self.shm_dir = shm_dir
+        self.store: SnapshotStore | None = None
+        self.stores: list[SnapshotStore] = []  # the store, for cleanup() (which must not hold this object)
+        self.pending: dict[str, Any] | None = None  # a loaded state, for the next iteration
+        self.fresh = False  # nothing iterated since the load: state_dict() gives the loaded state back
+        self.epoch = 0  # the epoch of the current (or next) iteration
+        self.started = False
+        self.done = False  # the current iteration ended (StopIteration)
+        self.seeds: tuple[int | None, int | None] = (None, None)  # base_seed, shared_seed
+        self.draws: dict[int, dict[str, Any]] = {}  # epoch -> what its sampler draw depends on
+        # The iteration's procpipe Loader and stage, held weakly: the Loader's coordinator thread reaches
+        # this object (through the sampler), so a strong reference would keep the Loader forever.
+        self.loader: weakref.ref | None = None
+        self.stage: weakref.ref | None = None
+        self.batches = 0  # len() of the iteration's Loader
+        self.frozen: dict[str, Any] | None = None  # its position, kept when it closed (closing())
+        self.replica: InProcessReplica | None = None
+        self.delivered: dict[int, int] = {}  # replica -> records returned (incl. errors and its end)
+        self.snaps: dict[int, tuple[int, Any]] = {}  # replica -> (position, state) of its last snapshot returned
+        self.ended: set[int] = set()
+        self.seed = 0  # the per-sample seed, as of the last state_dict()
+
+    # ---------------------------------------------------------------- checks
+    @staticmethod
+    def check_every(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"snapshot_every_n_steps must be an int >= 0 (0: a replica's state only at the start "
+                f"and the end of its epoch), got {value!r}"
+            )
+        return value
+
+    # ---------------------------------------------------------------- the iteration
+    def begin(self, epoch: int, base_seed: int, shared_seed: int | None) -> tuple[int, int | None]:
+        """A new iteration (epoch ``epoch``) starts, with these freshly drawn seeds; returns the
+        seeds it uses (a resumed epoch's are the saved ones)."""
+        pending = self.pending
+        if (
+            pending is not None
+            and pending.get("base_seed") is not None
+            and (pending["epoch"] == epoch or (pending["finished"] and self.persistent and self.num_workers))
+        ):
+            base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")  # the saved workers' seeds
+        self.epoch, self.started, self.done = epoch, True, False
+        self.seeds = (base_seed, shared_seed)
+        self.loader = self.stage = self.replica = self.frozen = None
+        self.delivered, self.snaps, self.ended = {}, {}, set()
+        if pending is not None and pending["epoch"] == epoch:
+            for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
+                worker = int(key)
+                self.delivered[worker] = delivered
+                if state is not None:
+                    self.snaps[worker] = (position, state)
+                if state is not None and state.get("fetcher_state", {}).get("fetcher_ended") and position > 0:
+                    self.ended.add(worker)
+        self.fresh = False
+        for old in [e for e in self.draws if e < epoch]:
+            del self.draws[old]
+        return base_seed, shared_seed
+
+    def before_draw(self, index_sampler: Any) -> None:
+        """The iteration's sampler items are about to be drawn: for a resumed epoch, put back
+        what the original draw depended on; then remember it (for a state taken in this epoch)."""
+        pending, epoch = self.pending, self.epoch
+        generators = _generators(index_sampler, self.generator)
+        if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
+            draw = pending["draw"]
+            # (strict=False: the draw was saved by a DataLoader built the same way; zip's shortest wins)
+            for g, text in zip(generators, draw["generators"], strict=False):
+                g.set_state(_decode_rng(text))
+            for obj, state in zip(_samplers(index_sampler), draw["samplers"], strict=False):
+                obj.load_state_dict(copy.deepcopy(state))
+        self.draws[epoch] = {
+            "generators": [_encode_rng(g) for g in generators],
+            "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
+        }
+
+    def replica_options(self, epoch: int) -> dict[str, Any]:
+        """``ReplicaSpec`` fields for a new loader's replicas (workers), starting at ``epoch``; writes
+        the snapshots a loaded state resumes them from into the store."""
+        if self.store is None:
+            self.store = SnapshotStore.create(self.shm_dir)
+            self.stores.append(self.store)
+        options: dict[str, Any] = {"snapshot_every": self.snapshot_every, "store": self.store}
+        pending = self.pending
+        if pending is None:
+            return options
+        for key, (_delivered, position, state) in (pending.get("replicas") or {}).items():
+            if state is not None:
+                start = pending["epoch"] if not pending["finished"] else pending["epoch"] + 1
+                self.store.write(int(key), [(start, 0 if pending["finished"] else position, _decoded(state))])
+        if not pending["finished"]:
+            options["resume_epoch"] = pending["epoch"]
+            options["resume_positions"] = {int(k): v[0] for k, v in (pending.get("replicas") or {}).items()}
+        return options
+
+    def resume_loader(self, loader: Any, stage: Any) -> None:
+        """The iteration's procpipe Loader (before ``iter()``): a resumed epoch's position is loaded into it."""
+        self.loader, self.stage = weakref.ref(loader), None
+        self.batches = 0 if self.iterable else len(loader)  # (a stream's Loader has no len())
+        pending = self.pending
+        if pending is not None and pending["epoch"] == self.epoch and pending.get("loader") is not None:
+            loader.load_state_dict(pending["loader"])
+
+    def set_stage(self, stage: Any) -> None:
+        self.stage = None if stage is None else weakref.ref(stage)
+
+    def closing(self) -> None:
+        """The iteration ends or is dropped (its Loader may close): keep its position."""
+        if not self.done:
+            self.frozen = self._position()
+
+    def _position(self) -> dict[str, Any] | None:
+        """The procpipe Loader's state, with the position of the stage's last batch (if a stage holds some ahead)."""
+        loader = None if self.loader is None else self.loader()
+        if loader is None:
+            return self.frozen
+        state = loader.state_dict()
+        stage = None if self.stage is None else self.stage()
+        if stage is not None and callable(getattr(stage, "get_state", None)):
+            try:
+                state = {**state, **stage.get_state()}
+            except TypeError:
+                pass
+        return state
+
+    def in_process(
+        self, dataset: Any, batch_size: int | None, drop_last: bool, collate_fn: Callable
+    ) -> InProcessReplica:
+        """The iteration's ``IterableDataset`` in this process (``num_workers=0``), resumed if loaded so."""
+        pending = self.pending
+        start = None
+        if pending is not None and pending["epoch"] == self.epoch:
+            start = {"state": pending.get("in_process"), "yielded": pending.get("yielded", 0)}
+        elif pending is not None and pending["finished"] and pending["epoch"] + 1 == self.epoch:
+            start = {"state": pending.get("in_process"), "yielded": 0}
+        self.replica = InProcessReplica(
+            dataset, batch_size, drop_last, collate_fn, start, carry=pending is not None and pending["finished"]
+        )
+        return self.replica
+
+    def started_iteration(self) -> None:
+        """The iteration is set up: a loaded state has been used."""
+        if (
+            self.pending is not None
+            and self.pending["finished"] is False
+            and self.pending["epoch"] == self.epoch
+            and self.num_workers == 0
+            and not self.iterable
+            and self.pending.get("dataset_state") is not None
+            and is_stateful(self.dataset)
+        ):
+            self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
+        self.pending = None
+
+    def received(self, record: Any) -> Any:
+        """A record of a replica, returned by the consumer: its batch (``ReplicaEnded``: the replica ended)."""
+        if type(record) is not Tagged:
+            return record
+        worker = record.worker
+        self.delivered[worker] = record.position + 1
+        if record.state is not None:
+            self.snaps[worker] = (record.snap_position, record.state)
+        if type(record.value) is ReplicaEnded:
+            self.ended.add(worker)
+        return record.value
+
+    def finished(self) -> None:
+        self.done = True
+
+    # ---------------------------------------------------------------- saving and loading
+    def _ended_state(self) -> dict[str, Any]:
+        done, self.done = self.done, True
+        try:
+            return self.state_dict(self.seed)
+        finally:
+            self.done = done
+
+    def state_dict(self, seed: int) -> dict[str, Any]:
+        """The state (see the module docstring)."""
+        if self.fresh and self.pending is not None:
+            return copy.deepcopy(self.pending["saved"])
+        self.seed = seed
+        finished = self.started and self.done
+        mine: dict[str, Any] = {
+            "version": VERSION,
+            "epoch": self.epoch,
+            "finished": finished,
+            "seed": seed,
+            "num_workers": self.num_workers,
+            "iterable": self.iterable,
+            "base_seed": self.seeds[0],
+            "shared_seed": self.seeds[1],
+        }
+        if finished:  # the next epoch draws from the generator as it is now
+            mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
+            mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
+        elif self.started and (loader_state := self._position()) is not None:
+            if loader_state.get(EPOCH, self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
+                if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
+                    return self._ended_state()
+                loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
+            mine["loader"] = loader_state
+        if not self.iterable and not finished and self.epoch in self.draws:
+            mine["draw"] = self.draws[self.epoch]
+        state: dict[str, Any] = {}
+        if self.num_workers == 0:
+            dataset_state, fetcher_state = None, None
+            if self.iterable and self.replica is not None:
+                full = self.replica.state()
+                dataset_state, fetcher_state = full["dataset_state"], full["fetcher_state"]
+                mine["in_process"] = copy.deepcopy(full)
+                mine["yielded"] = self.replica.yielded
+            elif not self.iterable and is_stateful(self.dataset):
+                dataset_state = copy.deepcopy(self.dataset.state_dict())
+            state = {"dataset_state": dataset_state, "fetcher_state": fetcher_state, "_iterator_finished": finished}
+        else:
+            workers: dict[str, Any] = {}
+            replicas: dict[str, Any] = {}
+            for w in range(self.num_workers):
+                snapshot: dict[str, Any] = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
+                if self.iterable:
+                    position, saved = self.snaps.get(w, (0, None))
+                    decoded = _decoded(saved) if saved is not None else None
+                    if decoded is not None:
+                        snapshot.update(decoded)
+                    else:
+                        snapshot["fetcher_state"] = {"dataset_iter_state": None, "fetcher_ended": False}
+                    snapshot["fetcher_state"]["fetcher_ended"] = w in self.ended
+                    replicas[str(w)] = [self.delivered.get(w, 0), position, decoded]
+                workers[f"worker_{w}"] = snapshot
+            if self.iterable:
+                mine["replicas"] = replicas
+            state = {
+                "_snapshot": {
+                    "_worker_snapshots": workers,
+                    "_main_snapshot": {
+                        "_num_workers": self.num_workers,
+                        "_base_seed": self.seeds[0],
+                        "_iterator_finished": finished,
+                    },
+                }
+            }
+        state["procpipe"] = mine
+        return state
+
+    def load(self, state: Any) -> int:
+        """Check a saved state and keep it for the next iteration; returns that iteration's epoch."""
+        mine = state.get("procpipe") if isinstance(state, dict) else None
+        if not isinstance(mine, dict) or mine.get("version") != VERSION:
+            raise ValueError(
+                f"not a procpipe.torch.DataLoader state (from DataLoader.state_dict()): {str(state)[:200]}"
+            )
+        if bool(mine.get("iterable")) != self.iterable:
+            kinds = ("a map-style dataset", "an IterableDataset")
+            raise ValueError(
+                f"this state was saved by a DataLoader over {kinds[bool(mine.get('iterable'))]}, but this "
+                f"one reads {kinds[self.iterable]}; resume with a DataLoader built the same way"
+            )
+        if self.iterable and mine.get("num_workers") != self.num_workers:
+            raise ValueError(
+                f"this state was saved by a DataLoader with num_workers={mine.get('num_workers')}, but this one has "
+                f"num_workers={self.num_workers}: an IterableDataset has one replica per worker, each with its own "
+                "state, so it resumes with the same num_workers (a map-style dataset resumes with any)"
+            )
+        pending = copy.deepcopy(mine)
+        pending["saved"] = copy.deepcopy(state)
+        if self.num_workers == 0 and not self.iterable:
+            pending["dataset_state"] = state.get("dataset_state")
+        if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
+            if pending.get("dataset_state") is not None and is_stateful(self.dataset):
+                self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
+            # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
+            for g, text in zip(
+                _generators(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
+            ):
+                g.set_state(_decode_rng(text))
+            for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
+                obj.load_state_dict(copy.deepcopy(saved))
+            if not (self.persistent or self.num_workers == 0):
+                pending["replicas"] = {}  # fresh replicas each epoch: nothing carries over
+        self.pending = pending
+        self.fresh = True
+        self.started = False
+        return pending["epoch"] + 1 if pending["finished"] else pending["epoch"]
+
+    def close(self) -> None:
+        """Remove the snapshot files."""
+        self.store = None
+        self.cleanup(self.stores)
+
+    @staticmethod
+    def cleanup(stores: list[SnapshotStore]) -> None:
+        """Remove ``stores`` (the DataLoader's finalizer: it holds the list, not the state, which
+        holds the running Loader and must be collectable with the DataLoader)."""
+        while stores:
+            stores.pop().remove()
