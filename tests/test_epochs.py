@@ -321,9 +321,10 @@ def trace_workers(s):
     return [entry[1] for entry in s["autotune"]["trace"]]
 
 
-def test_autotune_grows_on_io_bound_work_within_bounds():
+def test_autotune_grows_on_io_bound_work_within_bounds(tmp_path):
+    # (a shm_dir of its own: auto-tuned loaders sharing one split its CPUs, and another test's may run beside it)
     with Loader(list(range(400)), io_bound, batch_size=4, workers=AutoWorkers(start=1, max=3, **FAST),
-                epochs=None, with_epoch=True) as loader:
+                epochs=None, with_epoch=True, shm_dir=str(tmp_path)) as loader:
         assert loader.stats()["workers"] == 1 and len(loader.worker_pids) == 1
         s, _ = run_until(loader, lambda s: len(s["autotune"]["trace"]) >= 12 and s["workers"] == 3, 5000)
         counts = trace_workers(s)
@@ -337,10 +338,12 @@ def test_autotune_grows_on_io_bound_work_within_bounds():
         json.dumps(s)
 
 
-def test_autotune_grows_on_cpu_bound_work_up_to_the_cpus():
+def test_autotune_grows_on_cpu_bound_work_up_to_the_cpus(tmp_path):
     cpus = procpipe._engine.autotune.cpu_count()
+    # (a shm_dir of its own: an auto-tuned loader of another test running beside it in the same shm_dir
+    # would take half the CPU budget through the node file, and this test is about one loader alone)
     with Loader(list(range(200)), cpu_bound, batch_size=4, workers=AutoWorkers(start=1, **FAST),
-                epochs=None, with_epoch=True) as loader:
+                epochs=None, with_epoch=True, shm_dir=str(tmp_path)) as loader:
         s, _ = run_until(loader, lambda s: len(s["autotune"]["trace"]) >= 16, 5000)
         counts = trace_workers(s)
     assert max(counts) <= max(cpus, 1) + 1  # CPU-bound: at most one probe beyond the CPUs (then back)
