@@ -123,14 +123,9 @@ class RingSet:
         finally:
             if counters is not None:
                 counters.ring_growth_s += time.perf_counter() - started
-        self.current = ring
-        if old is not None:
-            if counters is not None:
-                counters.ring_growths += 1
-            old.retired = True
-            self.retired.append(old)
-            if old.idle:
-                self.remove_idle()
+        if old is not None and counters is not None:
+            counters.ring_growths += 1
+        self._replace(ring)
         return None
 
     def add_slots(self, extra: int) -> str | None:
@@ -144,12 +139,18 @@ class RingSet:
             ring = Ring(self.files, old.ring_id + 1, old.slots + extra, old.slot_bytes, old.first_slot + old.slots)
         except SharedMemoryError as exc:
             return str(exc)
-        self.current = ring
-        old.retired = True
-        self.retired.append(old)
-        if old.idle:
-            self.remove_idle()
+        self._replace(ring)
         return None
+
+    def _replace(self, ring: Ring) -> None:
+        """Make ``ring`` the current generation; the one it replaces (if any) is retired, and
+        removed at once if none of its slots is out, else once they have come back."""
+        old, self.current = self.current, ring
+        if old is not None:
+            old.retired = True
+            self.retired.append(old)
+            if old.idle:
+                self.remove_idle()
 
     def close(self) -> None:
         """Unmap every generation (the files are removed with the others, by ``SharedFiles``)."""
