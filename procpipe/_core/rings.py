@@ -125,7 +125,7 @@ class RingSet:
                 counters.ring_growth_s += time.perf_counter() - started
         if old is not None and counters is not None:
             counters.ring_growths += 1
-        self._replace(ring)
+        self._install(ring)
         return None
 
     def add_slots(self, extra: int) -> str | None:
@@ -139,10 +139,10 @@ class RingSet:
             ring = Ring(self.files, old.ring_id + 1, old.slots + extra, old.slot_bytes, old.first_slot + old.slots)
         except SharedMemoryError as exc:
             return str(exc)
-        self._replace(ring)
+        self._install(ring)
         return None
 
-    def _replace(self, ring: Ring) -> None:
+    def _install(self, ring: Ring) -> None:
         """Make ``ring`` the current generation; the one it replaces (if any) is retired, and
         removed at once if none of its slots is out, else once they have come back."""
         old, self.current = self.current, ring
