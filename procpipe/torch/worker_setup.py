@@ -1,7 +1,7 @@
 """A procpipe worker made into what torch's DataLoader makes its worker ``id``: one function,
 used by both kinds of dataset (``sampling.TorchSource``, ``iterable.Replicas``).
 
-torch's worker loop, step by step (``torch/utils/data/_utils/worker.py``): one intra-op
+torch's worker loop, step by step (torch's ``_worker_loop``): one intra-op
 thread, ``random`` and torch seeded with ``base_seed + id``, numpy with the seed torch derives
 from ``(base_seed, id)``, ``get_worker_info()`` set. The caller then runs ``worker_init_fn(id)``
 (whose errors each kind reports its own way). So a dataset drawing random numbers draws what
