@@ -12,7 +12,8 @@ import pytest
 import procpipe
 from procpipe.config import LoaderConfig
 from procpipe._consumer.inline import IndexNames, RecordNames
-from procpipe._consumer.kinds import StreamKind, plan_options, resolve_kind
+from procpipe._consumer.kinds import (IndexedKind, Mixing, MixKind, MixStreamKind, StreamKind, plan_options,
+                                      resolve_kind)
 from procpipe._plan.index import IndexPlan
 from procpipe._streaming import ShardPlan
 from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
@@ -43,10 +44,12 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     }[name]
     kind = resolve_kind(source, config())
     streaming = name in ("shards", "mix of shards", "growing")
-    assert isinstance(kind, StreamKind) is streaming is kind.streaming
+    assert type(kind) is {"indexed": IndexedKind, "mix": MixKind, "shards": StreamKind,
+                          "mix of shards": MixStreamKind, "growing": StreamKind}[name]
+    assert isinstance(kind, StreamKind) is streaming
     assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
     assert isinstance(kind.names, RecordNames if streaming else IndexNames)
-    assert (kind.mixing is not None) is name.startswith("mix")
+    assert isinstance(kind, Mixing) is name.startswith("mix")
     if streaming:  # the configured copy of the Shards reads its own blocks
         assert kind.reader is kind.source is kind.plan.source  # type: ignore[attr-defined]
         assert kind.reader.cache_kind == (GROWING if name == "growing" else PER_RECORD)

@@ -61,7 +61,7 @@ _POSITION_KEYS = (
     "mix_weights",
 )
 
-__all__ = ["combine_states", "saved_base", "state_for"]
+__all__ = ["CombinedLoad", "combine_states", "saved_base"]
 
 
 def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -293,42 +293,61 @@ def _merged_progress(
 
 
 # ---------------------------------------------------------------------- loading and saving
-def state_for(
-    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any, given: GivenOrders | None
-) -> dict[str, Any]:
-    """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
-    progress about the shards of this rank's order; for an indexed one, the resumed epoch's
-    order given to the sampler (``given``). The result is checked as usual. ``_streaming``,
-    ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) and ``given`` (where an indexed
-    plan takes an epoch's order; None for ``batches=...``) are the loader's source kind's
-    (_consumer/kinds.py)."""
-    mine = getattr(sampler, "shard", None)
-    saved = state.get("shard")
-    if saved is not None and (mine is None or list(mine) != list(saved)):
-        raise ValueError(
-            f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
-            f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
-            f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
-        )
-    epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
-    out = {key: value for key, value in state.items() if key != "combined"}
-    out["shard"] = None if mine is None else list(mine)
-    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-    if mixing is not None and not _same_settings(settings, sampler, streaming, mixing):
-        return out  # (the usual checks name the setting that differs)
-    rank, world = mine if mine is not None else (0, 1)
-    if streaming:
-        progress = state.get("stream")
-        combined = state["combined"]
-        if mixing is not None:  # the epoch's shards in the mixture's order, with the weights saved for it
-            full = elastic_mix.saved_order(mixing, state, epoch).tolist()
-            order = set(full[rank::world])
-            if isinstance(combined, dict) and "ranks" in combined:
-                progress = out["stream"] = _merged_progress(combined["ranks"], lambda r, w: full[r::w], settings)
-        else:
-            order = set(sampler.batches(epoch))
+class CombinedLoad:
+    """A state holding ``"combined"`` being made into this loader's own, whose plan is ``plan``:
+    its shard checked (a state saved in an epoch resumed from a combined state belongs to that
+    rank), ``out`` the state as this rank's (``"combined"`` dropped), and the steps a source kind
+    (``_consumer/kinds.py``: its ``elastic_state``) takes with it: for an indexed source, the
+    resumed epoch's order given to the sampler (``give``); for a ``Shards`` source, the progress
+    about the shards of this rank's order (``keep_progress``). The result is checked as usual."""
+
+    def __init__(self, state: dict[str, Any], plan: Any) -> None:
+        mine = getattr(plan, "shard", None)
+        saved = state.get("shard")
+        if saved is not None and (mine is None or list(mine) != list(saved)):
+            raise ValueError(
+                f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
+                f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
+                f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
+            )
+        self.state = state
+        self.epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
+        self.out = {key: value for key, value in state.items() if key != "combined"}
+        self.out["shard"] = None if mine is None else list(mine)
+        #: the saved settings (not where the state stands)
+        self.settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
+        rank, world = mine if mine is not None else (0, 1)
+        self.rank: int = rank
+        self.world: int = world
+
+    def same_settings(self, mine: dict[str, Any]) -> bool:
+        """The settings an epoch's order is drawn from (``mine``: the loader's, by key) are those saved
+        (if not, the load's usual checks name the one that differs)."""
+        return all(self.settings.get(key, True if key == "reshuffle" else None) == value for key, value in mine.items())
+
+    def full_order(self) -> np.ndarray:
+        """An indexed source's order of the resumed epoch, before sharding, from the saved settings."""
+        return _full_order(self.settings, self.epoch)
+
+    def give(self, full: np.ndarray, given: GivenOrders) -> None:
+        """Give ``given`` this rank's part of the resumed epoch (whose order before sharding is
+        ``full``) less what the old ranks delivered."""
+        combined = self.state["combined"]
+        rank_order = _remaining(full, _delivered(self.settings, full, combined))[self.rank :: self.world]
+        given.give(self.epoch, rank_order, combined)
+
+    def ranks_progress(self, full: list[int]) -> Any:
+        """A stream's progress of the resumed epoch: the old ranks' raw progress (a mixture's
+        ``"ranks"``) merged against ``full``, the epoch's shards before sharding; else the one saved."""
+        combined = self.state["combined"]
+        if isinstance(combined, dict) and "ranks" in combined:
+            return _merged_progress(combined["ranks"], lambda r, w: full[r::w], self.settings)
+        return self.state.get("stream")
+
+    def keep_progress(self, progress: Any, order: set[int]) -> None:
+        """Keep of ``progress`` (a stream's, merged) what is about the shards of ``order``, this rank's."""
         if progress is not None and isinstance(progress, dict):
-            out["stream"] = {
+            self.out["stream"] = {
                 "cursor": None,
                 "complete": [s for s in progress.get("complete", []) if s in order],
                 "received": [
@@ -337,31 +356,6 @@ def state_for(
                     if isinstance(entry, list) and entry and entry[0] in order
                 ],
             }
-        return out
-    if given is None:
-        raise ValueError(
-            "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
-            "own sampler; this loader's come from batches=..., which cannot be split anew"
-        )
-    if mixing is None and not _same_settings(settings, sampler, streaming, mixing):
-        return out
-    combined = state["combined"]
-    full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
-    rank_order = _remaining(full, _delivered(settings, full, combined))[rank::world]
-    given.give(epoch, rank_order, combined)
-    return out
-
-
-def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixing: Any) -> bool:
-    """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
-    name the one that differs)."""
-    keys: list[str] = ["shuffle", "seed", "reshuffle"]
-    keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
-    mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
-    if mixing is not None:
-        keys.append("mix")
-        mine = {**mine, "mix": mixing.settings()["mix"]}
-    return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 
 def saved_base(given: GivenOrders | None, epoch: int) -> dict[str, Any]:
