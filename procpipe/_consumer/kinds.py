@@ -42,7 +42,7 @@ from .._streaming import Shards, StreamPlan
 from .._worker.reader import IndexedReader, SourceReader
 from . import elastic
 from .inline import IndexNames, RecordNames, SampleNames
-from .state import AHEAD, EPOCH, MIX, STREAM, Resume, decode_position, other_mixture_kind, other_source_kind
+from .state import AHEAD, EPOCH, MIX, SHARD, STREAM, Resume, decode_position, other_mixture_kind, other_source_kind
 
 if TYPE_CHECKING:
     from ..config import LoaderConfig
@@ -85,7 +85,7 @@ class SourceKind:
             "shuffle": getattr(plan, "shuffle", False),
             "seed": getattr(plan, "seed", None),
             "drop_last": getattr(plan, "drop_last", False),
-            "shard": None if shard is None else list(shard),
+            SHARD: None if shard is None else list(shard),
             "reshuffle": getattr(plan, "reshuffle", True),
         }
 

@@ -60,6 +60,7 @@ UNTIL = "until"
 MIX = "mix"
 MIX_WEIGHTS = "mix_weights"
 COMBINED = "combined"
+SHARD = "shard"  # a setting (``SourceKind.settings``), rewritten by a combined state's loading
 
 
 class IndexPosition(TypedDict):
