@@ -142,6 +142,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
         max_skipped=config.faults.max_skipped,
         coordinator=coordinator,
         epochs=config.batching.epochs,
+        rotation=execution.rotation,
     )
     # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
     finalizer = weakref.finalize(context, close_engine, coordinator)

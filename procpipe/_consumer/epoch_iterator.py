@@ -64,6 +64,7 @@ class EpochIterator(LoaderIterator):
             context.sampler.batches(number),
             done,
             ahead,
+            rotation=context.rotation,
         )
         self.batch_count = len(stream.first.batches)
         self._low = number

@@ -186,6 +186,7 @@ class IterationContext:
     coordinator: Coordinator | None
     epochs: int | None = 1
     standing: Standing = field(default_factory=Standing)
+    rotation: int = 0  # assign="round_robin": batch k goes to worker k % rotation (0: any worker)
 
     def default_until(self, start: int) -> int | None:
         """The epoch an iteration starting at ``start`` stops before, by the loader's ``epochs``."""

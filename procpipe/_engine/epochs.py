@@ -265,8 +265,10 @@ class Stream:
         first_batches: list[list[int]],
         done: frozenset = frozenset(),
         ahead: dict[int, frozenset] | None = None,
+        rotation: int = 0,
     ) -> None:
         self.gen = gen
+        self.rotation = rotation  # assign="round_robin": batch k of an epoch to worker k % rotation
         self.sampler = sampler
         self.start = start
         self.until = until
@@ -291,6 +293,8 @@ class Stream:
 
     def _epoch(self, number: int, batches: Any, done: Any) -> Epoch:
         plan = self.plan_class(self.sampler, number, batches, self.ordered, done)
+        if self.rotation:
+            plan.rotate(self.rotation)
         return Epoch(self.gen, number, plan, batches, self)
 
     @property
