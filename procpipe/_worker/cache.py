@@ -37,6 +37,7 @@ soon as it is mapped, so nothing can be left behind.
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 import zlib
@@ -124,11 +125,12 @@ class Layout:
     against it (the values to store, field by field, or a ``CacheError`` naming what differs);
     ``build`` makes a sample again from its stored leaves."""
 
-    __slots__ = ("fields", "skeleton")
+    __slots__ = ("_build", "fields", "skeleton")
 
     def __init__(self, skeleton: list, fields: list[Field]) -> None:
         self.skeleton = skeleton
         self.fields = fields
+        self._build: Callable[[list[Any]], Any] | None = None
 
     @classmethod
     def of(cls, sample: Any) -> Layout:
@@ -220,24 +222,29 @@ class Layout:
         match(self.skeleton, sample, ())
         return leaves
 
-    def build(self, leaf: Callable[[int], Any]) -> Any:
-        """The sample made again from its leaves: ``leaf(n)`` is field ``n``'s stored value, restored."""
+    def build(self, values: list[Any]) -> Any:
+        """The sample made again from its stored leaves, ``values[n]`` being field ``n``'s (restored).
+        (The skeleton is compiled into nested constructors once: a sample is built per read.)"""
+        if self._build is None:
+            self._build = _builder(self.skeleton)
+        return self._build(values)
 
-        def build(node: list) -> Any:
-            kind = node[0]
-            if kind == LEAF:
-                return leaf(node[1])
-            items = [build(child) for child in node[2]]
-            if kind == DICT:
-                return dict(zip(node[1], items, strict=True))
-            seq_type = node[1]
-            if seq_type is list:
-                return items
-            if seq_type is tuple:
-                return tuple(items)
-            return seq_type(*items)  # namedtuple
 
-        return build(self.skeleton)
+def _builder(node: list) -> Callable[[list[Any]], Any]:
+    """A function making the tree of ``node`` (a ``Layout`` skeleton) from the list of its leaves."""
+    kind = node[0]
+    if kind == LEAF:
+        return operator.itemgetter(node[1])
+    parts = [_builder(child) for child in node[2]]
+    if kind == DICT:
+        keys = node[1]
+        return lambda values: dict(zip(keys, [part(values) for part in parts], strict=True))
+    seq_type = node[1]
+    if seq_type is list:
+        return lambda values: [part(values) for part in parts]
+    if seq_type is tuple:
+        return lambda values: tuple([part(values) for part in parts])
+    return lambda values: seq_type(*[part(values) for part in parts])  # namedtuple
 
 
 class Cache:
@@ -261,6 +268,7 @@ class Cache:
         self.directory = directory
         self.crc_offset = crc_offset  # where the per-sample CRC-32s are (None: not checksummed)
         self.layout = Layout(skeleton, fields)
+        self._kinds = [f.kind for f in fields]
         self.sample_bytes = self.layout.sample_bytes
         self._map: Any = None
         self._flags: np.ndarray | None = None
@@ -364,18 +372,13 @@ class Cache:
             raise self._corrupt(index, f"the filled byte is {flag}, not 0 or 1")
         if self._crcs is not None and self._crc(index) != self._crcs[index]:
             raise self._corrupt(index, "the stored bytes do not match their checksum")
-        arrays, fields = self._arrays, self.fields
-
-        def leaf(n: int) -> Any:
-            value = arrays[n][index]
-            kind = fields[n].kind
-            if kind == "array":
-                return np.array(value)  # a copy: augment may change it in place
-            if kind == "scalar":
-                return value
-            return value.item()  # a Python int/float/bool/complex, as fn returned it
-
-        return self.layout.build(leaf)
+        # (a copy of an array: augment may change it in place; a Python number as fn returned it)
+        return self.layout.build(
+            [
+                np.array(array[index]) if kind == "array" else array[index] if kind == "scalar" else array[index].item()
+                for array, kind in zip(self._arrays, self._kinds, strict=True)
+            ]
+        )
 
     def put(self, index: int, sample: Any) -> None:
         """Store ``sample`` as index ``index``; ``CacheError`` if it does not match the first sample."""

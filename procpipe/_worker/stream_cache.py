@@ -241,16 +241,13 @@ class StreamCache:
             raise self._corrupt(f"the filled byte of {key!r} is {raw[0]}, not 0 or 1")
         if self._crc(key, raw) != int.from_bytes(raw[4:8], "little"):
             raise self._corrupt(f"the stored bytes of {key!r} do not match their checksum")
-        leaves = self._leaves
-
-        def leaf(n: int) -> Any:
-            kind, dtype, count, offset, shape = leaves[n]
+        values = []
+        for kind, dtype, count, offset, shape in self._leaves:
             value = np.frombuffer(raw, dtype, count, offset)
-            if kind == "array":
-                return value.reshape(shape).copy()
-            return value[0] if kind == "scalar" else value[0].item()
-
-        return self.layout.build(leaf)
+            values.append(
+                value.reshape(shape).copy() if kind == "array" else value[0] if kind == "scalar" else value[0].item()
+            )
+        return self.layout.build(values)
 
     def _crc(self, key: Any, raw: bytes) -> int:
         head = int(key[0]).to_bytes(8, "little") + int(key[1]).to_bytes(8, "little")
