@@ -88,6 +88,40 @@ def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:
         resolve_kind(procpipe.Mix([[1], [2]], [1, 1]), config(batches=lambda epoch: [[0]]))
 
 
+def _state(source, **options):
+    with procpipe.Loader(source, batch_size=2, workers=0, **options) as loader:
+        next(iter(loader))
+        return loader.state_dict()
+
+
+def test_each_kind_refuses_a_state_saved_over_another_kind() -> None:
+    """``check_saved_kind``, answered by each kind's class: positions (records or batch positions)
+    first, then a mixture or not, each error naming both kinds."""
+    mix = procpipe.Mix([list(range(6)), list(range(4))], [1, 1])
+    mixed_streams = procpipe.Mix([shards(), shards()], [1, 1])
+    cases = [
+        (list(range(10)), _state(shards()), "over a streaming source .* reads an indexable source"),
+        (shards(), _state(list(range(10))), "over an indexable source, .* reads a streaming source"),
+        (list(range(10)), _state(mix), "over a procpipe.Mix, .* reads an indexable source"),
+        (mix, _state(list(range(10))), "over an indexable source, .* reads a procpipe.Mix"),
+        (mixed_streams, _state(shards()), "over an indexable source, .* reads a procpipe.Mix"),
+        (shards(), _state(mixed_streams), "over a procpipe.Mix, .* reads an indexable source"),
+    ]
+    for source, state, message in cases:
+        with procpipe.Loader(source, batch_size=2, workers=0) as loader:
+            with pytest.raises(ValueError, match=message):
+                loader.load_state_dict(state)
+
+
+def test_a_combined_state_is_refused_by_a_loader_over_the_callers_batches() -> None:
+    """``ExplicitKind``: a combined state (``procpipe.combine_states``) cannot split ``batches=`` anew."""
+    combined = procpipe.combine_states([_state(list(range(8)))])
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with procpipe.Loader(list(range(8)), batches=lambda epoch: batches, workers=0) as loader:
+        with pytest.raises(ValueError, match="batches=..., which cannot be split anew"):
+            loader.load_state_dict(combined)
+
+
 def test_a_stream_record_that_becomes_none_is_refused_as_an_indexed_sample_is() -> None:
     """The one pipeline's check: before, a stream batched None records silently."""
     with pytest.raises(TypeError, match=r"fn returned None for index \(shard 0, record 0\)"):
