@@ -3,8 +3,8 @@
 The Loader checks its arguments into a frozen configuration (``loader.config``: config.py),
 plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
-workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
-consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
+workers, once) and hands each iteration to an epoch iterator (_consumer/epoch_iterator.py),
+the object the consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
 with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs
 in the calling process through the same sampler, sample scope and collation, so results are
 identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._consumer.assembly import assemble
+from ._consumer.epoch_iterator import EpochIterator
 from ._consumer.inline import InlineDriver
-from ._consumer.iteration import LoaderIterator
-from ._consumer.iterators import EpochIterator
+from ._consumer.iteration_context import LoaderIterator
 from ._consumer.kinds import resolve_kind
 from ._consumer.nodes import Node
 from ._consumer.state import encode_position, load_state, save_state, start_position

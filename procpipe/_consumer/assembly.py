@@ -35,7 +35,7 @@ from .._worker.start_method import resolve as resolve_start_method
 from .._worker.stream_cache import open_loader_cache
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
-from .iteration import IterationContext, LoaderIterator
+from .iteration_context import IterationContext, LoaderIterator
 from .kinds import SourceKind
 from .nodes import Node
 from .shutdown import close_engine, watch_exit

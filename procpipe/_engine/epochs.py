@@ -9,7 +9,7 @@ every kind. Each task sent is a ``Job``, and each time a job is sent to a worker
 see coordinator.py). The coordinator thread takes the plans' offers, turns the replies
 into results and hands them to ``Epoch.result``; the plan turns them into batches in
 their order, which go into the stream's queue, ``out``, that the consumer's iterator
-reads (iterators.py). With ``workers=0`` the Loader drives the same kind of stream in
+reads (_consumer/epoch_iterator.py). With ``workers=0`` the Loader drives the same kind of stream in
 the consumer's thread, for every source kind (_consumer/inline.py ``InlineDriver``).
 
 The stream opens the next epoch as soon as every task of the open ones has been

@@ -2,7 +2,7 @@
 
 The Loader builds one ``IterationContext`` when it is created (frozen: the sampler or
 stream plan, the worker spec, the delivery settings, the coordinator) and hands it to
-every iterator it makes (``iterators.EpochIterator``, and ``inline.InlineDriver`` for
+every iterator it makes (``epoch_iterator.EpochIterator``, and ``inline.InlineDriver`` for
 ``workers=0``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
