@@ -587,38 +587,3 @@ def test_default_collate_keeps_mapping_classes(workers):
     ref, got = both(Mappings(), batch_size=2, num_workers=workers)
     same(ref, got)
     assert type(got[0]) is OrderedDict and type(got[0]["a"]) is defaultdict and got[0]["a"].default_factory is list
-
-
-_GLOBAL_START_METHOD = r"""
-import multiprocessing, sys
-import psutil, torch.utils.data as tud
-from procpipe.torch import DataLoader
-
-class Cmdline(tud.Dataset):
-    def __len__(self):
-        return 2
-
-    def __getitem__(self, i):
-        return " ".join(psutil.Process().cmdline())
-
-if __name__ == "__main__":
-    if sys.argv[1] != "none":
-        multiprocessing.set_start_method(sys.argv[1])
-    loader = DataLoader(Cmdline(), batch_size=None, num_workers=1)
-    print("SPAWNED" if all("spawn_main" in c for c in loader) else "NOT-SPAWNED")
-"""
-
-
-@pytest.mark.parametrize("chosen, expected", [("spawn", "SPAWNED"), ("none", "NOT-SPAWNED")])
-def test_multiprocessing_context_none_follows_the_programs_start_method(tmp_path, chosen, expected):
-    """As torch: with ``multiprocessing_context=None`` the workers start the way the program chose
-    with ``multiprocessing.set_start_method`` (else procpipe's "auto": fork here)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "script.py"
-    script.write_text(_GLOBAL_START_METHOD)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
-    out = subprocess.run([sys.executable, str(script), chosen], capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == expected, out.stdout

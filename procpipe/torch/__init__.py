@@ -31,7 +31,6 @@ prefetch -> consumer): at both ends, in modules by job:
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -54,12 +53,8 @@ __all__ = ["DataLoader"]
 
 # --------------------------------------------------------------------------- DataLoader facade
 def _start_method(context: Any) -> str:
-    """procpipe's start method for ``multiprocessing_context``. None: as torch, the start method
-    the program chose with ``multiprocessing.set_start_method`` (or torch's re-export of it), if
-    it chose one; else procpipe's ``"auto"``."""
     if context is None:
-        chosen = multiprocessing.get_start_method(allow_none=True)
-        return "auto" if chosen is None else chosen
+        return "auto"
     method = context if isinstance(context, str) else context.get_start_method()
     if method not in START_METHODS:
         raise ValueError(
