@@ -57,3 +57,15 @@ def test_round_robin_runs_a_dead_workers_batches_elsewhere_exactly_once(tmp_path
 def test_assign_errors_name_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Loader(list(range(4)), **{"workers": 2, **kwargs})
+
+
+def test_round_robin_goes_on_past_a_worker_killed_for_its_task_timeout(tmp_path):
+    """A worker killed for ``task_timeout`` is replaced under the same index; its batches of
+    the rotation wait for the replacement or run elsewhere, never forever."""
+    plan = {9: ("sleep", 30)}  # batch 2 (worker 0's): stuck past the timeout, on its first attempt only
+    with Loader(list(range(N)), Faulty(tmp_path, plan), batch_size=BS, workers=2, task_timeout=2.0,
+                assign="round_robin") as loader:
+        got = [(idx.tolist(), vals.copy()) for idx, vals in loader]
+        stats = loader.stats()
+    check_epoch(got, reference(0), True)
+    assert stats["timed_out_tasks"] >= 1, stats
