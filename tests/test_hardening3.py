@@ -141,7 +141,8 @@ def test_a_straggling_workers_lane_moves_even_without_a_copied_task() -> None:
     from procpipe._engine.roster import Roster
 
     def link(index: int, stalled: bool) -> SimpleNamespace:
-        return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, tasks={})
+        return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, dead=False, fatal=None,
+                               tasks={})
 
     straggler, healthy = link(0, True), link(1, False)
     roster = SimpleNamespace(links=[straggler, healthy])
