@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 import types
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -309,11 +310,22 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
     scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
+    # The tasks queued in the pipe, read at once (small batches keep several queued): a
+    # system call per few tasks, not a poll and two reads each (Connection.poll and recv_bytes).
+    inbox = wire.Inbox(conn)
+    waiting = select.poll()
+    waiting.register(inbox.fileno(), select.POLLIN)
+    idle_ms = int(_IDLE_CHECK_S * 1000)
+    queued: deque[bytes] = deque()
     while True:
-        while not conn.poll(_IDLE_CHECK_S):
-            if parent.gone():
+        while not queued:
+            if inbox.closed:
+                raise EOFError
+            if waiting.poll(idle_ms):  # (a closed pipe shows too: receive then says so)
+                queued.extend(inbox.receive())
+            elif parent.gone():
                 return
-        task = wire.recv(conn)
+        task = wire.decode(queued.popleft())
         if task is STOP:
             return
         reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
