@@ -36,7 +36,7 @@ from .._core import wire
 from .._core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
 from .._core.shm import SharedFiles, create_file, map_file
 from .._core.stats import WorkerCounters
-from .._worker.process import ABANDON_SIGNAL, STARTING, worker_main
+from .._worker.process import ABANDON_SIGNAL, STARTING, STATUS_STRIDE, worker_main
 from .replies import unreadable_reply
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ _SPECULATE_MIN_S = 0.02  # never call a batch a straggler before it has run this
 _SPECULATE_AFTER = 5  # batches that must have finished before their median is trusted
 _DURATIONS_KEPT = 64  # the running median covers this many recent batches
 
+_STATUS_WORDS = STATUS_STRIDE // 8  # int64 words from one worker's status to the next
 _started: weakref.WeakSet = weakref.WeakSet()  # the worker processes this process started
 
 
@@ -285,11 +286,12 @@ class LocalWorker(WorkerLink):
         kill_tree(self._process.pid, wait=False)
 
     def stuck_on(self, attempt: Attempt) -> int | None:
-        task_id, index = self._status[2 * self.index], self._status[2 * self.index + 1]
+        word = _STATUS_WORDS * self.index
+        task_id, index = self._status[word], self._status[word + 1]
         return index if task_id == attempt.id else None
 
     def failed_to_start(self) -> bool:
-        return self._status[2 * self.index] == STARTING and (self._process.exitcode or 0) > 0
+        return self._status[_STATUS_WORDS * self.index] == STARTING and (self._process.exitcode or 0) > 0
 
 
 class LocalPool(WorkerPool):
@@ -309,12 +311,12 @@ class LocalPool(WorkerPool):
         me = psutil.Process()
         self.parent = (me.pid, me.create_time())  # a worker that sees this process gone cleans up and exits
         status_path = files.path("status")
-        create_file(status_path, 16 * capacity, "the workers' status words")
+        create_file(status_path, STATUS_STRIDE * capacity, "the workers' status words")
         self._status_map = map_file(status_path)
         self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
 
     def start(self, index: int, counters: WorkerCounters) -> LocalWorker:
-        self._status[2 * index] = STARTING  # the worker clears it once started (_worker/process.py)
+        self._status[_STATUS_WORDS * index] = STARTING  # the worker clears it once started (_worker/process.py)
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
         process = self.ctx.Process(
             target=worker_main,
