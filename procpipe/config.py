@@ -7,7 +7,7 @@ step is ``LoaderConfig.from_arguments``, which sorts them into six groups by nam
 ``batching``    batch_size, shuffle, seed, drop_last, reshuffle, epochs, with_epoch,
                 batches, shard, even_ranks, shuffle_buffer
 ``stages``      fn, collate_fn, batch_fn, augment, cache, seed_globals
-``execution``   workers, ordered, prefetch, start_method, worker_env, backend
+``execution``   workers, ordered, prefetch, start_method, worker_env, backend, assign
 ``memory``      shm_dir, slot_bytes, stage_slots
 ``faults``      on_error, max_skipped, task_timeout, speculate, max_worker_restarts
 ``device``      device, device_fn
@@ -309,6 +309,9 @@ def cpu_count() -> int:
     return cpu_budget()
 
 
+#: ``Loader(assign=...)``: each batch to the least busy worker, or batch k to worker k % workers
+ASSIGN_MODES = ("balanced", "round_robin")
+
 #: set in every worker unless ``worker_env`` says otherwise: one thread per math library
 DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -316,7 +319,7 @@ DEFAULT_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class Execution(Group):
     """How and where the work runs (``workers``, ``ordered``, ``prefetch``, ``start_method``,
-    ``worker_env``, ``backend``), as passed to ``Loader``.
+    ``worker_env``, ``backend``, ``assign``), as passed to ``Loader``.
 
     ``autotune`` is the ``AutoWorkers`` of ``workers="auto"``; ``environment()`` the variables
     set in each worker (one thread per math library, then ``worker_env``).
@@ -328,6 +331,7 @@ class Execution(Group):
     start_method: str = "auto"
     worker_env: Mapping[str, str] | None = None
     backend: Any = None
+    assign: str = "balanced"
 
     def __post_init__(self) -> None:
         workers = self.workers
@@ -335,6 +339,7 @@ class Execution(Group):
             if isinstance(workers, str):
                 raise ValueError(f"workers must be an int >= 0 or 'auto', got {workers!r}")
             check_int("workers", workers, 0)
+        self.check_assign()
         check_int("prefetch", self.prefetch, 1)
         if self.start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
@@ -363,6 +368,24 @@ class Execution(Group):
                 f"node and must be an int >= 1 (workers=0 and workers='auto' run on this machine), got "
                 f"{workers!r}"
             )
+
+    def check_assign(self) -> None:
+        """``assign``: ``"balanced"`` or ``"round_robin"``, the latter over a fixed worker count."""
+        if self.assign not in ASSIGN_MODES:
+            raise ValueError(f"assign must be one of {ASSIGN_MODES}, got {self.assign!r}")
+        if self.assign == "round_robin" and (self.autotune is not None or self.backend is not None):
+            raise ValueError(
+                "assign='round_robin' sends batch k to worker k % workers, so it needs a fixed number of "
+                "local workers: pass workers=N (an int), not workers='auto' or a backend, or use "
+                "assign='balanced'"
+            )
+
+    @property
+    def rotation(self) -> int:
+        """Workers the batches of an epoch rotate over (``assign="round_robin"``); 0: any worker."""
+        if self.assign != "round_robin" or not isinstance(self.workers, int):
+            return 0
+        return self.workers
 
     @property
     def autotune(self) -> AutoWorkers | None:

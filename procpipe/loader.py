@@ -3,8 +3,8 @@
 The Loader checks its arguments into a frozen configuration (``loader.config``: config.py),
 plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
-workers, once) and hands each iteration to an epoch iterator (iterators.py), the object the
-consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
+workers, once) and hands each iteration to an epoch iterator (_consumer/epoch_iterator.py),
+the object the consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
 with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs
 in the calling process through the same sampler, sample scope and collation, so results are
 identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._consumer.assembly import assemble
+from ._consumer.epoch_iterator import EpochIterator
 from ._consumer.inline import InlineDriver
-from ._consumer.iteration import LoaderIterator
-from ._consumer.iterators import EpochIterator
+from ._consumer.iteration_context import LoaderIterator
 from ._consumer.kinds import resolve_kind
 from ._consumer.nodes import Node
 from ._consumer.state import encode_position, load_state, save_state, start_position
@@ -153,6 +153,14 @@ class Loader:
         backend: None (default): worker processes on this machine. ``procpipe.ray.Backend(...)``:
             the workers run on a Ray cluster (``workers`` per node); see README.md, "Beyond one
             machine: Ray". Every other argument keeps its meaning.
+        assign: which worker loads which batch of an indexed source. ``"balanced"`` (default):
+            the least busy worker, so a slow batch holds back no other and the workers stay
+            evenly loaded. ``"round_robin"``: batch k of every epoch goes to worker
+            ``k % workers``, as torch's DataLoader schedules (needs an int ``workers``): what
+            each worker loads is then known in advance (per-worker seeds and per-worker state
+            repeat run after run), at the price of balance: a slow batch holds back its worker's
+            next ones. A dead worker's batches run on another worker either way. Streaming
+            sources keep their shards' own lanes.
         stage_slots: extra ring slots for a stage of the caller's that holds batches while it
             reads them (e.g. ``procpipe.torch.DataLoader(device=...)``'s CUDA transfer, whose
             copies read batches straight from their slots); ``device=`` adds its own.
@@ -198,6 +206,7 @@ class Loader:
         stage_slots: int = 0,
         backend: Any = None,
         even_ranks: bool = False,
+        assign: str = "balanced",
     ) -> None:
         # every argument but the source, as passed: into the checked groups (config.py), once
         config = self._config = LoaderConfig.from_arguments(
@@ -234,6 +243,7 @@ class Loader:
             stage_slots=stage_slots,
             backend=backend,
             even_ranks=even_ranks,
+            assign=assign,
         )
         # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)

@@ -1,6 +1,6 @@
 """Nothing of a loader stays in its shm_dir when the training process is SIGKILLed, whatever
 its workers are doing (the reaper, procpipe._core.reaper), and a loader started later removes
-what a dead process left (the sweep, procpipe._core.sweep), never a live process's file, a
+what a dead process left (the sweep, procpipe._core.stale_files), never a live process's file, a
 symlink or another user's file.
 
 Each SIGKILL case runs the training process as a subprocess that reports its state on its
@@ -23,7 +23,7 @@ from conftest import python_env, wait_gone, wait_until
 
 import procpipe
 from procpipe._core import reaper
-from procpipe._core.sweep import SETTLE_S, sweep
+from procpipe._core.stale_files import SETTLE_S, sweep
 
 GONE_WITHIN_S = 5.0  # "a few seconds": from the SIGKILL to an empty shm_dir
 
@@ -398,7 +398,7 @@ def test_the_sweep_removes_a_dead_processs_directories_safely(tmp_path):
 
 
 def test_the_snapshot_store_is_named_registered_and_locked_as_procpipes_files_are(tmp_path):
-    from procpipe._core.sweep import DIRECTORY
+    from procpipe._core.stale_files import DIRECTORY
     from procpipe.torch.snapshots import SnapshotStore
 
     store = SnapshotStore.create(str(tmp_path))

@@ -1,4 +1,4 @@
-"""What ties an epoch iterator to its Loader (procpipe/_consumer/iteration.py), seen from outside.
+"""What ties an epoch iterator to its Loader (procpipe/_consumer/iteration_context.py), seen from outside.
 
 The iterators are given an ``IterationContext`` and hold no reference to the Loader's
 insides; these tests pin down what the Loader relied on them for before: an iteration

@@ -12,7 +12,8 @@ import pytest
 import procpipe
 from procpipe.config import LoaderConfig
 from procpipe._consumer.inline import IndexNames, RecordNames
-from procpipe._consumer.kinds import StreamKind, plan_options, resolve_kind
+from procpipe._consumer.kinds import (IndexedKind, Mixing, MixKind, MixStreamKind, StreamKind, plan_options,
+                                      resolve_kind)
 from procpipe._plan.index import IndexPlan
 from procpipe._streaming import ShardPlan
 from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
@@ -43,10 +44,12 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     }[name]
     kind = resolve_kind(source, config())
     streaming = name in ("shards", "mix of shards", "growing")
-    assert isinstance(kind, StreamKind) is streaming is kind.streaming
+    assert type(kind) is {"indexed": IndexedKind, "mix": MixKind, "shards": StreamKind,
+                          "mix of shards": MixStreamKind, "growing": StreamKind}[name]
+    assert isinstance(kind, StreamKind) is streaming
     assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
     assert isinstance(kind.names, RecordNames if streaming else IndexNames)
-    assert (kind.mixing is not None) is name.startswith("mix")
+    assert isinstance(kind, Mixing) is name.startswith("mix")
     if streaming:  # the configured copy of the Shards reads its own blocks
         assert kind.reader is kind.source is kind.plan.source  # type: ignore[attr-defined]
         assert kind.reader.cache_kind == (GROWING if name == "growing" else PER_RECORD)
@@ -83,6 +86,40 @@ def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:
         resolve_kind([1, 2], config(shuffle_buffer=4))
     with pytest.raises(ValueError, match="a procpipe.Mix draws each epoch's order"):
         resolve_kind(procpipe.Mix([[1], [2]], [1, 1]), config(batches=lambda epoch: [[0]]))
+
+
+def _state(source, **options):
+    with procpipe.Loader(source, batch_size=2, workers=0, **options) as loader:
+        next(iter(loader))
+        return loader.state_dict()
+
+
+def test_each_kind_refuses_a_state_saved_over_another_kind() -> None:
+    """``check_saved_kind``, answered by each kind's class: positions (records or batch positions)
+    first, then a mixture or not, each error naming both kinds."""
+    mix = procpipe.Mix([list(range(6)), list(range(4))], [1, 1])
+    mixed_streams = procpipe.Mix([shards(), shards()], [1, 1])
+    cases = [
+        (list(range(10)), _state(shards()), "over a streaming source .* reads an indexable source"),
+        (shards(), _state(list(range(10))), "over an indexable source, .* reads a streaming source"),
+        (list(range(10)), _state(mix), "over a procpipe.Mix, .* reads an indexable source"),
+        (mix, _state(list(range(10))), "over an indexable source, .* reads a procpipe.Mix"),
+        (mixed_streams, _state(shards()), "over an indexable source, .* reads a procpipe.Mix"),
+        (shards(), _state(mixed_streams), "over a procpipe.Mix, .* reads an indexable source"),
+    ]
+    for source, state, message in cases:
+        with procpipe.Loader(source, batch_size=2, workers=0) as loader:
+            with pytest.raises(ValueError, match=message):
+                loader.load_state_dict(state)
+
+
+def test_a_combined_state_is_refused_by_a_loader_over_the_callers_batches() -> None:
+    """``ExplicitKind``: a combined state (``procpipe.combine_states``) cannot split ``batches=`` anew."""
+    combined = procpipe.combine_states([_state(list(range(8)))])
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with procpipe.Loader(list(range(8)), batches=lambda epoch: batches, workers=0) as loader:
+        with pytest.raises(ValueError, match="batches=..., which cannot be split anew"):
+            loader.load_state_dict(combined)
 
 
 def test_a_stream_record_that_becomes_none_is_refused_as_an_indexed_sample_is() -> None:

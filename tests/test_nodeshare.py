@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from procpipe._core import nodeshare, sweep
+from procpipe._core import nodeshare, stale_files
 from procpipe._core.nodeshare import NodeShare, water_fill
 
 
@@ -115,7 +115,7 @@ def test_the_sweep_removes_a_node_file_no_live_loader_uses(tmp_path):
     path = only_file(tmp_path)
     old = time.time() - 3 * nodeshare.STALE_S
     os.utime(path, (old, old))
-    swept = sweep.sweep(str(tmp_path))
+    swept = stale_files.sweep(str(tmp_path))
     assert swept.paths == [path] and os.listdir(tmp_path) == []
     a.leave()
 
@@ -126,7 +126,7 @@ def test_the_sweep_keeps_a_node_file_in_use(tmp_path):
     path = only_file(tmp_path)
     old = time.time() - 3 * nodeshare.STALE_S
     os.utime(path, (old, old))  # (unchanged for a while, but its line is fresh: kept)
-    assert sweep.sweep(str(tmp_path)).paths == [] and os.path.exists(path)
+    assert stale_files.sweep(str(tmp_path)).paths == [] and os.path.exists(path)
     a.leave()
     assert os.listdir(tmp_path) == []
 

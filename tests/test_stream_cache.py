@@ -181,3 +181,23 @@ def test_growing_cache_detects_changed_bytes(tmp_path, workers):
             f.truncate(os.fstat(f.fileno()).st_size - 100)
         info = loader.cache_info()
         assert info["filled"] is None and "truncated or changed" in info["error"]
+
+
+def _varying_record(record):
+    return {"x": np.zeros(3 if record < 2 else 4, np.float32), "y": 1}
+
+
+def _open_records(shard):
+    yield from range(shard * 3, shard * 3 + 3)
+
+
+def test_a_record_that_does_not_match_the_first_is_refused_as_the_indexed_cache_refuses_a_sample():
+    """The growing cache matches each record against the first one's layout (cache.py's ``Layout``,
+    shared with the indexed cache): the error names the record, the leaf, both shapes and the fix."""
+    with Loader(Shards([0], _open_records), _varying_record, batch_size=3, workers=0, cache=True) as loader:
+        with pytest.raises(CacheError) as info:
+            list(loader)
+    message = str(info.value)
+    assert "sample['x'] of record (shard 0, record 2) is an array of shape (4,) and dtype float32" in message, message
+    assert "laid out from the first record, where it is an array of shape (3,) and dtype float32" in message
+    assert "Every record's fn output must have the same structure" in message and "cache=False" in message

@@ -347,11 +347,12 @@ class Augmented(tud.Dataset):
         return torch.rand(2), np.random.rand(), random.random()
 
 
-def test_augmentation_does_not_depend_on_num_workers():
+def test_per_batch_seeding_makes_augmentation_independent_of_num_workers():
+    """``seed_globals=True`` (procpipe's option; torch's per-worker seeds are the default)."""
     runs = {}
     for workers in (1, 2):
         loader = DataLoader(Augmented(), batch_size=3, num_workers=workers, persistent_workers=True,
-                            generator=torch.Generator().manual_seed(9))
+                            generator=torch.Generator().manual_seed(9), seed_globals=True)
         try:
             runs[workers] = [list(loader), list(loader)]
         finally:

@@ -18,10 +18,12 @@ import gc
 import multiprocessing
 import os
 import pickle
+import random
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
@@ -435,17 +437,61 @@ def test_local_functions_under_forkserver_differ_on_purpose():
         same(drain(ProcpipeDataLoader(Squares(4), **kwargs)), expected)
 
 
-def test_worker_init_fn_seeding_differs_on_purpose():
-    """torch: global generators seeded per worker (worker_init_fn may reseed them), so values
-    depend on num_workers. procpipe: reseeded per sample from (seed, epoch, index), whatever
-    worker_init_fn did, so they do not."""
-    def values(cls, workers):
+class Augmenting(tud.Dataset):
+    """Draws from all three global generators, and reports who loaded the sample."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> Any:
+        info = tud.get_worker_info()
+        return (torch.rand(2), np.random.randint(1 << 30), random.getrandbits(30), torch.initial_seed(),
+                -1 if info is None else info.id, -1 if info is None else info.seed)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("init", [None, seed_worker], ids=["no-init", "worker_init_fn-seeds"])
+def test_random_augmentation_draws_what_torch_draws(persistent, init):
+    """The schedule and the seeds are torch's (batch k to worker k % num_workers; random and
+    torch seeded base_seed + id, numpy torch's derived seed, then worker_init_fn, whose seeding
+    holds), so the same generator gives the very same augmented batches, epoch after epoch."""
+    def epochs(cls):
+        loader = cls(Augmenting(), batch_size=2, num_workers=3, shuffle=True, worker_init_fn=init,
+                     persistent_workers=persistent, generator=torch.Generator().manual_seed(5))
+        try:
+            return [list(loader), list(loader)]
+        finally:
+            if isinstance(loader, ProcpipeDataLoader):
+                loader.close()
+
+    expected, got = epochs(TorchDataLoader), epochs(ProcpipeDataLoader)
+    for want, have in zip(expected, got):
+        same(have, want)
+    workers = [int(w) for b in got[0] for w in b[4]]
+    assert workers == [k // 2 % 3 for k in range(24)], workers  # batch k on worker k % 3
+    if init is None or persistent:  # (seed_worker seeds fresh workers alike every epoch, as under torch)
+        assert not torch.equal(got[0][0][0], got[1][0][0]), "augmentation must change between epochs"
+
+
+def test_per_batch_seeding_is_an_option_and_does_not_depend_on_num_workers():
+    """procpipe's own: ``seed_globals=True`` re-seeds the global generators before every batch
+    from (seed, epoch, first index), whatever worker_init_fn did, so values do not depend on
+    num_workers or the schedule (torch's do)."""
+    def values(cls, workers, **extra):
         return [int(v) for b in drain(cls(Random(), batch_size=2, num_workers=workers, worker_init_fn=seed_worker,
-                                          generator=torch.Generator().manual_seed(3))) for v in b]
+                                          generator=torch.Generator().manual_seed(3), **extra)) for v in b]
 
     assert values(TorchDataLoader, 1) != values(TorchDataLoader, 2)
-    assert values(ProcpipeDataLoader, 1) == values(ProcpipeDataLoader, 2)
-    assert len(set(values(ProcpipeDataLoader, 2))) == 8
+    assert values(ProcpipeDataLoader, 1) == values(TorchDataLoader, 1)
+    for mode in (True, "sample"):
+        reseeded = values(ProcpipeDataLoader, 1, seed_globals=mode)
+        assert reseeded == values(ProcpipeDataLoader, 2, seed_globals=mode, assign="balanced")
+        assert len(set(reseeded)) == 8
+
+
+def test_assign_round_robin_needs_a_fixed_worker_count():
+    with pytest.raises(ValueError, match="assign must be one of"):
+        ProcpipeDataLoader(Squares(4), num_workers=2, assign="fastest")
 
 
 # --------------------------------------------------------------------------- errors
@@ -541,3 +587,38 @@ def test_default_collate_keeps_mapping_classes(workers):
     ref, got = both(Mappings(), batch_size=2, num_workers=workers)
     same(ref, got)
     assert type(got[0]) is OrderedDict and type(got[0]["a"]) is defaultdict and got[0]["a"].default_factory is list
+
+
+_GLOBAL_START_METHOD = r"""
+import multiprocessing, sys
+import psutil, torch.utils.data as tud
+from procpipe.torch import DataLoader
+
+class Cmdline(tud.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return " ".join(psutil.Process().cmdline())
+
+if __name__ == "__main__":
+    if sys.argv[1] != "none":
+        multiprocessing.set_start_method(sys.argv[1])
+    loader = DataLoader(Cmdline(), batch_size=None, num_workers=1)
+    print("SPAWNED" if all("spawn_main" in c for c in loader) else "NOT-SPAWNED")
+"""
+
+
+@pytest.mark.parametrize("chosen, expected", [("spawn", "SPAWNED"), ("none", "NOT-SPAWNED")])
+def test_multiprocessing_context_none_follows_the_programs_start_method(tmp_path, chosen, expected):
+    """As torch: with ``multiprocessing_context=None`` the workers start the way the program chose
+    with ``multiprocessing.set_start_method`` (else procpipe's "auto": fork here)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(_GLOBAL_START_METHOD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(script), chosen], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == expected, out.stdout

@@ -150,7 +150,9 @@ CASES = {
     "map-persistent": lambda: DataLoader(Squares(), batch_size=4, shuffle=True, generator=_generator(),
                                          num_workers=2, persistent_workers=True),
     "map-unordered": lambda: DataLoader(Squares(), batch_size=2, num_workers=2, in_order=False),
-    "map-forkserver": lambda: DataLoader(Noisy(), batch_size=4, num_workers=2, multiprocessing_context="forkserver"),
+    # (random samples resume exactly with procpipe's per-batch seeds: seed_globals=True)
+    "map-forkserver": lambda: DataLoader(Noisy(), batch_size=4, num_workers=2, multiprocessing_context="forkserver",
+                                         seed_globals=True),
     "iterable": lambda: DataLoader(Stream(), batch_size=2, num_workers=2),
     "iterable-inline": lambda: DataLoader(Stream(), batch_size=2),
     "iterable-not-stateful": lambda: DataLoader(PlainStream(), batch_size=2, num_workers=2),
@@ -268,17 +270,18 @@ def test_a_replica_without_state_still_fails_on_its_workers_death():
 
 # ------------------------------------------------------------------ differences on purpose
 def test_map_samples_come_from_per_sample_seeds_so_any_num_workers_resumes():
-    """Differences from StatefulDataLoader: a map-style sample's randomness comes from
-    (seed, epoch, index), not from the dataset's state, so a dataset drawing from torch's
+    """Differences from StatefulDataLoader, with ``seed_globals=True``: a map-style sample's
+    randomness comes from (seed, epoch, index), not from the dataset's state, so a dataset drawing from torch's
     generator resumes exactly without being Stateful; and the position is in batches of the
     epoch, not per worker, so a state resumes with another ``num_workers`` (torchdata
     raises AssertionError)."""
-    loader = DataLoader(Noisy(), batch_size=4, num_workers=2)
+    loader = DataLoader(Noisy(), batch_size=4, num_workers=2, seed_globals=True)
     it = iter(loader)
     head = [_plain(next(it)) for _ in range(2)]
     state = loader.state_dict()
     want = head + [_plain(b) for b in it]
-    again = DataLoader(Noisy(), batch_size=4, num_workers=1, generator=torch.Generator().manual_seed(99))
+    again = DataLoader(Noisy(), batch_size=4, num_workers=1, generator=torch.Generator().manual_seed(99),
+                       seed_globals=True)
     again.load_state_dict(state)  # the saved per-sample seed is used, not this generator's
     assert head + [_plain(b) for b in again] == want
 

@@ -35,7 +35,7 @@ from .._worker.start_method import resolve as resolve_start_method
 from .._worker.stream_cache import open_loader_cache
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
-from .iteration import IterationContext, LoaderIterator
+from .iteration_context import IterationContext, LoaderIterator
 from .kinds import SourceKind
 from .nodes import Node
 from .shutdown import close_engine, watch_exit
@@ -142,6 +142,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
         max_skipped=config.faults.max_skipped,
         coordinator=coordinator,
         epochs=config.batching.epochs,
+        rotation=execution.rotation,
     )
     # The engine lives as long as the context, which nothing holding the Loader holds (no cycle)
     finalizer = weakref.finalize(context, close_engine, coordinator)

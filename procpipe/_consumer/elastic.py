@@ -45,23 +45,42 @@ import numpy as np
 from .._mix import elastic as elastic_mix
 from .._plan.sampler import GivenOrders, epoch_order
 from .._streaming.order import StreamProgress
+from .state import (
+    AHEAD,
+    COMBINED,
+    DONE,
+    DONE_BELOW,
+    EPOCH,
+    MIX,
+    MIX_WEIGHTS,
+    SHARD,
+    STREAM,
+    UNTIL,
+    VERSION,
+    VERSION_KEY,
+)
+
+#: Keys of a combined state's ``COMBINED`` entry: the old ranks' entries (an indexed source's
+#: positions, a mixture of streams' raw progress), and the old world size.
+RANKS = "ranks"
+WORLD_SIZE = "world_size"
 
 # Keys of a saved state that say where it stands, not which loader saved it.
 # (A Mix's ``mix_weights`` name epochs too: merged apart, elastic_mix.merged_weights.)
 _POSITION_KEYS = (
-    "version",
-    "epoch",
-    "done_below",
-    "done",
-    "ahead",
-    "until",
-    "stream",
-    "combined",
-    "shard",
-    "mix_weights",
+    VERSION_KEY,
+    EPOCH,
+    DONE_BELOW,
+    DONE,
+    AHEAD,
+    UNTIL,
+    STREAM,
+    COMBINED,
+    SHARD,
+    MIX_WEIGHTS,
 )
 
-__all__ = ["combine_states", "saved_base", "state_for"]
+__all__ = ["CombinedLoad", "combine_states", "saved_base"]
 
 
 def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -81,38 +100,38 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     different loaders, or what is not supported (``ahead``, ``even_ranks``, ``batches=``).
     """
     states = _checked(states)
-    streaming = "stream" in states[0]
-    epoch = min(state["epoch"] for state in states)
-    untils = {repr(state.get("until")) for state in states if state["epoch"] == epoch}
+    streaming = STREAM in states[0]
+    epoch = min(state[EPOCH] for state in states)
+    untils = {repr(state.get(UNTIL)) for state in states if state[EPOCH] == epoch}
     if len(untils) > 1:
         raise ValueError(
             f"procpipe.combine_states: the ranks' states stop at different epochs (until = "
             f"{', '.join(sorted(untils))}); they must come from one run"
         )
-    first = next(state for state in states if state["epoch"] == epoch)
+    first = next(state for state in states if state[EPOCH] == epoch)
     settings = {key: value for key, value in first.items() if key not in _POSITION_KEYS}
     out = {
-        "version": 1,
-        "epoch": epoch,
-        **({"until": first["until"]} if "until" in first else {}),
+        VERSION_KEY: VERSION,
+        EPOCH: epoch,
+        **({UNTIL: first[UNTIL]} if UNTIL in first else {}),
         **settings,
-        "shard": None,
-        "ahead": [],
+        SHARD: None,
+        AHEAD: [],
     }
-    if "mix" in first:
+    if MIX in first:
         out.update(elastic_mix.merged_weights(states, epoch))
     if streaming:
         entries = _stream_entries(states, epoch)
-        if "mix" in first:  # (each rank's shards come from the mixture's order: merged by the loader that loads it)
-            out["stream"] = None
-            out["combined"] = {"world_size": len(states), "ranks": entries}
+        if MIX in first:  # (each rank's shards come from the mixture's order: merged by the loader that loads it)
+            out[STREAM] = None
+            out[COMBINED] = {WORLD_SIZE: len(states), RANKS: entries}
         else:
-            out["stream"] = _merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
-            out["combined"] = {"world_size": len(states)}
+            out[STREAM] = _merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
+            out[COMBINED] = {WORLD_SIZE: len(states)}
     else:
         out.update(done_below=0, done=[])
-        base = next((state["combined"] for state in states if state["epoch"] == epoch and "combined" in state), None)
-        out["combined"] = {"ranks": [_rank_entry(state, epoch, base) for state in states]}
+        base = next((state[COMBINED] for state in states if state[EPOCH] == epoch and COMBINED in state), None)
+        out[COMBINED] = {RANKS: [_rank_entry(state, epoch, base) for state in states]}
     return out
 
 
@@ -126,12 +145,12 @@ def _checked(states: Any) -> list[dict[str, Any]]:
     if not states:
         raise ValueError("procpipe.combine_states: no state given (one per rank is needed)")
     for i, state in enumerate(states):
-        if not isinstance(state, dict) or state.get("version") != 1 or "epoch" not in state:
+        if not isinstance(state, dict) or state.get(VERSION_KEY) != VERSION or EPOCH not in state:
             raise ValueError(
                 f"procpipe.combine_states: states[{i}] is not a procpipe Loader state "
                 f"(from Loader.state_dict()): {state!r:.200}"
             )
-        if state.get("ahead"):
+        if state.get(AHEAD):
             raise ValueError(
                 f"procpipe.combine_states: states[{i}] has batches of a later epoch already returned "
                 "(ordered=False across an epoch boundary), which cannot be combined yet; save the "
@@ -142,17 +161,17 @@ def _checked(states: Any) -> list[dict[str, Any]]:
                 "procpipe.combine_states: states saved with even_ranks=True cannot be combined yet "
                 "(the records each rank left out depend on the world size)"
             )
-        combined = state.get("combined")
+        combined = state.get(COMBINED)
         if (
-            state.get("shard") is None
+            state.get(SHARD) is None
             and isinstance(combined, dict)
-            and ("stream" not in state or "ranks" in combined)  # (a plain stream's is a progress like any)
+            and (STREAM not in state or RANKS in combined)  # (a plain stream's is a progress like any)
         ):
             raise ValueError(
                 f"procpipe.combine_states: states[{i}] is itself a combined state, not yet loaded by "
                 "any rank; load it into the new ranks' loaders (or use it as it is)"
             )
-    kinds = {"stream" in state for state in states}
+    kinds = {STREAM in state for state in states}
     if len(kinds) > 1:
         raise ValueError(
             "procpipe.combine_states: the states mix an indexable source and a streaming source "
@@ -166,7 +185,7 @@ def _checked(states: Any) -> list[dict[str, Any]]:
                 f"procpipe.combine_states: states[{i}] was saved by a loader with other settings than "
                 f"states[0] ({', '.join(diff)}); the states must come from the ranks of one run"
             )
-    shards = [tuple(state["shard"]) if state.get("shard") is not None else (0, 1) for state in states]
+    shards = [tuple(state[SHARD]) if state.get(SHARD) is not None else (0, 1) for state in states]
     world = shards[0][1]
     if any(w != world for _, w in shards) or sorted(r for r, _ in shards) != list(range(world)):
         raise ValueError(
@@ -180,19 +199,19 @@ def _checked(states: Any) -> list[dict[str, Any]]:
 def _rank_entry(state: dict[str, Any], epoch: int, base: dict | None) -> dict[str, Any]:
     """One old rank in a combined state: its shard, the positions it returned in ``epoch``
     (``done_below=None``: all, a rank already past the epoch) and the base it was resumed from."""
-    shard = list(state["shard"]) if state.get("shard") is not None else [0, 1]
-    if state["epoch"] == epoch:
-        entry = {"shard": shard, "done_below": state["done_below"], "done": list(state["done"])}
-        own = state.get("combined")
-    elif state["epoch"] == epoch + 1 and not state.get("done_below") and not state.get("done"):
-        entry, own = {"shard": shard, "done_below": None, "done": []}, base
+    shard = list(state[SHARD]) if state.get(SHARD) is not None else [0, 1]
+    if state[EPOCH] == epoch:
+        entry = {SHARD: shard, DONE_BELOW: state[DONE_BELOW], DONE: list(state[DONE])}
+        own = state.get(COMBINED)
+    elif state[EPOCH] == epoch + 1 and not state.get(DONE_BELOW) and not state.get(DONE):
+        entry, own = {SHARD: shard, DONE_BELOW: None, DONE: []}, base
     else:
         raise ValueError(
             f"procpipe.combine_states: rank {shard[0]}'s state is at epoch {state['epoch']} (with "
             f"batches of it returned), the others' at epoch {epoch}; save every rank in the same epoch"
         )
     if own is not None:
-        entry["combined"] = own
+        entry[COMBINED] = own
     return entry
 
 
@@ -209,9 +228,9 @@ def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, A
     mask = np.zeros(length, dtype=bool)
     padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
     remaining: dict[int, np.ndarray] = {}  # id of a base -> the order it left (every rank resumed from one base)
-    for entry in combined["ranks"]:
-        rank, world = entry["shard"]
-        inner = entry.get("combined")
+    for entry in combined[RANKS]:
+        rank, world = entry[SHARD]
+        inner = entry.get(COMBINED)
         if inner is not None:
             if id(inner) not in remaining:
                 before = _delivered(settings, full, inner)
@@ -222,11 +241,11 @@ def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, A
             if padded is None:  # (Sampler's and MixSampler's padding: to a multiple of world)
                 padded = np.resize(full, -(-len(full) // world) * world)
             order = padded[rank::world]
-        below = entry["done_below"]
+        below = entry[DONE_BELOW]
         if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
             below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
         mask[order[: below * step]] = True
-        for position in entry["done"]:
+        for position in entry[DONE]:
             mask[order[position * step : (position + 1) * step]] = True
     return mask
 
@@ -242,15 +261,15 @@ def _stream_entries(states: list[dict[str, Any]], epoch: int) -> list[dict[str, 
     its order read), and its stream progress (None: nothing returned)."""
     entries = []
     for state in states:
-        rank, world = state["shard"] if state.get("shard") is not None else (0, 1)
-        past = state["epoch"] != epoch
-        if past and not (state["epoch"] == epoch + 1 and state.get("stream") is None):
+        rank, world = state[SHARD] if state.get(SHARD) is not None else (0, 1)
+        past = state[EPOCH] != epoch
+        if past and not (state[EPOCH] == epoch + 1 and state.get(STREAM) is None):
             raise ValueError(
                 f"procpipe.combine_states: rank {rank}'s state is at epoch {state['epoch']} (with "
                 f"records of it returned), the others' at epoch {epoch}; save every rank in the same "
                 "epoch"
             )
-        entries.append({"shard": [rank, world], "past": past, "stream": None if past else state.get("stream")})
+        entries.append({SHARD: [rank, world], "past": past, STREAM: None if past else state.get(STREAM)})
     return entries
 
 
@@ -269,14 +288,14 @@ def _merged_progress(
     complete: set[int] = set()
     received: list[list[int]] = []
     for entry in entries:
-        order = order_of(*entry["shard"])
+        order = order_of(*entry[SHARD])
         if entry["past"]:
             complete.update(order)  # past the epoch: every shard of it read
             continue
-        if entry["stream"] is None:
+        if entry[STREAM] is None:
             continue
         progress = StreamProgress(
-            order, settings["cycle_length"], settings["block_length"], False, entry["stream"]
+            order, settings["cycle_length"], settings["block_length"], False, entry[STREAM]
         ).state()  # (a cursor unfolded into complete / received)
         complete.update(progress["complete"])
         received.extend(progress["received"])
@@ -293,42 +312,61 @@ def _merged_progress(
 
 
 # ---------------------------------------------------------------------- loading and saving
-def state_for(
-    state: dict[str, Any], sampler: Any, streaming: bool, mixing: Any, given: GivenOrders | None
-) -> dict[str, Any]:
-    """A state holding ``"combined"`` made into this loader's own: for a ``Shards`` source, the
-    progress about the shards of this rank's order; for an indexed one, the resumed epoch's
-    order given to the sampler (``given``). The result is checked as usual. ``_streaming``,
-    ``mixing`` (a ``procpipe.Mix``'s ``MixSampler``, or None) and ``given`` (where an indexed
-    plan takes an epoch's order; None for ``batches=...``) are the loader's source kind's
-    (_consumer/kinds.py)."""
-    mine = getattr(sampler, "shard", None)
-    saved = state.get("shard")
-    if saved is not None and (mine is None or list(mine) != list(saved)):
-        raise ValueError(
-            f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
-            f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
-            f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
-        )
-    epoch = cast(int, state.get("epoch"))  # (checked with the rest of the result, as usual)
-    out = {key: value for key, value in state.items() if key != "combined"}
-    out["shard"] = None if mine is None else list(mine)
-    settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-    if mixing is not None and not _same_settings(settings, sampler, streaming, mixing):
-        return out  # (the usual checks name the setting that differs)
-    rank, world = mine if mine is not None else (0, 1)
-    if streaming:
-        progress = state.get("stream")
-        combined = state["combined"]
-        if mixing is not None:  # the epoch's shards in the mixture's order, with the weights saved for it
-            full = elastic_mix.saved_order(mixing, state, epoch).tolist()
-            order = set(full[rank::world])
-            if isinstance(combined, dict) and "ranks" in combined:
-                progress = out["stream"] = _merged_progress(combined["ranks"], lambda r, w: full[r::w], settings)
-        else:
-            order = set(sampler.batches(epoch))
+class CombinedLoad:
+    """A state holding ``"combined"`` being made into this loader's own, whose plan is ``plan``:
+    its shard checked (a state saved in an epoch resumed from a combined state belongs to that
+    rank), ``out`` the state as this rank's (``"combined"`` dropped), and the steps a source kind
+    (``_consumer/kinds.py``: its ``elastic_state``) takes with it: for an indexed source, the
+    resumed epoch's order given to the sampler (``give``); for a ``Shards`` source, the progress
+    about the shards of this rank's order (``keep_progress``). The result is checked as usual."""
+
+    def __init__(self, state: dict[str, Any], plan: Any) -> None:
+        mine = getattr(plan, "shard", None)
+        saved = state.get(SHARD)
+        if saved is not None and (mine is None or list(mine) != list(saved)):
+            raise ValueError(
+                f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
+                f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
+                f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
+            )
+        self.state = state
+        self.epoch = cast(int, state.get(EPOCH))  # (checked with the rest of the result, as usual)
+        self.out = {key: value for key, value in state.items() if key != COMBINED}
+        self.out[SHARD] = None if mine is None else list(mine)
+        #: the saved settings (not where the state stands)
+        self.settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
+        rank, world = mine if mine is not None else (0, 1)
+        self.rank: int = rank
+        self.world: int = world
+
+    def same_settings(self, mine: dict[str, Any]) -> bool:
+        """The settings an epoch's order is drawn from (``mine``: the loader's, by key) are those saved
+        (if not, the load's usual checks name the one that differs)."""
+        return all(self.settings.get(key, True if key == "reshuffle" else None) == value for key, value in mine.items())
+
+    def full_order(self) -> np.ndarray:
+        """An indexed source's order of the resumed epoch, before sharding, from the saved settings."""
+        return _full_order(self.settings, self.epoch)
+
+    def give(self, full: np.ndarray, given: GivenOrders) -> None:
+        """Give ``given`` this rank's part of the resumed epoch (whose order before sharding is
+        ``full``) less what the old ranks delivered."""
+        combined = self.state[COMBINED]
+        rank_order = _remaining(full, _delivered(self.settings, full, combined))[self.rank :: self.world]
+        given.give(self.epoch, rank_order, combined)
+
+    def ranks_progress(self, full: list[int]) -> Any:
+        """A stream's progress of the resumed epoch: the old ranks' raw progress (a mixture's
+        ``"ranks"``) merged against ``full``, the epoch's shards before sharding; else the one saved."""
+        combined = self.state[COMBINED]
+        if isinstance(combined, dict) and RANKS in combined:
+            return _merged_progress(combined[RANKS], lambda r, w: full[r::w], self.settings)
+        return self.state.get(STREAM)
+
+    def keep_progress(self, progress: Any, order: set[int]) -> None:
+        """Keep of ``progress`` (a stream's, merged) what is about the shards of ``order``, this rank's."""
         if progress is not None and isinstance(progress, dict):
-            out["stream"] = {
+            self.out[STREAM] = {
                 "cursor": None,
                 "complete": [s for s in progress.get("complete", []) if s in order],
                 "received": [
@@ -337,34 +375,9 @@ def state_for(
                     if isinstance(entry, list) and entry and entry[0] in order
                 ],
             }
-        return out
-    if given is None:
-        raise ValueError(
-            "a combined state (procpipe.combine_states) resumes a loader whose batches come from its "
-            "own sampler; this loader's come from batches=..., which cannot be split anew"
-        )
-    if mixing is None and not _same_settings(settings, sampler, streaming, mixing):
-        return out
-    combined = state["combined"]
-    full = elastic_mix.saved_order(mixing, state, epoch) if mixing is not None else _full_order(settings, epoch)
-    rank_order = _remaining(full, _delivered(settings, full, combined))[rank::world]
-    given.give(epoch, rank_order, combined)
-    return out
-
-
-def _same_settings(settings: dict[str, Any], sampler: Any, streaming: bool, mixing: Any) -> bool:
-    """The settings an epoch's order is drawn from are ``sampler``'s (if not, the load's usual checks
-    name the one that differs)."""
-    keys: list[str] = ["shuffle", "seed", "reshuffle"]
-    keys += ["shards", "cycle_length", "block_length"] if streaming else ["length", "batch_size", "drop_last"]
-    mine = sampler.settings() if streaming else {key: getattr(sampler, key) for key in keys}
-    if mixing is not None:
-        keys.append("mix")
-        mine = {**mine, "mix": mixing.settings()["mix"]}
-    return all(settings.get(key, True if key == "reshuffle" else None) == mine[key] for key in keys)
 
 
 def saved_base(given: GivenOrders | None, epoch: int) -> dict[str, Any]:
     """What a state saved in ``epoch`` adds: the combined state it resumed from, if the epoch is one."""
     base = None if given is None else given.base(epoch)
-    return {} if base is None else {"combined": base}
+    return {} if base is None else {COMBINED: base}

@@ -29,7 +29,7 @@ from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, 
 from .._plan.base import loaded
 from .._worker.produce import produce
 from ..errors import summarize_indices
-from .iteration import IterationContext, LoaderIterator
+from .iteration_context import IterationContext, LoaderIterator
 
 
 class SampleNames(Protocol):

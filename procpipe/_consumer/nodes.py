@@ -22,7 +22,7 @@ stages over the source, so a state saved with ``Loader(device=...)`` loads into 
 without one and back. ``Loader.state_dict()`` is the root node's ``get_state()`` with the
 sampler's settings (state.py).
 
-The nodes, from the engine up: the sources (``iterators.EpochIterator``: batches of the
+The nodes, from the engine up: the sources (``epoch_iterator.EpochIterator``: batches of the
 workers' stream; ``inline.InlineDriver``: ``workers=0``, every source kind), then, with ``device=``,
 ``prefetch.Prefetcher`` (a prefetching thread) or ``prefetch.Mapped`` (a function per
 batch).

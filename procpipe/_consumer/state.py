@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from .._core.checks import is_count
 from .._core.reassembly import Progress, ResumePoint
-from . import elastic
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -61,6 +60,7 @@ UNTIL = "until"
 MIX = "mix"
 MIX_WEIGHTS = "mix_weights"
 COMBINED = "combined"
+SHARD = "shard"  # a setting (``SourceKind.settings``), rewritten by a combined state's loading
 
 
 class IndexPosition(TypedDict):
@@ -95,15 +95,54 @@ def ended_epoch(position: dict[str, Any], epoch: int, batches: int) -> IndexPosi
 
 
 class SourceKind(Protocol):
-    """What saving and loading a state ask of a Loader's source kind (``kinds.SourceKind``)."""
+    """What saving and loading a state ask of a Loader's source kind (``kinds.py``: each kind answers
+    with its own methods, so this module tests no flag of a kind)."""
 
     plan: Any  # the sampler (a Sampler, StreamPlan, MixSampler, ...)
-    streaming: bool
-    mixing: Any  # a Mix's weights keeper, else None
-    given: Any  # a combined state's orders (procpipe.combine_states), else None
-    described: str
 
-    def settings(self) -> dict[str, Any]: ...
+    def settings(self) -> dict[str, Any]:
+        """What a saved state must match."""
+        ...
+
+    def saved_extras(self, position: dict[str, Any]) -> dict[str, Any]:
+        """What a state saved at ``position`` holds beyond it and the settings (a combined
+        state's base, a mixture's ``mix_weights``)."""
+        ...
+
+    def check_saved_kind(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` (``other_source_kind``, ``other_mixture_kind``) for a state of another kind."""
+        ...
+
+    def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state holding ``COMBINED`` made this loader's own (``_consumer/elastic.py``)."""
+        ...
+
+    def forget_combined(self) -> None:
+        """A state not combined is loaded: drop what an earlier combined state gave."""
+        ...
+
+    def resume(self, state: dict[str, Any]) -> Resume:
+        """The position ``state`` resumes (``decode_position``, a mixture's weights pinned first)."""
+        ...
+
+
+def other_source_kind(saved: str, reads: str) -> ValueError:
+    """The error of a state saved by a loader over ``saved`` (a kind of source, described) loaded
+    by one that reads ``reads``."""
+    return ValueError(
+        f"this state was saved by a loader over {saved}, but this loader "
+        f"reads {reads}; resume with a loader built with the same arguments"
+    )
+
+
+def other_mixture_kind(saved_mix: bool) -> ValueError:
+    """The error of a state saved by a loader over a ``procpipe.Mix`` (``saved_mix``) or not, loaded
+    by one that reads the other."""
+    kinds = ("an indexable source", "a procpipe.Mix")
+    return ValueError(
+        f"this state was saved by a loader over {kinds[saved_mix]}, but this loader reads "
+        f"{kinds[not saved_mix]}; resume with a loader built with the same arguments (mix=...)"
+    )
 
 
 _STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
@@ -247,35 +286,22 @@ def _stream_ahead_entry(sampler: Any, epoch: int, rest: list) -> dict:
 
 
 def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
-    """``Loader.state_dict()``: ``position`` (``encode_position``'s dict) with the settings
-    (and, for a ``procpipe.Mix``, the weights of the epochs the position names: ``mix_weights``)."""
-    state = {VERSION_KEY: VERSION, **position, **kind.settings(), **elastic.saved_base(kind.given, position[EPOCH])}
-    if kind.mixing is not None:
-        state.update(kind.mixing.save_weights([position[EPOCH], *(entry[0] for entry in position.get(AHEAD, []))]))
-    return state
+    """``Loader.state_dict()``: ``position`` (``encode_position``'s dict) with the settings and what
+    the kind adds (``saved_extras``: for a ``procpipe.Mix``, the weights of the epochs the position
+    names, ``mix_weights``)."""
+    return {VERSION_KEY: VERSION, **position, **kind.settings(), **kind.saved_extras(position)}
 
 
 def load_state(state: Any, kind: SourceKind) -> Resume:
-    """``Loader.load_state_dict(state)``'s checks: the state, checked against the settings of ``kind``'s plan."""
+    """``Loader.load_state_dict(state)``'s checks: the state, checked against ``kind`` (the kind of
+    source it was saved over, and the settings of its plan)."""
     if not isinstance(state, dict) or state.get(VERSION_KEY) != VERSION:
         raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
-    sampler, streaming, mixing = kind.plan, kind.streaming, kind.mixing
-    if (STREAM in state) != streaming:
-        kinds = ("an indexable source", "a streaming source (procpipe.Shards)")
-        raise ValueError(
-            f"this state was saved by a loader over {kinds[STREAM in state]}, but this loader "
-            f"reads {kind.described}; resume with a loader built with the same arguments"
-        )
-    if (MIX in state) != (mixing is not None):
-        kinds = ("an indexable source", "a procpipe.Mix")
-        raise ValueError(
-            f"this state was saved by a loader over {kinds[MIX in state]}, but this loader reads "
-            f"{kinds[MIX not in state]}; resume with a loader built with the same arguments (mix=...)"
-        )
+    kind.check_saved_kind(state)
     if COMBINED in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
-        state = elastic.state_for(state, sampler, streaming, mixing, kind.given)
-    elif kind.given is not None:
-        kind.given.forget()
+        state = kind.elastic_state(state)
+    else:
+        kind.forget_combined()
     settings = kind.settings()
     for key, mine in settings.items():
         if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
@@ -283,15 +309,4 @@ def load_state(state: Any, kind: SourceKind) -> Resume:
                 f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
                 f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
             )
-    if mixing is None:
-        return decode_position(state, sampler)
-    # A Mix: the epochs begun are planned again with the weights they had (pinned first: a stream's
-    # progress is checked against its epoch's order).
-    previous = mixing.pin(state)
-    try:
-        resume = decode_position(state, sampler)
-        mixing.check_pinned([resume.epoch, *resume.ahead])
-    except BaseException:
-        mixing.unpin(previous)
-        raise
-    return resume
+    return kind.resume(state)

@@ -27,7 +27,7 @@ Robust by construction; the file is soft state, rebuilt from the live loaders' h
 - The last loader to leave removes the file. A loader whose file was removed meanwhile
   (by a leaver, the reaper or the sweep) makes it again at its next heartbeat. The reaper
   drops a killed process's lines (``_core/reaper.py``), and the start-up sweep removes a
-  file whose heartbeats are all stale (``_core/sweep.py``), so nothing stays in ``shm_dir``.
+  file whose heartbeats are all stale (``_core/stale_files.py``), so nothing stays in ``shm_dir``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ reaper covers every such case:
   refuses one in its place. Then it exits.
 
 Each registered file is also held open here with a shared ``flock``, released when this
-process ends: the start-up sweep (``procpipe._core.sweep``) takes a file whose lock is free
+process ends: the start-up sweep (``procpipe._core.stale_files``) takes a file whose lock is free
 as one whose creator is gone, even from another pid namespace (a container sharing
 ``/dev/shm``) where its pid means nothing.
 
@@ -49,7 +49,7 @@ logger = logging.getLogger("procpipe")
 
 REAPER_MARK = "procpipe-reaper"  # in the reaper's command line: how tools (and the tests) recognise it
 # The directories procpipe makes (the torch facade's snapshot store), the only ones the reaper and the
-# sweep remove: ``procpipe-<pid>-<8 hex>-<kind>``, as its files are named (sweep.py).
+# sweep remove: ``procpipe-<pid>-<8 hex>-<kind>``, as its files are named (stale_files.py).
 DIRECTORY_KINDS = ("replicas",)
 DIRECTORY_NAME = r"procpipe-[0-9]+-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z"
 

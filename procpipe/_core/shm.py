@@ -8,7 +8,7 @@ through a symlink, its space reserved) and reopened by ``open_owned`` (only if i
 still a regular 0600 file of this user). ``open_new_file`` registers each file with this
 process's reaper first (reaper.py), which removes it if the process is killed, and
 ``remove_file`` tells the reaper it is gone; the first ``SharedFiles`` of a process in a
-directory sweeps it of the files of dead processes (sweep.py).
+directory sweeps it of the files of dead processes (stale_files.py).
 
 A slot is handed to the consumer as a *lease*: a small per-batch object that exports the
 slot's bytes. Every array of the batch is a view whose ``.base`` is that object, so the
@@ -34,7 +34,7 @@ import psutil
 
 from ..errors import SharedMemoryError
 from . import reaper
-from .sweep import sweep_once
+from .stale_files import sweep_once
 
 PAGE = mmap.PAGESIZE
 
@@ -51,7 +51,7 @@ class SharedFiles:
         (a worker removing the files of a loader that was killed).
 
         The first new set of a process in a directory sweeps it first: the files that dead
-        processes of this user left there are removed, and a warning says so (sweep.py)."""
+        processes of this user left there are removed, and a warning says so (stale_files.py)."""
         self.directory = directory
         if prefix is None:
             sweep_once(directory)

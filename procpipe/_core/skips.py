@@ -1,6 +1,6 @@
 """``on_error="skip"``: the budget of samples an epoch may leave out.
 
-Shared by the coordinator (faults.py), ``workers=0`` (iterators.py) and streaming epochs.
+Shared by the coordinator (faults.py) and every epoch (_engine/epochs.py, ``workers=0``'s too).
 """
 
 from __future__ import annotations

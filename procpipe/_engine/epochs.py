@@ -9,7 +9,7 @@ every kind. Each task sent is a ``Job``, and each time a job is sent to a worker
 see coordinator.py). The coordinator thread takes the plans' offers, turns the replies
 into results and hands them to ``Epoch.result``; the plan turns them into batches in
 their order, which go into the stream's queue, ``out``, that the consumer's iterator
-reads (iterators.py). With ``workers=0`` the Loader drives the same kind of stream in
+reads (_consumer/epoch_iterator.py). With ``workers=0`` the Loader drives the same kind of stream in
 the consumer's thread, for every source kind (_consumer/inline.py ``InlineDriver``).
 
 The stream opens the next epoch as soon as every task of the open ones has been
@@ -265,8 +265,10 @@ class Stream:
         first_batches: list[list[int]],
         done: frozenset = frozenset(),
         ahead: dict[int, frozenset] | None = None,
+        rotation: int = 0,
     ) -> None:
         self.gen = gen
+        self.rotation = rotation  # assign="round_robin": batch k of an epoch to worker k % rotation
         self.sampler = sampler
         self.start = start
         self.until = until
@@ -294,6 +296,8 @@ class Stream:
 
     def _epoch(self, number: int, batches: Any, done: Any) -> Epoch:
         plan = self.plan_class(self.sampler, number, batches, self.ordered, done)
+        if self.rotation:
+            plan.rotate(self.rotation)
         return Epoch(self.gen, number, plan, batches, self)
 
     @property

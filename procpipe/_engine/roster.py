@@ -129,8 +129,8 @@ class Roster:
         if offer.worker is not None:
             for w in self.links:
                 if w.index == offer.worker:
-                    if w.retiring or w.stalled:
-                        break  # autotune is retiring it, or it straggles: the lane moves
+                    if w.retiring or w.stalled or w.dead or w.fatal:
+                        break  # retiring, straggling, or dead for this epoch: the lane moves
                     return w if w.usable else None
         # The lane's first task, or its worker is gone: the worker with the fewest lanes takes it
         # (if it is not the lane's first task, that worker opens the shard again and skips ahead).

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from .._consumer.state import MIX_WEIGHTS
+
 __all__ = ["merged_weights", "saved_order"]
 
 
@@ -25,7 +27,7 @@ def merged_weights(states: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
     (their mixtures drew different orders: exactly once cannot hold) or when no state names it."""
     seen: dict[int, tuple[int, Any]] = {}  # epoch -> (rank, weights)
     for rank, state in enumerate(states):
-        entries = state.get("mix_weights")
+        entries = state.get(MIX_WEIGHTS)
         if not isinstance(entries, list):
             raise ValueError(  # noqa: TRY004 - a corrupt saved state: bad data, as every state check says
                 f"procpipe.combine_states: rank {rank}'s state is from a loader over a procpipe.Mix but has "
@@ -51,7 +53,7 @@ def merged_weights(states: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
             f"procpipe.combine_states: the states are from a loader over a procpipe.Mix but none has the "
             f"weights of epoch {epoch} (mix_weights); they are corrupt"
         )
-    return {"mix_weights": [[epoch, seen[epoch][1]]]}
+    return {MIX_WEIGHTS: [[epoch, seen[epoch][1]]]}
 
 
 def saved_order(mixing: Any, state: dict[str, Any], epoch: int) -> np.ndarray:
@@ -60,7 +62,7 @@ def saved_order(mixing: Any, state: dict[str, Any], epoch: int) -> np.ndarray:
     after: the load pins them again once every other check has passed)."""
     previous = mixing.pin(state)
     try:
-        if not any(entry[0] == epoch for entry in state["mix_weights"]):
+        if not any(entry[0] == epoch for entry in state[MIX_WEIGHTS]):
             raise ValueError(f"corrupt procpipe Loader state: no mix_weights for epoch(s) [{epoch}]")
         return np.asarray(mixing.mixed_order(epoch, record=False))
     finally:

@@ -148,6 +148,10 @@ class EpochPlan:
         """Worker index -> lanes it holds open (to give a new lane to the least loaded)."""
         return {}
 
+    def rotate(self, workers: int) -> None:
+        """``assign="round_robin"``: give the epoch's k-th task to worker ``k % workers``. A plan
+        whose tasks have lanes of their own (shards read sequentially) keeps them: nothing."""
+
     def moved(self, work: Work, worker: int) -> None:
         """``work`` runs on worker ``_worker`` too (speculation: the worker holding its lane
         straggles): the lane's later tasks go there, not to the straggler. No lanes: nothing."""

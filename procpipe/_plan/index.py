@@ -40,6 +40,7 @@ class IndexPlan(EpochPlan):
         self._retries: list[tuple[int, Work]] = []  # (key, work), sorted: lost tasks to run again
         self.progress = Progress(done)  # what the consumer has had (consumer thread)
         self.empty: list[int] = []  # positions every sample of which was skipped (nothing to take)
+        self._rotation = 0  # assign="round_robin": batch k to worker k % _rotation (0: any worker)
 
     def _skip_done(self) -> None:
         while self._next in self._done:
@@ -52,8 +53,16 @@ class IndexPlan(EpochPlan):
 
     def offers(self, per_lane: int) -> Sequence[Offer]:
         if self._retries:
-            return [Offer((0,), retry=self._retries[0][1])]
-        return () if self._next >= len(self.batches) else _FRESH
+            return [Offer((0,), retry=self._retries[0][1])]  # (any worker: its own one died)
+        if self._next >= len(self.batches):
+            return ()
+        if self._rotation:
+            worker = self._next % self._rotation
+            return (Offer((1,), lane=worker, worker=worker),)
+        return _FRESH
+
+    def rotate(self, workers: int) -> None:
+        self._rotation = workers
 
     def take(self, offer: Offer, worker: int) -> Work:
         if offer.retry is not None:

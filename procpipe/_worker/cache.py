@@ -37,10 +37,11 @@ soon as it is mapped, so nothing can be left behind.
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -52,8 +53,8 @@ from ..errors import CacheError, SharedMemoryError
 
 MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
 ALIGN = 64
-# The skeleton of ``plan``: [DICT, keys, children] a mapping, [SEQ, type, children] a sequence,
-# [LEAF, field] a leaf (shared with stream_cache.py, which stores records in the same layout).
+# The skeleton of a ``Layout``: [DICT, keys, children] a mapping, [SEQ, type, children] a sequence,
+# [LEAF, field] a leaf.
 DICT, SEQ, LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).
 _PY_NUMBERS = {
@@ -82,7 +83,7 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class _Field:
+class Field:
     """One leaf of the sample tree: ``kind`` is ``"array"``, ``"scalar"`` (a numpy scalar) or a
     Python number type's name (``"int"``...), restored as that type."""
 
@@ -115,34 +116,135 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def plan(sample: Any) -> tuple[list, list[_Field]]:
-    """The skeleton of ``sample``'s tree (leaves are field numbers) and its fields."""
-    fields: list[_Field] = []
+class Layout:
+    """How a cached sample is laid out: the skeleton of its tree (``[DICT, keys, children]``,
+    ``[SEQ, type, children]``, ``[LEAF, field]``) and its fields (one per leaf: an array or a
+    number), taken from the first sample (``Layout.of``). Both caches store samples by it: this
+    module's ``Cache`` (a field per array, a row per index) and a growing stream's
+    ``stream_cache.StreamCache`` (a slot of bytes per record). ``leaves`` matches a later sample
+    against it (the values to store, field by field, or a ``CacheError`` naming what differs);
+    ``build`` makes a sample again from its stored leaves."""
 
-    def walk(value: Any, path: tuple) -> list:
-        if isinstance(value, Mapping):
-            keys = tuple(value.keys())
-            return [DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
-        if isinstance(value, (tuple, list)):
-            return [SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
-        if isinstance(value, np.ndarray) and not value.dtype.hasobject:
-            fields.append(_Field("array", value.dtype, value.shape, path))
-        elif type(value) in _PY_NUMBERS:
-            if type(value) is int and not -(2**63) <= value < 2**63:
-                raise CacheError(f"cache=... cannot store {_path_str(path)} = {value}: it does not fit in int64")
-            fields.append(_Field(type(value).__name__, _PY_NUMBERS[type(value)], (), path))
-        elif isinstance(value, (np.number, np.bool_)):
-            fields.append(_Field("scalar", value.dtype, (), path))
-        else:
-            raise CacheError(
-                f"cache=... stores arrays and numbers only, but {_path_str(path)} is {_describe(value)}. "
-                "Return only numpy arrays, numbers and dicts/tuples/lists of them from the cached stage (fn), "
-                "e.g. encode labels as ints; add str/bytes/object fields in augment=... (uncached), or pass "
-                "cache=False."
+    __slots__ = ("_build", "fields", "skeleton")
+
+    def __init__(self, skeleton: list, fields: list[Field]) -> None:
+        self.skeleton = skeleton
+        self.fields = fields
+        self._build: Callable[[list[Any]], Any] | None = None
+
+    @classmethod
+    def of(cls, sample: Any) -> Layout:
+        """The layout of ``sample``; ``CacheError`` for a leaf that is neither an array nor a number."""
+        fields: list[Field] = []
+
+        def walk(value: Any, path: tuple) -> list:
+            if isinstance(value, Mapping):
+                keys = tuple(value.keys())
+                return [DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
+            if isinstance(value, (tuple, list)):
+                return [SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
+            if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+                fields.append(Field("array", value.dtype, value.shape, path))
+            elif type(value) in _PY_NUMBERS:
+                if type(value) is int and not -(2**63) <= value < 2**63:
+                    raise CacheError(f"cache=... cannot store {_path_str(path)} = {value}: it does not fit in int64")
+                fields.append(Field(type(value).__name__, _PY_NUMBERS[type(value)], (), path))
+            elif isinstance(value, (np.number, np.bool_)):
+                fields.append(Field("scalar", value.dtype, (), path))
+            else:
+                raise CacheError(
+                    f"cache=... stores arrays and numbers only, but {_path_str(path)} is {_describe(value)}. "
+                    "Return only numpy arrays, numbers and dicts/tuples/lists of them from the cached stage (fn), "
+                    "e.g. encode labels as ints; add str/bytes/object fields in augment=... (uncached), or pass "
+                    "cache=False."
+                )
+            return [LEAF, len(fields) - 1]
+
+        return cls(walk(sample, ()), fields)
+
+    @property
+    def sample_bytes(self) -> int:
+        """The bytes of one sample's fields."""
+        return sum(f.itemsize for f in self.fields)
+
+    def leaves(self, sample: Any, item: str, unit: str, rule: str) -> list[Any]:
+        """The leaves of ``sample`` in field order, each checked against its field; else a
+        ``CacheError`` naming the leaf: ``item`` names the sample (``"index 10"``), ``unit`` the
+        kind of the first one the layout came from (``"sample"``), ``rule`` whose structure must
+        match (``"Every sample of a cached fn"``)."""
+        leaves: list[Any] = [None] * len(self.fields)
+
+        def mismatch(path: tuple, expected: str, got: str) -> CacheError:
+            return CacheError(
+                f"cache=...: {_path_str(path)} of {item} is {got}, but the cache was laid out from the first "
+                f"{unit}, where it is {expected}. {rule} must have the same structure, dtypes and shapes: make "
+                "fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
             )
-        return [LEAF, len(fields) - 1]
 
-    return walk(sample, ()), fields
+        def match(node: list, value: Any, path: tuple) -> None:
+            kind = node[0]
+            if kind == DICT:
+                if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
+                    raise mismatch(
+                        path,
+                        f"a mapping with keys {sorted(map(str, node[1]))}",
+                        f"a mapping with keys {sorted(map(str, value.keys()))}"
+                        if isinstance(value, Mapping)
+                        else _describe(value),
+                    )
+                for key, child in zip(node[1], node[2], strict=True):
+                    match(child, value[key], path + (key,))
+                return
+            if kind == SEQ:
+                length = len(node[2])
+                if not isinstance(value, (tuple, list)) or len(value) != length:
+                    raise mismatch(
+                        path,
+                        f"a {node[1].__name__} of length {length}",
+                        f"a {type(value).__name__} of length {len(value)}"
+                        if isinstance(value, (tuple, list))
+                        else _describe(value),
+                    )
+                for j, child in enumerate(node[2]):
+                    match(child, value[j], path + (j,))
+                return
+            field = self.fields[node[1]]
+            if field.kind == "array":
+                ok = isinstance(value, np.ndarray) and value.shape == field.shape and value.dtype == field.dtype
+            else:
+                ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
+                    np.asarray(value).dtype, field.dtype, "safe"
+                )
+            if not ok:
+                raise mismatch(path, field.describe(), _describe(value))
+            leaves[node[1]] = value
+
+        match(self.skeleton, sample, ())
+        return leaves
+
+    def build(self, values: list[Any]) -> Any:
+        """The sample made again from its stored leaves, ``values[n]`` being field ``n``'s (restored).
+        (The skeleton is compiled into nested constructors once: a sample is built per read.)"""
+        if self._build is None:
+            self._build = _builder(self.skeleton)
+        return self._build(values)
+
+
+def _builder(node: list) -> Callable[[list[Any]], Any]:
+    """A function making the tree of ``node`` (a ``Layout`` skeleton) from the list of its leaves."""
+    kind = node[0]
+    if kind == LEAF:
+        return operator.itemgetter(node[1])
+    parts = [_builder(child) for child in node[2]]
+    if kind == DICT:
+        keys = node[1]
+        return lambda values: dict(zip(keys, [part(values) for part in parts], strict=True))
+    seq_type = node[1]
+    if seq_type is list:
+        return lambda values: [part(values) for part in parts]
+    if seq_type is tuple:
+        return lambda values: tuple([part(values) for part in parts])
+    return lambda values: seq_type(*[part(values) for part in parts])  # namedtuple
 
 
 class Cache:
@@ -153,7 +255,7 @@ class Cache:
         path: str,
         length: int,
         skeleton: list,
-        fields: list[_Field],
+        fields: list[Field],
         nbytes: int,
         directory: str,
         crc_offset: int | None = None,
@@ -165,7 +267,9 @@ class Cache:
         self.nbytes = nbytes
         self.directory = directory
         self.crc_offset = crc_offset  # where the per-sample CRC-32s are (None: not checksummed)
-        self.sample_bytes = sum(f.itemsize for f in fields)
+        self.layout = Layout(skeleton, fields)
+        self._kinds = [f.kind for f in fields]
+        self.sample_bytes = self.layout.sample_bytes
         self._map: Any = None
         self._flags: np.ndarray | None = None
         self._crcs: np.ndarray | None = None
@@ -268,36 +372,19 @@ class Cache:
             raise self._corrupt(index, f"the filled byte is {flag}, not 0 or 1")
         if self._crcs is not None and self._crc(index) != self._crcs[index]:
             raise self._corrupt(index, "the stored bytes do not match their checksum")
-        arrays = self._arrays
-
-        def build(node: list) -> Any:
-            kind = node[0]
-            if kind == LEAF:
-                field = self.fields[node[1]]
-                value = arrays[node[1]][index]
-                if field.kind == "array":
-                    return np.array(value)  # a copy: augment may change it in place
-                if field.kind == "scalar":
-                    return value
-                return value.item()  # a Python int/float/bool/complex, as fn returned it
-            if kind == DICT:
-                return dict(zip(node[1], [build(child) for child in node[2]], strict=True))
-            items = [build(child) for child in node[2]]
-            seq_type = node[1]
-            if seq_type is list:
-                return items
-            if seq_type is tuple:
-                return tuple(items)
-            return seq_type(*items)  # namedtuple
-
-        return build(self.skeleton)
+        # (a copy of an array: augment may change it in place; a Python number as fn returned it)
+        return self.layout.build(
+            [
+                np.array(array[index]) if kind == "array" else array[index] if kind == "scalar" else array[index].item()
+                for array, kind in zip(self._arrays, self._kinds, strict=True)
+            ]
+        )
 
     def put(self, index: int, sample: Any) -> None:
         """Store ``sample`` as index ``index``; ``CacheError`` if it does not match the first sample."""
         if (flags := self._flags) is None:
             flags = self._attach()
-        leaves: list[Any] = [None] * len(self.fields)
-        self._match(self.skeleton, sample, (), leaves, index)
+        leaves = self.layout.leaves(sample, f"index {index}", "sample", "Every sample of a cached fn")
         self._check()
         for array, value in zip(self._arrays, leaves, strict=False):
             array[index] = value
@@ -306,53 +393,6 @@ class Cache:
         # The data is written before the flag; a reader checks the flag first. (Stores are not reordered
         # on x86; elsewhere, the interpreter does far more than a barrier's worth of work between the two.)
         flags[index] = 1
-
-    def _match(self, node: list, value: Any, path: tuple, leaves: list, index: int) -> None:
-        kind = node[0]
-        if kind == DICT:
-            if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
-                self._mismatch(
-                    index,
-                    path,
-                    f"a mapping with keys {sorted(map(str, node[1]))}",
-                    f"a mapping with keys {sorted(map(str, value.keys()))}"
-                    if isinstance(value, Mapping)
-                    else _describe(value),
-                )
-            for key, child in zip(node[1], node[2], strict=True):
-                self._match(child, value[key], path + (key,), leaves, index)
-            return
-        if kind == SEQ:
-            length = len(node[2])
-            if not isinstance(value, (tuple, list)) or len(value) != length:
-                self._mismatch(
-                    index,
-                    path,
-                    f"a {node[1].__name__} of length {length}",
-                    f"a {type(value).__name__} of length {len(value)}"
-                    if isinstance(value, (tuple, list))
-                    else _describe(value),
-                )
-            for j, child in enumerate(node[2]):
-                self._match(child, value[j], path + (j,), leaves, index)
-            return
-        field = self.fields[node[1]]
-        if field.kind == "array":
-            ok = isinstance(value, np.ndarray) and value.shape == field.shape and value.dtype == field.dtype
-        else:
-            ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
-                np.asarray(value).dtype, field.dtype, "safe"
-            )
-        if not ok:
-            self._mismatch(index, path, field.describe(), _describe(value))
-        leaves[node[1]] = value
-
-    def _mismatch(self, index: int, path: tuple, expected: str, got: str) -> None:
-        raise CacheError(
-            f"cache=...: {_path_str(path)} of index {index} is {got}, but the cache was laid out from the first "
-            f"sample, where it is {expected}. Every sample of a cached fn must have the same structure, dtypes "
-            "and shapes: make fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
-        )
 
     def filled(self) -> int:
         """How many indices are in the cache."""
@@ -410,7 +450,8 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     if length == 0:
         return None
     index, first = reader.first_cached(spec)
-    skeleton, fields = plan(first)
+    layout = Layout.of(first)
+    fields = layout.fields
     offset = _align(length)  # the filled bytes
     crc_offset = None
     if not (cache is True or cache == MEMORY):  # a file on disk: per-sample checksums catch changed bytes
@@ -420,12 +461,8 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
         offset += _align(length * field.itemsize)
     nbytes = max(offset, 1)
     outside = files is not None and not os.path.samefile(files.directory, directory)
-    if files is None:
-        path = SharedFiles(directory).prefix + "cache"
-    else:
-        path = os.path.join(directory, os.path.basename(files.prefix)) + "cache"
-    sample_bytes = sum(f.itemsize for f in fields)
-    what = f"the sample cache ({length} samples x {sample_bytes} bytes)"
+    path = cache_path(directory, files)
+    what = f"the sample cache ({length} samples x {layout.sample_bytes} bytes)"
     try:
         check_capacity(directory, nbytes, what)
     except SharedMemoryError:
@@ -451,7 +488,7 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
         except BaseException:
             _unlink(path)
             raise
-    result = Cache(path, length, skeleton, fields, nbytes, directory, crc_offset)
+    result = Cache(path, length, layout.skeleton, fields, nbytes, directory, crc_offset)
     try:
         result._attach()
         result.put(index, first)
@@ -461,15 +498,24 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
         raise
     if files is None:
         _unlink(path)  # workers=0: only this process needs it, and it stays mapped
-    result._finalizer = weakref.finalize(result, _remove, path, os.getpid())
+    result._finalizer = weakref.finalize(result, remove_in_creator, path, os.getpid())
     return result
+
+
+def cache_path(directory: str, files: SharedFiles | None) -> str:
+    """The cache file's name in ``directory``: named like the loader's other files (``files``: its
+    ``SharedFiles``; None for ``workers=0``, a fresh prefix)."""
+    if files is None:
+        return SharedFiles(directory).prefix + "cache"
+    return os.path.join(directory, os.path.basename(files.prefix)) + "cache"
 
 
 def _unlink(path: str) -> None:
     remove_file(path)  # (and the reaper forgets it)
 
 
-def _remove(path: str, pid: int) -> None:
+def remove_in_creator(path: str, pid: int) -> None:
+    """Remove a cache file, from the process ``pid`` that created it only (a cache's finalizer)."""
     if os.getpid() == pid:  # never from a forked worker that inherited the object
         _unlink(path)
 

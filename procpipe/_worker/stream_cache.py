@@ -11,7 +11,8 @@ loader and all its workers, made of
 - **chunks** of ``chunk`` record slots of one shard, appended at the end of the file when a
   record of a shard needs one. A chunk starts with the offset of the shard's next chunk
   (a chain per shard); a slot is ``[filled byte][CRC-32][fields...]``, the fields laid out
-  by ``cache.plan`` from the first record (typed arrays and numbers, as in cache.py).
+  by cache.py's ``Layout`` of the first record (typed arrays and numbers, as in cache.py), which
+  also matches each later record against it and builds a stored one back.
 
 Concurrent writers: any worker may read any shard (a block can run twice: a restart after
 a worker died, ``speculate``), so nothing relies on one writer per shard. Growing the file
@@ -38,7 +39,6 @@ import os
 import threading
 import weakref
 import zlib
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -47,7 +47,7 @@ from .._core.rng import SampleScope, no_sample_rng
 from .._core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
-from .cache import DICT, LEAF, SEQ
+from .cache import Layout
 from .reader import GROWING, first_record_cached
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
@@ -72,10 +72,6 @@ def open_loader_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir:
     return open_stream_cache(spec, cache, files, shm_dir)
 
 
-def _slot_bytes(fields: list) -> int:
-    return -(-(SLOT_HEAD + sum(f.itemsize for f in fields)) // 8) * 8
-
-
 class StreamCache:
     """The growing cache file, opened in this process; pickled (for the workers) as its description."""
 
@@ -85,8 +81,9 @@ class StreamCache:
         self.skeleton = skeleton
         self.fields = fields
         self.directory = directory
-        self.sample_bytes = sum(f.itemsize for f in fields)
-        self.slot = _slot_bytes(fields)
+        self.layout = Layout(skeleton, fields)
+        self.sample_bytes = self.layout.sample_bytes
+        self.slot = -(-(SLOT_HEAD + self.sample_bytes) // 8) * 8
         self.chunk = max(1, min(MAX_CHUNK, CHUNK_BYTES // self.slot))
         self.chunk_bytes = LINK + self.chunk * self.slot
         self.table_bytes = -(-shards * ENTRY // 4096) * 4096
@@ -244,71 +241,29 @@ class StreamCache:
             raise self._corrupt(f"the filled byte of {key!r} is {raw[0]}, not 0 or 1")
         if self._crc(key, raw) != int.from_bytes(raw[4:8], "little"):
             raise self._corrupt(f"the stored bytes of {key!r} do not match their checksum")
-        return self._build(self.skeleton, raw)
+        values = []
+        for kind, dtype, count, offset, shape in self._leaves:
+            value = np.frombuffer(raw, dtype, count, offset)
+            values.append(
+                value.reshape(shape).copy() if kind == "array" else value[0] if kind == "scalar" else value[0].item()
+            )
+        return self.layout.build(values)
 
     def _crc(self, key: Any, raw: bytes) -> int:
         head = int(key[0]).to_bytes(8, "little") + int(key[1]).to_bytes(8, "little")
         return zlib.crc32(memoryview(raw)[SLOT_HEAD:], zlib.crc32(head))
 
-    def _build(self, node: list, raw: bytes) -> Any:
-        if node[0] == LEAF:
-            kind, dtype, count, offset, shape = self._leaves[node[1]]
-            value = np.frombuffer(raw, dtype, count, offset)
-            if kind == "array":
-                return value.reshape(shape).copy()
-            return value[0] if kind == "scalar" else value[0].item()
-        items = [self._build(child, raw) for child in node[2]]
-        if node[0] == DICT:
-            return dict(zip(node[1], items, strict=True))
-        kind = node[1]
-        return items if kind is list else tuple(items) if kind is tuple else kind(*items)
-
     def put(self, key: Any, sample: Any) -> None:
         """Store ``sample`` as record ``key``; ``CacheError`` if it does not match the first record's layout."""
+        leaves = self.layout.leaves(sample, f"record {key!r}", "record", "Every record's fn output")
         slot = bytearray(self.slot)
-        self._flatten(self.skeleton, sample, (), slot, key)
+        for f, value in zip(self.fields, leaves, strict=True):
+            slot[f.offset : f.offset + f.itemsize] = np.ascontiguousarray(value, f.dtype).tobytes()
         slot[4:8] = self._crc(key, bytes(slot)).to_bytes(4, "little")
         at = self._where(key, True)
         fd = self._file()
         os.pwrite(fd, memoryview(slot)[1:], at + 1)  # the record and its CRC first,
         os.pwrite(fd, b"\1", at)  # then its filled byte (a reader checks it first)
-
-    def _flatten(self, node: list, value: Any, path: tuple, slot: bytearray, key: Any) -> None:
-        if node[0] == DICT:
-            if not isinstance(value, Mapping) or set(value.keys()) != set(node[1]):
-                self._mismatch(key, path, f"a mapping with keys {sorted(map(str, node[1]))}", value)
-            for name, child in zip(node[1], node[2], strict=True):
-                self._flatten(child, value[name], path + (name,), slot, key)
-            return
-        if node[0] == SEQ:
-            if not isinstance(value, (tuple, list)) or len(value) != len(node[2]):
-                self._mismatch(key, path, f"a {node[1].__name__} of length {len(node[2])}", value)
-            for j, child in enumerate(node[2]):
-                self._flatten(child, value[j], path + (j,), slot, key)
-            return
-        f = self.fields[node[1]]
-        if f.kind == "array":
-            ok = isinstance(value, np.ndarray) and value.shape == f.shape and value.dtype == f.dtype
-        else:
-            ok = isinstance(value, (bool, int, float, complex, np.number, np.bool_)) and np.can_cast(
-                np.asarray(value).dtype, f.dtype, "safe"
-            )
-        if not ok:
-            self._mismatch(key, path, f.describe(), value)
-        slot[f.offset : f.offset + f.itemsize] = np.ascontiguousarray(value, f.dtype).tobytes()
-
-    def _mismatch(self, key: Any, path: tuple, expected: str, value: Any) -> None:
-        got = (
-            f"an array of shape {value.shape} and dtype {value.dtype}"
-            if isinstance(value, np.ndarray)
-            else f"a {type(value).__name__}"
-        )
-        where = "sample" + "".join(f"[{p!r}]" for p in path)
-        raise CacheError(
-            f"cache=...: {where} of record {key!r} is {got}, but the cache was laid out from the first record, "
-            f"where it is {expected}. Every record's fn output must have the same structure, dtypes and shapes: "
-            "make fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
-        )
 
     def compute(self, key: Any, source: Any, fn: Any) -> Any:
         """Run ``fn`` on ``source[key]`` (the record just read), store it, and return the stored copy."""
@@ -375,12 +330,9 @@ def open_stream_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir:
     if found is None:
         return None
     key, first = found
-    skeleton, fields = indexed.plan(first)
-    if files is None:
-        path = SharedFiles(directory).prefix + "cache"
-    else:
-        path = os.path.join(directory, os.path.basename(files.prefix)) + "cache"
-    result = StreamCache(path, len(source), skeleton, fields, directory)
+    layout = Layout.of(first)
+    path = indexed.cache_path(directory, files)
+    result = StreamCache(path, len(source), layout.skeleton, layout.fields, directory)
     what = f"the stream cache ({result.slot} bytes per record, growing as records arrive)"
     try:
         check_capacity(directory, result.table_bytes + result.chunk_bytes, what)
@@ -399,7 +351,7 @@ def open_stream_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir:
         result.close()
         remove_file(path)
         raise
-    result._finalizer = weakref.finalize(result, _remove, path, os.getpid())
+    result._finalizer = weakref.finalize(result, indexed.remove_in_creator, path, os.getpid())
     return result
 
 
@@ -411,8 +363,3 @@ def _first_record(spec: Any) -> tuple[Any, Any] | None:
         return None
     _, sample = first_record_cached(spec, scope, found)  # (the same first record an indexed cache lays out by)
     return found[1], sample
-
-
-def _remove(path: str, pid: int) -> None:
-    if os.getpid() == pid:  # never from a forked worker that inherited the object
-        remove_file(path)

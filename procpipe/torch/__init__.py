@@ -31,6 +31,7 @@ prefetch -> consumer): at both ends, in modules by job:
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -53,8 +54,12 @@ __all__ = ["DataLoader"]
 
 # --------------------------------------------------------------------------- DataLoader facade
 def _start_method(context: Any) -> str:
+    """procpipe's start method for ``multiprocessing_context``. None: as torch, the start method
+    the program chose with ``multiprocessing.set_start_method`` (or torch's re-export of it), if
+    it chose one; else procpipe's ``"auto"``."""
     if context is None:
-        return "auto"
+        chosen = multiprocessing.get_start_method(allow_none=True)
+        return "auto" if chosen is None else chosen
     method = context if isinstance(context, str) else context.get_start_method()
     if method not in START_METHODS:
         raise ValueError(
@@ -97,8 +102,9 @@ class _LoaderOptions(TypedDict):
     max_worker_restarts: int
     worker_env: dict[str, str] | None
     batches: SamplerBatches | None
-    seed_globals: bool
+    seed_globals: bool | str
     stage_slots: int
+    assign: str
 
 
 class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is typed as Any (pyproject's [tool.mypy])
@@ -128,11 +134,16 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
       ``TypeVar``s, dataclasses, enums, closures, lambdas): procpipe ships them with
       cloudpickle (docs/guide/startup.md), where torch's spawn and forkserver need them
       importable from the main script;
-    - each batch goes to the least busy worker, not round-robin: ``get_worker_info().id``
-      is the worker that really loads it;
-    - in workers, torch's, numpy's and ``random``'s global generators are re-seeded
-      before every sample from ``(seed, epoch, index)``, so augmentation does not depend
-      on ``num_workers`` (``seed`` is the ``generator``'s, or torch's, initial seed);
+    - as torch: batch k of an epoch goes to worker ``k % num_workers`` (``in_order=True``;
+      with ``in_order=False``, to the least busy worker), and each worker seeds ``random``
+      and torch with ``base_seed + id`` and numpy with torch's derived seed before
+      ``worker_init_fn`` (``base_seed`` drawn from ``generator`` as torch draws it), so random
+      augmentation draws what it draws under torch's DataLoader. procpipe's alternatives:
+      ``assign="balanced"`` (each batch to the least busy worker: a slow batch holds back no
+      other) and ``seed_globals=True`` (the global generators re-seeded before every batch from
+      ``(seed, epoch, first index)``, or ``"sample"``: before every sample, so augmentation does
+      not depend on ``num_workers`` or the schedule, and a resumed epoch draws what the
+      original drew);
     - ``prefetch_factor * num_workers`` ready batches are kept ahead (torch counts the same
       total; procpipe also keeps up to two tasks per worker in flight).
 
@@ -141,7 +152,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
 
     Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
     on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
-    ``max_worker_restarts``, ``worker_env``. ``close()`` ends the workers now.
+    ``max_worker_restarts``, ``worker_env``, ``assign`` (None: torch's schedule, above),
+    ``seed_globals`` (``False``: torch's per-worker seeds). ``close()`` ends the workers now.
     """
 
     def __init__(
@@ -170,6 +182,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
         snapshot_every_n_steps: int | None = 1,
+        assign: str | None = None,
+        seed_globals: bool | str = False,
     ) -> None:
         kind = dataset_kind(dataset)  # resolved once: the DataLoader asks its kind, never which it is
         super().__init__(
@@ -222,7 +236,12 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             max_worker_restarts=max_worker_restarts,
             worker_env=worker_env,
             batches=self._pp_kind.batches,
-            seed_globals=num_workers > 0,  # like torch, num_workers=0 leaves the generators alone
+            # torch's per-worker seeds (TorchSource), unless procpipe's reseeding is asked for;
+            # like torch, num_workers=0 leaves the generators alone
+            seed_globals=seed_globals if num_workers > 0 else False,
+            # torch's schedule: in order, batch k to worker k % num_workers (IterableDataset
+            # replicas are bound to their workers whatever this says)
+            assign=assign if assign is not None else ("round_robin" if in_order else "balanced"),
             # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
             stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )

@@ -60,7 +60,6 @@ not torch's value.
 from __future__ import annotations
 
 import functools
-import random
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -75,6 +74,7 @@ from .._core.notes import add_note
 from .._streaming import Block, Shards
 from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
+from .worker_setup import become_torch_worker
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -468,16 +468,7 @@ class Replicas(Shards):
         """Set this process up as torch sets up worker ``_worker``."""
         spec = self.spec
         self._worker = worker
-        torch.set_num_threads(1)
-        seed = spec.base_seed + worker
-        random.seed(seed)
-        torch.manual_seed(seed)
-        from torch.utils.data._utils import worker as _torch_worker  # private: torch's own worker set-up
-
-        np.random.seed(_torch_worker._generate_state(spec.base_seed, worker))
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(
-            id=worker, num_workers=spec.num_workers, seed=seed, dataset=spec.dataset
-        )
+        become_torch_worker(spec.base_seed, worker, spec.num_workers, spec.dataset)
         if spec.worker_init_fn is not None:
             try:
                 spec.worker_init_fn(worker)

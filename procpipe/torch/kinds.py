@@ -116,7 +116,9 @@ class MapStyle:
     def new_loader(
         self, options: Mapping[str, Any], base_seed: int, shared_seed: int | None, epoch: int, state: FacadeState
     ) -> Loader:
-        """The engine over the dataset (the seeds and the state are the replicas' business)."""
+        """The engine over the dataset; its workers seed as torch's do, from ``base_seed``
+        (this iterator's draw from the generator, or a resumed state's)."""
+        self.source.base_seed = base_seed
         return Loader(self.source, **options)
 
     def epoch_length(self, loader: Sized) -> int | None:

@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import operator
 import os
-import random
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
-
-from .._core.rng import mix_seed as _mix
 from .._core.rng import reseed_current_sample
 from .._worker.identity import worker_index
 from .collate import InProcess, Packed, pack_for_consumer, sample_to_wire
+from .worker_setup import become_torch_worker
 
 __all__ = ["BULK", "CUSTOM", "DEFAULT", "UNBATCHED", "BulkFetch", "SamplerBatches", "TorchSource"]
 
-_MASK64 = (1 << 64) - 1
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
 
@@ -45,12 +40,15 @@ DEFAULT, CUSTOM, UNBATCHED, BULK = "default", "custom", "unbatched", "bulk"
 
 
 class TorchSource:
-    """Wraps a map-style dataset for the core: worker set-up, per-sample seeding, conversion.
+    """Wraps a map-style dataset for the core: worker set-up, seeding, conversion.
 
-    In a worker, before each batch, the core seeds torch's, numpy's and Python's global
-    generators from ``(seed, epoch, its first index)`` (``Loader(seed_globals=True)``, procpipe._core.rng),
-    so augmentation drawn from them is the same whatever ``num_workers`` and however
-    batches are scheduled (torch seeds per worker).
+    A worker process first does what torch's worker loop does: ``random`` and torch seeded
+    with ``base_seed + id``, numpy with torch's seed derived from both, ``get_worker_info()``
+    set, then ``worker_init_fn(id)``. ``base_seed`` is the facade's draw from the generator
+    when the iterator (the workers) starts. With the facade's ``seed_globals=True`` the core
+    then also seeds the global generators before each batch from ``(seed, epoch, its first
+    index)`` (``procpipe._core.rng``), so augmentation does not depend on ``num_workers`` or
+    the schedule.
     """
 
     def __init__(
@@ -67,7 +65,8 @@ class TorchSource:
         self.item_fn = item_fn  # collate_fn applied to each sample (batch_size=None + collate_fn)
         self.worker_init_fn = worker_init_fn
         self.num_workers = num_workers
-        self.seed = seed
+        self.seed = seed  # the per-batch seeds' (seed_globals=True)
+        self.base_seed = seed  # the per-worker seeds': the iterator's draw, set by the facade (kinds.py)
         try:
             self.length = len(dataset)
         except TypeError:
@@ -89,19 +88,7 @@ class TorchSource:
         self._in_worker = worker_id is not None
         if worker_id is None:
             return  # num_workers=0: like torch, the main process's generators are left alone
-        torch.set_num_threads(1)
-        seed = (self.seed + worker_id) & _MASK64
-        random.seed(seed)
-        torch.manual_seed(seed)
-        np.random.seed(_mix(seed) & 0xFFFFFFFF)
-        try:
-            from torch.utils.data._utils import worker as _worker
-
-            _worker._worker_info = _worker.WorkerInfo(
-                id=worker_id, num_workers=self.num_workers, seed=seed, dataset=self.dataset
-            )
-        except Exception:  # noqa: BLE001, S110 - private torch API; get_worker_info() then returns None
-            pass
+        become_torch_worker(self.base_seed, worker_id, self.num_workers, self.dataset)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
 

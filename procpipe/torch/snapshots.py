@@ -131,7 +131,7 @@ class SnapshotStore:
         procpipe names what it leaves there (``procpipe-<pid>-<8 hex>-replicas``): registered with
         this process's reaper and locked while it exists, so that the reaper removes it if the
         process is killed, and a later process's start-up sweep if the reaper could not
-        (_core/reaper.py, _core/sweep.py)."""
+        (_core/reaper.py, _core/stale_files.py)."""
         while True:
             path = os.path.join(parent, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-replicas")
             reaper.register(path)

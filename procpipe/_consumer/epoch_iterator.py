@@ -8,8 +8,8 @@ order or as they finish) and tells the coordinator of each batch the consumer to
 With ``workers=0`` the Loader uses ``inline.InlineDriver`` instead, which drives the same
 ``Stream`` and epochs in the calling thread, so the results are identical.
 
-Both are given what they need by the Loader (an ``iteration.IterationContext``, built
-once), keep where the loader stands current (``iteration.Standing``: ``loader.epoch`` and
+Both are given what they need by the Loader (an ``iteration_context.IterationContext``, built
+once), keep where the loader stands current (``iteration_context.Standing``: ``loader.epoch`` and
 the counters ``loader.stats()`` shows), and are source nodes (procpipe/_consumer/nodes.py):
 ``get_state()`` says where the consumer stands (``Loader.state_dict``), ``reset(state)``
 restarts there (``load_state_dict`` then ``iter()``).
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 from .._core.reassembly import ResumePoint
 from .._engine.commands import CancelStream, StartStream
 from .._engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
-from .iteration import IterationContext, LoaderIterator
+from .iteration_context import IterationContext, LoaderIterator
 
 if TYPE_CHECKING:
     from .._engine.coordinator import Coordinator
@@ -64,6 +64,7 @@ class EpochIterator(LoaderIterator):
             context.sampler.batches(number),
             done,
             ahead,
+            rotation=context.rotation,
         )
         self.batch_count = len(stream.first.batches)
         self._low = number

@@ -2,7 +2,7 @@
 
 The Loader builds one ``IterationContext`` when it is created (frozen: the sampler or
 stream plan, the worker spec, the delivery settings, the coordinator) and hands it to
-every iterator it makes (``iterators.EpochIterator``, and ``inline.InlineDriver`` for
+every iterator it makes (``epoch_iterator.EpochIterator``, and ``inline.InlineDriver`` for
 ``workers=0``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
 along as the consumer enters later epochs, and the counters ``loader.stats()`` shows.
@@ -186,6 +186,7 @@ class IterationContext:
     coordinator: Coordinator | None
     epochs: int | None = 1
     standing: Standing = field(default_factory=Standing)
+    rotation: int = 0  # assign="round_robin": batch k goes to worker k % rotation (0: any worker)
 
     def default_until(self, start: int) -> int | None:
         """The epoch an iteration starting at ``start`` stops before, by the loader's ``epochs``."""
