@@ -19,7 +19,7 @@ import pytest
 from conftest import run_python, wait_until
 
 from procpipe import Loader
-from procpipe._consumer import iterators
+from procpipe._consumer import epoch_iterator
 
 DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
 
@@ -140,7 +140,7 @@ def in_next(thread_id):
     """Whether thread ``thread_id`` is inside ``next()`` of an epoch iterator (waiting for a batch)."""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
-        if frame.f_code.co_filename == iterators.__file__:
+        if frame.f_code.co_filename == epoch_iterator.__file__:
             return True
         frame = frame.f_back
     return False
