@@ -14,7 +14,9 @@ task would wait for it. So the coordinator writes through an ``Outbox`` instead:
 message is framed as ``Connection.recv_bytes`` reads it (a 4-byte big-endian length, or
 -1 and an 8-byte one; the format multiprocessing keeps for wire compatibility), and
 written with ``MSG_DONTWAIT``; what the pipe does not take now waits in the outbox until
-the selector says the pipe is writable again.
+the selector says the pipe is writable again. Reading goes the same way (``Inbox``): every
+byte waiting, in one non-blocking read, split into whole messages (the coordinator reads a
+worker's replies so, and a worker its queued tasks).
 """
 
 from __future__ import annotations
