@@ -411,3 +411,46 @@ def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
     finally:
         coordinator.close()
     assert not coordinator.is_alive()
+
+
+# --------------------------------------------------------------------------- a round's writes and deliveries
+def _stream(batches: int, pending: bool) -> Any:
+    from procpipe._engine.epochs import Stream
+    from procpipe._plan.index import IndexPlan
+
+    plan = [[i] for i in range(batches)]
+    stream = Stream(0, SimpleNamespace(plan_class=IndexPlan, batches=lambda n: plan), 0, 1, True, plan)
+    if pending:
+        stream.pending = []  # (as the coordinator's streams are)
+    stream.open(stream.first)
+    return stream
+
+
+def test_a_round_writes_each_workers_tasks_at_once_after_queuing_them_all():
+    roster, dispatcher, _ = engine(workers=2, tasks_per_worker=3)
+    flushed: list = []
+    dispatcher.flush = lambda worker: flushed.append((worker.index, len(worker.sent)))  # type: ignore[assignment,misc]
+    dispatcher.max_outstanding = 6
+    dispatcher.round(_stream(8, pending=False))
+    assert [len(w.sent) for w in roster.links] == [3, 3]
+    assert flushed == [(0, 3), (1, 3)]  # one write per worker, with its three tasks queued
+    job = make_job(fake_epoch())
+    dispatcher.send(roster.links[0], job, -1)  # outside a round: written at once
+    assert flushed[-1] == (0, 4)
+
+
+def test_a_coordinator_stream_holds_a_rounds_items_until_published_and_abandon_drops_them():
+    from procpipe._engine.epochs import EndOfStream
+
+    stream = _stream(4, pending=True)
+    stream.fail(RuntimeError("boom"))
+    assert stream.out.empty() and len(stream.pending) == 1
+    stream.publish()
+    assert type(stream.out.get_nowait()).__name__ == "Failure" and not stream.pending
+    stream = _stream(4, pending=True)
+    stream.fail(RuntimeError("boom"))
+    stream.abandon()  # the consumer is gone: what was held back goes too
+    assert stream.out.get_nowait() is EndOfStream and stream.out.empty() and not stream.pending
+    direct = _stream(4, pending=False)  # (workers=0's streams: straight into the queue)
+    direct.fail(RuntimeError("boom"))
+    assert not direct.out.empty()

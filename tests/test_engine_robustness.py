@@ -19,7 +19,7 @@ import pytest
 from conftest import run_python, wait_until
 
 from procpipe import Loader
-from procpipe._consumer import iterators
+from procpipe._consumer import epoch_iterator
 
 DEADLINE_S = 90.0  # far beyond what any of these takes on a loaded machine; only a hang reaches it
 
@@ -140,7 +140,7 @@ def in_next(thread_id):
     """Whether thread ``thread_id`` is inside ``next()`` of an epoch iterator (waiting for a batch)."""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
-        if frame.f_code.co_filename == iterators.__file__:
+        if frame.f_code.co_filename == epoch_iterator.__file__:
             return True
         frame = frame.f_back
     return False
@@ -370,14 +370,13 @@ def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
         outbox.drop_unsent()  # keeps the message partly written, drops those not begun
         outbox.put(STOP)
         got = []
-        while True:
+        inbox = wire.Inbox(theirs)  # (never blocks on a frame written in part: this thread writes the rest)
+        while not got or got[-1] is not STOP:
             outbox.flush()
-            if theirs.poll(5):
-                got.append(wire.recv(theirs))
-                if got[-1] is STOP:
-                    break
-            else:
+            if not _readable(theirs, 5):
                 pytest.fail("the peer never received the rest")
+            got.extend(wire.decode(data) for data in inbox.receive())
+        inbox.close()
         # Whole messages, in order: those written before the drop (the last one finished), then "stop".
         assert got[-1] is STOP and got[:-1] == messages[:len(got) - 1] and 1 <= len(got) - 1 < len(messages)
         assert all(type(m) is Task for m in got[:-1])
@@ -386,6 +385,49 @@ def test_outbox_never_blocks_and_frames_messages_as_recv_bytes_reads_them():
         outbox.close()
         ours.close()
         theirs.close()
+
+
+def test_inbox_returns_whole_frames_in_order_however_the_bytes_arrive():
+    """The reader of replies and tasks (wire.Inbox): small frames several at once, a frame split
+    across reads (its header too), one larger than a read, the 8-byte-length form, then the close."""
+    import multiprocess
+
+    from procpipe._core import wire
+    from procpipe._core.messages import BatchDone, Task
+
+    ours, theirs = multiprocess.Pipe(duplex=True)
+    inbox = wire.Inbox(ours)
+    try:
+        assert inbox.receive() == [] and not inbox.closed  # nothing yet: never blocks
+        small = [BatchDone(k, [0, "<i8", (64,), 0], 512, True, 0.001) for k in range(5)]
+        large = Task(9, 1, list(range(200_000)), 0, -1, 0)  # ~1 MB: more than one read
+        stream = b"".join(wire.frame(wire.encode(m)) for m in small) + wire.frame(wire.encode(large))
+        stream += b"\xff\xff\xff\xff" + (3).to_bytes(8, "big") + b"abc"  # the long-length form
+        got: list = []
+        for a, b in ((0, 2), (2, 3), (3, 40)):  # a header split, then a body split
+            os.write(theirs.fileno(), stream[a:b])
+            assert _readable(ours)
+            got.extend(inbox.receive())
+            assert got == [] and not inbox.closed
+        writer = threading.Thread(target=os.write, args=(theirs.fileno(), stream[40:]))  # (blocks until read)
+        writer.start()
+        while len(got) < len(small) + 2 and _readable(ours):
+            got.extend(inbox.receive())
+        writer.join()
+        assert [wire.decode(f) for f in got[:-1]] == [*small, large]
+        assert got[-1] == b"abc"
+        theirs.close()
+        assert _readable(ours)
+        assert inbox.receive() == [] and inbox.closed
+    finally:
+        inbox.close()
+        ours.close()
+
+
+def _readable(conn, timeout: float = 10.0) -> bool:
+    import select
+
+    return bool(select.select([conn.fileno()], [], [], timeout)[0])
 
 
 class DieOnce:

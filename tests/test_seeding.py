@@ -89,3 +89,26 @@ def test_cached_or_not_the_draws_after_the_cache_are_the_same():
 def test_seed_globals_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match=r"seed_globals must be True .*'sample'.*False"):
         Loader(list(range(4)), batch_size=2, workers=0, seed_globals="per-sample")
+
+
+@pytest.mark.parametrize("mode", ["task", "sample", False])
+def test_a_tasks_samples_entered_through_each_draw_as_when_entered_one_by_one(mode):
+    """SampleScope.each (an indexed task's loop) names a later sample without re-entering it:
+    every sample's sample_rng() and the global generators' draws are those of enter()."""
+    from procpipe._core.rng import sample_rng
+
+    def draws(one_by_one: bool) -> list:
+        random.seed(0)  # (seed_globals=False leaves them alone: the same start for both)
+        np.random.seed(0)
+        scope = SampleScope(7, seed_globals=mode)
+        got = []
+        for task in ([3, 4, 5], [9, 1]):
+            indices = iter(task) if one_by_one else scope.each(2, task)
+            for index in indices:
+                if one_by_one:
+                    scope.enter(2, index)
+                got.append((scope.index, int(sample_rng().integers(1 << 30)), random.random(), np.random.rand()))
+            scope.leave()
+        return got
+
+    assert draws(one_by_one=False) == draws(one_by_one=True)

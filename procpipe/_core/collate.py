@@ -21,6 +21,7 @@ Layout nodes are short lists, cheap to pickle:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -66,7 +67,7 @@ class _Planner:
 
     def _array_node(self, dtype: np.dtype, shape: tuple, source: Any, stack_it: bool) -> list:
         node = [ARRAY, _dtype_token(dtype), shape, None]
-        self.nbytes += -(-(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize) // ALIGN) * ALIGN
+        self.nbytes += -(-(math.prod(shape) * dtype.itemsize) // ALIGN) * ALIGN
         self.writes.append((node, source, stack_it))
         return node
 
@@ -151,6 +152,17 @@ class _Planner:
         return self._array_node(first.dtype, (len(values),) + first.shape, values, True)
 
     def _stack_numbers(self, values: list, path: tuple, indices: Sequence[object]) -> list:
+        # Each distinct type checked once (a batch has one or two): a fraction of the cost of
+        # an isinstance per sample, which dominates collating a batch of scalars.
+        if not all(issubclass(kind, _NUMBER_TYPES) for kind in set(map(type, values))):
+            self._refuse_non_number(values, path, indices)
+        column = np.asarray(values)
+        if column.dtype.hasobject:  # e.g. Python ints beyond 64 bits
+            return [INLINE, list(values), True]
+        return self._array_node(column.dtype, column.shape, column, False)
+
+    def _refuse_non_number(self, values: list, path: tuple, indices: Sequence[object]) -> None:
+        """Raise the error naming the first sample of a column of numbers that is not one."""
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, _NUMBER_TYPES):
                 raise CollateError(
@@ -158,10 +170,6 @@ class _Planner:
                     f"({_describe(values[0])}) but index {i} is {_describe(v)}. "
                     "Make the field the same type in every sample, or pass collate_fn=...."
                 )
-        column = np.asarray(values)
-        if column.dtype.hasobject:  # e.g. Python ints beyond 64 bits
-            return [INLINE, list(values), True]
-        return self._array_node(column.dtype, column.shape, column, False)
 
     # -- packing an already-built batch (collate_fn output, or unbatched samples) ------
     def pack(self, value: Any) -> list:

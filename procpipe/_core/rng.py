@@ -34,7 +34,7 @@ import _random
 import random
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -211,6 +211,28 @@ class SampleScope:
                 self._save_globals()
                 self._task_first = index
                 self._seed_globals(epoch, index, (_TASK_MARK,))
+
+    def each(self, epoch: int, indices: Sequence[int]) -> Iterator[int]:
+        """Enter each of a task's ``indices`` in turn, as ``enter`` would, and yield it: an indexed
+        task's loop, without a call per sample. Past the task's first sample (unless the global
+        generators are seeded per sample) entering one only names it: the first seeded them."""
+        if self._per_sample:
+            for index in indices:
+                self.enter(epoch, index)
+                yield index
+            return
+        current = _current
+        seeds = self.seed_globals
+        first = True
+        for index in indices:
+            if first or (seeds and self._task_first is None):  # (None again: a leave inside fn)
+                first = False
+                self.enter(epoch, index)
+            else:
+                self.index = index
+                self.rng = None
+                current.scope = self  # (a scope entered and left inside fn, a nested loader's, cleared it)
+            yield index
 
     def reseed_globals(self) -> None:
         """Seed the global generators again as they were when the current sample began (e.g.

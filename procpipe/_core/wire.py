@@ -14,11 +14,14 @@ task would wait for it. So the coordinator writes through an ``Outbox`` instead:
 message is framed as ``Connection.recv_bytes`` reads it (a 4-byte big-endian length, or
 -1 and an 8-byte one; the format multiprocessing keeps for wire compatibility), and
 written with ``MSG_DONTWAIT``; what the pipe does not take now waits in the outbox until
-the selector says the pipe is writable again.
+the selector says the pipe is writable again. Reading goes the same way (``Inbox``): every
+byte waiting, in one non-blocking read, split into whole messages (the coordinator reads a
+worker's replies so, and a worker its queued tasks).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import socket
@@ -87,6 +90,83 @@ def frame(data: bytes) -> bytes:
     return header + data
 
 
+_CHUNK = 1 << 16  # what one read asks for, at least
+_GATHER = 64  # messages written by one system call, at most
+
+
+class Inbox:
+    """Messages from one ``Connection`` (a socket pair end), read without ever blocking.
+
+    ``receive`` takes every byte the socket holds now, most often in one system call, and
+    returns the whole frames among them (``Connection.recv_bytes``'s format, which ``frame``
+    writes); a frame not whole yet stays here until the rest arrives. Reading a reply
+    through ``Connection.recv_bytes`` costs a poll and two reads each (length, then body);
+    the replies and tasks of small batches arrive several at once. Like ``Outbox``, it reads
+    through its own duplicate of the connection's descriptor, which stays in blocking mode.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._sock.setblocking(True)
+        self._buffer = bytearray()
+        self._need = 0  # bytes the buffer lacks for its first frame to be whole (0: unknown or none)
+        self.closed = False  # the other end is gone (or this one was closed): nothing more will come
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def receive(self) -> list[bytes]:
+        """The whole frames that arrived, in order ([] if none); ``closed`` says whether more may come."""
+        if self.closed:
+            return []
+        buffer = self._buffer
+        while True:
+            size = max(_CHUNK, self._need)
+            try:
+                chunk = self._sock.recv(size, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # (reset by a peer that died)
+                self.closed = True
+                break
+            if not chunk:
+                self.closed = True
+                break
+            buffer += chunk
+            if len(chunk) < size:
+                break  # the socket is drained: asking again would only say so
+            self._need = max(0, self._need - len(chunk))  # (a large frame: the rest in one read)
+        return self._frames()
+
+    def _frames(self) -> list[bytes]:
+        buffer = self._buffer
+        frames = []
+        start, end = 0, len(buffer)
+        unpack_from = struct.unpack_from
+        self._need = 0
+        while end - start >= 4:
+            (n,) = unpack_from("!i", buffer, start)
+            header = 4
+            if n == -1:
+                if end - start < 12:
+                    break
+                (n,) = unpack_from("!Q", buffer, start + 4)
+                header = 12
+            if end - start < header + n:
+                self._need = header + n - (end - start)
+                break
+            frames.append(bytes(buffer[start + header : start + header + n]))
+            start += header + n
+        if start:
+            del buffer[:start]
+        return frames
+
+    def close(self) -> None:
+        self.closed = True
+        self._buffer.clear()
+        self._sock.close()
+
+
 class Outbox:
     """Messages for one ``Connection`` (a socket pair end), written without ever blocking.
 
@@ -119,24 +199,34 @@ class Outbox:
             self._frames.append(frame(encode(message)))
 
     def flush(self) -> bool:
-        """Write what the pipe takes now, never blocking; True once nothing is left."""
+        """Write what the pipe takes now, never blocking; True once nothing is left. The
+        messages queued go in one system call (gathered), not one each."""
         frames = self._frames
+        sock = self._sock
         while frames:
-            head = frames[0]
             try:
-                n = self._sock.send(head, _DONTWAIT)
+                if len(frames) == 1:
+                    n = sock.send(frames[0], _DONTWAIT)
+                else:
+                    n = sock.sendmsg(list(itertools.islice(frames, _GATHER)), (), _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return False
             except OSError:  # the worker is gone: its death is handled by its sentinel
                 self.broken = True
                 frames.clear()
                 return True
-            if n < len(head):
-                frames[0] = memoryview(head)[n:]
-                self._started = True
-                return False
-            frames.popleft()
-            self._started = False
+            while frames:  # the frames written whole go; a frame written in part keeps its rest
+                head = frames[0]
+                if n < len(head):
+                    if n:
+                        frames[0] = memoryview(head)[n:]
+                        self._started = True
+                    return False
+                n -= len(head)
+                frames.popleft()
+                self._started = False
+                if not n:
+                    break
         return True
 
     def drop_unsent(self) -> None:

@@ -233,6 +233,8 @@ class Coordinator:
             self._broken = exc
             self._fail(exc)
         finally:
+            if self.stream is not None:
+                self.stream.publish()  # what its last round held back
             if self._closing:
                 self._shutdown_workers()
 
@@ -298,6 +300,9 @@ class Coordinator:
         """Step: sleep in select for at most ``wait`` s; handle each reply, death and wake-up."""
         selector = self._selector
         registered = selector.get_map()
+        stream = self.stream
+        if stream is not None and stream.pending:
+            stream.publish()  # the round's batches, now that its tasks are sent (Stream.publish)
         for key, _ in selector.select(wait):
             if registered.get(key.fd) is not key:
                 continue  # unregistered by an earlier callback of this round (its worker died)
@@ -319,6 +324,7 @@ class Coordinator:
         if self.stream is not None:
             self.stream.abandon()
         self.stream = stream
+        stream.pending = []  # (published before each wait: _wait_and_handle)
         stream.on_open = self._on_open
         stream.open(stream.first)
         for w in list(self.roster.links):
@@ -339,6 +345,7 @@ class Coordinator:
         stream = self.stream
         if stream is not None and not stream.finished:
             stream.fail(exc)
+            stream.publish()  # (now: the coordinator may be on its way out)
 
     # ---------------------------------------------------------------- workers
     def _start_worker(self, index: int) -> WorkerLink:

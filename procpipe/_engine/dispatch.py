@@ -69,6 +69,7 @@ class Dispatcher:
         self.prefetch = prefetch
         self.flush = flush
         self.attempts: dict[int, Attempt] = {}
+        self.unflushed: list[WorkerLink] | None = None  # during a round: the workers sent tasks, to flush at its end
         self.next_attempt_id = 0
         self.max_outstanding = 0
         self.set_outstanding()
@@ -87,6 +88,8 @@ class Dispatcher:
         outstanding = stream.outstanding()
         starved = False
         held_back = False
+        unflushed: list[WorkerLink] = []
+        self.unflushed = unflushed
         while not stream.finished:
             last = stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
             for epoch in list(stream.epochs):
@@ -100,6 +103,9 @@ class Dispatcher:
             # Again only if the epoch that had new tasks has sent them all: the next one may open.
             if last is None or last.fresh or held_back:
                 break
+        self.unflushed = None
+        for worker in unflushed:
+            self.flush(worker)
         return starved
 
     def send_one(self, epoch: Epoch, outstanding: int) -> tuple[bool | None, bool]:
@@ -162,7 +168,11 @@ class Dispatcher:
         # the loop): what its pipe does not take now is written when it becomes writable.
         # A worker that is dying drops it; its sentinel fires and the task is redone.
         worker.put(_new_tuple(Task, (task_id, job.epoch.number, job.work.payload, ring_id, local, slot_bytes)))
-        self.flush(worker)
+        unflushed = self.unflushed
+        if unflushed is None:
+            self.flush(worker)
+        elif worker not in unflushed:  # (a round: each worker's tasks go in one write, at its end)
+            unflushed.append(worker)
 
     # ---------------------------------------------------------------- stragglers
     def speculate(self) -> None:

@@ -276,6 +276,9 @@ class Stream:
         self.ahead = dict(ahead or {})  # epoch -> positions already delivered (resume); popped when opened
         self.resumed_ahead = dict(self.ahead)  # the same, kept (resume_point)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
+        # The coordinator's stream: the items of a round wait here until ``publish``, which the
+        # coordinator calls just before it sleeps (None: each item goes into ``out`` at once).
+        self.pending: list | None = None
         self.epochs: deque[Epoch] = deque()  # open: not yet finished, or (ordered) not yet all out
         self.opened: dict[int, Epoch] = {}
         self.next_number = start + 1  # the next epoch to open
@@ -391,9 +394,30 @@ class Stream:
             self._put(item)
 
     def _put(self, item: Any) -> None:
-        self.out.put(item)
+        self._enqueue(item)
         if isinstance(item, Failure):
             self.finish()
+
+    def _enqueue(self, item: Any) -> None:
+        pending = self.pending
+        if pending is None:
+            self.out.put(item)
+        else:
+            pending.append(item)
+
+    def publish(self) -> None:
+        """Put the items held back (``pending``) into ``out``, in order (coordinator thread).
+
+        The coordinator handles a round's replies and sends the next tasks before the consumer
+        hears of the batches: woken while the coordinator still runs, the consumer would only
+        wait for the GIL, and take it from the coordinator at its next system call (a task's
+        send), one thread switch more per batch in each direction."""
+        pending = self.pending
+        if pending:
+            put = self.out.put
+            for item in pending:
+                put(item)
+            pending.clear()
 
     def epoch_done(self, epoch: Epoch) -> None:
         """Every batch of ``epoch`` has been delivered (or it had none)."""
@@ -416,7 +440,7 @@ class Stream:
     def _maybe_end(self) -> None:
         if not self.finished and not self.epochs and self.exhausted:
             self.finished = True
-            self.out.put(EndOfStream)
+            self._enqueue(EndOfStream)
 
     def fail_at(self, epoch: Epoch, failure: Failure) -> None:
         """``epoch`` failed: raise in the consumer once the epochs before it are out (ordered)."""
@@ -452,6 +476,8 @@ class Stream:
         blocked on the queue (a device stage thread) gets ``EndOfStream``.
         """
         self.finish()
+        if self.pending:
+            self.pending.clear()
         while True:
             try:
                 self.out.get_nowait()

@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 import types
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,9 @@ _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
 
 STARTING = -2  # the task id in a worker's status words until its process has started (module doc)
+# Bytes between two workers' status words: a cache line each. Packed, the workers, which write
+# the index they load before every sample, would each take the line from the other's core.
+STATUS_STRIDE = 64
 ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand and those queued, exit now
 
 
@@ -304,16 +308,28 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
         mapped = map_file(files_prefix + "status")
     except OSError:
         return [-1, -1]
-    return memoryview(mapped)[16 * worker_id : 16 * worker_id + 16].cast("q")
+    start = STATUS_STRIDE * worker_id
+    return memoryview(mapped)[start : start + 16].cast("q")
 
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
     scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
+    # The tasks queued in the pipe, read at once (small batches keep several queued): a
+    # system call per few tasks, not a poll and two reads each (Connection.poll and recv_bytes).
+    inbox = wire.Inbox(conn)
+    waiting = select.poll()
+    waiting.register(inbox.fileno(), select.POLLIN)
+    idle_ms = int(_IDLE_CHECK_S * 1000)
+    queued: deque[bytes] = deque()
     while True:
-        while not conn.poll(_IDLE_CHECK_S):
-            if parent.gone():
+        while not queued:
+            if inbox.closed:
+                raise EOFError
+            if waiting.poll(idle_ms):  # (a closed pipe shows too: receive then says so)
+                queued.extend(inbox.receive())
+            elif parent.gone():
                 return
-        task = wire.recv(conn)
+        task = wire.decode(queued.popleft())
         if task is STOP:
             return
         reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))

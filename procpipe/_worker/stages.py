@@ -107,13 +107,12 @@ def run_indices(
 def fn_only(spec: Any, scope: SampleScope, epoch: int, indices: list[int], source: Any, status: Any) -> list[Any]:
     """``run_sample`` for each index where ``fn`` is the only stage: ``fn(source[i])``, a None
     refused, an exception propagated as it is (module doc)."""
-    fn, enter = spec.fn, scope.enter
+    fn = spec.fn
     refuse_none = spec.batched and spec.collate_fn is None
     samples = []
-    for index in indices:
+    for index in scope.each(epoch, indices):
         if status is not None:
             status[1] = index
-        enter(epoch, index)
         sample = source[index] if fn is None else fn(source[index])
         if sample is None and refuse_none:
             raise TypeError(returned_none(spec, index))
