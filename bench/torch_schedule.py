@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch.utils.data as tud
+from torch_iterable import seconds  # (bench/ is this script's directory: sys.path[0])
 
 from procpipe.torch import DataLoader
 
@@ -54,12 +54,6 @@ WORKLOADS = {  # name: (samples, units of work per sample, every n-th batch slow
     "cpu": (16 * 60, 1, 0, 16),
     "uneven": (16 * 60, 1, 7, 16),
 }
-
-
-def seconds(loader) -> tuple[float, int]:
-    started = time.perf_counter()
-    batches = sum(1 for _ in loader)
-    return time.perf_counter() - started, batches
 
 
 def main() -> None:
