@@ -392,9 +392,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             self._pp_loader = None
         # the next iter() draws as the saved one's successor would (persistent workers: no new seeds)
         self._pp_iterated = bool(state_dict["procpipe"].get("finished")) and self.persistent_workers
-        if seed != self._pp_seed:  # the per-sample seeds are the saved loader's
+        if seed != self._pp_seed:  # the per-batch seeds (seed_globals=True) are the saved loader's
             self._pp_seed = self._pp_options["seed"] = seed
-            self._pp_kind.reseed(seed)
 
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what

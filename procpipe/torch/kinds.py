@@ -82,7 +82,7 @@ class MapStyle:
             mode, item_fn, self.convert = CUSTOM, None, unpack
         self.source = TorchSource(
             dataset, mode, item_fn, torch_args.worker_init_fn, torch_args.num_workers, torch_args.seed
-        )
+        )  # (its base_seed until new_loader sets this iterator's)
         self.index_sampler = index_sampler
         self.batches: SamplerBatches | None = SamplerBatches(index_sampler, mode == UNBATCHED)
         self.batch_size: int | None = None if mode == UNBATCHED else 1  # the Loader's: sizes are the sampler's
@@ -124,10 +124,6 @@ class MapStyle:
     def epoch_length(self, loader: Sized) -> int | None:
         """An epoch iterator's ``len()``: the DataLoader's."""
         return len(loader)
-
-    def reseed(self, seed: int) -> None:
-        """A loaded state's per-sample seed (``load_state_dict``)."""
-        self.source.seed = seed
 
 
 class IterableStyle:
@@ -187,9 +183,6 @@ class IterableStyle:
     def epoch_length(self, loader: Sized) -> int | None:
         """None: an iterator over an IterableDataset has no ``len()``."""
         return None
-
-    def reseed(self, seed: int) -> None:
-        """Nothing: the replicas' seeds come from the generator's draws (``base_seed``)."""
 
 
 DatasetKind = MapStyle | IterableStyle

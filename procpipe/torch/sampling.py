@@ -58,15 +58,14 @@ class TorchSource:
         item_fn: Callable[[Any], Any] | None,
         worker_init_fn: Callable[[int], Any] | None,
         num_workers: int,
-        seed: int,
+        base_seed: int,
     ) -> None:
         self.dataset = dataset
         self.mode = mode
         self.item_fn = item_fn  # collate_fn applied to each sample (batch_size=None + collate_fn)
         self.worker_init_fn = worker_init_fn
         self.num_workers = num_workers
-        self.seed = seed  # the per-batch seeds' (seed_globals=True)
-        self.base_seed = seed  # the per-worker seeds': the iterator's draw, set by the facade (kinds.py)
+        self.base_seed = base_seed  # the per-worker seeds': each iterator's draw, set by the facade (kinds.py)
         try:
             self.length = len(dataset)
         except TypeError:
