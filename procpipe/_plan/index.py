@@ -40,7 +40,8 @@ class IndexPlan(EpochPlan):
         self._retries: list[tuple[int, Work]] = []  # (key, work), sorted: lost tasks to run again
         self.progress = Progress(done)  # what the consumer has had (consumer thread)
         self.empty: list[int] = []  # positions every sample of which was skipped (nothing to take)
-        self._rotation = 0  # assign="round_robin": batch k to worker k % _rotation (0: any worker)
+        # assign="round_robin": batch k is offered to worker k % len(_rotation) (empty: any worker)
+        self._rotation: tuple[Sequence[Offer], ...] = ()
 
     def _skip_done(self) -> None:
         while self._next in self._done:
@@ -56,13 +57,11 @@ class IndexPlan(EpochPlan):
             return [Offer((0,), retry=self._retries[0][1])]  # (any worker: its own one died)
         if self._next >= len(self.batches):
             return ()
-        if self._rotation:
-            worker = self._next % self._rotation
-            return (Offer((1,), lane=worker, worker=worker),)
-        return _FRESH
+        rotation = self._rotation
+        return rotation[self._next % len(rotation)] if rotation else _FRESH
 
     def rotate(self, workers: int) -> None:
-        self._rotation = workers
+        self._rotation = tuple((Offer((1,), lane=w, worker=w),) for w in range(workers))  # made once, not per batch
 
     def take(self, offer: Offer, worker: int) -> Work:
         if offer.retry is not None:
