@@ -283,8 +283,7 @@ class Loader:
                 "this procpipe.Loader was created in another process (this one is a fork of it); "
                 "its workers serve that process only: create a new Loader here"
             )
-        if self._active is not None:
-            self._active.cancel("a new iteration over the loader started")
+        self._end_iteration("a new iteration over the loader started")
         epoch = self._standing.epoch
         self._standing.epoch += 1
         resume, self._resume = self._resume, None
@@ -362,9 +361,8 @@ class Loader:
         streaming source, see ``state_dict``), naming the setting.
         """
         resume = load_state(state, self._kind)
-        if self._active is not None:
-            self._active.cancel("load_state_dict() was called")
-            self._active = self._root = None
+        self._end_iteration("load_state_dict() was called")
+        self._active = self._root = None
         self._standing.epoch = resume.epoch
         self._resume = encode_position(
             self._sampler,
@@ -379,10 +377,19 @@ class Loader:
         Batches already delivered stay valid: their memory is freed when the last array
         of each is dropped.
         """
-        if self._active is not None:
-            self._active.cancel("the loader was closed")
+        self._end_iteration("the loader was closed")
         self._closed = True
         self._parts.close()
+
+    def _end_iteration(self, reason: str) -> None:
+        """End the iteration in progress, if any: cancel its source and stop the stage over it
+        (a prefetching thread is joined, so none is left inside the user's transfer or a device
+        copy once the loader goes on or closes). Both stay known, for ``state_dict()``."""
+        active, root = self._active, self._root
+        if active is not None:
+            active.cancel(reason)
+        if root is not None and root is not active:
+            root.close()
 
     def __enter__(self) -> Self:
         return self

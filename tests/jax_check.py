@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from typing import Any, NamedTuple
 
 SCENARIO = sys.argv[1]
@@ -237,6 +238,9 @@ def multi(process_id: int, port: int, directory: str) -> None:
         check("err_shard", raises(lambda: procpipe.jax.iterator(lo)))
     with loader(batch_size=8 if process_id == 0 else 4, shard=procpipe.jax.shard(), workers=0) as lo:
         check("err_sizes", raises(lambda: next(iter(procpipe.jax.iterator(lo)))))
+    # every loader is closed: none of their prefetching threads may be left inside JAX's code (at
+    # exit such a daemon thread aborts the process: "terminate called ... exception not rethrown")
+    check("stage_threads", [t.name for t in threading.enumerate() if t.name == "procpipe-device-stage"])
     jax.distributed.shutdown()
 
 

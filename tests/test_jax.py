@@ -143,6 +143,7 @@ def test_two_processes_make_the_global_batch_of_one(tmp_path):
         assert [sorted(b) for b in checks["global_batches"]] == checks["unsharded_16"]
         assert "shard=None" in checks["err_shard"] and "shard=procpipe.jax.shard(sharding)" in checks["err_shard"]
         assert "(process 0: 8, process 1: 4)" in checks["err_sizes"]
+        assert checks["stage_threads"] == [], "a closed loader's prefetching thread still runs"
     assert runs[0]["global_batches"] == runs[1]["global_batches"]
 
     if importlib.util.find_spec("orbax") is None:

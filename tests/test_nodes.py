@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -214,6 +215,38 @@ def test_iterate_puts_the_callers_stage_at_the_root(kind, workers):
     with contextlib.ExitStack() as stack:
         full = [tagged(p) for p in loader_for(stack, kind, workers, True, 0)]
     assert taken + rest == full, state
+
+
+def _stage_threads_started_by(action: Callable[[], Any]) -> tuple[Any, list[threading.Thread]]:
+    before = set(threading.enumerate())
+    out = action()
+    return out, [t for t in threading.enumerate() if t not in before and t.name == "procpipe-device-stage"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("end", ["close", "new_iteration", "load_state_dict"])
+def test_ending_an_iteration_stops_the_callers_stage_thread(workers, end):
+    """Once the loader closes, starts another iteration or loads a state, the prefetching thread
+    of the abandoned one has stopped (joined), not merely been told to: a thread left inside a
+    library's transfer (JAX's) when the interpreter exits aborts the process."""
+    transfer = _CountingTransfer()
+    with contextlib.ExitStack() as stack:
+        loader = loader_for(stack, "indexed", workers, True, 0)
+        it, threads = _stage_threads_started_by(lambda: loader.iterate(lambda n: Prefetcher(n, transfer, depth=3)))
+        assert len(threads) == 1
+        next(it)
+        state = loader.state_dict()
+        if end == "close":
+            loader.close()
+        elif end == "new_iteration":
+            _, more = _stage_threads_started_by(lambda: loader.iterate(lambda n: Prefetcher(n, transfer, depth=3)))
+            threads += more
+            assert len(more) == 1 and more[0].is_alive()
+        else:
+            loader.load_state_dict(state)
+        assert not threads[0].is_alive(), f"the stage thread still runs after {end}"
+        loader.close()
+        assert not any(t.is_alive() for t in threads)
 
 
 def test_stage_state_before_any_batch_is_its_sources_start():

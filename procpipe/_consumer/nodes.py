@@ -55,3 +55,7 @@ class Node(Iterator):
     def get_state(self) -> dict[str, Any]:
         """Where the consumer stands: a JSON-serializable dict that ``reset`` takes back."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop what this node runs besides the consumer (a thread), once its iteration is over;
+        nothing by default. ``Loader.close()`` and the next ``iter(loader)`` call it."""

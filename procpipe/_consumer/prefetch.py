@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,7 +105,7 @@ def _stage_main(
             try:
                 batch = next(source)
             except StopIteration:
-                out.put(_Ended())
+                _offer(out, _Ended(), stop, source)
                 return
             except Exception as exc:  # noqa: BLE001 - this batch failed: raised in the consumer, then
                 item = _Raised(exc, False, snapshot())  # the next one follows (the source says)
@@ -116,16 +117,23 @@ def _stage_main(
                 except Exception as exc:  # noqa: BLE001 - as above: this batch's error
                     item = _Raised(exc, False, state)
                 del batch  # (a ring slot is free once the transfer no longer needs it)
-            while True:
-                try:
-                    out.put(item, timeout=_ABANDON_CHECK_S)
-                    break
-                except queue.Full:  # the consumer is busy, or gone: a new epoch or close() cancelled ours
-                    if stop.is_set() or getattr(source, "cancelled", None):
-                        return
+            if not _offer(out, item, stop, source):
+                return
             del item
     except BaseException as exc:  # noqa: BLE001 - delivered to the consumer, raised there
-        out.put(_Raised(exc))
+        _offer(out, _Raised(exc), stop, source)
+
+
+def _offer(out: queue.Queue, item: _Item, stop: threading.Event, source: Iterator) -> bool:
+    """Put ``item`` for the consumer; False (item dropped) once nobody will take it: ``close()``
+    or a new epoch cancelled this one while the queue was full."""
+    while True:
+        try:
+            out.put(item, timeout=_ABANDON_CHECK_S)
+            return True
+        except queue.Full:  # the consumer is busy, or gone
+            if stop.is_set() or getattr(source, "cancelled", None):
+                return False
 
 
 class Prefetcher(Node):
@@ -151,6 +159,7 @@ class Prefetcher(Node):
     """
 
     _JOIN_S = 60.0  # the most reset() waits for the old thread to stop
+    _CLOSE_JOIN_S = 10.0  # the most close() waits for it (then warns and leaves it)
 
     def __init__(
         self, source: Iterator, transfer: Transfer, depth: int, timeout: float | None = None, *, keep_state: bool = True
@@ -219,7 +228,7 @@ class Prefetcher(Node):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         """Stop the thread (dropping the batches it holds), reset the source at ``initial_state``,
         and start again."""
-        self.close()
+        self._signal_stop()
         self._thread.join(self._JOIN_S)
         if self._thread.is_alive():
             raise RuntimeError(
@@ -248,7 +257,25 @@ class Prefetcher(Node):
                     return _Raised(RuntimeError("procpipe's device stage thread stopped unexpectedly"))
 
     def close(self) -> None:
-        """Stop the thread; batches it holds are dropped (their slots return to the ring)."""
+        """Stop the thread and wait (at most ``_CLOSE_JOIN_S``) until it has: batches it holds are
+        dropped (their slots return to the ring), and no copy or user code of this stage still
+        runs when the loader's memory is released or the interpreter exits (a daemon thread
+        inside a library's C++ code then aborts the process, as JAX's does)."""
+        self._signal_stop()
+        thread = self._thread
+        if thread is threading.current_thread() or not thread.is_alive():
+            return
+        thread.join(self._CLOSE_JOIN_S)
+        if thread.is_alive():
+            warnings.warn(
+                f"procpipe's device stage thread has not stopped {self._CLOSE_JOIN_S:.0f} s after close(): "
+                "its transfer function or the dataset's code (workers=0) has not returned; it is left running",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _signal_stop(self) -> None:
+        """Tell the thread to stop and wake it, without waiting for it."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -266,7 +293,7 @@ class Prefetcher(Node):
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._signal_stop()  # no wait: a collection may run in any thread, this one's included
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
 
@@ -288,3 +315,6 @@ class Mapped(Node):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         self._source.reset(initial_state)
+
+    def close(self) -> None:
+        self._source.close()
