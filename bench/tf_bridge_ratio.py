@@ -9,7 +9,10 @@ warm pass, then ``--epochs`` passes of the loader alone and of the bridge, alter
 run's ratio is the median bridge rate over the median loader rate; the script prints each
 run's and their min and median, and how long each bridge pass waited after its last batch
 (TensorFlow's iterator ending: it waited for ``tf.data``'s autotuning thread, up to
-seconds). ``--repo`` is the checkout whose ``procpipe`` is measured (compare two with the
+seconds), and the training process's CPU time per batch for each (``time.process_time``: all
+its threads, TensorFlow's runtime and procpipe's coordinator, not the workers). That CPU is
+what the bridge adds: on a machine whose cores the workers fill, it is taken from them, so a
+ratio below 1 there is that cost, not a stall. ``--repo`` is the checkout whose ``procpipe`` is measured (compare two with the
 same command), e.g.::
 
     python bench/tf_bridge_ratio.py --runs 10 --workers 2            # this checkout
@@ -55,10 +58,11 @@ with procpipe.Loader(records, fn, batch_size=batch_size, workers=workers) as loa
     else:
         for _ in ds:
             pass
-    rates, waits = {"loader": [], "bridge": []}, []
+    rates, waits, cpu = {"loader": [], "bridge": []}, [], {"loader": [], "bridge": []}
     for _ in range(epochs):
         for name in ("loader", "bridge"):
             started = last = time.perf_counter()
+            cpu_started = time.process_time()
             n = 0
             if name == "bridge" and model is not None:
                 model.fit(ds, epochs=1, verbose=0)
@@ -70,11 +74,14 @@ with procpipe.Loader(records, fn, batch_size=batch_size, workers=workers) as loa
                     last = time.perf_counter()
             ended = time.perf_counter()
             rates[name].append(n / (ended - started))
+            cpu[name].append(1000 * (time.process_time() - cpu_started) * batch_size / n)
             if name == "bridge":
                 waits.append(ended - last)  # after the last batch, until the pass ends
 print("RESULT", statistics.median(rates["bridge"]) / statistics.median(rates["loader"]),
       " ".join(f"{v:.0f}" for v in rates["loader"]), "|", " ".join(f"{v:.0f}" for v in rates["bridge"]),
-      "| end-of-pass wait (ms):", " ".join(f"{1000 * w:.0f}" for w in waits))
+      "| end-of-pass wait (ms):", " ".join(f"{1000 * w:.0f}" for w in waits),
+      "| training process CPU ms/batch: loader %.2f bridge %.2f" % (statistics.median(cpu["loader"]),
+                                                                   statistics.median(cpu["bridge"])))
 """
 
 
@@ -82,7 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=2, help="passes of each engine per run")
+    parser.add_argument("--epochs", type=int, default=4, help="passes of each engine per run (alternated)")
     parser.add_argument("--prefetch", action="store_true", help=".prefetch(2) after the bridge")
     parser.add_argument("--fit", action="store_true", help="the bridge through keras model.fit (a 1-weight model)")
     parser.add_argument("--workload", choices=("gil", "transfer"), default="gil",
