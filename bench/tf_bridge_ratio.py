@@ -12,8 +12,8 @@ run's and their min and median, and how long each bridge pass waited after its l
 seconds), and the training process's CPU time per batch for each (``time.process_time``: all
 its threads, TensorFlow's runtime and procpipe's coordinator, not the workers). That CPU is
 what the bridge adds: on a machine whose cores the workers fill, it is taken from them, so a
-ratio below 1 there is that cost, not a stall. ``--repo`` is the checkout whose ``procpipe`` is measured (compare two with the
-same command), e.g.::
+ratio below 1 there is that cost, not a stall. ``--repo`` is the checkout whose ``procpipe`` is
+measured (compare two with the same command), e.g.::
 
     python bench/tf_bridge_ratio.py --runs 10 --workers 2            # this checkout
     python bench/tf_bridge_ratio.py --runs 10 --workers 2 --repo ../main
@@ -92,9 +92,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4, help="passes of each engine per run (alternated)")
     parser.add_argument("--prefetch", action="store_true", help=".prefetch(2) after the bridge")
     parser.add_argument("--fit", action="store_true", help="the bridge through keras model.fit (a 1-weight model)")
-    parser.add_argument("--workload", choices=("gil", "transfer"), default="gil",
-                        help="gil: ~2 ms of Python per dict record, batch 32; transfer: a 224x224x3 "
-                        "uint8 image copy per sample, batch 64 (9.6 MB a batch)")
+    parser.add_argument(
+        "--workload",
+        choices=("gil", "transfer"),
+        default="gil",
+        help="gil: ~2 ms of Python per dict record, batch 32; transfer: a 224x224x3 "
+        "uint8 image copy per sample, batch 64 (9.6 MB a batch)",
+    )
     parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=os.path.abspath(args.repo), TF_CPP_MIN_LOG_LEVEL="3")

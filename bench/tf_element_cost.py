@@ -1,0 +1,142 @@
+"""What TensorFlow itself costs per element, with no loader: the floor under the tf.data bridge.
+
+``procpipe.tf.dataset`` is a ``tf.data.Dataset.from_generator`` whose elements are the loader's
+batches. Here the same construction yields preallocated, 64-byte-aligned batches (which
+TensorFlow adopts without copying) shaped as ``bench/tf_bridge_ratio.py``'s two workloads, so
+what is measured is TensorFlow's own work per element: the generator's ``py_func`` in a
+``tf.data`` thread, its checks, and the consumer's ``next``. Beside it, for scale: a
+``range().map(numpy_function)`` (one Python call per element, no generator machinery) and a
+``range().map()`` with no Python at all (what eager iteration alone costs), each consumed by an
+eager ``for`` loop and, for the bridge's construction, inside a ``tf.function`` (as
+``model.fit`` consumes it). Each figure is the training process's CPU per element
+(``time.process_time``, all threads) and the wall time, medians of ``--reps`` alternated passes::
+
+    python bench/tf_element_cost.py --reps 5
+
+On a machine whose cores the workers fill, this CPU is taken from them: it bounds the bridge's
+rate against the loader's own (``for b in loader`` costs about 0.2-0.5 ms of CPU per batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+import tensorflow as tf
+
+
+def aligned(shape: tuple, dtype: type = np.uint8) -> np.ndarray:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start : start + nbytes].view(dtype).reshape(shape)
+    out[...] = 1
+    return out
+
+
+WORKLOADS = {  # the batches of bench/tf_bridge_ratio.py
+    "gil": lambda: {
+        "image": aligned((32, 32, 32, 3)),
+        "label": aligned((32,), np.int64),
+        "id": aligned((32,), np.int64),
+        "name": [f"img_{i}" for i in range(32)],
+    },
+    "transfer": lambda: {
+        "image": aligned((64, 224, 224, 3)),
+        "label": aligned((64,), np.int64),
+        "id": aligned((64,), np.int64),
+    },
+}
+
+
+def spec_of(batch: dict) -> dict:
+    return {
+        k: tf.TensorSpec((None,), tf.string)
+        if isinstance(v, list)
+        else tf.TensorSpec((None, *v.shape[1:]), tf.as_dtype(v.dtype))
+        for k, v in batch.items()
+    }
+
+
+def constructions(batch: dict, n: int) -> dict:
+    spec = spec_of(batch)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # as procpipe.tf.dataset sets it
+    keys = list(batch)
+
+    def generator():
+        for _ in range(n):
+            yield {k: v[:] for k, v in batch.items()}
+
+    def from_generator():
+        return tf.data.Dataset.from_generator(generator, output_signature=spec).with_options(options)
+
+    def numpy_map():
+        def call(i):
+            return [np.asarray(batch[k], object) if isinstance(batch[k], list) else batch[k][:] for k in keys]
+
+        def element(i):
+            out = tf.numpy_function(call, [i], [spec[k].dtype for k in keys], stateful=True)
+            return dict(zip(keys, out, strict=True))
+
+        return tf.data.Dataset.range(n).map(element).with_options(options)
+
+    def no_python():
+        made = {k: tf.zeros((1,), spec[k].dtype) for k in keys}
+        return tf.data.Dataset.range(n).map(lambda i: made).with_options(options)
+
+    return {
+        "from_generator (the bridge's)": from_generator,
+        "range.map(numpy_function)": numpy_map,
+        "range.map(no Python)": no_python,
+    }
+
+
+def eager(ds: tf.data.Dataset) -> int:
+    count = 0
+    for _ in ds:
+        count += 1
+    return count
+
+
+@tf.function
+def in_graph(ds: tf.data.Dataset) -> tf.Tensor:
+    count = tf.constant(0)
+    for _ in ds:
+        count += 1
+    return count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--elements", type=int, default=400)
+    args = parser.parse_args()
+    for workload, make in WORKLOADS.items():
+        batch = make()
+        made = constructions(batch, args.elements)
+        runs = {f"{name}, eager for": (mk, eager) for name, mk in made.items()}
+        runs["from_generator (the bridge's), in a tf.function"] = (made["from_generator (the bridge's)"], in_graph)
+        for mk, consume in runs.values():
+            consume(mk())  # warm: traces, first allocations
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        wall: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for name, (mk, consume) in runs.items():
+                ds = mk()
+                started, cpu_started = time.perf_counter(), time.process_time()
+                consume(ds)
+                wall[name].append(1000 * (time.perf_counter() - started) / args.elements)
+                cpu[name].append(1000 * (time.process_time() - cpu_started) / args.elements)
+        print(f"workload {workload}: ms per element, medians of {args.reps} alternated passes")
+        for name in runs:
+            print(f"  {name:55s} CPU {statistics.median(cpu[name]):.3f}   wall {statistics.median(wall[name]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
