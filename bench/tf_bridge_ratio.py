@@ -4,7 +4,7 @@ Each run is a fresh interpreter: a ``Loader`` made with defaults over 3,072 dict
 (about 2 ms of GIL-bound Python each: an ``id``, a ``name`` str and a 32x32x3 image), batch
 32, ``procpipe.tf.dataset(loader)`` (with ``--prefetch``: ``.prefetch(2)`` after it; with
 ``--fit``: through ``model.fit`` of a one-weight Keras model; ``--workload transfer``: a
-224x224x3 uint8 image copy per sample, batch 64), one
+224x224x3 uint8 image copy per sample, batch 64, ``--batches`` a pass), one
 warm pass, then ``--epochs`` passes of the loader alone and of the bridge, alternated. A
 run's ratio is the median bridge rate over the median loader rate; the script prints each
 run's and their min and median, and how long each bridge pass waited after its last batch
@@ -43,7 +43,7 @@ def copy(r):
 if workload == "gil":
     records, fn, batch_size = [{"id": i, "name": f"img_{i}"} for i in range(3072)], load, 32
 else:
-    records, fn, batch_size = [{"id": i} for i in range(64 * 40)], copy, 64
+    records, fn, batch_size = [{"id": i} for i in range(64 * int(sys.argv[5]))], copy, 64
 with procpipe.Loader(records, fn, batch_size=batch_size, workers=workers) as loader:
     ds = procpipe.tf.dataset(loader)
     if mode == "prefetch":
@@ -99,6 +99,14 @@ def main() -> None:
         help="gil: ~2 ms of Python per dict record, batch 32; transfer: a 224x224x3 "
         "uint8 image copy per sample, batch 64 (9.6 MB a batch)",
     )
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=400,
+        help="transfer workload: batches per pass (TensorFlow spends about 14 ms starting each pass's "
+        "iterator, a quarter of a 40-batch pass of this workload; 400 makes the pass long enough to show the "
+        "per-batch cost)",
+    )
     parser.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=os.path.abspath(args.repo), TF_CPP_MIN_LOG_LEVEL="3")
@@ -106,7 +114,7 @@ def main() -> None:
     ratios = []
     for run in range(args.runs):
         out = subprocess.run(
-            [sys.executable, "-c", RUN, str(args.workers), mode, str(args.epochs), args.workload],
+            [sys.executable, "-c", RUN, str(args.workers), mode, str(args.epochs), args.workload, str(args.batches)],
             capture_output=True,
             text=True,
             env=env,
