@@ -93,8 +93,8 @@ class Timer:
 
 if __name__ == "__main__":
     # After (built first: its workers fork before TensorFlow starts its threads)
-    loader = procpipe.Loader(RECORDS, preprocess, batch_size=BATCH, workers=2, shuffle=True,
-                             stage_slots=2)  # 2 spare ring slots for the batches TensorFlow holds
+    # (no stage_slots: procpipe.tf.dataset reserves the ring slots TensorFlow holds)
+    loader = procpipe.Loader(RECORDS, preprocess, batch_size=BATCH, workers=2, shuffle=True)
 
     import keras  # noqa: E402
     import tensorflow as tf  # noqa: E402
