@@ -388,8 +388,9 @@ class Loader:
         active, root = self._active, self._root
         if active is not None:
             active.cancel(reason)
-        if root is not None and root is not active:
-            root.close()
+        close = getattr(root, "close", None)  # a caller's stage (iterate()) may be any iterator
+        if close is not None and root is not active:
+            close()
 
     def __enter__(self) -> Self:
         return self

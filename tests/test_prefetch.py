@@ -143,3 +143,18 @@ def test_mapped_runs_inline_and_passes_its_sources_state_through():
     assert source.taken == 2 and node.get_state() == {"next": 2}
     node.reset({"next": 4})
     assert list(node) == [-4]
+
+
+def test_close_passes_through_mapped_and_stops_a_prefetchers_thread():
+    """``close()`` (what ``Loader.close()`` and the next ``iter()`` call on the root node): a
+    ``Mapped`` passes it to its source (a plain iterator under it has none: nothing to do), and a
+    ``Prefetcher`` returns only once its thread has stopped."""
+    before = set(threading.enumerate())
+    inner = Prefetcher(Numbers(1000), lambda b: (b, None), depth=2)
+    started = [t for t in threading.enumerate() if t not in before]
+    outer = Mapped(inner, lambda b: -b)
+    assert next(outer) == 0
+    assert len(started) == 1 and started[0].is_alive()
+    outer.close()
+    assert not started[0].is_alive()
+    Mapped(iter([1, 2]), lambda b: b).close()  # no close() below it: nothing to do

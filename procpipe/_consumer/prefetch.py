@@ -317,4 +317,6 @@ class Mapped(Node):
         self._source.reset(initial_state)
 
     def close(self) -> None:
-        self._source.close()
+        close = getattr(self._source, "close", None)  # (a plain iterator under it has none)
+        if close is not None:
+            close()
