@@ -15,6 +15,15 @@ eager ``for`` loop and, for the bridge's construction, inside a ``tf.function`` 
 
 On a machine whose cores the workers fill, this CPU is taken from them: it bounds the bridge's
 rate against the loader's own (``for b in loader`` costs about 0.2-0.5 ms of CPU per batch).
+
+That cost depends on how far apart the elements come. A loader delivers a batch every few
+milliseconds (``tf_transfer``) to tens of milliseconds (``tf_cpu``), not back to back, and
+TensorFlow's path per element then runs cold. ``--gaps`` times the bridge's construction with the
+generator waiting that many milliseconds before each element (``time.sleep``: no CPU, the GIL
+released, as a loader waiting for its workers), beside a plain Python loop over the same
+generator::
+
+    python bench/tf_element_cost.py --reps 5 --gaps 0,1,5,25
 """
 
 from __future__ import annotations
@@ -112,11 +121,54 @@ def in_graph(ds: tf.data.Dataset) -> tf.Tensor:
     return count
 
 
+def paced(batch: dict, gaps: list[float], reps: int, elements: int) -> None:
+    """CPU per element of the bridge's construction (eager) and of a plain loop, elements ``gap`` ms apart."""
+    spec = spec_of(batch)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+
+    def generator(gap: float):
+        def each():
+            for _ in range(elements):
+                time.sleep(gap / 1000)
+                yield {k: v[:] for k, v in batch.items()}
+
+        return each
+
+    def bridge(gap: float) -> None:
+        eager(tf.data.Dataset.from_generator(generator(gap), output_signature=spec).with_options(options))
+
+    def plain(gap: float) -> None:
+        for _ in generator(gap)():
+            pass
+
+    bridge(0)  # warm
+    for gap in gaps:
+        cpu: dict[str, list[float]] = {"from_generator, eager for": [], "plain Python for": []}
+        for _ in range(reps):
+            for name, run in zip(cpu, (bridge, plain), strict=True):
+                cpu_started = time.process_time()
+                run(gap)
+                cpu[name].append(1000 * (time.process_time() - cpu_started) / elements)
+        print(
+            f"  {elements} elements {gap:g} ms apart (a pass's start included): "
+            + "   ".join(f"{name} CPU {statistics.median(v):.3f}" for name, v in cpu.items())
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--elements", type=int, default=400)
+    parser.add_argument(
+        "--gaps",
+        default="",
+        help="comma-separated milliseconds between elements (e.g. 0,1,5,25): the bridge's construction with "
+        "elements that far apart, as a loader delivers them",
+    )
+    parser.add_argument("--paced-elements", type=int, default=200, help="elements per pass with --gaps")
     args = parser.parse_args()
+    gaps = [float(g) for g in args.gaps.split(",") if g.strip()]
     for workload, make in WORKLOADS.items():
         batch = make()
         made = constructions(batch, args.elements)
@@ -136,6 +188,8 @@ def main() -> None:
         print(f"workload {workload}: ms per element, medians of {args.reps} alternated passes")
         for name in runs:
             print(f"  {name:55s} CPU {statistics.median(cpu[name]):.3f}   wall {statistics.median(wall[name]):.3f}")
+        if gaps:
+            paced(batch, gaps, args.reps, args.paced_elements)
 
 
 if __name__ == "__main__":
