@@ -23,12 +23,13 @@ transfer  224x224x3 uint8 copies, batch 64 (9.6 MB per batch), ``workers=2``
 The figure is the steady state: seconds per batch from the 50th batch to the end of the
 epoch (start-up excluded), so it measures what each batch costs the engine.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,7 @@ def _epoch(name: str, options: str = "{}") -> float:
     elif name == "tiny64":
         loader = procpipe.Loader(range(64 * 3_000), batch_size=64, **extra)
     elif name == "stream":
-        loader = procpipe.Loader(procpipe.Shards(list(range(8)), _read_ints, cycle_length=4),
-                                 batch_size=64, **extra)
+        loader = procpipe.Loader(procpipe.Shards(list(range(8)), _read_ints, cycle_length=4), batch_size=64, **extra)
     elif name == "transfer":
         image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
         loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, **extra)
@@ -93,10 +93,16 @@ def _export(rev: str) -> str:
 def _one(tree: str, name: str, options: str) -> float:
     """One epoch in a fresh interpreter importing procpipe from ``tree``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import ab; "
-            "print(ab._epoch(sys.argv[2], sys.argv[3]))")
-    result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), name, options],
-                            env=env, cwd=tree, capture_output=True, text=True, timeout=600)
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import ab; print(ab._epoch(sys.argv[2], sys.argv[3]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), name, options],
+        env=env,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,  # the failure is raised below, with the child's stderr
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{name} under {tree} failed:\n{result.stderr[-2000:]}")
     return float(result.stdout.strip().splitlines()[-1])
@@ -133,7 +139,7 @@ def _compare(args: argparse.Namespace, tree_a: str) -> None:
     for rep in range(args.reps):
         a, b = ("A", tree_a, args.a_options), ("B", args.b, args.b_options)
         for name in names:
-            for label, tree, options in ((a, b) if rep % 2 == 0 else (b, a)):
+            for label, tree, options in (a, b) if rep % 2 == 0 else (b, a):
                 times[name][label].append(_one(tree, name, options))
         print(f"repetition {rep + 1}/{args.reps} done", file=sys.stderr)
     print(f"A = {args.base or tree_a} {args.a_options}\nB = {args.b} {args.b_options}\n")
@@ -142,8 +148,10 @@ def _compare(args: argparse.Namespace, tree_a: str) -> None:
         a, b = times[name]["A"], times[name]["B"]
         ma, mb = statistics.median(a), statistics.median(b)
         spread = lambda xs, m: (max(xs) - min(xs)) / 2 / m * 100  # noqa: E731
-        print(f"{name:<10} {ma * 1e6:12.1f} {mb * 1e6:12.1f} {mb / ma:6.3f}   "
-              f"±{spread(a, ma):.0f}% / ±{spread(b, mb):.0f}%")
+        print(
+            f"{name:<10} {ma * 1e6:12.1f} {mb * 1e6:12.1f} {mb / ma:6.3f}   "
+            f"±{spread(a, ma):.0f}% / ±{spread(b, mb):.0f}%"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(times, indent=1))
 

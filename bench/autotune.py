@@ -22,6 +22,7 @@ noise, not a verdict.
 Settings rotate between repetitions (``--reps``), so that drift on a noisy machine hits
 them alike; the table shows each setting's median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,9 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import procpipe  # noqa: E402
-from procpipe._engine.autotune import cpu_count  # noqa: E402
-from procpipe.bench.workloads import WORKLOADS, resolve  # noqa: E402
+import procpipe
+from procpipe._engine.autotune import cpu_count
+from procpipe.bench.workloads import WORKLOADS, resolve
 
 DEFAULT_WORKLOADS = "cpu,transfer,straggler,tiny64"
 FIXED = (1, 2, 3, 4)
@@ -47,8 +48,7 @@ TARGET = 0.90
 def run(name: str, workers: Any, warmup: float, seconds: float, step_s: float) -> dict[str, Any]:
     """One setting: samples/s after the warm-up and over the whole run, and the loader's stats."""
     w = WORKLOADS[name]
-    loader = procpipe.Loader(w.dataset(quick=True), batch_size=w.batch_size, workers=workers, epochs=None,
-                             shuffle=True)
+    loader = procpipe.Loader(w.dataset(quick=True), batch_size=w.batch_size, workers=workers, epochs=None, shuffle=True)
     try:
         it = iter(loader)
         t0 = time.perf_counter()
@@ -111,11 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
     names = resolve(opts.workloads)
     settings: list[Any] = [*FIXED, "auto"]
-    print(f"procpipe {procpipe.__version__}, python {platform.python_version()}, {cpu_count()} CPUs; "
-          f"{opts.warmup:g} s warm-up + {opts.seconds:g} s window per setting, {opts.reps} repetition(s), "
-          f"step {opts.step_ms:g} ms")
-    report: dict[str, Any] = {"cpus": cpu_count(), "warmup": opts.warmup, "seconds": opts.seconds, "reps": opts.reps,
-                              "step_ms": opts.step_ms, "workloads": {}}
+    print(
+        f"procpipe {procpipe.__version__}, python {platform.python_version()}, {cpu_count()} CPUs; "
+        f"{opts.warmup:g} s warm-up + {opts.seconds:g} s window per setting, {opts.reps} repetition(s), "
+        f"step {opts.step_ms:g} ms"
+    )
+    report: dict[str, Any] = {
+        "cpus": cpu_count(),
+        "warmup": opts.warmup,
+        "seconds": opts.seconds,
+        "reps": opts.reps,
+        "step_ms": opts.step_ms,
+        "workloads": {},
+    }
     summary = []
     for name in names:
         runs: dict[str, list[dict]] = {str(s): [] for s in settings}
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in settings[k:] + settings[:k]:
                 result = run(name, s, opts.warmup, opts.seconds, opts.step_ms / 1e3)
                 runs[str(s)].append(result)
-                print(f"  {name:9s} workers={str(s):4s} {result['samples_per_s']:10,.0f} samples/s", flush=True)
+                print(f"  {name:9s} workers={s!s:4s} {result['samples_per_s']:10,.0f} samples/s", flush=True)
         med = {s: statistics.median(r["samples_per_s"] for r in runs[s]) for s in runs}
         spread = {s: spread_of([r["samples_per_s"] for r in runs[s]]) for s in runs}
         best_fixed = max((str(s) for s in FIXED), key=lambda s: med[s])
@@ -133,25 +141,47 @@ def main(argv: list[str] | None = None) -> int:
         ratio_whole = whole["auto"] / whole[best_fixed]
         last_auto = runs["auto"][-1]
         trace = last_auto["autotune"]["trace"] if last_auto["autotune"] else []
-        print(f"\n{name}: " + "  ".join(f"{s}: {med[s]:,.0f} (±{spread[s] / 2:.0%})" for s in runs)
-              + " samples/s after warm-up, median (half the spread over repetitions)")
-        print(f"  auto / best fixed ({best_fixed} workers): {ratio:.2f} after warm-up (target >= {TARGET:.2f}: "
-              f"{'met' if ratio >= TARGET else 'NOT met'}), {ratio_whole:.2f} over the whole run")
+        print(
+            f"\n{name}: "
+            + "  ".join(f"{s}: {med[s]:,.0f} (±{spread[s] / 2:.0%})" for s in runs)
+            + " samples/s after warm-up, median (half the spread over repetitions)"
+        )
+        print(
+            f"  auto / best fixed ({best_fixed} workers): {ratio:.2f} after warm-up (target >= {TARGET:.2f}: "
+            f"{'met' if ratio >= TARGET else 'NOT met'}), {ratio_whole:.2f} over the whole run"
+        )
         info = last_auto["autotune"]
-        print(f"  auto's workers: {compress(trace)}; final {last_auto['final_workers']}, I/O-bound: {info['io_bound']}, "
-              f"CPUs contended: {info['contended']}, limit {info['limit']}\n", flush=True)
+        print(
+            f"  auto's workers: {compress(trace)}; final {last_auto['final_workers']}, I/O-bound: {info['io_bound']}, "
+            f"CPUs contended: {info['contended']}, limit {info['limit']}\n",
+            flush=True,
+        )
         noise = spread[best_fixed]
         summary.append((name, best_fixed, med[best_fixed], med["auto"], ratio, ratio_whole, noise, compress(trace)))
-        report["workloads"][name] = {"runs": runs, "median_samples_per_s": med, "spread": spread,
-                                     "best_fixed": int(best_fixed), "auto_over_best": ratio,
-                                     "auto_over_best_whole_run": ratio_whole}
-    head = ("workload", "best fixed", "samples/s", "auto samples/s", "auto/best", "whole run", "best's spread",
-            "auto's workers")
-    rows = [head] + [(n, b, f"{m:,.0f}", f"{a:,.0f}", f"{r:.2f}", f"{h:.2f}", f"{z:.0%}", t)
-                     for n, b, m, a, r, h, z, t in summary]
+        report["workloads"][name] = {
+            "runs": runs,
+            "median_samples_per_s": med,
+            "spread": spread,
+            "best_fixed": int(best_fixed),
+            "auto_over_best": ratio,
+            "auto_over_best_whole_run": ratio_whole,
+        }
+    head = (
+        "workload",
+        "best fixed",
+        "samples/s",
+        "auto samples/s",
+        "auto/best",
+        "whole run",
+        "best's spread",
+        "auto's workers",
+    )
+    rows = [head] + [
+        (n, b, f"{m:,.0f}", f"{a:,.0f}", f"{r:.2f}", f"{h:.2f}", f"{z:.0%}", t) for n, b, m, a, r, h, z, t in summary
+    ]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
     for i, r in enumerate(rows):
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
     if opts.json:

@@ -19,6 +19,7 @@ torch's.
     python bench/cold_start.py               # 5 repetitions, about a minute on 2 cores
     python bench/cold_start.py --reps 9 --workers 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,12 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             f.write(SCRIPT)
         for rep in range(opts.reps):
-            order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
+            order = kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]
             for kind in order:
                 r = run_once(path, kind, opts.workers)
                 results[kind].append(r)
-                print(f"rep {rep}  {kind:20s} first batch {r['first']:.3f} s   process {r['process']:.3f} s"
-                      f"   (auto: {r['auto']})", flush=True)
+                print(
+                    f"rep {rep}  {kind:20s} first batch {r['first']:.3f} s   process {r['process']:.3f} s"
+                    f"   (auto: {r['auto']})",
+                    flush=True,
+                )
     base = statistics.median(r["first"] for r in results["torch"]) if "torch" in results else None
     print(f"\nworkers={opts.workers}, {opts.reps} fresh processes per loader; seconds")
     print(f"{'loader':20s} {'first: median':>14s} {'min':>7s} {'max':>7s} {'x torch':>8s} {'process median':>15s}")
@@ -102,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         firsts = [r["first"] for r in results[kind]]
         median = statistics.median(firsts)
         ratio = f"{median / base:.2f}" if base else "-"
-        print(f"{kind:20s} {median:14.3f} {min(firsts):7.3f} {max(firsts):7.3f} {ratio:>8s} "
-              f"{statistics.median(r['process'] for r in results[kind]):15.3f}")
+        print(
+            f"{kind:20s} {median:14.3f} {min(firsts):7.3f} {max(firsts):7.3f} {ratio:>8s} "
+            f"{statistics.median(r['process'] for r in results[kind]):15.3f}"
+        )
     return 0
 
 

@@ -34,6 +34,7 @@ scenario, say), write ``def run_mine(opts) -> WorkloadResult`` and add
 ``RUNNERS["mine"] = run_mine``; ``--workloads mine`` then runs it and its rows appear in
 both tables and the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from procpipe import Loader, __version__
+from procpipe._engine.coordinator import TASKS_PER_WORKER_SMALL
 from procpipe.bench.sweep import cpu_count
 from procpipe.bench.workloads import WORKLOADS, StragglerDataset, TinyDataset, load_batch
-
-from procpipe._engine.coordinator import TASKS_PER_WORKER_SMALL
 
 PREFETCH = 2  # procpipe's default prefetch; the DataLoader's prefetch_factor is matched to it
 
@@ -183,12 +183,14 @@ def _consume(iterator: Any, t0: float, n: int, batch_size: int, warmup: int) -> 
     return Measurement(first_batch_s, max(t2 - t1, 1e-9), count, max(0, n - min(n, skipped * batch_size)))
 
 
-def procpipe_engine(source: Any, batch_size: int, workers: int, *, ordered: bool = True,
-                    **loader_kwargs: Any) -> Measurement:
+def procpipe_engine(
+    source: Any, batch_size: int, workers: int, *, ordered: bool = True, **loader_kwargs: Any
+) -> Measurement:
     t0 = time.perf_counter()
     loader_kwargs.setdefault("start_method", "forkserver")
-    with Loader(source, batch_size=batch_size, workers=workers, ordered=ordered, prefetch=PREFETCH,
-                **loader_kwargs) as loader:
+    with Loader(
+        source, batch_size=batch_size, workers=workers, ordered=ordered, prefetch=PREFETCH, **loader_kwargs
+    ) as loader:
         return _consume(iter(loader), t0, len(source), batch_size, warmup_batches(workers))
 
 
@@ -200,9 +202,13 @@ def dataloader_engine(source: Any, batch_size: int, workers: int) -> Measurement
     from torch.utils.data import DataLoader
 
     t0 = time.perf_counter()
-    dl = DataLoader(source, batch_size=batch_size, num_workers=workers,
-                    prefetch_factor=dataloader_prefetch_factor(workers) if workers else None,
-                    multiprocessing_context="fork" if workers else None)
+    dl = DataLoader(
+        source,
+        batch_size=batch_size,
+        num_workers=workers,
+        prefetch_factor=dataloader_prefetch_factor(workers) if workers else None,
+        multiprocessing_context="fork" if workers else None,
+    )
     it = iter(dl)
     try:
         return _consume(it, t0, len(source), batch_size, warmup_batches(workers))
@@ -217,7 +223,7 @@ _pool_source: Any = None
 
 
 def _pool_init(source: Any) -> None:
-    global _pool_source
+    global _pool_source  # noqa: PLW0603 -- a multiprocessing.Pool initializer hands each process its source
     _pool_source = source
 
 
@@ -247,20 +253,24 @@ def have_torch() -> bool:
     return True
 
 
-def alternate(engines: dict[str, Callable[[], Measurement]], reps: int, unit: str, sample_bytes: int = 0,
-              label: str = "") -> dict[str, EngineResult]:
+def alternate(
+    engines: dict[str, Callable[[], Measurement]], reps: int, unit: str, sample_bytes: int = 0, label: str = ""
+) -> dict[str, EngineResult]:
     """Run every engine once per repetition, rotating their order; collect each one's rates."""
     names = list(engines)
     results = {n: EngineResult(n, [], []) for n in names}
     for rep in range(reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         for name in order:
             gc.collect()
             m = engines[name]()
             results[name].values.append(m.rate(unit, sample_bytes))
             results[name].first_batch_s.append(m.first_batch_s)
-        print(f"  {label} rep {rep + 1}/{reps}: "
-              + ", ".join(f"{n} {results[n].values[-1]:,.3g}" for n in names), file=sys.stderr, flush=True)
+        print(
+            f"  {label} rep {rep + 1}/{reps}: " + ", ".join(f"{n} {results[n].values[-1]:,.3g}" for n in names),
+            file=sys.stderr,
+            flush=True,
+        )
     return results
 
 
@@ -286,18 +296,38 @@ def _result(name: str, opts: Options, engines: dict[str, Callable[[], Measuremen
 def run_cpu(opts: Options) -> WorkloadResult:
     source = WORKLOADS["cpu"].dataset(opts.size("cpu"))
     res = _result("cpu", opts, _standard_engines("cpu", opts, source))
-    res.targets.append(Target("cpu: procpipe vs serial", res.median("procpipe"), res.median("serial"), "serial",
-                              res.unit, 1.8, note=f"2-core ideal is 2x; {opts.workers} workers"))
-    res.targets.append(Target("cpu: procpipe vs DataLoader", res.median("procpipe"), res.median("DataLoader"),
-                              "DataLoader", res.unit, 1.3))
+    res.targets.append(
+        Target(
+            "cpu: procpipe vs serial",
+            res.median("procpipe"),
+            res.median("serial"),
+            "serial",
+            res.unit,
+            1.8,
+            note=f"2-core ideal is 2x; {opts.workers} workers",
+        )
+    )
+    res.targets.append(
+        Target(
+            "cpu: procpipe vs DataLoader", res.median("procpipe"), res.median("DataLoader"), "DataLoader", res.unit, 1.3
+        )
+    )
     return res
 
 
 def run_transfer(opts: Options) -> WorkloadResult:
     source = WORKLOADS["transfer"].dataset(opts.size("transfer"))
     res = _result("transfer", opts, _standard_engines("transfer", opts, source))
-    res.targets.append(Target("transfer: procpipe vs DataLoader", res.median("procpipe"), res.median("DataLoader"),
-                              "DataLoader", "GB/s", 5.0))
+    res.targets.append(
+        Target(
+            "transfer: procpipe vs DataLoader",
+            res.median("procpipe"),
+            res.median("DataLoader"),
+            "DataLoader",
+            "GB/s",
+            5.0,
+        )
+    )
     res.targets.append(Target("transfer: procpipe vs 4 GB/s", res.median("procpipe"), 4.0, "4 GB/s", "GB/s", 1.0))
     return res
 
@@ -311,20 +341,36 @@ def run_straggler(opts: Options) -> WorkloadResult:
     res = _result(name, opts, engines)
     ideal = w * res.median("serial")  # the measured per-sample time, w of them at once
     nominal = w / StragglerDataset(1).mean_sample_s
-    res.targets.append(Target("straggler: procpipe (ordered=False) vs ideal", res.median("procpipe sloppy"), ideal,
-                              f"{w} x serial", res.unit, 0.9,
-                              note=f"ideal = {w} workers x serial rate measured in this run "
-                                   f"(nominal sleeps alone: {nominal:,.0f}/s)"))
-    res.targets.append(Target("straggler: procpipe (ordered) vs ideal", res.median("procpipe"), ideal,
-                              f"{w} x serial", res.unit, 0.9))
+    res.targets.append(
+        Target(
+            "straggler: procpipe (ordered=False) vs ideal",
+            res.median("procpipe sloppy"),
+            ideal,
+            f"{w} x serial",
+            res.unit,
+            0.9,
+            note=f"ideal = {w} workers x serial rate measured in this run (nominal sleeps alone: {nominal:,.0f}/s)",
+        )
+    )
+    res.targets.append(
+        Target("straggler: procpipe (ordered) vs ideal", res.median("procpipe"), ideal, f"{w} x serial", res.unit, 0.9)
+    )
     return res
 
 
 def _run_tiny(name: str, opts: Options) -> WorkloadResult:
     source = WORKLOADS[name].dataset(opts.size(name))
     res = _result(name, opts, _standard_engines(name, opts, source))
-    res.targets.append(Target(f"{name}: procpipe vs DataLoader", res.median("procpipe"), res.median("DataLoader"),
-                              "DataLoader", res.unit, 5.0))
+    res.targets.append(
+        Target(
+            f"{name}: procpipe vs DataLoader",
+            res.median("procpipe"),
+            res.median("DataLoader"),
+            "DataLoader",
+            res.unit,
+            5.0,
+        )
+    )
     return res
 
 
@@ -350,13 +396,26 @@ def run_first_batch(opts: Options) -> WorkloadResult:
     # Cold: the first procpipe loader of a process also starts the forkserver (which imports
     # what the parent imported, torch included). Reported apart, once.
     cold = procpipe_engine(source, bs, w).first_batch_s
-    res = WorkloadResult("first_batch", "s", size, "seconds from Loader()/DataLoader() to the first batch "
-                                                   "(lower is better); tiny dataset, batch 64")
+    res = WorkloadResult(
+        "first_batch",
+        "s",
+        size,
+        "seconds from Loader()/DataLoader() to the first batch (lower is better); tiny dataset, batch 64",
+    )
     res.engines = alternate(engines, max(opts.reps, 5), "s", label="first_batch")
     res.engines["procpipe cold"] = EngineResult("procpipe cold", [cold], [cold])
-    res.targets.append(Target("first batch: procpipe vs DataLoader (fork)", res.median("procpipe"),
-                              res.median("DataLoader"), "DataLoader fork", "s", 1.5, at_most=True,
-                              note=f"warm forkserver; the process's very first loader took {cold:.3f} s"))
+    res.targets.append(
+        Target(
+            "first batch: procpipe vs DataLoader (fork)",
+            res.median("procpipe"),
+            res.median("DataLoader"),
+            "DataLoader fork",
+            "s",
+            1.5,
+            at_most=True,
+            note=f"warm forkserver; the process's very first loader took {cold:.3f} s",
+        )
+    )
     return res
 
 
@@ -368,11 +427,28 @@ def run_tf(name: str, opts: Options) -> WorkloadResult:
     n, warm, res = len(source), warmup_batches(opts.workers), WorkloadResult(name, unit, len(source), description)
     tf_recipes.CPU_MS.clear()
     with tf_recipes.engines(source, bs, opts.workers, PREFETCH) as passes:  # built once, outside the timing
-        res.engines = alternate({label: (lambda label=label, p=p: tf_recipes.consume(label, p, _consume, n, bs, warm))
-                                 for label, p in passes.items()}, opts.reps, unit, sample_bytes, label=name)
+        res.engines = alternate(
+            {
+                label: (lambda label=label, p=p: tf_recipes.consume(label, p, _consume, n, bs, warm))
+                for label, p in passes.items()
+            },
+            opts.reps,
+            unit,
+            sample_bytes,
+            label=name,
+        )
     for ref, need, note in tf_recipes.GOALS[name]:
-        res.targets.append(Target(f"{name}: procpipe->tf vs {ref}", res.median("procpipe->tf"), res.median(ref), ref,
-                                  unit, need, note=note))
+        res.targets.append(
+            Target(
+                f"{name}: procpipe->tf vs {ref}",
+                res.median("procpipe->tf"),
+                res.median(ref),
+                ref,
+                unit,
+                need,
+                note=note,
+            )
+        )
     res.targets += [Target(t, a, b, "procpipe", "ms", m, True, note) for t, a, b, m, note in tf_recipes.cpu_rows(name)]
     return res
 
@@ -391,8 +467,19 @@ ALIASES = {"tiny": ("tiny1", "tiny64"), "first": ("first_batch",), "tf": ("tf_cp
 
 
 # ------------------------------------------------------------------------------ output
-ENGINE_ORDER = ["procpipe", "procpipe sloppy", "procpipe fork", "procpipe cold", "DataLoader", "Pool.imap", "serial",
-                "procpipe->tf", "tf py_function", "tf from_generator", "PyDataset mp"]
+ENGINE_ORDER = [
+    "procpipe",
+    "procpipe sloppy",
+    "procpipe fork",
+    "procpipe cold",
+    "DataLoader",
+    "Pool.imap",
+    "serial",
+    "procpipe->tf",
+    "tf py_function",
+    "tf from_generator",
+    "PyDataset mp",
+]
 
 
 def _fmt(v: float) -> str:
@@ -407,7 +494,9 @@ def _fmt(v: float) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -418,8 +507,14 @@ def results_table(results: list[WorkloadResult]) -> str:
     rows = [["workload", "unit", *engines, "procpipe/DataLoader"]]
     for r in results:
         ratio = r.median("procpipe") / r.median("DataLoader") if "DataLoader" in r.engines else math.nan
-        rows.append([r.name, r.unit, *[_fmt(r.median(e)) if e in r.engines else "-" for e in engines],
-                     "-" if math.isnan(ratio) else f"{ratio:.2f}x"])
+        rows.append(
+            [
+                r.name,
+                r.unit,
+                *[_fmt(r.median(e)) if e in r.engines else "-" for e in engines],
+                "-" if math.isnan(ratio) else f"{ratio:.2f}x",
+            ]
+        )
     return _table(rows)
 
 
@@ -428,9 +523,16 @@ def targets_table(results: list[WorkloadResult]) -> str:
     for r in results:
         for t in r.targets:
             met = {True: "yes", False: "NO", None: "n/a"}[t.met]
-            rows.append([t.name, f"{_fmt(t.procpipe)} {t.unit}", f"{_fmt(t.reference)} ({t.reference_name})",
-                         "-" if math.isnan(t.ratio) else f"{t.ratio:.2f}x",
-                         f"{'<=' if t.at_most else '>='} {t.need:g}x", met])
+            rows.append(
+                [
+                    t.name,
+                    f"{_fmt(t.procpipe)} {t.unit}",
+                    f"{_fmt(t.reference)} ({t.reference_name})",
+                    "-" if math.isnan(t.ratio) else f"{t.ratio:.2f}x",
+                    f"{'<=' if t.at_most else '>='} {t.need:g}x",
+                    met,
+                ]
+            )
     return _table(rows)
 
 
@@ -451,8 +553,9 @@ def resolve(names: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="procpipe beside DataLoader, Pool.imap and serial, with the "
-                                            "performance-goal rows.")
+    p = argparse.ArgumentParser(
+        description="procpipe beside DataLoader, Pool.imap and serial, with the performance-goal rows."
+    )
     p.add_argument("--quick", action="store_true", help="3 repetitions and smaller sizes")
     p.add_argument("--reps", type=int, help="repetitions per engine (default 5, or 3 with --quick)")
     p.add_argument("--workloads", metavar="A,B", help=f"subset to run: {', '.join([*RUNNERS, *ALIASES])}")
@@ -468,25 +571,42 @@ def main(argv: list[str] | None = None) -> int:
         torch_version = torch.__version__
     else:
         print("PyTorch is not installed: the DataLoader column stays empty (pip install torch).", file=sys.stderr)
-    print(f"procpipe {__version__} | torch {torch_version} | {cpu_count()} CPUs | {opts.workers} workers | "
-          f"{opts.reps} reps | {'quick' if opts.quick else 'full'} sizes | prefetch {PREFETCH} "
-          f"(DataLoader prefetch_factor {dataloader_prefetch_factor(opts.workers)})", flush=True)
+    print(
+        f"procpipe {__version__} | torch {torch_version} | {cpu_count()} CPUs | {opts.workers} workers | "
+        f"{opts.reps} reps | {'quick' if opts.quick else 'full'} sizes | prefetch {PREFETCH} "
+        f"(DataLoader prefetch_factor {dataloader_prefetch_factor(opts.workers)})",
+        flush=True,
+    )
     started = time.perf_counter()
     results = [RUNNERS[n](opts) for n in names]
     print("\nmedians (higher is better, except first_batch in seconds):")
     print(results_table(results))
-    print("\nperformance goals (ratios measured in this run; README.md, \"Performance goals\"):")
+    print('\nperformance goals (ratios measured in this run; README.md, "Performance goals"):')
     print(targets_table(results))
     print(f"\n{time.perf_counter() - started:.0f} s")
     if args.json:
         doc = {
-            "procpipe_version": __version__, "torch_version": torch_version, "python": platform.python_version(),
-            "cpu_count": cpu_count(), "workers": opts.workers, "reps": opts.reps, "quick": opts.quick,
-            "prefetch": PREFETCH, "dataloader_prefetch_factor": dataloader_prefetch_factor(opts.workers),
-            "workloads": {r.name: {"unit": r.unit, "size": r.size, "description": r.description,
-                                   "engines": {e: {"median": v.median, "values": v.values,
-                                                   "first_batch_s": v.first_batch_s} for e, v in r.engines.items()}}
-                          for r in results},
+            "procpipe_version": __version__,
+            "torch_version": torch_version,
+            "python": platform.python_version(),
+            "cpu_count": cpu_count(),
+            "workers": opts.workers,
+            "reps": opts.reps,
+            "quick": opts.quick,
+            "prefetch": PREFETCH,
+            "dataloader_prefetch_factor": dataloader_prefetch_factor(opts.workers),
+            "workloads": {
+                r.name: {
+                    "unit": r.unit,
+                    "size": r.size,
+                    "description": r.description,
+                    "engines": {
+                        e: {"median": v.median, "values": v.values, "first_batch_s": v.first_batch_s}
+                        for e, v in r.engines.items()
+                    },
+                }
+                for r in results
+            },
             "targets": [t.to_json() for r in results for t in r.targets],
         }
         with open(args.json, "w") as f:

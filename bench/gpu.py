@@ -28,6 +28,7 @@ straight from the registered ring (``direct``) or through a staging buffer (``st
 Each run first warms up (start-up, cuDNN autotuning, the ring sized by the first batches)
 and then measures a fixed number of batches. Targets are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))  # the JPEG pipeline (workers inherit it)
 
+import jpeg_training as jt  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -51,8 +53,6 @@ import torch.utils.data as tud  # noqa: E402
 
 import procpipe  # noqa: E402
 from procpipe.bench.workloads import WORKLOADS, TransferDataset  # noqa: E402
-
-import jpeg_training as jt  # noqa: E402
 
 TRANSFER_BATCH = WORKLOADS["transfer"].batch_size
 CUDA = torch.device("cuda")
@@ -67,7 +67,7 @@ class Watch:
         self.loader = loader
         self.caught = warnings.catch_warnings(record=True)
 
-    def __enter__(self) -> Watch:
+    def __enter__(self) -> Watch:  # noqa: PYI034 -- typing.Self is 3.11+, and procpipe supports 3.10
         self.records = self.caught.__enter__()
         warnings.simplefilter("always")
         return self
@@ -86,7 +86,7 @@ class Watch:
             "ring_slot_bytes": s["ring_slot_bytes"],
         }
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.caught.__exit__(*exc)
         self.warnings = [str(w.message) for w in self.records if "procpipe" in str(w.message)]
 
@@ -124,8 +124,10 @@ class CpuClock:
     def stop(self, wall: float) -> dict[str, Any]:
         (threads, children), (threads0, children0) = self.read(), self.begun
         busy = {name: (cpu - threads0.get(name, 0.0)) / wall for name, cpu in threads.items()}
-        return {"thread_cpu": {k: round(v, 2) for k, v in sorted(busy.items(), key=lambda kv: -kv[1]) if v >= 0.05},
-                "children_cpu": round((children - children0) / wall, 2)}
+        return {
+            "thread_cpu": {k: round(v, 2) for k, v in sorted(busy.items(), key=lambda kv: -kv[1]) if v >= 0.05},
+            "children_cpu": round((children - children0) / wall, 2),
+        }
 
 
 def cpu_line(t: dict[str, Any]) -> str:
@@ -190,13 +192,25 @@ def run_transfer(opts: argparse.Namespace, limit: float | None) -> list[dict[str
         pp_count = 600 if opts.quick else 2000
         # torch: pinned batches, copied in the loop like a training loop does
         dataset = TransferDataset(TRANSFER_BATCH * (warm + torch_count))
-        loader = tud.DataLoader(dataset, batch_size=TRANSFER_BATCH, num_workers=workers, pin_memory=True,
-                                persistent_workers=True, prefetch_factor=4, multiprocessing_context="fork")
+        loader = tud.DataLoader(
+            dataset,
+            batch_size=TRANSFER_BATCH,
+            num_workers=workers,
+            pin_memory=True,
+            persistent_workers=True,
+            prefetch_factor=4,
+            multiprocessing_context="fork",
+        )
         t = timed(iter(loader), warm, torch_count, lambda b: b.to(CUDA, non_blocking=True))
         del loader
         torch_gbs = torch_count * batch_bytes / t["wall_s"] / 1e9
-        row = {"section": "transfer", "workers": workers, "engine": "torch DataLoader pin_memory",
-               "gbs": torch_gbs, **t}
+        row = {
+            "section": "transfer",
+            "workers": workers,
+            "engine": "torch DataLoader pin_memory",
+            "gbs": torch_gbs,
+            **t,
+        }
         rows.append(row)
         torch_cpu = cpu_line(t)
         # procpipe: batches arrive on the GPU. Twice: with the default per-sample reseeding of
@@ -204,21 +218,35 @@ def run_transfer(opts: argparse.Namespace, limit: float | None) -> list[dict[str
         # (seed_globals=False: this workload draws no random numbers).
         for seed_globals in (True, False):
             dataset = TransferDataset(TRANSFER_BATCH * (warm + pp_count))
-            with procpipe.Loader(dataset, batch_size=TRANSFER_BATCH, workers=workers, device="cuda",
-                                 seed_globals=seed_globals) as pp:
-                with Watch(pp) as watch:
-                    t = timed(iter(pp), warm, pp_count, lambda b: None, watch.start)
-                    extra = watch.stop()
+            with (
+                procpipe.Loader(
+                    dataset, batch_size=TRANSFER_BATCH, workers=workers, device="cuda", seed_globals=seed_globals
+                ) as pp,
+                Watch(pp) as watch,
+            ):
+                t = timed(iter(pp), warm, pp_count, lambda b: None, watch.start)
+                extra = watch.stop()
             pp_gbs = pp_count * batch_bytes / t["wall_s"] / 1e9
             engine = "procpipe device=cuda" + ("" if seed_globals else " seed_globals=False")
-            rows.append({"section": "transfer", "workers": workers, "engine": engine, "gbs": pp_gbs,
-                         **t, "overflow_warnings": len(watch.warnings), **extra})
-            print(f"transfer, {workers} workers: torch DataLoader pin_memory {torch_gbs:.1f} GB/s "
-                  f"(wait {100 * row['wait_fraction']:.0f} %) | {engine} {pp_gbs:.1f} GB/s "
-                  f"(wait {100 * t['wait_fraction']:.0f} %), {pp_gbs / torch_gbs:.1f}x torch"
-                  + (f", {100 * pp_gbs / limit:.0f} % of the pinned-copy limit" if limit else "")
-                  + f" | overflow warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, "
-                  f"inline bytes {extra['inline_bytes']}, device {extra['device']}")
+            rows.append(
+                {
+                    "section": "transfer",
+                    "workers": workers,
+                    "engine": engine,
+                    "gbs": pp_gbs,
+                    **t,
+                    "overflow_warnings": len(watch.warnings),
+                    **extra,
+                }
+            )
+            print(
+                f"transfer, {workers} workers: torch DataLoader pin_memory {torch_gbs:.1f} GB/s "
+                f"(wait {100 * row['wait_fraction']:.0f} %) | {engine} {pp_gbs:.1f} GB/s "
+                f"(wait {100 * t['wait_fraction']:.0f} %), {pp_gbs / torch_gbs:.1f}x torch"
+                + (f", {100 * pp_gbs / limit:.0f} % of the pinned-copy limit" if limit else "")
+                + f" | overflow warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, "
+                f"inline bytes {extra['inline_bytes']}, device {extra['device']}"
+            )
             print(f"  torch {torch_cpu.strip()}\n  procpipe {cpu_line(t).strip()}")
     return rows
 
@@ -250,8 +278,10 @@ def run_jpeg(opts: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as directory:
         made = time.perf_counter()
         files = jt.JpegFiles(jt.make_jpegs(directory, opts.images, size=320))
-        print(f"generated {opts.images} JPEGs of 320x320 ({files.max_bytes} bytes at most) in "
-              f"{time.perf_counter() - made:.1f} s")
+        print(
+            f"generated {opts.images} JPEGs of 320x320 ({files.max_bytes} bytes at most) in "
+            f"{time.perf_counter() - made:.1f} s"
+        )
         trainer = jt.Trainer(CUDA)
         # the ceiling: training on a batch already on the GPU
         x = jt.normalize(torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, device=CUDA))
@@ -261,9 +291,17 @@ def run_jpeg(opts: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"section": "jpeg", "engine": "GPU only (data already on the GPU)", "images_per_s": gpu_only})
         print(f"ResNet-18 bf16 channels_last, batch {batch}, data already on the GPU: {gpu_only:.0f} img/s")
         for workers in opts.jpeg_workers:
-            torch_loader = tud.DataLoader(TorchJpegs(files, size), batch_size=batch, shuffle=True,
-                                          num_workers=workers, pin_memory=True, persistent_workers=True,
-                                          prefetch_factor=4, multiprocessing_context="fork", drop_last=True)
+            torch_loader = tud.DataLoader(
+                TorchJpegs(files, size),
+                batch_size=batch,
+                shuffle=True,
+                num_workers=workers,
+                pin_memory=True,
+                persistent_workers=True,
+                prefetch_factor=4,
+                multiprocessing_context="fork",
+                drop_last=True,
+            )
 
             def torch_step(b: Any) -> None:
                 images, labels = b
@@ -273,10 +311,19 @@ def run_jpeg(opts: argparse.Namespace) -> list[dict[str, Any]]:
             t = timed(forever(torch_loader), warm, steps, torch_step)
             del torch_loader
             torch_rate = steps * batch / t["wall_s"]
-            rows.append({"section": "jpeg", "workers": workers, "engine": "torch DataLoader pin_memory (Pillow)",
-                         "images_per_s": torch_rate, **t})
-            print(f"jpeg, {workers} workers: torch DataLoader pin_memory, Pillow decode+augment: "
-                  f"{torch_rate:.0f} img/s (wait {100 * t['wait_fraction']:.0f} %)\n{cpu_line(t)}")
+            rows.append(
+                {
+                    "section": "jpeg",
+                    "workers": workers,
+                    "engine": "torch DataLoader pin_memory (Pillow)",
+                    "images_per_s": torch_rate,
+                    **t,
+                }
+            )
+            print(
+                f"jpeg, {workers} workers: torch DataLoader pin_memory, Pillow decode+augment: "
+                f"{torch_rate:.0f} img/s (wait {100 * t['wait_fraction']:.0f} %)\n{cpu_line(t)}"
+            )
             for mode in opts.modes:
                 with jt.make_loader(mode, files, size, batch, workers, "cuda", source_size=256) as pp:
                     it = jt.batches(mode, iter(pp))
@@ -284,15 +331,29 @@ def run_jpeg(opts: argparse.Namespace) -> list[dict[str, Any]]:
                         t = timed(it, warm, steps, lambda b: trainer.step(*b), watch.start)
                         extra = watch.stop()
                 rate = steps * batch / t["wall_s"]
-                name = {"cpu": "procpipe (Pillow decode+augment in workers)",
-                        "augment": "procpipe device_fn augment (workers decode+resize)",
-                        "decode": "procpipe device_fn nvJPEG decode+augment (workers read bytes)"}[mode]
-                rows.append({"section": "jpeg", "workers": workers, "engine": name, "mode": mode,
-                             "images_per_s": rate, **t, "overflow_warnings": len(watch.warnings), **extra})
-                print(f"jpeg, {workers} workers: {name}: {rate:.0f} img/s (wait {100 * t['wait_fraction']:.0f} %), "
-                      f"{rate / torch_rate:.2f}x torch, {100 * rate / gpu_only:.0f} % of GPU-only | overflow "
-                      f"warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, inline bytes "
-                      f"{extra['inline_bytes']}, device {extra['device']}\n{cpu_line(t)}")
+                name = {
+                    "cpu": "procpipe (Pillow decode+augment in workers)",
+                    "augment": "procpipe device_fn augment (workers decode+resize)",
+                    "decode": "procpipe device_fn nvJPEG decode+augment (workers read bytes)",
+                }[mode]
+                rows.append(
+                    {
+                        "section": "jpeg",
+                        "workers": workers,
+                        "engine": name,
+                        "mode": mode,
+                        "images_per_s": rate,
+                        **t,
+                        "overflow_warnings": len(watch.warnings),
+                        **extra,
+                    }
+                )
+                print(
+                    f"jpeg, {workers} workers: {name}: {rate:.0f} img/s (wait {100 * t['wait_fraction']:.0f} %), "
+                    f"{rate / torch_rate:.2f}x torch, {100 * rate / gpu_only:.0f} % of GPU-only | overflow "
+                    f"warnings {len(watch.warnings)}, overflow batches {extra['overflow_batches']}, inline bytes "
+                    f"{extra['inline_bytes']}, device {extra['device']}\n{cpu_line(t)}"
+                )
     return rows
 
 
@@ -313,8 +374,12 @@ def main() -> None:
         sys.exit("bench/gpu.py needs a CUDA device (torch.cuda.is_available() is False)")
     sections = set(opts.sections.split(","))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "cpus": os.cpu_count(), "rows": []}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "rows": [],
+    }
     limit = None
     if "copy" in sections:
         out["copy"] = run_copy(opts)

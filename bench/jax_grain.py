@@ -38,8 +38,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
 from procpipe import Loader
 from procpipe.bench.workloads import WORKLOADS, resolve
 
@@ -85,12 +83,15 @@ def run_workload(name: str, workers: int, reps: int, warmup: int) -> list[dict[s
         return batch[0] if isinstance(batch, tuple) else batch
 
     if workload.unit == "GB/s":
+
         def size(batch: Any) -> float:
             return float(first(batch).nbytes) / 1e9
     elif workload.unit == "batches/s":
+
         def size(batch: Any) -> float:
             return 1.0
     else:
+
         def size(batch: Any) -> float:
             return float(first(batch).shape[0])
 
@@ -103,23 +104,40 @@ def run_workload(name: str, workers: int, reps: int, warmup: int) -> list[dict[s
             ("host", "grain"): lambda: timed(iter(grain_dataset(dataset, bs, workers)), warmup, size, lambda b: b),
             ("device", "procpipe"): lambda: timed(iter(device_batches), warmup, size, jax.block_until_ready),
             ("device", "grain"): lambda: timed(
-                iter(grain.experimental.device_put(grain_dataset(dataset, bs, workers), sharding,
-                                                   cpu_buffer_size=4, device_buffer_size=2)),
-                warmup, size, jax.block_until_ready),
+                iter(
+                    grain.experimental.device_put(
+                        grain_dataset(dataset, bs, workers), sharding, cpu_buffer_size=4, device_buffer_size=2
+                    )
+                ),
+                warmup,
+                size,
+                jax.block_until_ready,
+            ),
         }
         results: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
         keys = list(engines)
         for rep in range(reps):
-            for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:  # the order rotates
+            for key in keys[rep % len(keys) :] + keys[: rep % len(keys)]:  # the order rotates
                 results[key].append(engines[key]())
                 print(f"  {name} rep {rep} {key[0]:6} {key[1]:8} {results[key][-1]:.3f} {workload.unit}", flush=True)
     for target in ("host", "device"):
         ours = statistics.median(results[(target, "procpipe")])
         theirs = statistics.median(results[(target, "grain")])
         ratio = ours / theirs
-        rows.append({"workload": name, "target": target, "unit": workload.unit, "procpipe": ours, "grain": theirs,
-                     "ratio": ratio, "goal": GOALS[name], "met": ratio >= GOALS[name],
-                     "procpipe_runs": results[(target, "procpipe")], "grain_runs": results[(target, "grain")]})
+        rows.append(
+            {
+                "workload": name,
+                "target": target,
+                "unit": workload.unit,
+                "procpipe": ours,
+                "grain": theirs,
+                "ratio": ratio,
+                "goal": GOALS[name],
+                "met": ratio >= GOALS[name],
+                "procpipe_runs": results[(target, "procpipe")],
+                "grain_runs": results[(target, "grain")],
+            }
+        )
     return rows
 
 
@@ -138,17 +156,22 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     names = resolve(args.workloads)
-    print(f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), "
-          f"grain {getattr(grain, '__version__', '?')}, {args.workers} workers, {args.reps} repetitions, "
-          f"python {platform.python_version()}", flush=True)
+    print(
+        f"jax {jax.__version__} ({jax.devices()[0].platform}, {jax.device_count()} device(s)), "
+        f"grain {getattr(grain, '__version__', '?')}, {args.workers} workers, {args.reps} repetitions, "
+        f"python {platform.python_version()}",
+        flush=True,
+    )
     rows = [row for name in names for row in run_workload(name, args.workers, args.reps, args.warmup)]
     print()
     print("| workload | to | procpipe | Grain | procpipe / Grain | goal |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         goal = f"≥ {r['goal']:g}× {'met' if r['met'] else 'NOT met'}"
-        print(f"| {r['workload']} ({r['unit']}) | {r['target']} | {r['procpipe']:.3f} | {r['grain']:.3f} | "
-              f"{r['ratio']:.2f}× | {goal} |")
+        print(
+            f"| {r['workload']} ({r['unit']}) | {r['target']} | {r['procpipe']:.3f} | {r['grain']:.3f} | "
+            f"{r['ratio']:.2f}× | {goal} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -24,6 +24,7 @@ side by side mean anything):
     PYTHONPATH=. python bench/mix.py                      # defaults: 8 sources, 192 000 elements
     PYTHONPATH=. python bench/mix.py --sources 300 --reps 7
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def stream_sources(sources: int, elements: int) -> tuple[object, object]:
     per_shard = elements // (sources * 8)
     groups = [[(k * elements + i * per_shard, per_shard) for i in range(8)] for k in range(sources)]
     plain = procpipe.Shards([s for group in groups for s in group], read_ints, cycle_length=4)
-    mix = procpipe.Mix([procpipe.Shards(group, read_ints, cycle_length=4) for group in groups],
-                       list(range(1, sources + 1)))
+    mix = procpipe.Mix(
+        [procpipe.Shards(group, read_ints, cycle_length=4) for group in groups], list(range(1, sources + 1))
+    )
     return plain, mix
 
 
@@ -105,9 +107,11 @@ def main() -> None:
             runs[name].append(per_batch(plain if name == "plain" else mix))
     a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
     print(f"per batch (batch_size=64, workers=2, {args.sources} sources, {len(plain)} elements, {args.reps} reps)")
-    print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
-          f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
-          f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")
+    print(
+        f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
+        f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
+        f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})"
+    )
 
     plain_stream, mix_stream = stream_sources(args.sources, len(plain))
     runs = {"plain": [], "mix": []}
@@ -117,9 +121,11 @@ def main() -> None:
             runs[name].append(per_batch(plain_stream if name == "plain" else mix_stream))
     a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
     print(f"streams, per batch ({args.sources} sources of 8 shards)")
-    print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
-          f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
-          f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")
+    print(
+        f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
+        f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
+        f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})"
+    )
 
     mix_kinds = kinds_sources(args.sources, len(plain))
     runs = {"plain": [], "mix": []}
@@ -128,10 +134,12 @@ def main() -> None:
         for name in order:
             runs[name].append(per_batch(plain_stream if name == "plain" else mix_kinds))
     a, b = statistics.median(runs["plain"]), statistics.median(runs["mix"])
-    print(f"indexed beside streams, per batch (half the elements an array read as slices, against one Shards)")
-    print(f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
-          f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
-          f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})")
+    print("indexed beside streams, per batch (half the elements an array read as slices, against one Shards)")
+    print(
+        f"  plain {a * 1e6:8.1f} us   mix {b * 1e6:8.1f} us   mix/plain {b / a:.3f}   "
+        f"(spread plain {min(runs['plain']) * 1e6:.1f}-{max(runs['plain']) * 1e6:.1f}, "
+        f"mix {min(runs['mix']) * 1e6:.1f}-{max(runs['mix']) * 1e6:.1f})"
+    )
 
     plans: dict[str, list[float]] = {"plain": [], "mix": []}
     plain_sampler = Sampler(len(plain), 64, True, 1, False)
@@ -141,8 +149,9 @@ def main() -> None:
         for name in order:
             plans[name].append(planning(plain_sampler if name == "plain" else mix_sampler, 3))
     a, b = statistics.median(plans["plain"]), statistics.median(plans["mix"])
-    print(f"epoch planning ({len(plain)} elements): plain {a * 1e3:.1f} ms   mix {b * 1e3:.1f} ms   "
-          f"mix/plain {b / a:.2f}")
+    print(
+        f"epoch planning ({len(plain)} elements): plain {a * 1e3:.1f} ms   mix {b * 1e3:.1f} ms   mix/plain {b / a:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ Goals on a 16-CPU node (issue 32): one loader's auto >= 0.95 of the best fixed c
 beside the numbers: other processes move every figure (the ratios, measured in one run,
 less so).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,18 +48,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import procpipe  # noqa: E402
-from procpipe.bench.workloads import WORKLOADS, resolve  # noqa: E402
 from procpipe._core.cpus import cpu_budget  # noqa: E402
+from procpipe.bench.workloads import WORKLOADS, resolve  # noqa: E402
 
 
-def consume(workers: Any, name: str, seconds: float, warmup: float, every: float | None = None,
-            start_at: float | None = None) -> dict[str, Any]:
+def consume(
+    workers: Any, name: str, seconds: float, warmup: float, every: float | None = None, start_at: float | None = None
+) -> dict[str, Any]:
     """One loader of workload ``name``: samples/s over ``seconds`` after ``warmup`` (measured from the
     first batch, or from ``start_at``, a ``time.time()`` shared by ranks); with ``every``, the rate
     and worker count in each ``every`` seconds."""
     w = WORKLOADS[name]
-    loader = procpipe.Loader(w.dataset(quick=True), batch_size=w.batch_size, workers=workers, epochs=None,
-                             shuffle=True)
+    loader = procpipe.Loader(w.dataset(quick=True), batch_size=w.batch_size, workers=workers, epochs=None, shuffle=True)
     series = []
     try:
         it = iter(loader)
@@ -84,8 +85,12 @@ def consume(workers: Any, name: str, seconds: float, warmup: float, every: float
         stats = loader.stats()
     finally:
         loader.close()
-    return {"samples_per_s": counted / seconds, "series": series, "workers": stats["workers"],
-            "autotune": {k: v for k, v in (stats["autotune"] or {}).items() if k != "trace"}}
+    return {
+        "samples_per_s": counted / seconds,
+        "series": series,
+        "workers": stats["workers"],
+        "autotune": {k: v for k, v in (stats["autotune"] or {}).items() if k != "trace"},
+    }
 
 
 def ranks(workers: Any, name: str, n: int, seconds: float, settle: float) -> dict[str, Any]:
@@ -93,8 +98,12 @@ def ranks(workers: Any, name: str, n: int, seconds: float, settle: float) -> dic
     start_at = time.time() + 5.0 + 0.5 * n  # every rank has built its loader and has its first batch by then
     spec = json.dumps({"workers": workers, "name": name, "seconds": seconds, "warmup": settle, "start_at": start_at})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec], stdout=subprocess.PIPE,
-                              text=True, env=env) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", spec], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(n)
+    ]
     results = []
     for p in procs:
         out, _ = p.communicate()
@@ -108,11 +117,29 @@ def plan(budget: int, quick: bool) -> dict[str, Any]:
     if quick:
         fixed = sorted({1, 2, 4, budget})
         n_ranks = max(2, min(4, budget))
-        return {"fixed": fixed, "auto_s": 20.0, "fixed_s": 8.0, "rank_s": 20.0, "settle": 10.0, "warmup": 2.0,
-                "ranks": n_ranks, "split": max(1, budget // n_ranks), "over": max(2, budget - 1)}
+        return {
+            "fixed": fixed,
+            "auto_s": 20.0,
+            "fixed_s": 8.0,
+            "rank_s": 20.0,
+            "settle": 10.0,
+            "warmup": 2.0,
+            "ranks": n_ranks,
+            "split": max(1, budget // n_ranks),
+            "over": max(2, budget - 1),
+        }
     fixed = sorted({1, 2, 4, 8, max(1, budget - 1), budget})
-    return {"fixed": fixed, "auto_s": 60.0, "fixed_s": 15.0, "rank_s": 30.0, "settle": 15.0, "warmup": 3.0,
-            "ranks": 4, "split": max(1, budget // 4), "over": max(2, budget - 1)}
+    return {
+        "fixed": fixed,
+        "auto_s": 60.0,
+        "fixed_s": 15.0,
+        "rank_s": 30.0,
+        "settle": 15.0,
+        "warmup": 3.0,
+        "ranks": 4,
+        "split": max(1, budget // 4),
+        "over": max(2, budget - 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,15 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     budget = cpu_budget()
     quick = opts.quick or budget < 8
     cfg = plan(budget, quick)
-    for key, value in (("auto_s", opts.auto_seconds), ("fixed_s", opts.fixed_seconds), ("rank_s", opts.rank_seconds),
-                       ("settle", opts.settle), ("ranks", opts.ranks)):
+    for key, value in (
+        ("auto_s", opts.auto_seconds),
+        ("fixed_s", opts.fixed_seconds),
+        ("rank_s", opts.rank_seconds),
+        ("settle", opts.settle),
+        ("ranks", opts.ranks),
+    ):
         if value is not None:
             cfg[key] = value
     if opts.ranks:
         cfg["split"] = max(1, budget // opts.ranks)
-    print(f"procpipe {procpipe.__version__}, python {platform.python_version()}, CPU budget {budget} "
-          f"(os.cpu_count() {os.cpu_count()}), load average {os.getloadavg()[0]:.1f}; "
-          f"{'quick' if quick else 'full'}: {json.dumps(cfg)}", flush=True)
+    print(
+        f"procpipe {procpipe.__version__}, python {platform.python_version()}, CPU budget {budget} "
+        f"(os.cpu_count() {os.cpu_count()}), load average {os.getloadavg()[0]:.1f}; "
+        f"{'quick' if quick else 'full'}: {json.dumps(cfg)}",
+        flush=True,
+    )
     report: dict[str, Any] = {"budget": budget, "cpu_count": os.cpu_count(), "config": cfg, "workloads": {}}
     summary = []
     for name in resolve(opts.workloads):
@@ -175,30 +210,62 @@ def main(argv: list[str] | None = None) -> int:
         r_best = auto["samples_per_s"] / fixed[best]
         r_two = auto["samples_per_s"] / fixed[2] if 2 in fixed else float("nan")
         print(f"  medians of {opts.reps}: " + ", ".join(f"{s_}: {v:,.0f}" for s_, v in med.items()), flush=True)
-        print(f"  auto after {cfg['settle']:g} s: {auto['samples_per_s']:,.0f} samples/s = {r_best:.2f} of the best "
-              f"fixed count ({best}), {r_two:.2f} of workers=2; last run's final workers {auto['workers']}; "
-              f"{auto['autotune']}", flush=True)
-        entry: dict[str, Any] = {"runs": runs, "medians": med, "auto_last": autos[-1], "auto_over_best": r_best,
-                                 "auto_over_two": r_two}
-        summary.append((name, "one loader", f"auto {auto['samples_per_s']:,.0f}", f"best fixed ({best}) {fixed[best]:,.0f}",
-                        f"{r_best:.2f}", f"vs workers=2: {r_two:.2f}"))
+        print(
+            f"  auto after {cfg['settle']:g} s: {auto['samples_per_s']:,.0f} samples/s = {r_best:.2f} of the best "
+            f"fixed count ({best}), {r_two:.2f} of workers=2; last run's final workers {auto['workers']}; "
+            f"{auto['autotune']}",
+            flush=True,
+        )
+        entry: dict[str, Any] = {
+            "runs": runs,
+            "medians": med,
+            "auto_last": autos[-1],
+            "auto_over_best": r_best,
+            "auto_over_two": r_two,
+        }
+        summary.append(
+            (
+                name,
+                "one loader",
+                f"auto {auto['samples_per_s']:,.0f}",
+                f"best fixed ({best}) {fixed[best]:,.0f}",
+                f"{r_best:.2f}",
+                f"vs workers=2: {r_two:.2f}",
+            )
+        )
         if not opts.no_ranks:
             k = cfg["ranks"]
             rows = {}
-            for label, workers in (("auto", "auto"), (f"fixed {cfg['split']}", cfg["split"]),
-                                   (f"fixed {cfg['over']}", cfg["over"])):
+            for label, workers in (
+                ("auto", "auto"),
+                (f"fixed {cfg['split']}", cfg["split"]),
+                (f"fixed {cfg['over']}", cfg["over"]),
+            ):
                 rows[label] = ranks(workers, name, k, cfg["rank_s"], cfg["settle"])
-                print(f"  {k} ranks x {label:9s} {rows[label]['samples_per_s']:10,.0f} samples/s in all, "
-                      f"workers {rows[label]['workers']}", flush=True)
+                print(
+                    f"  {k} ranks x {label:9s} {rows[label]['samples_per_s']:10,.0f} samples/s in all, "
+                    f"workers {rows[label]['workers']}",
+                    flush=True,
+                )
             split = rows[f"fixed {cfg['split']}"]["samples_per_s"]
             ratio = rows["auto"]["samples_per_s"] / split
             over = rows[f"fixed {cfg['over']}"]["samples_per_s"] / split
-            print(f"  {k} ranks: auto / fixed {cfg['split']} = {ratio:.2f}; fixed {cfg['over']} / fixed "
-                  f"{cfg['split']} = {over:.2f}", flush=True)
+            print(
+                f"  {k} ranks: auto / fixed {cfg['split']} = {ratio:.2f}; fixed {cfg['over']} / fixed "
+                f"{cfg['split']} = {over:.2f}",
+                flush=True,
+            )
             entry["ranks"] = rows
-            summary.append((name, f"{k} ranks", f"auto {rows['auto']['samples_per_s']:,.0f}",
-                            f"{k} x fixed {cfg['split']} {split:,.0f}", f"{ratio:.2f}",
-                            f"{k} x fixed {cfg['over']}: {over:.2f}"))
+            summary.append(
+                (
+                    name,
+                    f"{k} ranks",
+                    f"auto {rows['auto']['samples_per_s']:,.0f}",
+                    f"{k} x fixed {cfg['split']} {split:,.0f}",
+                    f"{ratio:.2f}",
+                    f"{k} x fixed {cfg['over']}: {over:.2f}",
+                )
+            )
         report["workloads"][name] = entry
     print("\n| workload | setting | auto samples/s | baseline samples/s | auto / baseline | also |")
     print("|---|---|---|---|---|---|")

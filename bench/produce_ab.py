@@ -54,8 +54,13 @@ print(min(best) * 1e6)
 
 
 def run(tree: Path, workload: str) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, workload], env={"PYTHONPATH": str(tree), "PATH": ""},
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, workload],
+        env={"PYTHONPATH": str(tree), "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -81,7 +86,7 @@ def main() -> None:
         for workload in ("tiny64", "fnonly64", "fn64", "skip64"):
             times: dict[str, list[float]] = {"A": [], "B": []}
             for rep in range(args.reps):
-                for name in ("AB" if rep % 2 == 0 else "BA"):
+                for name in "AB" if rep % 2 == 0 else "BA":
                     times[name].append(run(trees[name], workload))
             a, b = statistics.median(times["A"]), statistics.median(times["B"])
             print(f"{workload:<10} {a:12.1f} {b:12.1f} {b / a:7.3f}")

@@ -36,6 +36,7 @@ loopback. So the ray column is the overhead Ray's actor calls and object store a
 batch, not the throughput of a real cluster (where each node brings its own CPUs and the
 batches cross a real network). Only the ratios within one run mean anything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -203,7 +204,7 @@ class EventClock:
         backend = self.loader.stats()["backend"]
         now = time.perf_counter()
         events = list(backend["events"]) if backend else []
-        for event in events[len(self.events):]:
+        for event in events[len(self.events) :]:
             self.offset = min(self.offset, now - event[0])
         self.events = events
 
@@ -214,8 +215,10 @@ class EventClock:
 
     def first(self, what: str, number: int, after: float) -> float | None:
         """This process's time of the first ``what`` event of agent ``number`` after ``after``."""
-        return next((t + self.offset for t, w, n, _ in self.events
-                     if w == what and n == number and t + self.offset >= after), None)
+        return next(
+            (t + self.offset for t, w, n, _ in self.events if w == what and n == number and t + self.offset >= after),
+            None,
+        )
 
 
 @dataclass
@@ -293,11 +296,14 @@ def recover_once(fault: str, sizes: Sizes, out: Recovery, cluster: Any) -> None:
 
 def recovery(sizes: Sizes, reps: int, cluster: Any, faults: list[str]) -> dict[str, Recovery]:
     out = {fault: Recovery() for fault in faults}
-    print("  recovery: Ray reports each agent killed and node removed here ('A worker died or was killed', "
-          "'lost objects'...): expected", flush=True)
+    print(
+        "  recovery: Ray reports each agent killed and node removed here ('A worker died or was killed', "
+        "'lost objects'...): expected",
+        flush=True,
+    )
     order = list(faults)
     for rep in range(reps):
-        for fault in (order if rep % 2 == 0 else order[::-1]):
+        for fault in order if rep % 2 == 0 else order[::-1]:
             recover_once(fault, sizes, out[fault], cluster)
     print("  recovery: done", flush=True)
     return out
@@ -336,14 +342,18 @@ def report(results: dict[str, dict[str, Series]], rec: dict[str, Recovery], reps
         local, ray = results[name]["local"], results[name]["ray"]
         print(f"{label:{w}} {local.cell(fmt):>24} {ray.cell(fmt):>24} {ratio(local.median, ray.median):>8.1f}x")
     print()
-    print(f"recovery: ~10 ms batches of 4, {sizes.recovery_batches} batches, the fault after {sizes.kill_after}; "
-          "seconds after the fault")
+    print(
+        f"recovery: ~10 ms batches of 4, {sizes.recovery_batches} batches, the fault after {sizes.kill_after}; "
+        "seconds after the fault"
+    )
     print(f"{'engine (the fault)':{w}} {'-> lost':>20} {'-> ready':>20} {'-> epoch done':>20}  exactly once")
     for fault, r in rec.items():
         what = FAULTS[fault][1]
         once = "yes" if r.exactly_once and all(r.exactly_once) and not r.failures else "NO"
-        print(f"{what:{w}} {r.lost.cell('{:.2f}'):>20} {r.ready.cell('{:.2f}'):>20} "
-              f"{r.done.cell('{:.2f}'):>20}  {once} ({sum(r.exactly_once)}/{reps})")
+        print(
+            f"{what:{w}} {r.lost.cell('{:.2f}'):>20} {r.ready.cell('{:.2f}'):>20} "
+            f"{r.done.cell('{:.2f}'):>20}  {once} ({sum(r.exactly_once)}/{reps})"
+        )
         for why in r.failures:
             print(f"  {'':{w - 2}} an epoch FAILED: {why}")
     print()
@@ -354,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each measure (default 5)")
     parser.add_argument("--quick", action="store_true", help="smaller epochs (a smoke run)")
-    parser.add_argument("--faults", default=",".join(FAULTS),
-                        help=f"recovery rows, comma-separated (default {','.join(FAULTS)}; 'node' adds ~20 s a rep)")
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"recovery rows, comma-separated (default {','.join(FAULTS)}; 'node' adds ~20 s a rep)",
+    )
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be >= 1")

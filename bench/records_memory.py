@@ -20,6 +20,7 @@ started by this script; the table comes out at the end.
 Run: python bench/records_memory.py [--records N] [--batch-size B] [--no-shuffle]
                                    [--start-methods fork,forkserver] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,9 @@ def scenario(source_kind, start_method, n, batch_size, shuffle):
     parent_rss = psutil.Process().memory_info().rss
     expected = (sum(len(f"/data/images/{i:07d}.jpg") for i in range(n)), sum(i % 1000 for i in range(n)))
     started = time.perf_counter()
-    loader = procpipe.Loader(Metadata(records), batch_size=batch_size, workers=2, start_method=start_method,
-                             shuffle=shuffle)
+    loader = procpipe.Loader(
+        Metadata(records), batch_size=batch_size, workers=2, start_method=start_method, shuffle=shuffle
+    )
     with loader:
         it = iter(loader)
         lengths, labels = next(it)
@@ -89,9 +91,18 @@ def scenario(source_kind, start_method, n, batch_size, shuffle):
         raise AssertionError(f"wrong values read: {total} != {expected}")
     if source_kind == "Records":
         records.close()
-    return {"source": source_kind, "start_method": start_method, "records": n, "build_s": build_s,
-            "first_batch_s": first_s, "epoch_s": epoch_s, "uss_start": start, "uss_end": end,
-            "parent_rss": parent_rss, "records_nbytes": nbytes}
+    return {
+        "source": source_kind,
+        "start_method": start_method,
+        "records": n,
+        "build_s": build_s,
+        "first_batch_s": first_s,
+        "epoch_s": epoch_s,
+        "uss_start": start,
+        "uss_end": end,
+        "parent_rss": parent_rss,
+        "records_nbytes": nbytes,
+    }
 
 
 def main():
@@ -99,7 +110,9 @@ def main():
     parser.add_argument("--records", type=int, default=1_000_000, help="number of records (default 1,000,000)")
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--start-methods", default="fork,forkserver")
-    parser.add_argument("--no-shuffle", action="store_true", help="read the records in order (default: shuffled, as in training)")
+    parser.add_argument(
+        "--no-shuffle", action="store_true", help="read the records in order (default: shuffled, as in training)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--scenario", help=argparse.SUPPRESS)  # internal: SOURCE:START_METHOD, in a child
     args = parser.parse_args()
@@ -111,8 +124,16 @@ def main():
     results = []
     for method in args.start_methods.split(","):
         for source in ("list", "Records"):
-            cmd = [sys.executable, os.path.abspath(__file__), "--scenario", f"{source}:{method}",
-                   "--records", str(args.records), "--batch-size", str(args.batch_size)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--scenario",
+                f"{source}:{method}",
+                "--records",
+                str(args.records),
+                "--batch-size",
+                str(args.batch_size),
+            ]
             cmd += ["--no-shuffle"] if args.no_shuffle else []
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
@@ -120,18 +141,24 @@ def main():
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"done: {source:7} {method}", file=sys.stderr, flush=True)
 
-    print(f"\n{args.records:,} records, 2 workers, batch {args.batch_size}, one epoch; "
-          f"{'in order' if args.no_shuffle else 'shuffled'}; USS of each worker in MiB (worker 0 / worker 1)\n")
-    print("| start method | metadata | parent RSS (MiB) | worker USS at first batch | at end of epoch "
-          "| growth (sum of both) | Loader() to end of epoch (s) |")
+    print(
+        f"\n{args.records:,} records, 2 workers, batch {args.batch_size}, one epoch; "
+        f"{'in order' if args.no_shuffle else 'shuffled'}; USS of each worker in MiB (worker 0 / worker 1)\n"
+    )
+    print(
+        "| start method | metadata | parent RSS (MiB) | worker USS at first batch | at end of epoch "
+        "| growth (sum of both) | Loader() to end of epoch (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
         start = " / ".join(f"{u / MiB:.1f}" for u in r["uss_start"])
         end = " / ".join(f"{u / MiB:.1f}" for u in r["uss_end"])
         growth = (sum(r["uss_end"]) - sum(r["uss_start"])) / MiB
         source = "list of dicts" if r["source"] == "list" else f"Records ({r['records_nbytes'] / MiB:.1f} MiB file)"
-        print(f"| {r['start_method']} | {source} | {r['parent_rss'] / MiB:.0f} | {start} | {end} "
-              f"| {growth:+.1f} | {r['epoch_s']:.1f} |")
+        print(
+            f"| {r['start_method']} | {source} | {r['parent_rss'] / MiB:.0f} | {start} | {end} "
+            f"| {growth:+.1f} | {r['epoch_s']:.1f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv, "cpu_count": os.cpu_count(), "results": results}, f, indent=1)

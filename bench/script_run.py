@@ -18,8 +18,15 @@ def run_script(python: str, path: str, args: list[str], *, timeout: float, what:
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([python, path, *args], capture_output=True, text=True,
-                         timeout=timeout, env=env, cwd=tempfile.gettempdir())
+    out = subprocess.run(
+        [python, path, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tempfile.gettempdir(),
+        check=False,  # the failure is raised below, with the child's stderr
+    )
     if out.returncode != 0:
         raise SystemExit(f"{what} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -17,6 +17,7 @@
     python bench/stages.py --quick         # smaller (about 15 s)
     python bench/stages.py --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def bench_batch_fn(samples: int, workers_list: list[int], reps: int) -> list[dic
         for name, kwargs in (("per_sample_fn", {"fn": normalize_one}), ("batch_fn", {"batch_fn": normalize_batch})):
             with Loader(data, batch_size=256, workers=workers, **kwargs) as loader:
                 row[name] = samples_per_s(loader, reps)
-        with Loader(data, normalize_one, batch_size=256, workers=0) as a, \
-                Loader(data, batch_size=256, workers=0, batch_fn=normalize_batch) as b:
+        with (
+            Loader(data, normalize_one, batch_size=256, workers=0) as a,
+            Loader(data, batch_size=256, workers=0, batch_fn=normalize_batch) as b,
+        ):
             np.testing.assert_allclose(next(iter(a)), next(iter(b)), rtol=1e-5, atol=1e-5)
         row["gain"] = row["batch_fn"] / row["per_sample_fn"]
         rows.append(row)
@@ -116,32 +119,50 @@ def timed_epochs(loader: Loader, epochs: int) -> tuple[list[float], list[np.ndar
     for e in range(epochs):
         started = time.perf_counter()
         for batch in loader:
-            if e == 0:
-                first_epoch.append(np.array(batch["x"]))
+            if e == 0:  # every epoch is timed; only the first one's batches are kept
+                first_epoch.append(np.array(batch["x"]))  # noqa: PERF401
         times.append(time.perf_counter() - started)
     return times, first_epoch
 
 
 def bench_cache(samples: int, loops: int, workers_list: list[int], epochs: int) -> list[dict[str, Any]]:
     rows = []
-    disk = tempfile.mkdtemp(prefix="procpipe-bench-cache-", dir=os.path.expanduser("~") if os.access(
-        os.path.expanduser("~"), os.W_OK) else None)
+    disk = tempfile.mkdtemp(
+        prefix="procpipe-bench-cache-",
+        dir=os.path.expanduser("~") if os.access(os.path.expanduser("~"), os.W_OK) else None,
+    )
     try:
         for workers in workers_list:
             reference = None
             for name, cache in (("no cache", None), ("cache=True (memory)", True), ("cache=<dir> (disk)", disk)):
                 started = time.perf_counter()
-                with Loader(list(range(samples)), Decode(loops), batch_size=32, workers=workers, shuffle=True,
-                            augment=augment, cache=cache) as loader:
+                with Loader(
+                    list(range(samples)),
+                    Decode(loops),
+                    batch_size=32,
+                    workers=workers,
+                    shuffle=True,
+                    augment=augment,
+                    cache=cache,
+                ) as loader:
                     created = time.perf_counter() - started
                     times, first = timed_epochs(loader, epochs)
                     info = loader.cache_info()
                 if reference is None:
                     reference = first
-                same = all(np.array_equal(a, b) for a, b in zip(reference, first)) and len(first) == len(reference)
-                rows.append({"workers": workers, "cache": name, "create_s": created, "epoch_s": times,
-                             "identical_to_no_cache": same,
-                             "cache_mib": None if info is None else info["bytes"] / 2**20})
+                same = len(first) == len(reference) and all(
+                    np.array_equal(a, b) for a, b in zip(reference, first, strict=True)
+                )
+                rows.append(
+                    {
+                        "workers": workers,
+                        "cache": name,
+                        "create_s": created,
+                        "epoch_s": times,
+                        "identical_to_no_cache": same,
+                        "cache_mib": None if info is None else info["bytes"] / 2**20,
+                    }
+                )
     finally:
         shutil.rmtree(disk, ignore_errors=True)
     return rows
@@ -162,37 +183,57 @@ def main() -> None:
     samples_b = args.samples_b or (600 if args.quick else 2000)
     reps = args.reps or (1 if args.quick else 3)
     workers_list = [int(w) for w in args.workers.split(",")]
-    print(f"procpipe stage benchmark: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"numpy {np.__version__}")
+    print(
+        f"procpipe stage benchmark: {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}"
+    )
 
     started = time.perf_counter()
     rows_a = bench_batch_fn(samples_a, workers_list, reps)
-    print(f"\n(a) batch_fn: normalize a 32-float32 vector, {samples_a} samples, batch 256, "
-          f"samples/s (best of {reps} epochs)")
+    print(
+        f"\n(a) batch_fn: normalize a 32-float32 vector, {samples_a} samples, batch 256, "
+        f"samples/s (best of {reps} epochs)"
+    )
     print(f"{'workers':>7}  {'per sample in fn':>16}  {'vectorized batch_fn':>19}  {'gain':>6}")
     for r in rows_a:
         print(f"{r['workers']:>7}  {r['per_sample_fn']:>16,.0f}  {r['batch_fn']:>19,.0f}  {r['gain']:>5.1f}x")
 
     loops, ms = calibrate(args.decode_ms)
     rows_b = bench_cache(samples_b, loops, workers_list, 3)
-    print(f"\n(b) cache: decode {ms:.2f} ms/sample of pure Python (measured) + random augment, {samples_b} samples, "
-          "batch 32, shuffled; seconds per epoch")
-    print(f"{'workers':>7}  {'stage':<20}  {'create':>6}  {'epoch 1':>7}  {'epoch 2':>7}  {'epoch 3':>7}  "
-          f"{'2 vs 1':>7}  {'2 vs no cache':>13}  {'same':>4}")
+    print(
+        f"\n(b) cache: decode {ms:.2f} ms/sample of pure Python (measured) + random augment, {samples_b} samples, "
+        "batch 32, shuffled; seconds per epoch"
+    )
+    print(
+        f"{'workers':>7}  {'stage':<20}  {'create':>6}  {'epoch 1':>7}  {'epoch 2':>7}  {'epoch 3':>7}  "
+        f"{'2 vs 1':>7}  {'2 vs no cache':>13}  {'same':>4}"
+    )
     no_cache = {}
     for r in rows_b:
         e1, e2, e3 = r["epoch_s"]
         if r["cache"] == "no cache":
             no_cache[r["workers"]] = e2
         vs = no_cache[r["workers"]] / e2
-        print(f"{r['workers']:>7}  {r['cache']:<20}  {r['create_s']:>6.2f}  {e1:>7.3f}  {e2:>7.3f}  {e3:>7.3f}  "
-              f"{e1 / e2:>6.1f}x  {vs:>12.1f}x  {'yes' if r['identical_to_no_cache'] else 'NO':>4}")
+        print(
+            f"{r['workers']:>7}  {r['cache']:<20}  {r['create_s']:>6.2f}  {e1:>7.3f}  {e2:>7.3f}  {e3:>7.3f}  "
+            f"{e1 / e2:>6.1f}x  {vs:>12.1f}x  {'yes' if r['identical_to_no_cache'] else 'NO':>4}"
+        )
     total = time.perf_counter() - started
     print(f"\ntotal {total:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu_count": os.cpu_count(), "batch_fn": rows_a, "cache": rows_b, "decode_ms": ms,
-                       "samples_a": samples_a, "samples_b": samples_b, "total_s": total}, f, indent=1)
+            json.dump(
+                {
+                    "cpu_count": os.cpu_count(),
+                    "batch_fn": rows_a,
+                    "cache": rows_b,
+                    "decode_ms": ms,
+                    "samples_a": samples_a,
+                    "samples_b": samples_b,
+                    "total_s": total,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

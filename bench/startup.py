@@ -25,6 +25,7 @@ for the tf case), with the goal.
     python bench/startup.py                      # 3 repetitions
     python bench/startup.py --reps 5 --cases first,second --tf-python /path/to/venv/bin/python
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +117,14 @@ CASES = {  # case: (kinds, baseline kind, goal as a ratio to the baseline, or se
 
 
 def has_tensorflow(python: str) -> bool:
-    out = subprocess.run([python, "-c", "import tensorflow"], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    out = subprocess.run(
+        [python, "-c", "import tensorflow"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        check=False,  # a failing import is the answer "no"
+    )
     return out.returncode == 0
 
 
@@ -130,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--tf-python", default=sys.executable,
-                   help="the interpreter for the tf case (one with tensorflow, numpy, dill, multiprocess, psutil)")
+    p.add_argument(
+        "--tf-python",
+        default=sys.executable,
+        help="the interpreter for the tf case (one with tensorflow, numpy, dill, multiprocess, psutil)",
+    )
     opts = p.parse_args(argv)
     cases = opts.cases.split(",")
     if "tf" in cases and not has_tensorflow(opts.tf_python):
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             f.write(SCRIPT)
         for rep in range(opts.reps):
-            order = runs[rep % len(runs):] + runs[:rep % len(runs)]
+            order = runs[rep % len(runs) :] + runs[: rep % len(runs)]
             for case, kind in order:
                 python = opts.tf_python if case == "tf" else sys.executable
                 r = run_once(python, path, case, kind, opts.workers)
@@ -160,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(firsts)
             methods = "/".join(sorted({r["method"] for r in results[(case, kind)]}))
             shown = goal if kind != base_kind else "(baseline)"
-            print(f"{case:7s} {kind:9s} {median:8.3f} {min(firsts):7.3f} {max(firsts):7.3f} {methods:>11s} "
-                  f"{median / base:6.2f}x  {shown}")
+            print(
+                f"{case:7s} {kind:9s} {median:8.3f} {min(firsts):7.3f} {max(firsts):7.3f} {methods:>11s} "
+                f"{median / base:6.2f}x  {shown}"
+            )
     return 0
 
 

@@ -19,6 +19,7 @@ whatever is left is head-of-line blocking behind the stalled batch.
 
 ``run(quick) -> list[dict]`` returns the rows (for ``bench/compare.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,14 +97,19 @@ def _procpipe(n: int, marks: str, **kwargs: Any) -> dict[str, float]:
 def _dataloader(n: int, marks: str, in_order: bool) -> dict[str, float]:
     import torch.utils.data
 
-    loader = torch.utils.data.DataLoader(StallOnce(n, marks), batch_size=BATCH, num_workers=WORKERS,
-                                         prefetch_factor=IN_FLIGHT // WORKERS, in_order=in_order,
-                                         multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        StallOnce(n, marks),
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        prefetch_factor=IN_FLIGHT // WORKERS,
+        in_order=in_order,
+        multiprocessing_context="fork",
+    )
     return _consume(loader)
 
 
 ENGINES = {
-    "procpipe ordered": lambda n, m: _procpipe(n, m),
+    "procpipe ordered": _procpipe,
     "procpipe sloppy": lambda n, m: _procpipe(n, m, ordered=False),
     "procpipe ordered + speculate=3": lambda n, m: _procpipe(n, m, speculate=3.0),
     "DataLoader in_order=True": lambda n, m: _dataloader(n, m, True),
@@ -123,7 +129,7 @@ def run(quick: bool) -> list[dict]:
         names = [name for name in names if not name.startswith("DataLoader")]
     results: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]  # drift hits every engine alike
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # drift hits every engine alike
         for name in order:
             marks = tempfile.mkdtemp(prefix="procpipe-straggler-")
             try:
@@ -134,32 +140,40 @@ def run(quick: bool) -> list[dict]:
     for name in names:
         runs = results[name]
         wait = statistics.median(r["wait_s"] for r in runs)
-        rows.append({
-            "engine": name,
-            "batches": batches,
-            "stalls": stalls,
-            "repetitions": reps,
-            "wait_s": wait,
-            "wait_per_stall_ms": 1000 * wait / stalls,
-            "wall_s": statistics.median(r["wall_s"] for r in runs),
-            "consumer_s": (batches - 1) * CONSUMER_S,
-            "first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
-            "speculative_tasks": statistics.median(r.get("speculative_tasks", 0) for r in runs),
-        })
+        rows.append(
+            {
+                "engine": name,
+                "batches": batches,
+                "stalls": stalls,
+                "repetitions": reps,
+                "wait_s": wait,
+                "wait_per_stall_ms": 1000 * wait / stalls,
+                "wall_s": statistics.median(r["wall_s"] for r in runs),
+                "consumer_s": (batches - 1) * CONSUMER_S,
+                "first_batch_s": statistics.median(r["first_batch_s"] for r in runs),
+                "speculative_tasks": statistics.median(r.get("speculative_tasks", 0) for r in runs),
+            }
+        )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'engine':<32} {'wait s':>8} {'per stall ms':>13} {'epoch s':>8} {'training s':>11} "
-            f"{'1st batch s':>12} {'spec. tasks':>12}")
+    head = (
+        f"{'engine':<32} {'wait s':>8} {'per stall ms':>13} {'epoch s':>8} {'training s':>11} "
+        f"{'1st batch s':>12} {'spec. tasks':>12}"
+    )
     lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r['engine']:<32} {r['wait_s']:>8.3f} {r['wait_per_stall_ms']:>13.0f} {r['wall_s']:>8.2f} "
-                     f"{r['consumer_s']:>11.2f} {r['first_batch_s']:>12.3f} {r['speculative_tasks']:>12.0f}")
+    lines.extend(
+        f"{r['engine']:<32} {r['wait_s']:>8.3f} {r['wait_per_stall_ms']:>13.0f} {r['wall_s']:>8.2f} "
+        f"{r['consumer_s']:>11.2f} {r['first_batch_s']:>12.3f} {r['speculative_tasks']:>12.0f}"
+        for r in rows
+    )
     r = rows[0]
-    lines.append(f"({r['batches']} batches of {BATCH}, {r['stalls']} stalls of {STALL_S * 1000:.0f} ms, "
-                 f"{CONSUMER_S * 1000:.0f} ms per training step, {WORKERS} workers, {IN_FLIGHT} batches in flight, "
-                 f"median of {r['repetitions']}; wait = time inside next() after the first batch)")
+    lines.append(
+        f"({r['batches']} batches of {BATCH}, {r['stalls']} stalls of {STALL_S * 1000:.0f} ms, "
+        f"{CONSUMER_S * 1000:.0f} ms per training step, {WORKERS} workers, {IN_FLIGHT} batches in flight, "
+        f"median of {r['repetitions']}; wait = time inside next() after the first batch)"
+    )
     return "\n".join(lines)
 
 

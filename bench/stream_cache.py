@@ -11,6 +11,7 @@ outputs of every setting are checked identical.
     python bench/stream_cache.py           # default sizes (about 40 s on 2 cores)
     python bench/stream_cache.py --quick   # smaller
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,10 @@ def main() -> None:
             for setting in settings:
                 t = best[setting]
                 same = outputs[setting] == outputs["none"]
-                print(f"| {workers} | {setting} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {t[0] / t[1]:.0f}x | "
-                      f"{'yes' if same else 'NO'} |")
+                print(
+                    f"| {workers} | {setting} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {t[0] / t[1]:.0f}x | "
+                    f"{'yes' if same else 'NO'} |"
+                )
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 

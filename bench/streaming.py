@@ -13,6 +13,7 @@ over the whole epoch.
 To compare two versions of procpipe, run this file with each one first on
 ``PYTHONPATH`` (the workers import procpipe from there too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,9 @@ def read_ints(shard: int):
 def epoch(workers: int, ordered: bool, shuffle_buffer: int | None) -> tuple[float, float]:
     """One epoch: (steady-state microseconds per batch, records/s over the epoch)."""
     source = procpipe.Shards(list(range(SHARDS)), read_ints, cycle_length=4)
-    with procpipe.Loader(source, batch_size=BATCH, workers=workers, ordered=ordered,
-                         shuffle_buffer=shuffle_buffer) as loader:
+    with procpipe.Loader(
+        source, batch_size=BATCH, workers=workers, ordered=ordered, shuffle_buffer=shuffle_buffer
+    ) as loader:
         batches = SHARDS * RECORDS // BATCH
         marks = {}
         start = time.perf_counter()
@@ -53,15 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     opts = p.parse_args(argv)
-    print(f"procpipe {procpipe.__version__} ({procpipe.__file__}); {SHARDS} shards x {RECORDS:,} int records, "
-          f"batch {BATCH}, cycle_length 4, workers={opts.workers}, median of {opts.reps}")
+    print(
+        f"procpipe {procpipe.__version__} ({procpipe.__file__}); {SHARDS} shards x {RECORDS:,} int records, "
+        f"batch {BATCH}, cycle_length 4, workers={opts.workers}, median of {opts.reps}"
+    )
     print(f"{'mode':34s} {'us/batch (steady)':>18s} {'records/s':>12s}")
     for ordered in (True, False):
         for shuffle_buffer in (None, 1000):
             runs = [epoch(opts.workers, ordered, shuffle_buffer) for _ in range(opts.reps)]
             mode = f"ordered={ordered}, shuffle_buffer={shuffle_buffer}"
-            print(f"{mode:34s} {statistics.median(r[0] for r in runs):18.0f} "
-                  f"{statistics.median(r[1] for r in runs):12,.0f}", flush=True)
+            print(
+                f"{mode:34s} {statistics.median(r[0] for r in runs):18.0f} "
+                f"{statistics.median(r[1] for r in runs):12,.0f}",
+                flush=True,
+            )
     return 0
 
 

@@ -23,6 +23,7 @@ way (throughput after the first batch and the same warm-up for all). Beside thro
 window (``CPU_MS``): what the bridge costs shows there even on a machine busy with other
 work, where throughput alone is too noisy to show a few percent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,8 @@ import numpy as np
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-from procpipe import Loader  # noqa: E402
-from procpipe.bench.workloads import CPU_ITERS, IMAGE_SHAPE, TransferDataset  # noqa: E402
+from procpipe import Loader
+from procpipe.bench.workloads import CPU_ITERS, IMAGE_SHAPE, TransferDataset
 
 IMAGE = (32, 32, 3)
 
@@ -72,8 +73,10 @@ def collate(samples: list) -> Any:
     """Stack samples (dicts of arrays and str, or arrays) into a batch, as procpipe's default does."""
     first = samples[0]
     if isinstance(first, dict):
-        return {k: (np.array([s[k] for s in samples]) if isinstance(first[k], str)
-                    else np.stack([s[k] for s in samples])) for k in first}
+        return {
+            k: (np.array([s[k] for s in samples]) if isinstance(first[k], str) else np.stack([s[k] for s in samples]))
+            for k in first
+        }
     return np.stack(samples)
 
 
@@ -98,8 +101,8 @@ def py_function_dataset(source: Any, batch_size: int) -> Any:
 
     def parallel(i: Any) -> Any:
         outs = tf.py_function(load, [i], [s.dtype for s in flat])
-        outs = [tf.ensure_shape(o, s.shape) for o, s in zip(outs, flat)]  # py_function loses the shapes
-        return dict(zip(keys, outs)) if keys else outs[0]
+        outs = [tf.ensure_shape(o, s.shape) for o, s in zip(outs, flat, strict=True)]  # py_function loses the shapes
+        return dict(zip(keys, outs, strict=True)) if keys else outs[0]
 
     ds = tf.data.Dataset.from_generator(lambda: iter(range(len(source))), output_signature=tf.TensorSpec((), tf.int64))
     return ds.map(parallel, num_parallel_calls=tf.data.AUTOTUNE).batch(batch_size).prefetch(tf.data.AUTOTUNE)
@@ -109,8 +112,9 @@ def generator_dataset(source: Any, batch_size: int) -> Any:
     """The sequential recipe: the preprocessing inside from_generator."""
     import tensorflow as tf
 
-    ds = tf.data.Dataset.from_generator(lambda: (source[i] for i in range(len(source))),
-                                        output_signature=_spec(source[0], tf))
+    ds = tf.data.Dataset.from_generator(
+        lambda: (source[i] for i in range(len(source))), output_signature=_spec(source[0], tf)
+    )
     return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)
 
 
@@ -173,25 +177,40 @@ def engines(source: Any, batch_size: int, workers: int, prefetch: int) -> Iterat
         bridged_ds = procpipe.tf.dataset(bridged)  # infers the element_spec from the first batch: once
         py_function = py_function_dataset(source, batch_size)
         generator = generator_dataset(source, batch_size)
-        yield {"procpipe->tf": lambda: iter(bridged_ds),
-               "tf py_function": lambda: iter(py_function),
-               "tf from_generator": lambda: iter(generator),
-               "PyDataset mp": pydataset_passes(source, batch_size, workers),
-               "procpipe": lambda: iter(direct)}
+        yield {
+            "procpipe->tf": lambda: iter(bridged_ds),
+            "tf py_function": lambda: iter(py_function),
+            "tf from_generator": lambda: iter(generator),
+            "PyDataset mp": pydataset_passes(source, batch_size, workers),
+            "procpipe": lambda: iter(direct),
+        }
     if CPU_MS:
-        print("  CPU ms/sample, this process + its children, medians of the timed windows: "
-              + ", ".join(f"{k} {_median(v, 0):.3g} + {_median(v, 1):.3g}" for k, v in CPU_MS.items())
-              + " (PyDataset: a lower bound, its pool's processes that end within the window are not counted)",
-              file=sys.stderr, flush=True)
+        print(
+            "  CPU ms/sample, this process + its children, medians of the timed windows: "
+            + ", ".join(f"{k} {_median(v, 0):.3g} + {_median(v, 1):.3g}" for k, v in CPU_MS.items())
+            + " (PyDataset: a lower bound, its pool's processes that end within the window are not counted)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def workload(name: str, size: int) -> tuple[Any, int, str, int, str]:
     """``(source, batch_size, unit, sample_bytes, description)`` of ``tf_cpu`` or ``tf_transfer``."""
     if name == "tf_cpu":
-        return (DictRecords(size), 32, "samples/s", 0,
-                "dict record (32x32x3 image randomly flipped, label, str id) after ~2 ms of pure Python")
-    return (TransferDataset(size), 64, "GB/s", int(np.prod(IMAGE_SHAPE)),
-            "copy of a preloaded 224x224x3 uint8 image into TensorFlow, batch 64 = 9.6 MB")
+        return (
+            DictRecords(size),
+            32,
+            "samples/s",
+            0,
+            "dict record (32x32x3 image randomly flipped, label, str id) after ~2 ms of pure Python",
+        )
+    return (
+        TransferDataset(size),
+        64,
+        "GB/s",
+        int(np.prod(IMAGE_SHAPE)),
+        "copy of a preloaded 224x224x3 uint8 image into TensorFlow, batch 64 = 9.6 MB",
+    )
 
 
 def _cpu_seconds(processes: dict[tuple[int, float], Any]) -> dict[tuple[int, float], float]:
@@ -245,8 +264,7 @@ class _Window:
             raise
 
 
-def consume(label: str, start_pass: Callable[[], Any], consume_epoch: Any, n: int, batch_size: int,
-            warmup: int) -> Any:
+def consume(label: str, start_pass: Callable[[], Any], consume_epoch: Any, n: int, batch_size: int, warmup: int) -> Any:
     """Time one pass of ``start_pass()`` with compare.py's ``_consume`` (recording its CPU per
     sample in ``CPU_MS[label]``), then close the pass's iterator."""
     t0 = time.perf_counter()
@@ -266,13 +284,20 @@ def consume(label: str, start_pass: Callable[[], Any], consume_epoch: Any, n: in
 #: Goal rows per workload: (reference engine, ratio procpipe->tf must reach, note).
 #: The throughput rows; :func:`cpu_rows` adds the CPU-per-sample one.
 GOALS = {
-    "tf_cpu": [("tf py_function", 2.5, "the issue's goal at 2 workers"), ("tf from_generator", 1.0, ""),
-               ("PyDataset mp", 1.0, "Keras' own worker processes"), ("procpipe", 0.9, "the bridge's cost")],
-    "tf_transfer": [("tf py_function", 10.0, "the issue's goal at 2 workers"), ("tf from_generator", 1.0, ""),
-                    ("PyDataset mp", 1.0, ""),
-                    # TensorFlow's own time between two elements of from_generator (0.7-0.8 ms, timed in
-                    # a pass) against procpipe's 1.5 ms per 9.6 MB batch on 2 cores: 0.6, not 0.9
-                    ("procpipe", 0.6, "the bridge's cost: TensorFlow's ~0.7 ms per element")],
+    "tf_cpu": [
+        ("tf py_function", 2.5, "the issue's goal at 2 workers"),
+        ("tf from_generator", 1.0, ""),
+        ("PyDataset mp", 1.0, "Keras' own worker processes"),
+        ("procpipe", 0.9, "the bridge's cost"),
+    ],
+    "tf_transfer": [
+        ("tf py_function", 10.0, "the issue's goal at 2 workers"),
+        ("tf from_generator", 1.0, ""),
+        ("PyDataset mp", 1.0, ""),
+        # TensorFlow's own time between two elements of from_generator (0.7-0.8 ms, timed in
+        # a pass) against procpipe's 1.5 ms per 9.6 MB batch on 2 cores: 0.6, not 0.9
+        ("procpipe", 0.6, "the bridge's cost: TensorFlow's ~0.7 ms per element"),
+    ],
 }
 
 
@@ -294,5 +319,12 @@ def cpu_rows(name: str) -> list[tuple[str, float, float, float, str]]:
         return []
     total = _median(direct, 0) + _median(direct, 1)
     added = _median(bridged, 0) - _median(direct, 0)
-    return [(f"{name}: CPU ms/sample with the bridge vs without", total + added, total, 1.05,
-             f"this process: {_median(bridged, 0):.3g} vs {_median(direct, 0):.3g} ms/sample")]
+    return [
+        (
+            f"{name}: CPU ms/sample with the bridge vs without",
+            total + added,
+            total,
+            1.05,
+            f"this process: {_median(bridged, 0):.3g} vs {_median(direct, 0):.3g} ms/sample",
+        )
+    ]

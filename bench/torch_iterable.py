@@ -11,6 +11,7 @@ in one run, means anything on a busy machine).
     python bench/torch_iterable.py              # about a minute on 2 cores
     python bench/torch_iterable.py --workers 4 --reps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,16 @@ def main() -> None:
     print(f"workers={args.workers} batch_size={args.batch_size} reps={args.reps} (median epoch)")
     print(f"{'workload':<8} {'torch batches/s':>16} {'procpipe batches/s':>19} {'procpipe/torch':>15}")
     for name, (n, shape) in WORKLOADS.items():
-        loaders = {cls: cls(Sharded(n, shape), batch_size=args.batch_size, num_workers=args.workers,
-                            persistent_workers=True, multiprocessing_context="fork")
-                   for cls in (tud.DataLoader, DataLoader)}
+        loaders = {
+            cls: cls(
+                Sharded(n, shape),
+                batch_size=args.batch_size,
+                num_workers=args.workers,
+                persistent_workers=True,
+                multiprocessing_context="fork",
+            )
+            for cls in (tud.DataLoader, DataLoader)
+        }
         times: dict[type, list[float]] = {cls: [] for cls in loaders}
         counts = {cls: seconds(loader)[1] for cls, loader in loaders.items()}  # warm-up: workers start
         assert len(set(counts.values())) == 1, f"the loaders gave different batch counts: {counts}"
@@ -61,8 +69,10 @@ def main() -> None:
             for cls, loader in loaders.items():
                 times[cls].append(seconds(loader)[0])
         rate = {cls: counts[cls] / statistics.median(t) for cls, t in times.items()}
-        print(f"{name:<8} {rate[tud.DataLoader]:>16.0f} {rate[DataLoader]:>19.0f} "
-              f"{rate[DataLoader] / rate[tud.DataLoader]:>15.2f}")
+        print(
+            f"{name:<8} {rate[tud.DataLoader]:>16.0f} {rate[DataLoader]:>19.0f} "
+            f"{rate[DataLoader] / rate[tud.DataLoader]:>15.2f}"
+        )
         loaders[DataLoader].close()
 
 

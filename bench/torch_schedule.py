@@ -17,6 +17,7 @@ of ``--reps`` epochs is printed with ratios taken in this one run.
     python bench/torch_schedule.py             # about two minutes on 2 cores
     python bench/torch_schedule.py --workers 4 --reps 7
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,13 +64,18 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     args = parser.parse_args()
     print(f"workers={args.workers} reps={args.reps} (median epoch, batches/s; ratios from this run)")
-    print(f"{'workload':<8} {'torch':>9} {'rotation':>9} {'balanced':>9} {'rotation/torch':>15} "
-          f"{'balanced/rotation':>18}")
+    print(
+        f"{'workload':<8} {'torch':>9} {'rotation':>9} {'balanced':>9} {'rotation/torch':>15} {'balanced/rotation':>18}"
+    )
     for name in args.workloads.split(","):
         n, units, slow_every, batch_size = WORKLOADS[name]
         dataset = Work(n, units, slow_every, batch_size)
-        common = dict(batch_size=batch_size, num_workers=args.workers, persistent_workers=True,
-                      multiprocessing_context="fork")
+        common = {
+            "batch_size": batch_size,
+            "num_workers": args.workers,
+            "persistent_workers": True,
+            "multiprocessing_context": "fork",
+        }
         loaders = {
             "torch": tud.DataLoader(dataset, **common),
             "rotation": DataLoader(dataset, **common),
@@ -80,11 +86,13 @@ def main() -> None:
         times: dict[str, list[float]] = {key: [] for key in loaders}
         keys = list(loaders)
         for rep in range(args.reps):
-            for key in keys[rep % 3:] + keys[: rep % 3]:
+            for key in keys[rep % 3 :] + keys[: rep % 3]:
                 times[key].append(seconds(loaders[key])[0])
         rate = {key: counts[key] / statistics.median(t) for key, t in times.items()}
-        print(f"{name:<8} {rate['torch']:>9.1f} {rate['rotation']:>9.1f} {rate['balanced']:>9.1f} "
-              f"{rate['rotation'] / rate['torch']:>14.2f}x {rate['balanced'] / rate['rotation']:>17.2f}x")
+        print(
+            f"{name:<8} {rate['torch']:>9.1f} {rate['rotation']:>9.1f} {rate['balanced']:>9.1f} "
+            f"{rate['rotation'] / rate['torch']:>14.2f}x {rate['balanced'] / rate['rotation']:>17.2f}x"
+        )
         for key, loader in loaders.items():
             if key != "torch":
                 loader.close()
