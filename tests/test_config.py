@@ -24,7 +24,7 @@ from procpipe.config import EngineConfig
 from procpipe._worker.process import WorkerSpec
 from procpipe._worker.reader import IndexedReader
 
-CONFIG_MODULES = {"config.py", "config.py"}
+CONFIG_MODULES = ("config.py",)  # where LoaderConfig and its groups check their arguments
 
 
 def double(x):
