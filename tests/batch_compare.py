@@ -24,7 +24,7 @@ def same(a: Any, b: Any, path: str = "batch") -> None:
             same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             same(x, y, f"{path}[{i}]")
     elif dataclasses.is_dataclass(a):
         same(dataclasses.asdict(a), dataclasses.asdict(b), path)
@@ -35,5 +35,5 @@ def same(a: Any, b: Any, path: str = "batch") -> None:
 def assert_batches_equal(expected: list, got: list) -> None:
     """The same number of batches, each ``same`` as its counterpart."""
     assert len(expected) == len(got), f"{len(expected)} batches expected, got {len(got)}"
-    for i, (a, b) in enumerate(zip(expected, got)):
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         same(a, b, f"batch {i}")

@@ -120,11 +120,11 @@ def take(batch):
 
 def check_epoch(got, ref, ordered, skipped=()):
     """Exactly once, correct values; in reference order if ``ordered``."""
-    ref_values = {i: v for idx, vals in ref for i, v in zip(idx, vals)}
+    ref_values = {i: v for idx, vals in ref for i, v in zip(idx, vals, strict=True)}
     indices = [i for idx, _ in got for i in idx]
     assert sorted(indices) == sorted(set(ref_values) - set(skipped)), "not every index exactly once"
     for idx, vals in got:
-        for i, v in zip(idx, vals):
+        for i, v in zip(idx, vals, strict=True):
             np.testing.assert_array_equal(v, ref_values[i], err_msg=f"wrong value for index {i}")
     if ordered and not skipped:
         assert [idx for idx, _ in got] == [idx for idx, _ in ref]

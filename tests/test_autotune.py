@@ -9,6 +9,7 @@ by ``bench/autotune.py``.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 
@@ -65,7 +66,7 @@ def io_bound(saturates_at: int, per_worker: float = 50.0) -> Callable[[int], Sam
 
 
 def changes(counts: list[int]) -> int:
-    return sum(a != b for a, b in zip(counts, counts[1:]))
+    return sum(a != b for a, b in itertools.pairwise(counts))
 
 
 def test_cpu_bound_grows_to_the_cpu_count_and_no_further(monkeypatch):
@@ -86,7 +87,7 @@ def test_io_bound_goes_beyond_the_cpus_to_where_throughput_stops_growing(monkeyp
     assert max(counts) == 8, "grew further than one doubling past the point where throughput stopped growing"
     assert counts.index(6) * INTERVAL <= 3.0, counts[:20]
     # 7 did not help: it is retried only after a backoff that doubles (2 s, 4 s, ... at most 60 s).
-    tries = sum(1 for a, b in zip(counts, counts[1:]) if a == 6 and b == 7)
+    tries = sum(1 for a, b in itertools.pairwise(counts) if a == 6 and b == 7)
     assert 1 <= tries <= 6, tries
 
 

@@ -49,7 +49,7 @@ def assert_tree_equal(got, want):
             assert_tree_equal(got[k], want[k])
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert_tree_equal(g, w)
     elif isinstance(want, np.ndarray):
         assert got.dtype == want.dtype and got.shape == want.shape

@@ -183,7 +183,7 @@ def test_facade_pin_memory_yields_pinned_batches_equal_to_torch(num_workers):
     got = list(DataLoader(Images(), batch_size=8, pin_memory=True, num_workers=num_workers))
     want = list(tud.DataLoader(Images(), batch_size=8, pin_memory=True))
     assert len(got) == len(want) == 12
-    for (x, y), (wx, wy) in zip(got, want):
+    for (x, y), (wx, wy) in zip(got, want, strict=True):
         assert x.is_pinned() and y.is_pinned()
         assert torch.equal(x, wx) and torch.equal(y, wy)
 

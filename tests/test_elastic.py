@@ -21,7 +21,7 @@ def _shards(**kwargs) -> Shards:
 def _keys(batch) -> list[tuple[int, int]]:
     """The record keys of a batch: a pair of arrays (shards, records), or one record (batch_size=None)."""
     shards, records = batch
-    return [(int(s), int(r)) for s, r in zip(np.atleast_1d(shards), np.atleast_1d(records))]
+    return [(int(s), int(r)) for s, r in zip(np.atleast_1d(shards), np.atleast_1d(records), strict=True)]
 
 
 def _epochs(loader: Loader) -> list[list[list[tuple[int, int]]]]:

@@ -326,7 +326,7 @@ def test_many_epochs_leak_nothing():
         assert me.num_fds() <= fds and me.num_threads() <= threads
         assert shm_files(loader.shm_prefix) == files
         assert loader.worker_pids == [w.pid for w in workers]
-        grown = [w.memory_info().rss - r for w, r in zip(workers, rss)]
+        grown = [w.memory_info().rss - r for w, r in zip(workers, rss, strict=True)]
         assert max(grown) < 4 << 20, f"worker RSS grew by {grown} bytes over 45 epochs"
 
 

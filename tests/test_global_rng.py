@@ -74,7 +74,7 @@ def test_draws_in_collate_fn_and_batch_fn_are_the_same_for_any_worker_count(stag
     assert len({b.tobytes() for b in zero}) == len(zero)
     for workers in (1, 2):
         other = run(workers)
-        for a, b in zip(zero, other):
+        for a, b in zip(zero, other, strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"workers={workers} draws differ from workers=0")
     np.testing.assert_array_equal(np.concatenate(zero), np.concatenate(run(0)), err_msg="not reproducible")
 

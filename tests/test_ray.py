@@ -99,7 +99,7 @@ def key(batch):
 def by_record(batches):
     """Every record's values, in record order (a multiset: a record once per epoch; one
     twice, or missing, shows against workers=0's)."""
-    return sorted((i, x) for b in batches for i, x in zip(b["i"], b["x"]))
+    return sorted((i, x) for b in batches for i, x in zip(b["i"], b["x"], strict=True))
 
 
 def agent_processes(loader):

@@ -54,7 +54,7 @@ def meta(n):
 def test_round_trip_every_column_kind():
     with Records(ROWS) as records:
         assert len(records) == 3 and records.columns == tuple(ROWS[0])
-        for got, want in zip(records, ROWS):
+        for got, want in zip(records, ROWS, strict=True):
             assert got == want and list(got) == list(want)
             assert {key: type(value) for key, value in got.items()} == TYPES  # Python values, not numpy
         assert records[1]["text"] == "bad \udcff surrogate" and records[2]["u64"] == 7
@@ -198,7 +198,7 @@ def test_workers_read_the_records_through_a_loader(workers, start_method):
                                              start_method=start_method, shuffle=True) as loader:
         seen = []
         for paths, labels in loader:
-            seen += zip(paths, labels.tolist())
+            seen += zip(paths, labels.tolist(), strict=True)
         assert sorted(seen) == [(r["path"], r["label"]) for r in meta(n)]
         name = file_of(records)
         for pid in loader.worker_pids:  # each worker maps the parent's file: zero copy

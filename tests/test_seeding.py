@@ -27,7 +27,7 @@ class GlobalDraws(Faulty):
 def _epoch(mode, workers, fn=None, **kwargs):
     with Loader(list(range(N)), fn or GlobalDraws(), batch_size=BS, workers=workers, shuffle=True, seed=5,
                 seed_globals=mode, **kwargs) as loader:
-        return {int(i): v.tolist() for idx, vals in loader for i, v in zip(idx, vals)}
+        return {int(i): v.tolist() for idx, vals in loader for i, v in zip(idx, vals, strict=True)}
 
 
 @pytest.mark.parametrize("mode", [True, "sample"])

@@ -71,9 +71,9 @@ def test_batch_fn_runs_once_per_batch_with_the_right_values(tmp_path, workers):
     with Loader(list(range(N)), vec, batch_size=BS, workers=0, shuffle=True, seed=3) as plain:
         reference = [[{k: np.array(v) for k, v in b.items()} for b in plain] for _ in range(2)]
     draws = set()
-    for got_epoch, ref_epoch in zip(epochs, reference):
+    for got_epoch, ref_epoch in zip(epochs, reference, strict=True):
         assert len(got_epoch) == N // BS
-        for got, ref in zip(got_epoch, ref_epoch):
+        for got, ref in zip(got_epoch, ref_epoch, strict=True):
             np.testing.assert_array_equal(got["i"], ref["i"])
             np.testing.assert_array_equal(got["x"], ref["x"] * 10)
             assert got["x"].dtype == np.float32
@@ -88,7 +88,7 @@ def test_batch_rng_is_the_same_for_any_worker_count_and_sample_rng_is_refused_in
         with Loader(list(range(N)), vec, batch_size=BS, workers=workers, shuffle=True, batch_fn=scale) as loader:
             return [np.array(b["r"]) for _ in range(2) for b in loader]
 
-    for a, b in zip(run(0), run(2)):
+    for a, b in zip(run(0), run(2), strict=True):
         np.testing.assert_array_equal(a, b)
 
     def bad(batch):
@@ -160,13 +160,13 @@ def epochs_of(loader, n=3):
 
 def assert_same(got, ref):
     assert len(got) == len(ref)
-    for ge, re_ in zip(got, ref):
+    for ge, re_ in zip(got, ref, strict=True):
         assert len(ge) == len(re_)
-        for g, r in zip(ge, re_):
+        for g, r in zip(ge, re_, strict=True):
             assert g.keys() == r.keys()
             for k in g:
                 if isinstance(g[k], tuple):
-                    for a, b in zip(g[k], r[k]):
+                    for a, b in zip(g[k], r[k], strict=True):
                         assert a.dtype == b.dtype
                         np.testing.assert_array_equal(a, b)
                 else:

@@ -199,7 +199,7 @@ def by_epoch(pairs):
 def test_resume_across_epochs(ordered, epochs):
     kwargs = dict(epochs=epochs, with_epoch=True, shuffle=True, seed=9, ordered=ordered)
     with make(2, **kwargs) as loader:
-        full = by_epoch(b for _, b in zip(range(30), loader))  # 14 batches an epoch
+        full = by_epoch(b for _, b in zip(range(30), loader, strict=False))  # 14 batches an epoch
     for before, after, cut in ((2, 0, 10), (0, 2, 14), (2, 1, 17)):
         with make(before, **kwargs) as first:
             it = iter(first)
@@ -207,7 +207,7 @@ def test_resume_across_epochs(ordered, epochs):
             state = json.loads(json.dumps(first.state_dict()))
         with make(after, **kwargs) as second:
             second.load_state_dict(state)
-            rest = list(second) if epochs is not None else [b for _, b in zip(range(30 - cut), second)]
+            rest = list(second) if epochs is not None else [b for _, b in zip(range(30 - cut), second, strict=False)]
         assert state["epoch"] == (0 if cut < 14 else 1) and state["until"] == (None if epochs is None else 2)
         got = by_epoch([(e, b) for e, b in taken + rest])
         for epoch in (0, 1):
@@ -272,7 +272,7 @@ def test_an_endless_stream_without_workers_keeps_no_finished_epoch():
         assert (after_60["epoch"], after_60["stream"]) == (61, None)
     with make(0, shards=shards, cycle_length=2, block_length=2, **kwargs) as second:
         second.load_state_dict(state)
-        assert [(e, records_of(b)) for _, (e, b) in zip(range(2), second)] == rest_of_60
+        assert [(e, records_of(b)) for _, (e, b) in zip(range(2), second, strict=False)] == rest_of_60
     assert [e for e, _ in rest_of_60] == [60, 60]
     assert sorted(records_of(batch) + flat(r for _, r in rest_of_60)) == [0, 1, 2, 1000, 1001]
 

@@ -112,7 +112,7 @@ def test_ordered_output_does_not_depend_on_workers():
     runs = [run(w) for w in (0, 1, 3)]
     for other in runs[1:]:
         assert ids(other) == ids(runs[0])
-        for a, b in zip(runs[0], other):
+        for a, b in zip(runs[0], other, strict=True):
             np.testing.assert_array_equal(a["noise"], b["noise"])
     shard_order = procpipe._streaming.StreamPlan(
         Shards(SHARDS, open_shard), batch_size=4, shuffle=True, seed=7, drop_last=False).batches(0)

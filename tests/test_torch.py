@@ -144,7 +144,7 @@ def test_global_rng_shuffle_matches_torch():
     torch.manual_seed(123)
     loader = DataLoader(Indexed(), batch_size=5, shuffle=True)  # num_workers=0: in-process path
     got = [list(loader) for _ in range(2)]
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         assert_batches_equal(e, g)
 
 
@@ -292,7 +292,7 @@ def test_worker_init_fn_worker_info_and_persistence():
         second = list(loader)
     finally:
         loader.close()
-    rows = [(int(w), int(n), int(m)) for b in first + second for w, n, m in zip(b["worker"], b["workers"], b["init"])]
+    rows = [(int(w), int(n), int(m)) for b in first + second for w, n, m in zip(b["worker"], b["workers"], b["init"], strict=True)]
     assert {w for w, _, _ in rows} <= {0, 1} and {n for _, n, _ in rows} == {2}
     assert all(m == 100 + w for w, _, m in rows), "worker_init_fn(worker_id) must run in each worker first"
     assert {int(p) for b in first for p in b["pid"]} == {int(p) for b in second for p in b["pid"]}
@@ -316,7 +316,7 @@ def test_worker_info_comes_from_procpipe_not_from_the_process_name():
         batches = list(loader)
     finally:
         loader.close()
-    rows = {(int(p), int(w), int(m)) for b in batches for p, w, m in zip(b["pid"], b["worker"], b["init"])}
+    rows = {(int(p), int(w), int(m)) for b in batches for p, w, m in zip(b["pid"], b["worker"], b["init"], strict=True)}
     assert {w for _, w, _ in rows} <= {0, 1} and all(m == 100 + w for _, w, m in rows)
     assert len({p for p, _, _ in rows}) == len(rows), "one worker index per process"
     # ...and a process that is no procpipe worker is none, whatever its name.
@@ -357,7 +357,7 @@ def test_per_batch_seeding_makes_augmentation_independent_of_num_workers():
             runs[workers] = [list(loader), list(loader)]
         finally:
             loader.close()
-    for a, b in zip(runs[1], runs[2]):
+    for a, b in zip(runs[1], runs[2], strict=True):
         assert_batches_equal(a, b)
     first, second = runs[2]
     assert not torch.equal(first[0][0], second[0][0]), "augmentation must change between epochs"
@@ -524,7 +524,7 @@ def test_loader_device_cpu_yields_tensors_sharing_the_ring():
     with procpipe.Loader(range(16), sample, batch_size=4, workers=2, device="cpu") as loader:
         list(loader)  # the first epoch sizes the ring
         prefix, count = loader.shm_prefix, 0
-        for exp, batch in zip(expected, loader):  # one batch at a time: list() would hold every slot
+        for exp, batch in zip(expected, loader, strict=True):  # one batch at a time: list() would hold every slot
             count += 1
             assert isinstance(batch["x"], torch.Tensor) and isinstance(batch["pair"], tuple)
             assert batch["name"] == exp["name"]

@@ -302,7 +302,7 @@ def test_classes_come_back_as_the_users_own(workers):
             assert all(type(b.y) is Point for b in got)
     ref, got = both(Squares(), batch_size=4, collate_fn=CustomBatch, num_workers=workers)
     assert [type(b) for b in got] == [type(b) for b in ref] == [CustomBatch] * 3
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         same((r.x, r.y), (g.x, g.y))
 
 
@@ -330,7 +330,7 @@ def test_worker_init_fn_and_get_worker_info():
             assert b["has_dataset"].tolist() == [True, True]
             assert b["init"].tolist() == b["id"].tolist(), "worker_init_fn got the id get_worker_info() reports"
         assert len({int(p) for b in batches for p in b["pid"]}) <= 2
-        seeds = {i: int(seed) for b in batches for i, seed in zip(b["id"].tolist(), b["seed"])}
+        seeds = {i: int(seed) for b in batches for i, seed in zip(b["id"].tolist(), b["seed"], strict=True)}
         assert len(set(seeds.values())) == len(seeds), "each worker has its own seed"
     same([b["index"] for b in ref], [b["index"] for b in got])
     ref, got = both(WhoLoads(), batch_size=2, num_workers=0)
@@ -465,7 +465,7 @@ def test_random_augmentation_draws_what_torch_draws(persistent, init):
                 loader.close()
 
     expected, got = epochs(TorchDataLoader), epochs(ProcpipeDataLoader)
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         same(have, want)
     workers = [int(w) for b in got[0] for w in b[4]]
     assert workers == [k // 2 % 3 for k in range(24)], workers  # batch k on worker k % 3
