@@ -530,7 +530,7 @@ def kind_tests(module: Module) -> Iterator[str]:
 def kind_test_report(modules: dict[str, Module]) -> list[str]:
     """Every kind test outside ``KIND_MODULES`` and ``KIND_TESTS_ALLOWED``, and a note if the allow-list grew."""
     report = []
-    for name, module in sorted(modules.items()):
+    for _name, module in sorted(modules.items()):
         if module.short in KIND_MODULES or module.short in KIND_TESTS_ALLOWED:
             continue
         report.extend(kind_tests(module))

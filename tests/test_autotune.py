@@ -146,7 +146,7 @@ def test_with_idle_workers_noise_does_not_bring_back_a_worker_that_costs(monkeyp
         drift = np.repeat(rng.uniform(0.8, 1.2, 120), 4)  # one factor per second of 4 intervals
         steps = iter(drift)
         tuner = make_tuner(monkeypatch, cpus=2, start=2)
-        model = lambda n: Sample(INTERVAL, (1000.0 if n == 1 else 900.0) * next(steps),  # noqa: E731
+        model = lambda n, steps=steps: Sample(INTERVAL, (1000.0 if n == 1 else 900.0) * next(steps),  # noqa: E731
                                  wait=0.3, busy=0.2 * n, cpu=0.2 * n)
         counts = simulate(tuner, model, seconds=119)
         at_two.append(counts.count(2) / len(counts))
@@ -162,7 +162,7 @@ def test_a_worker_is_not_kept_for_a_gain_smaller_than_the_noise(monkeypatch):
         rng = np.random.default_rng(seed)
         regime = iter(np.repeat(rng.uniform(0.5, 1.4, 61), 4))  # one speed per second of 4 intervals
         tuner = make_tuner(monkeypatch, cpus=2, start=2)
-        model = lambda n: Sample(INTERVAL, 1000.0 * next(regime) if n == 1 else 780.0 * rng.uniform(0.95, 1.05),  # noqa: E731
+        model = lambda n, regime=regime, rng=rng: Sample(INTERVAL, 1000.0 * next(regime) if n == 1 else 780.0 * rng.uniform(0.95, 1.05),  # noqa: E731
                                  wait=0.3, busy=0.2 * n, cpu=0.2 * n)
         counts = simulate(tuner, model, seconds=60)
         at_one.append(counts.count(1) / len(counts))

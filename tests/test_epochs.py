@@ -309,7 +309,7 @@ FAST = {"interval": 0.05, "min_batches": 4}
 def run_until(loader, condition, limit):
     """Consume the endless stream until ``condition(stats)`` holds or ``limit`` batches."""
     seen = set()
-    for n, (epoch, batch) in enumerate(loader):
+    for n, (epoch, _batch) in enumerate(loader):
         seen.add(epoch)
         s = loader.stats()
         if condition(s) or n >= limit:
@@ -357,7 +357,7 @@ def test_autotune_grows_on_cpu_bound_work_up_to_the_cpus(tmp_path):
 def test_autotune_does_not_grow_when_the_consumer_is_the_bottleneck():
     with Loader(list(range(400)), batch_size=4, workers=AutoWorkers(start=2, max=4, **FAST),
                 epochs=None, with_epoch=True) as loader:
-        for n, _ in enumerate(loader):
+        for _ in loader:
             time.sleep(0.01)  # the training step: far slower than loading 4 indices
             if len(loader.stats()["autotune"]["trace"]) >= 10:
                 break

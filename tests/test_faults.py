@@ -77,8 +77,8 @@ def test_workers_killed_from_the_consumer_loop(ordered, seed):
                 deaths = loader.stats()["worker_deaths"]
                 victim = rng.choice(loader.worker_pids)
                 os.kill(victim, signal.SIGKILL)
-                wait_until(lambda: loader.stats()["worker_deaths"] > deaths, 1.0, "the death to be detected (1 s)")
-                wait_until(lambda: victim not in loader.worker_pids, 5.0, "a replacement worker")
+                wait_until(lambda deaths=deaths: loader.stats()["worker_deaths"] > deaths, 1.0, "the death to be detected (1 s)")
+                wait_until(lambda victim=victim: victim not in loader.worker_pids, 5.0, "a replacement worker")
         assert loader.stats()["worker_deaths"] == 2
     check_epoch(got, reference(0, shuffle=True, seed=seed), ordered)
 

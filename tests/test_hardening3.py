@@ -53,10 +53,10 @@ def test_abandoned_loader_frees_its_files_without_the_garbage_collector(streamin
     gc.disable()  # a re-run notebook cell: the loader is dropped mid-epoch, and no collection runs
     try:
         loader = procpipe.Loader(source, fn=_zeros, batch_size=4, workers=2)
-        for k, batch in enumerate(loader):
+        for k, _batch in enumerate(loader):
             if k == 2:
                 break
-        del batch
+        del _batch  # the last batch holds a ring slot: the loader is dropped with none in hand
         assert our_shm_files() - before, "the loader made no shared-memory files: the test proves nothing"
         gone = weakref.ref(loader)
         del loader

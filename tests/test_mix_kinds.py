@@ -6,7 +6,6 @@ records whatever the worker count, a whole-dataset shuffle each epoch, and the e
 tests/test_elastic_mix.py.)"""
 from __future__ import annotations
 
-from collections import Counter
 
 import numpy as np
 import pytest

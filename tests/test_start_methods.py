@@ -119,8 +119,8 @@ def test_workers_killed_mid_epoch_change_nothing(method, tmp_path):
                 victim = loader.worker_pids[0]
                 deaths = loader.stats()["worker_deaths"]
                 os.kill(victim, signal.SIGKILL)
-                wait_until(lambda: loader.stats()["worker_deaths"] > deaths, 15, "the death to be detected")
-                wait_until(lambda: victim not in loader.worker_pids, 15, "a replacement worker")
+                wait_until(lambda deaths=deaths: loader.stats()["worker_deaths"] > deaths, 15, "the death to be detected")
+                wait_until(lambda victim=victim: victim not in loader.worker_pids, 15, "a replacement worker")
         stats = loader.stats()
         again = [take(b) for b in loader]  # the replacements serve the next epoch
         pids, prefix = assert_running(loader)

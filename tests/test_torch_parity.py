@@ -196,7 +196,7 @@ class BulkSampler(tud.Sampler):
         self.n, self.size = n, size
 
     def __len__(self) -> int:
-        return -(-self.n // self.size)
+        return -(-self.n // self.size)  # noqa: PLE0303 -- ceil(n / size), n and size >= 0
 
     def __iter__(self):
         order = list(range(self.n))[::-1]
