@@ -32,6 +32,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -122,8 +123,11 @@ def in_graph(ds: tf.data.Dataset) -> tf.Tensor:
 
 
 def paced(batch: dict, gaps: list[float], reps: int, elements: int) -> None:
-    """CPU per element of the bridge's construction (eager) and of a plain loop, elements ``gap`` ms apart."""
+    """CPU per element, elements ``gap`` ms apart: the bridge's construction, a ``range().map(numpy_function)``
+    pulling from the same generator (one Python call per element, no generator machinery), both eager, and a
+    plain Python loop."""
     spec = spec_of(batch)
+    keys = list(batch)
     options = tf.data.Options()
     options.autotune.enabled = False
 
@@ -138,15 +142,30 @@ def paced(batch: dict, gaps: list[float], reps: int, elements: int) -> None:
     def bridge(gap: float) -> None:
         eager(tf.data.Dataset.from_generator(generator(gap), output_signature=spec).with_options(options))
 
+    def numpy_map(gap: float) -> None:
+        each = generator(gap)()
+
+        def call(i: Any) -> list:
+            b = next(each)
+            return [np.asarray(b[k], object) if isinstance(b[k], list) else b[k] for k in keys]
+
+        def element(i: Any) -> dict:
+            out = tf.numpy_function(call, [i], [spec[k].dtype for k in keys], stateful=True)
+            return dict(zip(keys, out, strict=True))
+
+        eager(tf.data.Dataset.range(elements).map(element).with_options(options))
+
     def plain(gap: float) -> None:
         for _ in generator(gap)():
             pass
 
     bridge(0)  # warm
+    numpy_map(0)
+    runs = {"from_generator": bridge, "range.map(numpy_function)": numpy_map, "plain Python for": plain}
     for gap in gaps:
-        cpu: dict[str, list[float]] = {"from_generator, eager for": [], "plain Python for": []}
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(reps):
-            for name, run in zip(cpu, (bridge, plain), strict=True):
+            for name, run in runs.items():
                 cpu_started = time.process_time()
                 run(gap)
                 cpu[name].append(1000 * (time.process_time() - cpu_started) / elements)
