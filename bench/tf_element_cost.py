@@ -32,7 +32,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -73,22 +73,33 @@ def spec_of(batch: dict) -> dict:
     }
 
 
-def constructions(batch: dict, n: int) -> dict:
+def batches(batch: dict, n: int, gap: float | None = None) -> Iterator[dict]:
+    """``n`` views of ``batch``; with ``gap``, each after ``gap`` ms of ``time.sleep`` (no CPU, the GIL
+    released: a loader waiting for its workers)."""
+    for _ in range(n):
+        if gap is not None:
+            time.sleep(gap / 1000)
+        yield {k: v[:] for k, v in batch.items()}
+
+
+def constructions(batch: dict, n: int, gap: float | None = None) -> dict:
+    """The ways of making a dataset of ``n`` elements, by name: each value makes a fresh one."""
     spec = spec_of(batch)
     options = tf.data.Options()
     options.autotune.enabled = False  # as procpipe.tf.dataset sets it
     keys = list(batch)
 
-    def generator():
-        for _ in range(n):
-            yield {k: v[:] for k, v in batch.items()}
-
     def from_generator():
-        return tf.data.Dataset.from_generator(generator, output_signature=spec).with_options(options)
+        return tf.data.Dataset.from_generator(lambda: batches(batch, n, gap), output_signature=spec).with_options(
+            options
+        )
 
     def numpy_map():
+        each = batches(batch, n, gap)
+
         def call(i):
-            return [np.asarray(batch[k], object) if isinstance(batch[k], list) else batch[k][:] for k in keys]
+            b = next(each)
+            return [np.asarray(b[k], object) if isinstance(b[k], list) else b[k] for k in keys]
 
         def element(i):
             out = tf.numpy_function(call, [i], [spec[k].dtype for k in keys], stateful=True)
@@ -107,7 +118,7 @@ def constructions(batch: dict, n: int) -> dict:
     }
 
 
-def eager(ds: tf.data.Dataset) -> int:
+def eager(ds: Iterable) -> int:
     count = 0
     for _ in ds:
         count += 1
@@ -123,51 +134,21 @@ def in_graph(ds: tf.data.Dataset) -> tf.Tensor:
 
 
 def paced(batch: dict, gaps: list[float], reps: int, elements: int) -> None:
-    """CPU per element, elements ``gap`` ms apart: the bridge's construction, a ``range().map(numpy_function)``
-    pulling from the same generator (one Python call per element, no generator machinery), both eager, and a
-    plain Python loop."""
-    spec = spec_of(batch)
-    keys = list(batch)
-    options = tf.data.Options()
-    options.autotune.enabled = False
-
-    def generator(gap: float):
-        def each():
-            for _ in range(elements):
-                time.sleep(gap / 1000)
-                yield {k: v[:] for k, v in batch.items()}
-
-        return each
-
-    def bridge(gap: float) -> None:
-        eager(tf.data.Dataset.from_generator(generator(gap), output_signature=spec).with_options(options))
-
-    def numpy_map(gap: float) -> None:
-        each = generator(gap)()
-
-        def call(i: Any) -> list:
-            b = next(each)
-            return [np.asarray(b[k], object) if isinstance(b[k], list) else b[k] for k in keys]
-
-        def element(i: Any) -> dict:
-            out = tf.numpy_function(call, [i], [spec[k].dtype for k in keys], stateful=True)
-            return dict(zip(keys, out, strict=True))
-
-        eager(tf.data.Dataset.range(elements).map(element).with_options(options))
-
-    def plain(gap: float) -> None:
-        for _ in generator(gap)():
-            pass
-
-    bridge(0)  # warm
-    numpy_map(0)
-    runs = {"from_generator": bridge, "range.map(numpy_function)": numpy_map, "plain Python for": plain}
+    """CPU per element, elements ``gap`` ms apart: the bridge's construction and a
+    ``range().map(numpy_function)`` pulling from the same generator, both eager, and a plain Python loop."""
+    names = ("from_generator (the bridge's)", "range.map(numpy_function)")
+    warm = constructions(batch, elements, 0.0)
+    for name in names:
+        eager(warm[name]())
     for gap in gaps:
+        made = constructions(batch, elements, gap)
+        runs = {name.split(" ")[0]: made[name] for name in names}
+        runs["plain Python for"] = lambda gap=gap: batches(batch, elements, gap)
         cpu: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(reps):
-            for name, run in runs.items():
+            for name, make in runs.items():
                 cpu_started = time.process_time()
-                run(gap)
+                eager(make())
                 cpu[name].append(1000 * (time.process_time() - cpu_started) / elements)
         print(
             f"  {elements} elements {gap:g} ms apart (a pass's start included): "
