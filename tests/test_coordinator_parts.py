@@ -343,8 +343,10 @@ class PipeLink(FakeLink):
         return self.exit_r
 
     def die(self) -> None:
-        os.close(self.exit_w)
-        self.exit_w = -1
+        # Forgotten before it is closed: the coordinator thread wakes as the descriptor closes
+        # and reaps this link (close()), which must not close the same number again.
+        fd, self.exit_w = self.exit_w, -1
+        os.close(fd)
 
     def reap(self) -> None:
         self.close()
@@ -394,6 +396,22 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
     assert pool.stopped == [pool.links[2], pool.links[1]]  # the replacement took the dead one's place
     assert coordinator.worker_counters[0].restarts == 1
     assert all(link.exit_r == -1 for link in pool.links)
+
+
+def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced(tmp_path):
+    # (a copy of the descriptor's other end leaked into another process: test_engine_robustness)
+    from procpipe._engine.coordinator import Coordinator, EngineConfig
+
+    config = EngineConfig(workers=2, prefetch=2, slot_bytes=None, worker_env={}, start_method="fork")
+    pool = PipePool(expect=3)
+    coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    try:
+        pool.links[1].exitcode = -9  # ended; its exit descriptor is not readable
+        assert pool.all_started.wait(30), "the worker that ended was not replaced"
+    finally:
+        coordinator.close()
+    assert pool.started == [0, 1, 1] and coordinator.worker_counters[1].restarts == 1
+    assert pool.stopped == [pool.links[0], pool.links[2]]
 
 
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):

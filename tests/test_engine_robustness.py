@@ -465,3 +465,46 @@ def test_a_death_seen_before_its_pipe_in_one_wakeup_does_not_stop_the_coordinato
         assert sorted(i for b in loader for i in b.tolist()) == list(range(64))
         assert loader.stats()["worker_deaths"] == len(deaths)
         assert sorted(i for b in loader for i in b.tolist()) == list(range(64))
+
+
+def test_a_death_whose_sentinel_leaked_into_another_process_is_still_seen():
+    # multiprocessing starts a worker with a pipe whose write end only the worker keeps: its
+    # end closes when the worker dies, which is how the coordinator's selector sees deaths.
+    # The parent closes its own copy just after the fork; a fork in another thread of the
+    # program in that instant (its own multiprocessing, a subprocess) hands that process a
+    # copy too, and the pipe then stays silent when the worker dies, for as long as that
+    # process lives. Made to happen here: the first fork after arming forks a bystander at
+    # once, before multiprocess closes its copy. The coordinator must find the death anyway.
+    me = os.getpid()
+    armed = [True]
+    bystanders: list[int] = []
+    release_r, release_w = os.pipe()
+
+    def fork_a_bystander() -> None:
+        if os.getpid() != me or not armed[0]:
+            return
+        armed[0] = False
+        pid = os.fork()
+        if pid == 0:  # holds every descriptor the parent had at this instant
+            os.close(release_w)
+            os.read(release_r, 1)  # (until the test releases it)
+            os._exit(0)
+        bystanders.append(pid)
+
+    os.register_at_fork(after_in_parent=fork_a_bystander)  # (disarmed after its one fork)
+    try:
+        with Loader(range(24), batch_size=4, workers=2, start_method="fork") as loader:
+            assert bystanders, "the bystander was not forked beside worker 0"
+            armed[0] = False
+            first = loader.worker_pids[0]
+            os.kill(first, signal.SIGKILL)
+            wait_until(lambda: loader.worker_pids and loader.worker_pids[0] != first, timeout=30,
+                       what="worker 0's replacement (its death was not seen)")
+            assert sorted(i for b in loader for i in b.tolist()) == list(range(24))
+            assert loader.stats()["per_worker"][0]["restarts"] == 1
+    finally:
+        armed[0] = False
+        os.close(release_w)  # the bystander exits
+        os.close(release_r)
+        for pid in bystanders:
+            os.waitpid(pid, 0)

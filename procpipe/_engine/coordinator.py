@@ -23,7 +23,7 @@ Its loop (``_loop``)::
     autotune            workers="auto": start or retire workers
     dispatch            one task per free slot, a few per worker (one running, the rest queued)
     wait and handle     epoll: a reply on a worker's pipe, a worker's death, a wake-up byte
-    sample health       worker memory, every half second
+    check health        every half second: worker memory, and deaths the selector missed
 
 It sleeps in ``select`` whenever there is nothing to do: no competing for the GIL.
 
@@ -86,7 +86,7 @@ logger = logging.getLogger("procpipe")
 # next. Small batches are dominated by the round trip, so they get a deeper queue; large
 # ones would only cost ring memory (TASKS_PER_WORKER_SMALL, SMALL_BATCH_BYTES: delivery.py).
 TASKS_PER_WORKER = 2
-_HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled
+_HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled and the workers are asked whether they ended
 
 
 class Coordinator:
@@ -252,7 +252,7 @@ class Coordinator:
                 self.rings.remove_idle()
             self._dispatch()
             self._wait_and_handle(wait)
-            self._sample_health()
+            self._check_health()
 
     def _apply_commands(self) -> None:
         """Step: apply the consumer's commands, in order."""
@@ -312,14 +312,29 @@ class Coordinator:
                 callback, handle = key.data
                 callback(handle)
 
-    def _sample_health(self) -> None:
-        """Step: every half second, the workers' memory."""
+    def _check_health(self) -> None:
+        """Step: every half second, the workers' memory, and deaths their exit descriptor missed."""
         now = time.monotonic()
         if now - self._last_health >= _HEALTH_INTERVAL_S:
             self._last_health = now
             self.pool.sample_memory(self.roster.links)
+            self._find_unseen_deaths()
 
-    # ---------------------------------------------------------------- streams and epochs
+    def _find_unseen_deaths(self) -> None:
+        """A worker that has ended (``exitcode`` set) while its exit descriptor never became
+        readable is handled as a death here. The descriptor stays silent when a copy of the
+        end that closes at exit leaked into another process: a fork in a thread of the
+        program (its own ``multiprocessing``, a subprocess) at the instant a worker was
+        started. The worker's death would otherwise go unseen for as long as that process
+        lives, and its batches would never come."""
+        registered = self._selector.get_map()
+        for link in list(self.roster.links):
+            key = registered.get(link.exit_fd())
+            if key is None or key.data is None or key.data[1] is not link:
+                continue  # (already handled, or not one of ours)
+            if link.exitcode is not None:
+                self._on_exit(link)
+
     def _start_stream(self, stream: Stream) -> None:
         if self.stream is not None:
             self.stream.abandon()
