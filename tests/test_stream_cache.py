@@ -3,6 +3,7 @@ growing cache of _worker/stream_cache.py. Epoch 0 reads and runs ``fn`` once per
 storing each output as it arrives; later epochs open no shard and run no ``fn``."""
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import signal
@@ -19,9 +20,15 @@ SHARDS = [(0, 5), (1, 0), (2, 13), (3, 8), (4, 3), (5, 16), (6, 1)]
 RECORDS = sorted(s * 1000 + i for s, n in SHARDS for i in range(n))
 
 
-def log(log_dir, what):
+def log(log_dir, what, line="x"):
     with open(os.path.join(log_dir, what), "a") as f:
-        f.write("x\n")
+        f.write(f"{line}\n")
+
+
+def computed_per_record(log_dir):
+    """How many times ``fn`` ran on each record."""
+    with open(os.path.join(log_dir, "fn")) as f:
+        return collections.Counter(int(line) for line in f.read().split())
 
 
 def calls(log_dir, what):
@@ -42,7 +49,7 @@ class Counted:
             yield shard[0] * 1000 + i
 
     def fn(self, record):
-        log(self.log_dir, "fn")
+        log(self.log_dir, "fn", record)  # (which record: computed_per_record)
         if record in self.kill and first_attempt(self.log_dir, f"kill-{record}"):
             os.kill(os.getpid(), signal.SIGKILL)
         if record == self.stall and first_attempt(self.log_dir, "stalled"):  # until the test lets it go on
@@ -110,14 +117,28 @@ def test_growing_cache_resumes_exactly(tmp_path, workers, take):
 def test_growing_cache_after_an_epoch_broken_off(tmp_path, workers):
     """An epoch left midway stores what it read; the next epoch reads the rest (and ends the shards)."""
     logs = private_dir(tmp_path / "logs")
-    with make(Counted(logs), workers, True) as loader:
-        for i, _ in enumerate(loader):
+    # Workers run ahead of the consumer, as far as the ring lets them: record 6000, the only
+    # one of shard 6 and of the last batch, is held back until the test lets it go on, so
+    # that shard's end is not seen before the break however far ahead they got.
+    with make(Counted(logs, stall=6000), workers, True) as loader:
+        taken = []
+        for i, batch in enumerate(loader):
+            taken += values([batch])
             if i == 3:
                 break
         assert loader.cache_info()["samples"] is None  # (not every shard's end seen yet)
+        open(os.path.join(logs, "go"), "w").close()  # (the stalled record goes on)
         whole = values(loader)
-        assert calls(logs, "fn") == len(RECORDS)
-        assert values(loader) == whole and calls(logs, "fn") == len(RECORDS)
+        assert whole[:4] == taken
+        runs = computed_per_record(logs)
+        assert sorted(runs) == RECORDS  # every record's fn ran,
+        assert all(runs[x] == 1 for b in taken for x, _ in b)  # those delivered before the break once
+        if workers == 0:
+            assert sum(runs.values()) == len(RECORDS)  # (nothing else was under way at the break)
+        # (with workers, a record whose batch was under way when the epoch was broken off may
+        # also run in the next epoch, before the first run stored it)
+        computed = calls(logs, "fn")
+        assert values(loader) == whole and calls(logs, "fn") == computed  # the cache is whole: no fn
         assert loader.cache_info()["samples"] == len(RECORDS)
     with make(Counted(logs), 0, None) as loader:
         assert values(loader) == whole

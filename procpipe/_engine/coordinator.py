@@ -327,13 +327,11 @@ class Coordinator:
         program (its own ``multiprocessing``, a subprocess) at the instant a worker was
         started. The worker's death would otherwise go unseen for as long as that process
         lives, and its batches would never come."""
-        registered = self._selector.get_map()
-        for link in list(self.roster.links):
-            key = registered.get(link.exit_fd())
-            if key is None or key.data is None or key.data[1] is not link:
-                continue  # (already handled, or not one of ours)
+        on_exit = self._on_exit
+        watched = [key.data[1] for key in self._selector.get_map().values() if key.data and key.data[0] == on_exit]
+        for link in watched:  # (a death handled already is no longer watched)
             if link.exitcode is not None:
-                self._on_exit(link)
+                on_exit(link)
 
     def _start_stream(self, stream: Stream) -> None:
         if self.stream is not None:
