@@ -333,6 +333,7 @@ class Coordinator:
             if link.exitcode is not None:
                 on_exit(link)
 
+    # ---------------------------------------------------------------- streams and epochs
     def _start_stream(self, stream: Stream) -> None:
         if self.stream is not None:
             self.stream.abandon()
