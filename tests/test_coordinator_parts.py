@@ -380,12 +380,17 @@ class PipePool(FakePool):
             link.close()
 
 
-def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
+def loop_coordinator(tmp_path: Any, pool: PipePool, workers: int) -> Any:
+    """A running ``Coordinator`` (its thread and loop) over ``pool``, with no stream yet."""
     from procpipe._engine.coordinator import Coordinator, EngineConfig
 
-    config = EngineConfig(workers=2, prefetch=2, slot_bytes=None, worker_env={}, start_method="fork")
+    config = EngineConfig(workers=workers, prefetch=workers, slot_bytes=None, worker_env={}, start_method="fork")
+    return Coordinator(config, pool, SharedFiles(str(tmp_path)))
+
+
+def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
     pool = PipePool(expect=3)
-    coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    coordinator = loop_coordinator(tmp_path, pool, workers=2)
     try:
         assert pool.started == [0, 1] and coordinator.is_alive()
         pool.links[0].die()
@@ -400,11 +405,8 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
 
 def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced(tmp_path):
     # (a copy of the descriptor's other end leaked into another process: test_engine_robustness)
-    from procpipe._engine.coordinator import Coordinator, EngineConfig
-
-    config = EngineConfig(workers=2, prefetch=2, slot_bytes=None, worker_env={}, start_method="fork")
     pool = PipePool(expect=3)
-    coordinator = Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    coordinator = loop_coordinator(tmp_path, pool, workers=2)
     try:
         pool.links[1].exitcode = -9  # ended; its exit descriptor is not readable
         assert pool.all_started.wait(30), "the worker that ended was not replaced"
@@ -415,10 +417,7 @@ def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced
 
 
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
-    from procpipe._engine.coordinator import Coordinator, EngineConfig
-
-    config = EngineConfig(workers=1, prefetch=1, slot_bytes=None, worker_env={}, start_method="fork")
-    coordinator = Coordinator(config, PipePool(expect=1), SharedFiles(str(tmp_path)))
+    coordinator = loop_coordinator(tmp_path, PipePool(expect=1), workers=1)
     try:
         with pytest.raises(TypeError, match=r"a StartStream, CancelStream, ReserveSlots or CloseEngine"):
             coordinator.submit("close")  # type: ignore[arg-type]  # (the older spelling, accepted until now)
