@@ -51,7 +51,8 @@ if __name__ == "__main__":
     options = dict(batch_size=64, shuffle=True, seed=0, augment=augment, batch_fn=normalize)
     with procpipe.Loader(records, decode, workers=2, cache=True, **options) as loader:
         info = loader.cache_info()
-        print(f"cache: {info['samples']} samples x {info['sample_bytes']} bytes in {info['directory']}, "
+        where = info["directory"] or "shared memory"
+        print(f"cache: {info['samples']} samples x {info['sample_bytes']} bytes in {where}, "
               f"{info['filled']} filled at creation")
         for epoch in range(3):
             started = time.perf_counter()

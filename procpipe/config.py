@@ -182,22 +182,28 @@ def check_cache(cache: Any) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)
 class Memory(Group):
-    """Where the shared-memory files go and how large the ring is (``shm_dir``, ``slot_bytes``,
-    ``stage_slots``)."""
+    """Where the ring lives and how large it is (``shm_dir``: None, anonymous shared memory, or a
+    directory for its files; ``slot_bytes``, ``stage_slots``)."""
 
-    shm_dir: str = "/dev/shm"
+    shm_dir: str | None = None
     slot_bytes: int | None = None
     stage_slots: int = 0
 
     def __post_init__(self) -> None:
         check_int("slot_bytes", self.slot_bytes, 1, allow_none=True)
+        check_int("stage_slots", self.stage_slots, 0)
         shm_dir = self.shm_dir
+        if shm_dir is None:
+            return
+        if not isinstance(shm_dir, (str, os.PathLike)):
+            raise TypeError(f"shm_dir must be None or a directory path, got {type(shm_dir).__name__}")
+        shm_dir = os.fspath(shm_dir)
+        object.__setattr__(self, "shm_dir", shm_dir)  # (a path-like, kept as the str every module uses)
         if not os.path.isdir(shm_dir) or not os.access(shm_dir, os.W_OK):
             raise ValueError(
                 f"shm_dir={shm_dir!r} is not a writable directory; pass a directory procpipe can create files in"
             )
         check_private_dir(shm_dir, "shm_dir")
-        check_int("stage_slots", self.stage_slots, 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, repr=False)

@@ -70,7 +70,10 @@ class Loader:
             created (``loader.start_method``).
             Workers never import the main script (procpipe._worker.start_method), so
             no ``if __name__ == "__main__":`` guard is needed.
-        shm_dir: directory of the shared-memory files (``/dev/shm`` by default).
+        shm_dir: None (the default): the ring is anonymous shared memory (``memfd``), limited by
+            memory only (a container's ``/dev/shm`` size does not matter) and gone with the last
+            process using it; a directory: the ring's files go there instead (a hugepages
+            mount, a disk), as ``procpipe-<pid>-<token>-ring<k>``.
         slot_bytes: size of a ring slot; by default a full batch's, from the first batch to
             arrive (scaled up if it was short). A larger batch makes the ring grow.
         max_worker_restarts: worker deaths tolerated per epoch before the epoch fails.
@@ -127,7 +130,7 @@ class Loader:
             ``shuffle_buffer``.
         cache: ``None``/``False`` (default): no cache. ``True`` or ``"memory"``: the output
             of the deterministic first stage (``source[i]``, then ``fn``) is kept per index
-            in shared memory (``shm_dir``), computed once, and read back in later epochs;
+            in shared memory (a file in ``shm_dir`` when given), computed once, and read back in later epochs;
             a directory path: the same in a memory-mapped file there (data larger than
             memory). The first sample is computed when the loader is created, to lay the
             cache out (typed arrays: every sample must match its structure, dtypes and
@@ -186,7 +189,7 @@ class Loader:
         with_epoch: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         start_method: str = "auto",
-        shm_dir: str = "/dev/shm",
+        shm_dir: str | None = None,
         slot_bytes: int | None = None,
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
@@ -454,8 +457,9 @@ class Loader:
 
     @property
     def shm_prefix(self) -> str | None:
-        """Path prefix of every shared-memory file this loader creates."""
-        return None if self._coordinator is None else self._coordinator.files.prefix
+        """Path prefix of every shared-memory file this loader creates in ``shm_dir``; None where its
+        shared memory is anonymous (the default), which has no file names."""
+        return None if self._coordinator is None else self._coordinator.segments.prefix
 
     def stats(self) -> dict[str, Any]:
         """Statistics of the current epoch, or of the last one once it ended: a plain dict.

@@ -4,8 +4,10 @@ Every test is checked for leaks by the autouse fixture ``no_leaks``: after the t
 a ``gc.collect()``, since garbage collection of a loader is a supported way to clean up),
 it waits up to ``LEAK_DEADLINE_S`` for
 
-- every child process the test started (psutil, recursive) to be gone, and
-- every ``procpipe-<this pid>-*`` file in ``/dev/shm`` the test created to be gone.
+- every child process the test started (psutil, recursive) to be gone,
+- every ``procpipe-<this pid>-*`` file in ``/dev/shm`` the test created to be gone, and
+- every segment of anonymous shared memory procpipe made in this process during the test
+  (a memfd named ``procpipe-<this pid>-*``) to be released: no descriptor and no mapping of it left.
 
 multiprocess's forkserver and resource-tracker processes and procpipe's reaper are process-wide singletons that
 outlive a test by design; they are ignored, but the workers they fork are not. A leak fails
@@ -23,12 +25,16 @@ Helpers, importable from the tests (``from conftest import wait_until, ...``):
   use it (or ``wait_gone``) instead of a ``time.sleep`` standing in for synchronization.
 - ``wait_gone(pids, timeout)``: pids still running after the deadline (zombies count as gone).
 - ``descendants(pid=None)``: pids of the live (non-zombie) descendants of a process.
-- ``shm_files(prefix)`` / ``our_shm_files()``: existing files with a prefix / of this process.
+- ``shm_files(prefix)`` / ``our_shm_files()``: existing files with a prefix / of this process;
+  ``segments(pid)`` / ``our_segments()``: procpipe's anonymous shared memory a process holds (memfd
+  names, by descriptor or mapping) / made by this process; ``loader_token(loader)``: the name every
+  segment of a loader begins with.
 - ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot;
   ``mappings(prefix)``: address ranges where files with that prefix are mapped in this process.
 - ``leaves(batch)``: the leaves of a batch tree.
 - ``assert_running(loader)`` -> ``(pids, prefix)``, then ``assert_cleaned(pids, prefix)``: a loader's
-  workers and files exist while it runs / are all gone after cleanup (with a deadline).
+  workers and shared memory (files, or anonymous segments) exist while it runs / are all gone after
+  cleanup (with a deadline).
 - ``run_python(args, ...)``: run a Python subprocess with procpipe importable, with a timeout;
   ``python_env()``: the environment for a ``subprocess.Popen`` of your own.
 - ``CTRL_C_READY`` (the first lines of a child script that a test sends SIGINT) and
@@ -163,6 +169,56 @@ def our_shm_files(directory: str = SHM_DIR, pid: int | None = None) -> set[str]:
     return set(shm_files(os.path.join(directory, f"procpipe-{pid or os.getpid()}-")))
 
 
+_MEMFD = "/memfd:"
+
+
+def segments(pid: int | None = None) -> set[str]:
+    """Names of the procpipe memfds process ``pid`` (default: this one) holds, by descriptor or
+    mapping (``procpipe-<creator pid>-<token>-<what>``, from /proc/<pid>/fd and /proc/<pid>/maps)."""
+    where = f"/proc/{pid or 'self'}"
+    found = set()
+    try:
+        for fd in os.listdir(f"{where}/fd"):
+            try:
+                target = os.readlink(f"{where}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(_MEMFD + "procpipe-"):
+                found.add(target[len(_MEMFD):].removesuffix(" (deleted)"))
+        with open(f"{where}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(_MEMFD + "procpipe-"):
+                    found.add(parts[5].strip()[len(_MEMFD):].removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return found
+
+
+def segment_fds(prefix: str) -> list[int]:
+    """This process's descriptors of procpipe's anonymous segments whose name begins with ``prefix``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(_MEMFD + prefix):
+            found.append(int(fd))
+    return found
+
+
+def our_segments() -> set[str]:
+    """procpipe's anonymous shared memory made by this process that this process still holds."""
+    mine = f"procpipe-{os.getpid()}-"
+    return {name for name in segments() if name.startswith(mine)}
+
+
+def loader_token(loader: Any) -> str:
+    """The name every shared-memory segment of ``loader`` begins with (``procpipe-<pid>-<token>-``)."""
+    return loader._coordinator.segments.token
+
+
 def _ring_lease(arr: np.ndarray) -> Any:
     base = arr
     while isinstance(base, np.ndarray):
@@ -192,7 +248,10 @@ def ring_views(batch: Any) -> list[bool]:
 
 def mappings(prefix: str) -> list[tuple[int, int]]:
     """Address ranges of this process's memory mappings of files whose path starts with ``prefix``
-    (e.g. ``loader.shm_prefix``), from /proc/self/maps."""
+    (e.g. ``loader.shm_prefix``), or of procpipe's anonymous segments whose name does (a prefix
+    without a ``/``: ``loader_token(loader)``), from /proc/self/maps."""
+    if os.sep not in prefix:
+        prefix = _MEMFD + prefix
     ranges = []
     with open("/proc/self/maps") as f:
         for line in f:
@@ -204,21 +263,40 @@ def mappings(prefix: str) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------- a loader's processes and files
+def _held(prefix: str, batches_may_hold_the_ring: bool = False) -> list[str]:
+    """The files with ``prefix`` (a path), or the segments this process holds whose name begins with
+    it (``batches_may_hold_the_ring``: but the ring's, which batches the test keeps still map)."""
+    if os.sep in prefix:
+        return shm_files(prefix)
+    return sorted(name for name in segments() if name.startswith(prefix)
+                  and not (batches_may_hold_the_ring and name[len(prefix):].startswith("ring")))
+
+
+def left_of(prefix: str) -> list[str]:
+    """What is left of a loader's shared memory (``prefix``: from ``assert_running``): its files, or
+    the segments this process holds but a ring that batches the test keeps still map."""
+    return _held(prefix, batches_may_hold_the_ring=True)
+
+
 def assert_running(loader: Any) -> tuple[list[int], str]:
     """Check that ``loader`` runs its workers (live descendants of this process) and has its
-    shared-memory files; returns ``(worker pids, shm prefix)`` for ``assert_cleaned``."""
+    shared memory (its files in ``shm_dir``, or anonymous segments); returns ``(worker pids, the
+    prefix of its files or its segments' names)`` for ``assert_cleaned``."""
     pids = loader.worker_pids
     assert len(pids) == loader.workers_setting and len(set(pids)) == len(pids)
     assert set(pids) <= descendants(), "workers are not live descendants of this process"
-    assert shm_files(loader.shm_prefix), "no shared-memory file while the loader runs"
-    return pids, loader.shm_prefix
+    prefix = loader.shm_prefix if loader.shm_prefix is not None else loader_token(loader)
+    assert _held(prefix), "no shared memory while the loader runs"
+    return pids, prefix
 
 
 def assert_cleaned(pids: Iterable[int], prefix: str, timeout: float = 15.0) -> None:
-    """Wait until none of ``pids`` runs and no file with ``prefix`` exists, or fail."""
+    """Wait until none of ``pids`` runs and nothing of ``prefix`` is left (a file with it, or a
+    segment whose name begins with it, held by this process: but a ring that batches the test
+    keeps still map, whose memory goes with them), or fail."""
     survivors = wait_gone(pids, timeout)
     assert survivors == [], f"workers {survivors} still running {timeout} s after cleanup"
-    wait_until(lambda: not shm_files(prefix), timeout, f"removal of {prefix}*")
+    wait_until(lambda: not left_of(prefix), timeout, f"removal of {prefix}*")
 
 
 # --------------------------------------------------------------------------- subprocesses
@@ -348,21 +426,24 @@ def no_leaks(request: pytest.FixtureRequest):
         return
     procs_before = descendants()
     files_before = our_shm_files()
+    segments_before = our_segments()
     yield
     gc.collect()
     new_procs: set[int] = set()
     new_files: set[str] = set()
+    new_segments: set[str] = set()
 
     def clean() -> bool:
-        nonlocal new_procs, new_files
+        nonlocal new_procs, new_files, new_segments
         new_procs = descendants(include_infrastructure=False) - procs_before
         new_files = our_shm_files() - files_before
-        return not new_procs and not new_files
+        new_segments = our_segments() - segments_before
+        return not new_procs and not new_files and not new_segments
 
     deadline = time.monotonic() + LEAK_DEADLINE_S
     while not clean() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if new_procs or new_files:
+    if new_procs or new_files or new_segments:
         details = [_describe(p) for p in sorted(new_procs)]
         _kill(new_procs)
         for path in new_files:
@@ -370,8 +451,9 @@ def no_leaks(request: pytest.FixtureRequest):
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        pytest.fail(f"test leaked {len(new_procs)} process(es) {details} and {len(new_files)} "
-                    f"shared-memory file(s) {sorted(new_files)} (still there {LEAK_DEADLINE_S:.0f} s after the test)")
+        pytest.fail(f"test leaked {len(new_procs)} process(es) {details}, {len(new_files)} "
+                    f"shared-memory file(s) {sorted(new_files)} and {len(new_segments)} anonymous segment(s) "
+                    f"{sorted(new_segments)} (still there {LEAK_DEADLINE_S:.0f} s after the test)")
 
 
 @pytest.fixture

@@ -229,10 +229,13 @@ def test_the_trace_records_every_interval(monkeypatch):
 
 @pytest.mark.parametrize("available_gib, expected", [(10.0, 6), (2.6, 0), (1.0, -1)])
 def test_memory_room_counts_workers_that_fit_or_must_go(monkeypatch, available_gib, expected):
-    """Total 16 GiB keeps a 1.6 GiB reserve; each worker holds 1.4 GiB."""
+    """A budget of 16 GiB (a cgroup's limit, or the machine's memory) keeps a 1.6 GiB reserve; each
+    worker holds 1.4 GiB."""
+    from procpipe._core.memory_budget import MemoryBudget
+
     gib = 2**30
-    memory = type("VM", (), {"total": 16 * gib, "available": int(available_gib * gib)})
-    monkeypatch.setattr(autotune.psutil, "virtual_memory", lambda: memory)
+    budget = MemoryBudget(int(available_gib * gib), 16 * gib, "a test's budget")
+    monkeypatch.setattr(autotune, "memory_budget", lambda: budget)
     assert autotune.memory_room(int(1.4 * gib)) == expected
 
 

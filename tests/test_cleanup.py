@@ -1,7 +1,8 @@
-"""Nothing of a loader stays in its shm_dir when the training process is SIGKILLed, whatever
-its workers are doing (the reaper, procpipe._core.reaper), and a loader started later removes
-what a dead process left (the sweep, procpipe._core.stale_files), never a live process's file, a
-symlink or another user's file.
+"""Nothing of a loader stays when the training process is SIGKILLed, whatever its workers are
+doing: its anonymous shared memory (the default) has no name to leave anywhere, and its files in
+an ``shm_dir`` go too (the reaper, procpipe._core.reaper); a loader started later removes what a
+dead process left (the sweep, procpipe._core.stale_files), never a live process's file, a symlink
+or another user's file.
 
 Each SIGKILL case runs the training process as a subprocess that reports its state on its
 stdout (and its workers through marker files); the test waits for that state, kills it, then
@@ -19,7 +20,7 @@ import time
 
 import psutil
 import pytest
-from conftest import python_env, wait_gone, wait_until
+from conftest import python_env, segments, wait_gone, wait_until
 
 import procpipe
 from procpipe._core import reaper
@@ -63,8 +64,9 @@ def blocks_after_the_first_batch(x):
     return x
 
 fn = {"failed": dies, "busy": blocks_after_the_first_batch}.get(state)
+# (slot_bytes: the ring is made with the loader, not by its first batch: a file from the start)
 loader = procpipe.Loader(Source(state == "starting"), fn, batch_size=4, workers=1 if state == "failed" else 2,
-                         max_worker_restarts=0,
+                         max_worker_restarts=0, slot_bytes=4096,
                          prefetch=1, start_method=method, **({} if shm_dir == "-" else {"shm_dir": shm_dir}))
 if state == "failed":
     try:
@@ -100,7 +102,7 @@ def _ready(proc):
     if not line or line[0] != "ready":
         proc.kill()
         pytest.fail(f"the training process did not start: {line} {proc.stderr.read()}")
-    return [int(p) for p in line[1:]]
+    return [None if p == "None" else int(p) for p in line[1:]]
 
 
 def _marked(marks, what):
@@ -161,18 +163,59 @@ def test_sigkill_while_workers_start_leaves_nothing(tmp_path, shm_dir):
         proc.communicate()
 
 
-def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_dev_shm(tmp_path):
-    # (d) every worker is stopped (SIGSTOP): none can notice the death; default shm_dir, /dev/shm
-    proc, _ = _start_child(tmp_path, "stopped", "fork", "-")
+def test_sigkill_while_the_workers_are_stopped_leaves_nothing_in_shm_dir(tmp_path, shm_dir):
+    # (d) every worker is stopped (SIGSTOP): none can notice the death
+    proc, _ = _start_child(tmp_path, "stopped", "fork", shm_dir)
     workers = []
     try:
         reaper_pid, *workers = _ready(proc)
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         wait_until(lambda: _stopped(workers), 10, "the workers to be stopped")
-        mine = f"procpipe-{proc.pid}-"
-        _kill_and_check(proc, lambda: [f for f in os.listdir("/dev/shm") if f.startswith(mine)], [reaper_pid])
+        _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid])
         assert _stopped(workers), "the workers were to stay stopped throughout"
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_gone(workers, 10)
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("state", ["busy", "stopped"])
+def test_anonymous_shared_memory_leaves_no_file_and_needs_no_reaper(tmp_path, state):
+    # The default: nothing named anywhere, so no reaper runs; a SIGKILL leaves nothing in /dev/shm
+    # (nothing was ever there), and the workers, who saw their parent die, leave with the memory.
+    proc, marks = _start_child(tmp_path, state, "fork", "-")
+    workers = []
+    try:
+        reaper_pid, *workers = _ready(proc)
+        assert reaper_pid is None, "a loader of anonymous memory started a reaper"
+        mine = f"procpipe-{proc.pid}-"
+        in_dev_shm = lambda: [f for f in os.listdir("/dev/shm") if f.startswith(mine)]  # noqa: E731
+        assert in_dev_shm() == []
+        assert any(name.startswith(mine) for name in segments(proc.pid)), "no anonymous segment while it runs"
+        if state == "busy":
+            wait_until(lambda: len(_marked(marks, "busy")) == 2, 30, "both workers to be busy in fn")
+        else:
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            wait_until(lambda: _stopped(workers), 10, "the workers to be stopped")
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+        if state == "busy":
+            assert wait_gone(workers, GONE_WITHIN_S) == [], "a worker outlived the killed training process"
+        else:  # (a stopped worker is gone once continued, if it was not killed already)
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            assert wait_gone(workers, GONE_WITHIN_S) == [], "a worker outlived the killed training process"
+        assert in_dev_shm() == []
     finally:
         for pid in workers:
             try:
@@ -319,7 +362,7 @@ def test_a_loader_sweeps_its_shm_dir_once_and_says_what_it_removed(shm_dir, capl
     os.unlink(os.path.join(shm_dir, os.listdir(shm_dir)[0]))
 
 
-# ------------------------------------------------------------ directories: the torch facade's snapshot store
+# ------------------------------------------------------------ the torch facade's snapshots
 FACADE_CHILD = r'''
 import sys
 import numpy as np
@@ -331,7 +374,7 @@ class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(np.full(4, i) for i in range(10**6))
 
-loader = procpipe.torch.DataLoader(Stream(), batch_size=4, num_workers=2, shm_dir=sys.argv[1])
+loader = procpipe.torch.DataLoader(Stream(), batch_size=4, num_workers=2, shm_dir=sys.argv[1], slot_bytes=4096)
 it = iter(loader)
 next(it)
 print("ready", reaper.reaper_pid(), flush=True)
@@ -340,7 +383,8 @@ sys.stdin.read()  # until killed
 
 
 def test_sigkill_of_a_facade_over_an_iterable_dataset_leaves_nothing(tmp_path, shm_dir):
-    """Its snapshot store (a directory, procpipe.torch.snapshots) goes too: the reaper removes it."""
+    """Its replicas' snapshots are anonymous memory (procpipe.torch.snapshots): no name anywhere;
+    the ring's files in shm_dir go (the reaper)."""
     pytest.importorskip("torch", reason="procpipe.torch needs torch (pip install procpipe[torch])")
     script = tmp_path / "facade.py"
     script.write_text(FACADE_CHILD)
@@ -348,71 +392,9 @@ def test_sigkill_of_a_facade_over_an_iterable_dataset_leaves_nothing(tmp_path, s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         reaper_pid, = _ready(proc)
-        stores = [n for n in os.listdir(shm_dir) if n.startswith(f"procpipe-{proc.pid}-") and n.endswith("-replicas")]
-        assert len(stores) == 1 and os.path.isdir(os.path.join(shm_dir, stores[0])), os.listdir(shm_dir)
+        assert [n for n in os.listdir(shm_dir) if "replica" in n] == []
+        assert any(n.startswith(f"procpipe-{proc.pid}-") and "replica" in n for n in segments(proc.pid))
         _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid])
     finally:
         proc.kill()
         proc.communicate()
-
-
-def _leftover_directory(directory, pid, kind="replicas", age=SETTLE_S + 5.0, token="0badf00d"):
-    path = os.path.join(directory, f"procpipe-{pid}-{token}-{kind}")
-    os.mkdir(path, 0o700)
-    with open(os.path.join(path, "replica-0.pkl"), "wb") as f:
-        f.write(b"\0" * 4096)
-    os.utime(path, (time.time() - age, time.time() - age))
-    return path
-
-
-def test_the_sweep_removes_a_dead_processs_directories_safely(tmp_path):
-    """A dead process's snapshot store is removed with what it holds, following no symlink; a live
-    (locked) one, a fresh one, a symlink named like one and a directory of another name stay."""
-    d = str(tmp_path / "shm")
-    os.mkdir(d)
-    dead = _dead_pid()
-    precious = tmp_path / "precious"
-    precious.mkdir()
-    (precious / "data").write_text("keep me")
-    removed = _leftover_directory(d, dead)
-    os.symlink(precious / "data", os.path.join(removed, "link-to-data"))  # inside: unlinked, never followed
-    os.symlink(precious, os.path.join(removed, "link-to-dir"))
-    os.utime(removed, (time.time() - SETTLE_S - 5, time.time() - SETTLE_S - 5))
-    young = _leftover_directory(d, dead, token="00000001", age=0.0)
-    locked = _leftover_directory(d, dead, token="00000002")
-    other_name = _leftover_directory(d, dead, kind="mine")
-    link = os.path.join(d, f"procpipe-{dead}-00000003-replicas")
-    os.symlink(precious, link)
-    lock = os.open(locked, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_SH)  # its creator holds it: alive in another pid namespace
-        swept = sweep(d)
-    finally:
-        os.close(lock)
-    assert swept.paths == [removed] and swept.directories == 1 and swept.pids == {dead}
-    assert swept.nbytes >= 4096
-    assert not os.path.lexists(removed)
-    for path in (young, locked, other_name, link):
-        assert os.path.lexists(path), path
-    assert (precious / "data").read_text() == "keep me"
-
-
-def test_the_snapshot_store_is_named_registered_and_locked_as_procpipes_files_are(tmp_path):
-    from procpipe._core.stale_files import DIRECTORY
-    from procpipe.torch.snapshots import SnapshotStore
-
-    store = SnapshotStore.create(str(tmp_path))
-    try:
-        name = os.path.basename(store.path)
-        assert DIRECTORY.match(name) and name.startswith(f"procpipe-{os.getpid()}-")
-        assert os.stat(store.path).st_mode & 0o777 == 0o700
-        fd = os.open(store.path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            with pytest.raises(BlockingIOError):  # held: the sweep leaves it alone
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
-        assert sweep(str(tmp_path), settle_s=0.0).paths == []  # (its creator, this process, runs)
-    finally:
-        store.remove()
-    assert os.listdir(tmp_path) == []

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from procpipe._core.messages import Task
-from procpipe._core.shm import SharedFiles
+from procpipe._core.shm import Segments
 from procpipe._core.stats import EpochCounters, WorkerCounters
 from procpipe._core.wakeup import WakePipe
 from procpipe._engine.commands import CancelStream, CloseEngine, StartStream, checked
@@ -302,7 +302,7 @@ def test_what_becomes_of_a_worker_that_cannot_go_on(how: str, expected: Next):
 # --------------------------------------------------------------------------- ring generations
 def test_ring_set_grows_retires_and_removes_the_old_generation(tmp_path):
     wakeup = WakePipe()
-    rings = RingSet(SharedFiles(str(tmp_path)), wakeup)
+    rings = RingSet(Segments(str(tmp_path)), wakeup)
     counters = EpochCounters()
     try:
         assert rings.take(counters) is None  # no ring before the first batch
@@ -323,7 +323,7 @@ def test_ring_set_grows_retires_and_removes_the_old_generation(tmp_path):
     finally:
         rings.close()
         wakeup.close()
-        SharedFiles.remove_all(rings.files)
+        rings.segments.remove_all()
 
 
 # --------------------------------------------------------------------------- the loop, with a fake pool
@@ -385,7 +385,7 @@ def loop_coordinator(tmp_path: Any, pool: PipePool, workers: int) -> Any:
     from procpipe._engine.coordinator import Coordinator, EngineConfig
 
     config = EngineConfig(workers=workers, prefetch=workers, slot_bytes=None, worker_env={}, start_method="fork")
-    return Coordinator(config, pool, SharedFiles(str(tmp_path)))
+    return Coordinator(config, pool, Segments(str(tmp_path)))
 
 
 def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):

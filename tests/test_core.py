@@ -12,7 +12,7 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
-from conftest import is_ring_view, leaves, mappings, our_shm_files, ring_views, run_python, shm_files
+from conftest import is_ring_view, leaves, loader_token, mappings, our_shm_files, ring_views, run_python, shm_files
 
 import procpipe
 from procpipe import Loader
@@ -137,11 +137,11 @@ def record(i):
 
 def test_arrays_are_zero_copy_views_of_a_ring_slot():
     with Loader(list(range(64)), record, batch_size=8, workers=2, slot_bytes=1 << 16) as loader:
-        prefix = loader.shm_prefix
+        prefix = loader_token(loader)
         count = 0
         for n, batch in enumerate(loader):
             maps = mappings(prefix)
-            assert maps, "the ring file is not mapped in the consumer"
+            assert maps, "the ring is not mapped in the consumer"
             arrays = [a for a in leaves(batch) if isinstance(a, np.ndarray)]
             assert len(arrays) == 3
             for arr in arrays:

@@ -259,9 +259,10 @@ FORK_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from procpipe import Loader
 
-    def main(mode, start_method):
-        loader = Loader(list(range(2000)), batch_size=4, workers=2, start_method=start_method)
-        pids, status = loader.worker_pids, loader.shm_prefix + "status"
+    def main(mode, start_method, shm_dir):
+        # (its ring in files of an shm_dir: what a child's close could remove; anonymous memory has no name)
+        loader = Loader(list(range(2000)), batch_size=4, workers=2, start_method=start_method, shm_dir=shm_dir)
+        pids, status = loader.worker_pids, loader.shm_prefix + "ring0"
         got, child = [], None
         for k, batch in enumerate(loader):
             got.extend(batch.tolist())
@@ -288,16 +289,16 @@ FORK_SCRIPT = textwrap.dedent("""
         loader.close()
 
     if __name__ == "__main__":
-        main(sys.argv[1], sys.argv[2])
+        main(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "fork"])
 @pytest.mark.parametrize("mode", ["exit", "close", "iter"])
-def test_a_forked_child_leaves_its_parents_loader_alone(tmp_path, mode, start_method):
+def test_a_forked_child_leaves_its_parents_loader_alone(tmp_path, mode, start_method, shm_dir):
     script = tmp_path / "fork_child.py"
     script.write_text(FORK_SCRIPT)
-    done = run_python([str(script), mode, start_method])
+    done = run_python([str(script), mode, start_method, shm_dir])
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
         "complete": True, "again": True, "child": 0, "files_kept": True, "deaths": 0, "same_workers": True}

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import psutil
 import pytest
-from conftest import descendants, our_shm_files, run_python, wait_until
+from conftest import descendants, our_segments, our_shm_files, run_python, wait_until
 
 import procpipe
 from procpipe import CollateError, Loader, RemoteTraceback, SharedMemoryError, WorkerError
@@ -247,20 +247,45 @@ def test_unpicklable_fn_raises_clear_type_error():
 
 
 # --------------------------------------------------------------------------- shared-memory capacity
-def test_ring_larger_than_shm_raises_shared_memory_error():
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _bytes(number: str, unit: str) -> float:
+    return float(number) * _UNITS[unit]
+
+
+def test_a_ring_larger_than_memory_raises_shared_memory_error():
+    from procpipe._core.memory_budget import memory_budget
+
+    budget = memory_budget()
+    before = our_shm_files(), our_segments()
+    with pytest.raises(SharedMemoryError) as info:
+        Loader(list(range(10)), batch_size=2, workers=1, slot_bytes=budget.available + 2**30)
+    message = str(info.value)
+    m = re.search(r"needs ([\d.]+) (\w+) of memory for (\d+) ring slots .* but (.*) leaves ([\d.]+) (\w+)", message)
+    assert m, message
+    needed, left = _bytes(m.group(1), m.group(2)), _bytes(m.group(5), m.group(6))
+    assert needed >= budget.available + 2**30 and left < needed
+    assert m.group(4).startswith(budget.limit.split(" (")[0])  # which limit: the cgroup's, or available memory
+    for fix in ("prefetch", "docker run --memory", "resources.limits.memory"):
+        assert fix in message
+    assert isinstance(info.value, MemoryError) and isinstance(info.value, procpipe.ProcpipeError)
+    assert (our_shm_files(), our_segments()) == before
+
+
+def test_a_ring_larger_than_its_shm_dir_raises_shared_memory_error():
     usage = psutil.disk_usage("/dev/shm")
     before = our_shm_files()
     with pytest.raises(SharedMemoryError) as info:
-        Loader(list(range(10)), batch_size=2, workers=1, slot_bytes=usage.total + 2**30)
+        Loader(list(range(10)), batch_size=2, workers=1, slot_bytes=usage.total + 2**30, shm_dir="/dev/shm")
     message = str(info.value)
-    m = re.search(r"needs ([\d.]+) MiB in /dev/shm .* only ([\d.]+) MiB is free", message)
+    m = re.search(r"needs ([\d.]+) (\w+) in /dev/shm .* only ([\d.]+) (\w+) is free", message)
     assert m, message
-    needed, free = float(m.group(1)), float(m.group(2))
-    assert needed * 2**20 >= usage.total + 2**30
-    assert free < needed and abs(free * 2**20 - usage.free) < 0.2 * usage.total
-    for fix in ("prefetch", "--shm-size", "shm_dir"):
+    needed, free = _bytes(m.group(1), m.group(2)), _bytes(m.group(3), m.group(4))
+    assert needed >= usage.total + 2**30
+    assert free < needed and abs(free - usage.free) < 0.2 * usage.total
+    for fix in ("prefetch", "shm_dir", "leave shm_dir out"):
         assert fix in message
-    assert isinstance(info.value, MemoryError) and isinstance(info.value, procpipe.ProcpipeError)
     assert our_shm_files() == before
 
 

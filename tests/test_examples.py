@@ -86,7 +86,7 @@ def test_records_metadata():
 
 def test_cache_and_batch_fn():
     out = run_example("cache_and_batch_fn.py")
-    assert "cache: 1000 samples x 776 bytes in /dev/shm, 1 filled at creation" in out
+    assert "cache: 1000 samples x 776 bytes in shared memory, 1 filled at creation" in out
     assert "epoch 2: 1000 samples in" in out and "batch image float32 (40, 16, 16, 3)" in out
     assert "cache filled: 1000/1000" in out
     assert "identical to an uncached run with workers=0: yes" in out

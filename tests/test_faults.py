@@ -17,7 +17,7 @@ import textwrap
 
 import psutil
 import pytest
-from conftest import our_shm_files, python_env, shm_files, wait_gone, wait_until
+from conftest import loader_token, our_shm_files, python_env, segments, shm_files, wait_gone, wait_until
 from faultkit import BS, N, CrashWhileFlag, FailingCollate, Faulty, check_epoch, reference, take
 
 from procpipe import Loader, TaskTimeoutError, WorkerError
@@ -319,12 +319,14 @@ def test_many_epochs_leak_nothing():
         for _ in range(5):
             list(loader)
         workers = [psutil.Process(p) for p in loader.worker_pids]
-        fds, threads, files = me.num_fds(), me.num_threads(), shm_files(loader.shm_prefix)
+        token = loader_token(loader)
+        held = lambda: sorted(n for n in segments() if n.startswith(token))  # noqa: E731
+        fds, threads, memory = me.num_fds(), me.num_threads(), held()
         rss = [w.memory_info().rss for w in workers]
         for _ in range(45):
             assert sum(len(idx) for idx, _ in loader) == 64
         assert me.num_fds() <= fds and me.num_threads() <= threads
-        assert shm_files(loader.shm_prefix) == files
+        assert held() == memory
         assert loader.worker_pids == [w.pid for w in workers]
         grown = [w.memory_info().rss - r for w, r in zip(workers, rss, strict=True)]
         assert max(grown) < 4 << 20, f"worker RSS grew by {grown} bytes over 45 epochs"
@@ -335,7 +337,7 @@ PARENT = textwrap.dedent('''
     import numpy as np
     import procpipe
 
-    MARKS = sys.argv[1]
+    MARKS, SHM_DIR = sys.argv[1:3]
 
     def stuck(i):
         if i >= 8:  # the first batches come back; then every worker sits in a long task
@@ -346,7 +348,9 @@ PARENT = textwrap.dedent('''
     if __name__ == "__main__":
         # The fork-started loader first: forking while another loader's thread runs is unsafe.
         b = procpipe.Loader(list(range(1000)), stuck, batch_size=4, workers=2, ordered=False, start_method="fork")
-        a = procpipe.Loader(list(range(1000)), stuck, batch_size=2, workers=2, speculate=2.0, task_timeout=300)
+        # a: its ring in files of an shm_dir; b: anonymous memory (the default)
+        a = procpipe.Loader(list(range(1000)), stuck, batch_size=2, workers=2, speculate=2.0, task_timeout=300,
+                            shm_dir=SHM_DIR)
         ia, ib = iter(a), iter(b)
         next(ia), next(ib)
         print(a.shm_prefix, b.shm_prefix, *a.worker_pids, *b.worker_pids, flush=True)
@@ -360,22 +364,24 @@ PARENT = textwrap.dedent('''
 
 
 @pytest.mark.allow_leaks  # checked here, with a tighter deadline; the child is not this process
-def test_sigkilled_parent_while_workers_are_mid_task(tmp_path):
+def test_sigkilled_parent_while_workers_are_mid_task(tmp_path, shm_dir):
     marks = tmp_path / "marks"
     marks.mkdir()
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    proc = subprocess.Popen([sys.executable, str(script), str(marks)], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), str(marks), shm_dir], stdout=subprocess.PIPE, text=True,
                             env=python_env(), cwd=str(tmp_path))
     tree, prefixes = set(), []
     try:
         line = proc.stdout.readline().split()
         assert len(line) == 6, f"the parent did not start: {line}"
-        prefixes, pids = line[:2], [int(p) for p in line[2:]]
+        prefixes, pids = line[:1], [int(p) for p in line[2:]]
+        assert line[1] == "None"  # (b's memory is anonymous: no file names)
         wait_until(lambda: len({name.split("-")[0] for name in os.listdir(marks)}) == 4, 30,
                    f"all four workers {pids} to be inside a long task")
         tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)} | set(pids)
         assert all(shm_files(p) for p in prefixes)
+        assert any(n.startswith(f"procpipe-{proc.pid}-") for n in segments(proc.pid))
         assert proc.poll() is None, "the parent ended by itself: it must be blocked in next() when killed"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL

@@ -16,9 +16,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import run_python
+from conftest import loader_token, run_python, segment_fds
 
-from procpipe import CacheError, Loader, WorkerError
+import procpipe
+from procpipe import CacheError, Loader
 from procpipe._engine.faults import death_message, timeout_message
 
 N, BS = 40, 4
@@ -98,7 +99,7 @@ def eight(i):
 FIXED_TOKEN = "feedbeef"
 
 
-@pytest.mark.parametrize("name", ["preload", "spec", "status", "ring0", "cachefile", "cache"])
+@pytest.mark.parametrize("name", ["ring0", "cache"])  # (the only files: the rest is anonymous memory, unnamed)
 def test_a_planted_symlink_is_never_followed(name, shm_dir, tmp_path, monkeypatch):
     # Another local user can read a loader's prefix; here the prefix is made predictable instead.
     monkeypatch.setattr(secrets, "token_hex", lambda nbytes=None: FIXED_TOKEN)
@@ -134,12 +135,12 @@ def test_every_file_procpipe_creates_is_owner_only(shm_dir, tmp_path):
             modes = {p.rsplit("-", 1)[1]: stat.S_IMODE(os.lstat(p).st_mode) for p in paths}
     finally:
         os.umask(old_umask)
-    assert set(modes) == {"preload", "spec", "status", "ring0", "cachefile", "cache"}
+    assert set(modes) == {"ring0", "cache"}  # (the spec, the status words...: anonymous memory, no file)
     assert modes == dict.fromkeys(modes, 0o600)
 
 
 class RunsCode:
-    """What someone could put in place of the spec file: unpickling it runs code."""
+    """What someone could put in place of the shipped spec: unpickling it runs code."""
 
     def __init__(self, marker):
         self.marker = marker
@@ -148,17 +149,22 @@ class RunsCode:
         return os.mkdir, (self.marker,)
 
 
-def test_workers_do_not_unpickle_a_spec_file_procpipe_did_not_write(shm_dir, tmp_path):
+@pytest.mark.parametrize("shm", ["anonymous", "directory"])
+def test_no_process_can_change_the_spec_workers_unpickle(shm, shm_dir, tmp_path):
+    # The spec (the pickled dataset and functions) has no name to replace, and its memory is sealed:
+    # not even a process holding it (a worker) can write, shrink or grow it.
     marker = tmp_path / "ran"
-    with Loader(list(range(N)), eight, batch_size=BS, workers=1, shm_dir=shm_dir, start_method="forkserver") as loader:
-        spec = loader.shm_prefix + "spec"
-        os.unlink(spec)
-        with open(spec, "wb") as f:
-            pickle.dump(RunsCode(str(marker)), f)
-        os.chmod(spec, 0o644)
-        os.kill(loader.worker_pids[0], signal.SIGKILL)  # its replacement loads the spec file again
-        with pytest.raises(WorkerError, match="not one procpipe created"):
-            list(loader)
+    with Loader(list(range(N)), eight, batch_size=BS, workers=1, start_method="forkserver",
+                **({"shm_dir": shm_dir} if shm == "directory" else {})) as loader:
+        fd, = segment_fds(loader_token(loader) + "spec")
+        data = pickle.dumps(RunsCode(str(marker)))
+        for change in (lambda: os.pwrite(fd, data, 0), lambda: os.ftruncate(fd, 1), lambda: os.ftruncate(fd, 1 << 20)):
+            with pytest.raises(PermissionError):
+                change()
+        if shm == "directory":
+            assert glob.glob(os.path.join(shm_dir, "*spec*")) == []
+        os.kill(loader.worker_pids[0], signal.SIGKILL)  # its replacement loads the spec again
+        assert [int(b[0, 0]) for b in loader] == list(range(0, N, BS))
     assert not marker.exists()
 
 
@@ -201,8 +207,8 @@ def eight(i):
 
 
 if __name__ == "__main__":
-    where = sys.argv[1]
-    with procpipe.Loader(list(range(40)), eight, batch_size=4, workers=2,
+    where, shm_dir = sys.argv[1:3]
+    with procpipe.Loader(list(range(40)), eight, batch_size=4, workers=2, shm_dir=shm_dir,
                          cache=True if where == "memory" else where) as loader:
         list(loader)
         path, = glob.glob(os.path.join(loader.cache_info()["directory"], f"procpipe-{os.getpid()}-*-cache"))
@@ -221,15 +227,35 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("where", ["memory", "directory"])
-def test_a_truncated_cache_file_is_a_cache_error_naming_it(where, tmp_path):
-    # In a subprocess: before the fix, cache_info() killed the interpreter with SIGBUS.
+def test_a_truncated_cache_file_is_a_cache_error_naming_it(where, tmp_path, shm_dir):
+    # In a subprocess: before the fix, cache_info() killed the interpreter with SIGBUS. (A file: the
+    # cache in memory with an shm_dir, or in a directory; anonymous memory cannot be truncated, below.)
     script = tmp_path / "truncate.py"
     script.write_text(TRUNCATE_SCRIPT)
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
-    result = run_python([str(script), "memory" if where == "memory" else str(cache_dir)])
+    result = run_python([str(script), "memory" if where == "memory" else str(cache_dir), shm_dir])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["cache_info None True True", "epoch CacheError True True"], result.stdout
+
+
+@pytest.mark.parametrize("lengths", [True, False], ids=["indexed", "growing-stream"])
+def test_a_cache_in_anonymous_memory_cannot_be_truncated(lengths):
+    # No SIGBUS to guard against: its memory is sealed against shrinking (a stream's may still grow).
+    source = procpipe.Shards([(s, 10) for s in range(4)], _records, lengths=[10] * 4 if lengths else None)
+    with Loader(source, eight, batch_size=BS, workers=2, cache=True) as loader:
+        first = [b[:, 0].tolist() for b in loader]
+        fd = segment_fds(loader_token(loader) + "cache")[0]  # (its own, or the mapping's copy: one memory)
+        size = os.fstat(fd).st_size
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, size // 2)
+        assert os.fstat(fd).st_size == size
+        assert [b[:, 0].tolist() for b in loader] == first
+        assert loader.cache_info()["error"] is None
+
+
+def _records(shard):
+    yield from range(shard[0] * 10, shard[0] * 10 + shard[1])
 
 
 def test_changed_bytes_in_a_directory_cache_are_a_cache_error(tmp_path):
@@ -335,10 +361,11 @@ if __name__ == "__main__":
     except OSError as exc:
         assert exc.errno == errno.ENOSPC, exc
     try:
-        procpipe.Loader(list(range(8)), batch_size=2, workers=1, shm_dir=directory)
+        with procpipe.Loader(list(range(8)), batch_size=2, workers=1, shm_dir=directory) as loader:
+            list(loader)  # (the ring is made as the first batch arrives)
         print("no error")
     except procpipe.SharedMemoryError as exc:
-        print("SharedMemoryError", "--shm-size" in str(exc), "shm_dir=" in str(exc))
+        print("SharedMemoryError", directory in str(exc), "leave shm_dir out" in str(exc))
     except Exception as exc:
         print(type(exc).__name__, exc)
     os.unlink(os.path.join(directory, "filler"))

@@ -45,9 +45,9 @@ def test_abandoned_loader_frees_its_files_without_the_garbage_collector(streamin
     import gc
     import weakref
 
-    from conftest import our_shm_files
+    from conftest import our_segments
 
-    before = our_shm_files()
+    before = our_segments()
     source = procpipe.Shards([list(range(64)), list(range(64))], _records) if streaming else list(range(128))
     gc.collect()
     gc.disable()  # a re-run notebook cell: the loader is dropped mid-epoch, and no collection runs
@@ -57,11 +57,11 @@ def test_abandoned_loader_frees_its_files_without_the_garbage_collector(streamin
             if k == 2:
                 break
         del _batch  # the last batch holds a ring slot: the loader is dropped with none in hand
-        assert our_shm_files() - before, "the loader made no shared-memory files: the test proves nothing"
+        assert our_segments() - before, "the loader made no shared memory: the test proves nothing"
         gone = weakref.ref(loader)
         del loader
         assert gone() is None, "a reference cycle keeps the abandoned loader alive"
-        assert our_shm_files() - before == set()
+        assert our_segments() - before == set()  # no descriptor and no mapping of its memory left
     finally:
         gc.enable()
 

@@ -28,6 +28,7 @@ from conftest import (
     interrupt,
     python_env,
     run_python,
+    segments,
     shm_files,
     signal_state,
     wait_gone,
@@ -125,8 +126,9 @@ SCRIPT = textwrap.dedent('''
 
     if __name__ == "__main__":
         mode = sys.argv[1]
+        shm_dir = sys.argv[3] if len(sys.argv) > 3 else None
         loader = procpipe.Loader(list(range(100_000)), slow, batch_size=2, workers=2,
-                                 start_method=sys.argv[2])
+                                 start_method=sys.argv[2], shm_dir=shm_dir)
         print(loader.shm_prefix, *loader.worker_pids, flush=True)
         if mode == "exit":
             print(sum(int(b.sum()) for b, _ in zip(loader, range(3))), flush=True)
@@ -177,28 +179,44 @@ class Child:
         self.proc.stderr.close()
 
 
-def _start(tmp_path, mode, start_method="forkserver", session=False):
-    child = Child(tmp_path, mode, start_method, session=session)
+def _start(tmp_path, mode, start_method="forkserver", session=False, shm_dir=None):
+    child = Child(tmp_path, mode, start_method, *([shm_dir] if shm_dir else []), session=session)
     prefix, *pids = child.line()
     pids = [int(p) for p in pids]
     assert len(pids) == 2 and set(pids) <= descendants(child.proc.pid)
-    return child, prefix, pids
+    return child, (None if prefix == "None" else prefix), pids
+
+
+def _shared_memory(child, prefix):
+    """The child loader's files (``prefix``: in an shm_dir), or the anonymous segments it holds."""
+    if prefix is not None:
+        return shm_files(prefix)
+    return sorted(n for n in segments(child.proc.pid) if n.startswith(f"procpipe-{child.proc.pid}-"))
+
+
+def _cleaned(tree, prefix, timeout=15.0):
+    """No process of ``tree`` runs, and no file of ``prefix`` is left (anonymous memory: nothing to
+    leave, it went with its last process)."""
+    survivors = wait_gone(tree, timeout)
+    assert survivors == [], f"processes {survivors} outlived their parent's cleanup"
+    if prefix is not None:
+        wait_until(lambda: not shm_files(prefix), timeout, f"removal of {prefix}*")
 
 
 @pytest.mark.parametrize("mode,terminal", [("with", False), ("bare", False), ("bare", True)],
                          ids=["with", "bare", "bare-terminal"])
-def test_keyboard_interrupt_cleans_up(tmp_path, mode, terminal):
+def test_keyboard_interrupt_cleans_up(tmp_path, mode, terminal, shm_dir):
     # terminal: Ctrl-C as a terminal sends it, to the whole process group (the workers, the zygote,
     # the forkserver and the resource tracker are in it; the reaper has a session of its own)
-    child, prefix, pids = _start(tmp_path, mode, session=terminal)
+    child, prefix, pids = _start(tmp_path, mode, session=terminal, shm_dir=None if terminal else shm_dir)
     try:
         assert child.line() == ["looping"]
         tree = descendants(child.proc.pid)  # workers, forkserver, resource tracker
-        assert set(pids) <= tree and shm_files(prefix)
+        assert set(pids) <= tree and _shared_memory(child, prefix)
         _, stderr = interrupt(child.proc, 30, group=terminal)  # (a child that does not exit fails with its stacks)
         assert child.proc.returncode != 0 and "KeyboardInterrupt" in stderr, stderr
         assert stderr.count("Traceback") == 1, stderr  # the loop's: nothing from the other processes
-        assert_cleaned(tree, prefix)
+        _cleaned(tree, prefix)
     finally:
         child.close()
 
@@ -241,29 +259,30 @@ def test_a_training_process_that_ignores_sigint_keeps_it_ignored(tmp_path):
     assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
 
 
-def test_interpreter_exit_without_close_cleans_up(tmp_path):
-    child, prefix, pids = _start(tmp_path, "exit")
+def test_interpreter_exit_without_close_cleans_up(tmp_path, shm_dir):
+    child, prefix, pids = _start(tmp_path, "exit", shm_dir=shm_dir)
     try:
         assert child.line() == [str(sum(4 * i for i in range(6)))]
         tree = descendants(child.proc.pid) | set(pids)
         assert child.proc.wait(30) == 0
-        assert_cleaned(tree, prefix)
+        _cleaned(tree, prefix)
     finally:
         child.close()
 
 
+@pytest.mark.parametrize("shm", ["anonymous", "shm_dir"])
 @pytest.mark.parametrize("start_method", START_METHODS)
-def test_sigkilled_parent_leaves_no_workers_and_no_files(tmp_path, start_method):
-    child, prefix, pids = _start(tmp_path, "bare", start_method)
+def test_sigkilled_parent_leaves_no_workers_and_no_files(tmp_path, start_method, shm, shm_dir):
+    child, prefix, pids = _start(tmp_path, "bare", start_method, shm_dir=shm_dir if shm == "shm_dir" else None)
     try:
         assert child.line() == ["looping"]
         tree = descendants(child.proc.pid) | set(pids)
-        assert shm_files(prefix)
+        assert _shared_memory(child, prefix)
         os.kill(child.proc.pid, signal.SIGKILL)
         assert child.proc.wait(10) == -signal.SIGKILL
         survivors = wait_gone(tree, 15)
         assert survivors == [], f"processes {survivors} outlived their SIGKILLed parent"
-        wait_until(lambda: not shm_files(prefix), 15, f"removal of {prefix}* after the parent was killed")
+        _cleaned(tree, prefix)
     finally:
         child.close()
 

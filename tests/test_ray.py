@@ -103,8 +103,8 @@ def by_record(batches):
 
 
 def agent_processes(loader):
-    """The agents' files prefixes, and their processes with every procpipe worker under them
-    (this machine is every node)."""
+    """The agents' files prefixes (None: their shared memory is anonymous, nothing to leave), and
+    their processes with every procpipe worker under them (this machine is every node)."""
     agents = [a for a in loader.stats()["backend"]["agents"] if a is not None and a["alive"]]
     procs = []
     for agent in agents:
@@ -117,20 +117,22 @@ def assert_agents_cleaned(prefixes, procs, timeout=30):
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"agent processes left: {alive}"
-    assert all(prefixes)
-    left = [f for prefix in prefixes for f in glob.glob(prefix + "*")]
+    left = [f for prefix in prefixes if prefix is not None for f in glob.glob(prefix + "*")]
     assert not left, f"agent files left: {left}"
 
 
 # --------------------------------------------------------------------------- same batches
 @pytest.mark.parametrize("kind", ["indexed", "shards"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "sloppy"])
-def test_same_batches_as_workers_0_over_two_epochs(cluster, kind, ordered):
+def test_same_batches_as_workers_0_over_two_epochs(cluster, kind, ordered, shm_dir):
     files_before = our_shm_files()
     with make(kind, workers=0, epochs=2, ordered=ordered) as local:
         expected = as_lists(local)
-    with make(kind, workers=1, epochs=2, ordered=ordered, backend=procpipe.ray.Backend(nodes=2)) as loader:
+    # (sloppy: the agents' rings in files of an shm_dir, removed with them; ordered: anonymous memory)
+    with make(kind, workers=1, epochs=2, ordered=ordered, backend=procpipe.ray.Backend(nodes=2),
+              **({} if ordered else {"shm_dir": shm_dir})) as loader:
         prefixes, procs = agent_processes(loader)
+        assert all(p is None for p in prefixes) if ordered else all(prefixes)
         assert len(prefixes) == 2 and len({a.node_id for a in loader._coordinator.pool.agents}) == 2  # two nodes
         got = as_lists(loader)
     if ordered:
@@ -173,11 +175,12 @@ class Slow:
 
 
 @pytest.mark.parametrize("how", ["agent SIGKILLed", "node removed"])
-def test_a_lost_agent_changes_nothing(cluster, how):
+def test_a_lost_agent_changes_nothing(cluster, how, shm_dir):
     with Loader(range(N), sample, batch_size=4, workers=0, epochs=2) as local:
         expected = as_lists(local)
     backend = procpipe.ray.Backend(nodes=2, node_timeout=5.0)
-    with Loader(range(N), Slow(), batch_size=4, workers=1, epochs=2, backend=backend) as loader:
+    # (its agents' rings in files of an shm_dir: a lost agent's workers remove them)
+    with Loader(range(N), Slow(), batch_size=4, workers=1, epochs=2, backend=backend, shm_dir=shm_dir) as loader:
         pool = loader._coordinator.pool
         it = iter(loader)
         got = [next(it) for _ in range(3)]
@@ -307,7 +310,7 @@ CLUSTER_SHUTDOWN_SCRIPT = textwrap.dedent("""
         c.remove_node(node, allow_graceful=False)
     gone, alive = psutil.wait_procs(procs, timeout=30)
     alive = [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-    files = [f for prefix in prefixes for f in glob.glob(prefix + "*")]
+    files = [f for prefix in prefixes if prefix for f in glob.glob(prefix + "*")]
     print("RESULT", json.dumps({"workers": len(procs) - len(pids), "alive": alive, "files": files}), flush=True)
     ray.shutdown()
     c.shutdown()

@@ -13,7 +13,7 @@ import textwrap
 import dill
 import numpy as np
 import pytest
-from conftest import mappings, our_shm_files, python_env, wait_gone, wait_until
+from conftest import loader_token, mappings, our_shm_files, python_env, segment_fds, wait_gone, wait_until
 
 import procpipe
 from procpipe import Loader, Records
@@ -205,7 +205,8 @@ def test_workers_read_the_records_through_a_loader(workers, start_method):
             assert maps_of(pid, name), f"worker {pid} does not map {name}"
         if start_method == "forkserver" and workers:
             # the dataset shipped to the workers is the address, not 20,000 records
-            assert os.path.getsize(loader.shm_prefix + "spec") < 2000
+            spec, = (fd for fd in segment_fds(loader_token(loader) + "spec"))
+            assert os.fstat(spec).st_size < 2000
 
 
 def test_workers_keep_their_mapping_after_the_owner_closes():
@@ -218,11 +219,11 @@ def test_workers_keep_their_mapping_after_the_owner_closes():
 
 
 # --------------------------------------------------------------------------- lifetime
-def test_the_file_has_no_name_and_goes_with_its_last_user():
+def test_the_memory_has_no_name_and_goes_with_its_last_user():
     records = Records(meta(1000))
-    name = file_of(records)
-    assert name.startswith(f"/dev/shm/procpipe-{os.getpid()}-") and name.endswith("-records (deleted)")
-    assert not os.path.exists(name.removesuffix(" (deleted)")) and not our_shm_files()
+    name = file_of(records)  # anonymous shared memory, named for /proc/<pid>/maps and lsof only
+    assert name.startswith(f"/memfd:procpipe-{os.getpid()}-") and name.endswith("-records (deleted)")
+    assert not our_shm_files()
     prefix = name.removesuffix(" (deleted)")
     labels = records[10:20].column("label")  # a live array keeps the mapping
     assert mappings(prefix)

@@ -9,9 +9,10 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import mappings, shm_files
+from conftest import loader_token, mappings, segment_fds, segments
 
 import procpipe
+import procpipe._core.rings
 import procpipe._core.shm
 
 
@@ -57,7 +58,7 @@ def test_ring_grows_when_batches_outgrow_their_slots():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
-            prefix = loader.shm_prefix
+            token = loader_token(loader)
             first_slot_bytes = None
             out = []
             for batch in loader:
@@ -66,8 +67,7 @@ def test_ring_grows_when_batches_outgrow_their_slots():
                 out.append(batch[:, 0].tolist())
                 del batch
             stats = loader.stats()
-            rings = sorted(os.path.basename(p)[len(os.path.basename(prefix)):] for p in shm_files(prefix)
-                           if "ring" in p)
+            rings = sorted(name[len(token) :] for name in segments() if name.startswith(token) and "ring" in name)
     assert out == [[i % 251 for i in range(4 * k, 4 * k + 4)] for k in range(40)]
     assert stats["ring_slot_bytes"] >= 4 * 3 * 4096 > first_slot_bytes
     # Only the batches already dispatched into the small ring when the first large one came
@@ -79,15 +79,15 @@ def test_ring_grows_when_batches_outgrow_their_slots():
 
 
 def test_ring_growth_refused_by_the_preflight_warns_and_stays_inline(monkeypatch):
-    real = procpipe._core.shm.check_capacity
+    real = procpipe._core.shm.check_memory
     limit = {"bytes": None}
 
-    def capped(directory, needed, what):
+    def capped(needed, what, fixes):
         if limit["bytes"] is not None and needed > limit["bytes"]:
-            raise procpipe.SharedMemoryError(f"procpipe needs {needed} bytes in {directory} for {what} (test cap)")
-        real(directory, needed, what)
+            raise procpipe.SharedMemoryError(f"procpipe needs {needed} bytes of memory for {what} (test cap)")
+        real(needed, what, fixes)
 
-    monkeypatch.setattr(procpipe._core.shm, "check_capacity", capped)
+    monkeypatch.setattr(procpipe._core.shm, "check_memory", capped)
     with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
         it = iter(loader)
         first = next(it)
@@ -115,24 +115,25 @@ def no_gc():
 
 
 def test_a_removed_ring_is_unmapped_when_its_last_user_dies_without_the_cycle_collector(no_gc):
-    files = procpipe._core.shm.SharedFiles("/dev/shm")
-    ring = procpipe._core.shm.Ring(files, 0, 4, procpipe._core.shm.PAGE)
+    memory = procpipe._core.shm.Segments()
+    ring = procpipe._core.rings.Ring(memory, 0, 4, procpipe._core.shm.PAGE)
     released = []
     lease = ring.lease(2, released.append)
     batch = np.frombuffer(lease, np.uint8)
-    assert procpipe._core.shm.ring_of(batch) is ring
+    assert procpipe._core.rings.ring_of(batch) is ring
     exporter = ring.exporter()  # (what a CUDA registration holds)
-    ring.remove()  # in use: the mapping is deferred
-    assert mappings(files.prefix) and shm_files(files.prefix) == []
+    ring.remove()  # in use: the mapping is deferred (its mmap keeps a descriptor); the ring's is closed now
+    assert mappings(memory.token) and ring.fd == -1
     del ring, lease, batch
-    assert released == [2] and mappings(files.prefix)  # the exporter still holds it
+    assert released == [2] and mappings(memory.token)  # the exporter still holds it
     del exporter
-    assert mappings(files.prefix) == []  # before the fix: mapped until gc.collect()
+    # before the fix: mapped until gc.collect(); nothing holds the memory now
+    assert mappings(memory.token) == [] and segment_fds(memory.token) == []
 
 
 def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_cycle_collector(no_gc):
     loader = procpipe.Loader(range(64), image, batch_size=8, workers=1)
-    prefix = loader.shm_prefix
+    prefix = loader_token(loader)
     batches = list(loader)
     loader.close()
     assert mappings(prefix)  # the batches still read the ring
@@ -140,9 +141,9 @@ def test_a_closed_loaders_ring_is_unmapped_when_the_last_batch_dies_without_the_
     assert mappings(prefix) == []  # while the loader object lives on (before the fix: it held the map)
 
 
-def _ring_files(prefix, generations, slot_bytes):
-    for g in range(generations):
-        procpipe._core.shm.create_file(f"{prefix}ring{g}", 2 * slot_bytes, "test ring")
+def _ring_segments(memory, generations, slot_bytes):
+    """Two-slot rings 0 .. ``generations - 1``: their descriptors."""
+    return [memory.new(f"ring{g}", 2 * slot_bytes, "test ring") for g in range(generations)]
 
 
 def fails_on_5(i):
@@ -159,48 +160,53 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
     import psutil
 
     from procpipe._core import wire
-    from procpipe._core.messages import STOP, Task
-    from procpipe._core.shm import PAGE, WorkerRings
+    from procpipe._core.messages import STOP, MapRing, Task
+    from procpipe._core.rings import WorkerRings
+    from procpipe._core.shm import PAGE
     from procpipe._worker.process import WorkerSpec, _ParentWatch, _serve
 
-    files = procpipe._core.shm.SharedFiles("/dev/shm")
-    _ring_files(files.prefix, 2, PAGE)
-    try:
-        ours, theirs = multiprocess.Pipe(duplex=True)
-        for task in [Task(1, 0, [0], 0, 0, PAGE), Task(2, 0, [4, 5], 0, 1, PAGE), Task(3, 0, [1], 1, 0, PAGE), STOP]:
-            wire.send(ours, task)
-        spec = WorkerSpec(source=range(8), fn=fails_on_5, collate_fn=None, batched=True, seed=0, seed_globals=False,
-                          skip=skip)
-        rings = WorkerRings(files.prefix)
-        _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])
-        replies = []
-        while ours.poll(0):
-            replies.append(type(wire.recv(ours)).__name__)
-        assert replies == (["BatchDone", "SamplesSkipped", "BatchDone", "BatchDone"] if skip
-                           else ["BatchDone", "BatchFailed", "BatchDone"])
-        assert mappings(files.prefix + "ring0") == []  # before the fix: kept mapped for the worker's life
-        assert rings.mapped() == [1]
-        ours.close()
-        theirs.close()
-    finally:
-        files.remove_all()
+    memory = procpipe._core.shm.Segments()
+    fds = _ring_segments(memory, 2, PAGE)
+    ours, theirs = multiprocess.Pipe(duplex=True)
+    # (each ring's descriptor travels with its MapRing, as the coordinator sends it: SCM_RIGHTS)
+    for message, sent in [(MapRing(0, 2 * PAGE), [fds[0]]), (Task(1, 0, [0], 0, 0, PAGE), []),
+                          (Task(2, 0, [4, 5], 0, 1, PAGE), []), (MapRing(1, 2 * PAGE), [fds[1]]),
+                          (Task(3, 0, [1], 1, 0, PAGE), []), (STOP, [])]:
+        wire.send(ours, message, sent)
+    for fd in fds:
+        os.close(fd)  # (the worker holds its own copies now)
+    spec = WorkerSpec(source=range(8), fn=fails_on_5, collate_fn=None, batched=True, seed=0, seed_globals=False,
+                      skip=skip)
+    rings = WorkerRings()
+    _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])
+    replies = []
+    while ours.poll(0):
+        replies.append(type(wire.recv(ours)).__name__)
+    assert replies == (["BatchDone", "SamplesSkipped", "BatchDone", "BatchDone"] if skip
+                       else ["BatchDone", "BatchFailed", "BatchDone"])
+    assert mappings(memory.token + "ring0") == []  # before the fix: kept mapped for the worker's life
+    assert segment_fds(memory.token + "ring0") == []  # and its descriptor closed: the memory can go
+    assert rings.mapped() == [1]
+    rings.close()
+    ours.close()
+    theirs.close()
 
 
 def test_worker_rings_retry_unmapping_an_old_ring_still_in_use():
-    from procpipe._core.shm import PAGE, WorkerRings
+    from procpipe._core.rings import WorkerRings
+    from procpipe._core.shm import PAGE
 
-    files = procpipe._core.shm.SharedFiles("/dev/shm")
-    _ring_files(files.prefix, 2, PAGE)
-    try:
-        rings = WorkerRings(files.prefix)
-        view = rings.slot(0, 1, PAGE)
-        rings.slot(1, 0, PAGE)
-        assert mappings(files.prefix + "ring0")  # still exported by ``view``: kept
-        view.release()
-        rings.slot(1, 1, PAGE)  # (before the fix: never tried again)
-        assert mappings(files.prefix + "ring0") == [] and rings.mapped() == [1]
-    finally:
-        files.remove_all()
+    memory = procpipe._core.shm.Segments()
+    rings = WorkerRings()
+    for ring_id, fd in enumerate(_ring_segments(memory, 2, PAGE)):
+        rings.add(ring_id, fd, 2 * PAGE)
+    view = rings.slot(0, 1, PAGE)
+    rings.slot(1, 0, PAGE)
+    assert mappings(memory.token + "ring0")  # still exported by ``view``: kept
+    view.release()
+    rings.slot(1, 1, PAGE)  # (before the fix: never tried again)
+    assert mappings(memory.token + "ring0") == [] and rings.mapped() == [1]
+    rings.close()
 
 
 def test_stage_slots_give_the_ring_that_many_more_slots():

@@ -2,18 +2,17 @@
 without a loader around them (an agent's rings: no ring until a batch's size is known)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from procpipe._core.rings import RingSet
-from procpipe._core.shm import PAGE, SharedFiles
+from procpipe._core.shm import PAGE, Segments
 from procpipe._core.stats import EpochCounters
 
 
 @pytest.fixture
 def files():
-    files = SharedFiles("/dev/shm")
+    files = Segments()
     yield files
     files.remove_all()
 
@@ -42,12 +41,12 @@ def test_a_retired_ring_takes_its_slots_back_and_goes_once_they_are_all_back(fil
     assert counters.ring_growths == 1
     new = rings.current
     assert (new.ring_id, new.first_slot, new.slots) == (1, 2, 2)  # slot numbers unique across generations
-    assert old.retired and rings.retired == [old] and os.path.exists(old.path)
+    assert old.retired and rings.retired == [old] and old.fd >= 0 and not old.closed
     assert rings.ring_of(held) is old and rings.ring_of(new.first_slot) is new
     assert rings.take(counters) == new.first_slot  # new slots come from the current ring only
     rings.release(held)  # back to the retired ring (any thread): its file goes once the owner removes idle ones
     rings.remove_idle()
-    assert rings.retired == [] and not os.path.exists(old.path)
+    assert rings.retired == [] and old.closed and old.fd == -1
     rings.close()
     assert new.closed
 
@@ -63,11 +62,11 @@ def test_add_slots_makes_a_wider_generation_and_the_old_one_goes_once_its_slots_
     assert rings.add_slots(3) is None
     new = rings.current
     assert new.slots == 5 and new.slot_bytes == old.slot_bytes and new.first_slot == 2
-    assert old.retired and rings.retired == [old] and os.path.exists(old.path)
+    assert old.retired and rings.retired == [old] and old.fd >= 0 and not old.closed
     assert [rings.take(counters) for _ in range(6)] == [2, 3, 4, 5, 6, None]
     rings.release(held)  # the old generation's last slot: it can go now
     rings.remove_idle()
-    assert rings.retired == [] and not os.path.exists(old.path)
+    assert rings.retired == [] and old.closed and old.fd == -1
     rings.close()
 
 

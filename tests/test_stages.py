@@ -18,7 +18,7 @@ import textwrap
 import numpy as np
 import psutil
 import pytest
-from conftest import is_ring_view, our_shm_files, python_env, shm_files, wait_gone, wait_until
+from conftest import is_ring_view, our_segments, our_shm_files, python_env, wait_gone, wait_until
 
 from procpipe import CacheError, Loader, SharedMemoryError, batch_rng, sample_rng
 
@@ -312,22 +312,27 @@ def test_cache_validation(tmp_path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_cache_files_are_removed_on_close(tmp_path, workers):
+def test_cache_files_are_removed_on_close(tmp_path, workers, shm_dir):
     directory = tmp_path / "cache"
     directory.mkdir()
-    before = our_shm_files()
+    before = our_segments()
     memory = Loader(list(range(N)), decode, batch_size=BS, workers=workers, cache=True)
+    in_shm_dir = Loader(list(range(N)), decode, batch_size=BS, workers=workers, cache=True, shm_dir=shm_dir)
     on_disk = Loader(list(range(N)), decode, batch_size=BS, workers=workers, cache=str(directory))
-    list(memory), list(on_disk)
+    list(memory), list(in_shm_dir), list(on_disk)
+    assert [n for n in our_shm_files() if "cache" in n] == []
+    assert any(n.endswith("-cache") for n in our_segments() - before)  # anonymous: no name anywhere
     if workers:
-        assert os.path.exists(memory.shm_prefix + "cache")
-        assert os.listdir(directory) == [os.path.basename(on_disk.shm_prefix) + "cache"]
-    else:  # workers=0: unlinked as soon as it is mapped; nothing can be left behind
-        assert our_shm_files() == before and not os.listdir(directory)
+        base = os.path.basename(in_shm_dir.shm_prefix)
+        assert sorted(os.listdir(shm_dir)) == [base + "cache", base + "ring0"]
+        assert len(os.listdir(directory)) == 1 and os.listdir(directory)[0].endswith("-cache")
+    else:  # workers=0: unlinked as soon as it is made; nothing can be left behind
+        assert not os.listdir(shm_dir) and not os.listdir(directory)
     memory.close()
+    in_shm_dir.close()
     on_disk.close()
-    assert our_shm_files() == before
-    assert not os.listdir(directory)
+    assert our_segments() == before
+    assert not os.listdir(directory) and not os.listdir(shm_dir)
     assert memory.cache_info() is None
 
 
@@ -355,16 +360,17 @@ def test_a_directory_cache_is_removed_when_the_parent_is_sigkilled(tmp_path):
     script.write_text(PARENT)
     proc = subprocess.Popen([sys.executable, str(script), str(directory)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=python_env(), cwd=str(tmp_path))
-    pids, prefix = [], None
+    pids = []
     try:
         line = proc.stdout.readline().split()
         assert len(line) == 3, f"the parent did not start: {line}"
-        prefix, pids = line[0], [int(p) for p in line[1:]]
-        assert len(os.listdir(directory)) == 1 and shm_files(prefix)
+        assert line[0] == "None"  # (its ring is anonymous memory: nothing to name or remove)
+        pids = [int(p) for p in line[1:]]
+        assert len(os.listdir(directory)) == 1
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
         assert wait_gone(pids, 10.0) == []
-        wait_until(lambda: not os.listdir(directory) and not shm_files(prefix), 5, "the cache files to be removed")
+        wait_until(lambda: not os.listdir(directory), 5, "the cache file to be removed")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -376,8 +382,8 @@ def test_a_directory_cache_is_removed_when_the_parent_is_sigkilled(tmp_path):
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
-        for path in shm_files(prefix) if prefix else []:
-            os.unlink(path)
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
 
 
 def test_augment_without_cache_runs_after_fn_every_epoch(tmp_path):

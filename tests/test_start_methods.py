@@ -10,7 +10,7 @@ A killed training process is ``test_sigkilled_parent_leaves_no_workers_and_no_fi
 test_lifecycle.py, parametrized over the same methods (it shares that module's subprocess).
 
 Each case checks exactly-once delivery with values equal to ``workers=0`` (faultkit), and
-that no worker process and no file under the loader's ``shm_prefix`` outlive it (besides
+that no worker process and none of the loader's shared memory outlive it (besides
 conftest's leak check after every test). Everything the workers run is importable from a
 module (faultkit, or this one), as spawn and forkserver need. Loaders are small (two
 workers, 48 samples): spawn starts each worker in about a second on a busy machine.
@@ -22,7 +22,7 @@ import signal
 
 import numpy as np
 import pytest
-from conftest import START_METHODS, assert_cleaned, assert_running, our_shm_files, shm_files, wait_until
+from conftest import START_METHODS, assert_cleaned, assert_running, left_of, our_segments, our_shm_files, wait_until
 from faultkit import BS, N, CrashWhileFlag, Faulty, SlowToLoad, check_epoch, reference, take
 
 from procpipe import Loader, WorkerError
@@ -58,7 +58,7 @@ def test_clean_epochs_then_close_twice(method):
         check_epoch([take(b) for b in loader], reference(0), ordered=True)
         check_epoch([take(b) for b in loader], reference(1), ordered=True)
         assert loader.worker_pids == pids, "workers were replaced between clean epochs"
-    assert shm_files(prefix) == [], "leaving the with block returned before removing the files"
+    assert left_of(prefix) == [], "leaving the with block returned before releasing the shared memory"
     assert_cleaned(pids, prefix)
     loader.close()  # a second close is a no-op
     assert loader.worker_pids == []
@@ -100,7 +100,7 @@ def test_close_mid_epoch(method):
     it = iter(loader)
     kept = next(it)
     loader.close()
-    assert shm_files(prefix) == [], "close() returned before removing the files"
+    assert left_of(prefix) == [], "close() returned before releasing the shared memory"
     assert_cleaned(pids, prefix)
     with pytest.raises(RuntimeError, match="ended early"):
         next(it)
@@ -213,7 +213,7 @@ class GeneratorSource:
 
 
 def test_an_unpicklable_dataset(method):
-    before = our_shm_files()
+    before = our_shm_files(), our_segments()
     if method == "fork":  # nothing is shipped: workers inherit it
         with Loader(GeneratorSource(), batch_size=5, workers=2, start_method=method) as loader:
             assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
@@ -221,4 +221,4 @@ def test_an_unpicklable_dataset(method):
         with pytest.raises(TypeError, match=r"cannot send the source.*an attribute 'stream' holds a generator") as info:
             Loader(GeneratorSource(), batch_size=5, workers=2, start_method=method)
         assert f"start_method={method!r}" in str(info.value) and "start_method='fork'" in str(info.value)
-    assert our_shm_files() == before
+    assert (our_shm_files(), our_segments()) == before

@@ -169,7 +169,7 @@ def test_the_forkserver_preloads_what_the_spec_references_in_import_order():
 
 FLAKY_MODULE = textwrap.dedent("""
     import os
-    if os.environ.get("PROCPIPE_PRELOAD_FILE"):  # only in the forkserver, while it preloads
+    if os.environ.get("PROCPIPE_PRELOAD"):  # only in the forkserver, while it preloads
         raise ImportError("needs the plugin registry the parent set up first")
 
     def double(x):

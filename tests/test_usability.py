@@ -201,12 +201,12 @@ def test_an_empty_source_warns():
 
 
 def test_a_large_ring_says_so_once(monkeypatch):
-    import procpipe._core.shm
+    import procpipe._core.rings
 
-    assert procpipe._core.shm.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
-    assert procpipe._core.shm.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
-    assert not procpipe._core.shm.is_large_reservation(100 << 20, 1 << 30)
-    monkeypatch.setattr(procpipe._core.shm, "LARGE_RESERVATION_BYTES", 1024)
+    assert procpipe._core.rings.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
+    assert procpipe._core.rings.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
+    assert not procpipe._core.rings.is_large_reservation(100 << 20, 1 << 30)
+    monkeypatch.setattr(procpipe._core.rings, "LARGE_RESERVATION_BYTES", 1024)
     with pytest.warns(UserWarning, match=r"the ring reserves .* slots of .*lower it: a smaller prefetch") as record:
         with procpipe.Loader(np.zeros((64, 256), np.float32), batch_size=8, workers=1) as loader:
             for _ in range(2):

@@ -25,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from .._core.shm import Segments
 from .._core.stats import EpochCounters, snapshot
 from .._engine.coordinator import Coordinator
 from .._engine.pool import WorkerLink
@@ -133,7 +134,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
                 raise
             raise exc.reworded(why_not_forked=why) from None
     else:
-        spec.cache = open_loader_cache(spec, cache, None, memory.shm_dir)
+        spec.cache = open_loader_cache(spec, cache, Segments(memory.shm_dir), workers=False)
     context = IterationContext(
         sampler=kind.plan,
         spec=spec,

@@ -13,10 +13,8 @@ and :func:`cpu_budget` takes the smaller:
   use all of it (0.75 CPU each) where one would leave half a CPU unused. The quota of
   every ancestor cgroup applies too (the smallest wins).
 
-The process's cgroup comes from ``/proc/self/cgroup``, and where that hierarchy is mounted
-from ``/proc/self/mountinfo`` (usually ``/sys/fs/cgroup``). Inside a container with a
-cgroup namespace the process sees itself at the root (``0::/``), and the container's
-limit is in the mount's own ``cpu.max``, which is read then. Anything missing or
+Which cgroup directories hold those files: ``cgroups.py`` (the process's own, then its
+ancestors'; the container's own at the root of a cgroup namespace). Anything missing or
 unreadable means "no limit from there". Every path is read under ``root``, so the tests
 point it at a fake tree.
 
@@ -29,15 +27,9 @@ from __future__ import annotations
 import math
 import os
 
+from .cgroups import cgroup_dirs, read_text
+
 __all__ = ["affinity_count", "cpu_budget", "cpu_quota"]
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def affinity_count() -> int:
@@ -48,57 +40,8 @@ def affinity_count() -> int:
         return os.cpu_count() or 1
 
 
-def _mounts(root: str) -> list[tuple[str, str, str, str]]:
-    """``(fstype, mount root, mount point, super options)`` of the cgroup mounts in ``mountinfo``."""
-    text = _read(os.path.join(root, "proc/self/mountinfo")) or ""
-    found = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 1 or tail[0] not in ("cgroup", "cgroup2"):
-            continue
-        found.append((tail[0], fields[3], fields[4], tail[2] if len(tail) > 2 else ""))
-    return found
-
-
-def _candidates(root: str) -> list[tuple[str, list[str]]]:
-    """``(version, [cgroup directories, the process's own first, then its ancestors])`` to read."""
-    text = _read(os.path.join(root, "proc/self/cgroup")) or ""
-    mounts = _mounts(root)
-    out: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if controllers == "":
-            version, points = "v2", [(r, p) for t, r, p, _ in mounts if t == "cgroup2"] or [("/", "/sys/fs/cgroup")]
-        elif "cpu" in controllers.split(","):
-            version = "v1"
-            points = [(r, p) for t, r, p, o in mounts if t == "cgroup" and "cpu" in o.split(",")]
-            points = points or [("/", "/sys/fs/cgroup/cpu,cpuacct"), ("/", "/sys/fs/cgroup/cpu")]
-        else:
-            continue
-        for mount_root, mount_point in points:
-            rel = path
-            if mount_root != "/" and (rel == mount_root or rel.startswith(mount_root.rstrip("/") + "/")):
-                rel = rel[len(mount_root) :]
-            base = os.path.join(root, mount_point.lstrip("/"))
-            dirs = []
-            rel = "/" + rel.strip("/")
-            while True:  # the process's own cgroup, then each ancestor up to the mount's root
-                dirs.append(os.path.join(base, rel.lstrip("/")) if rel != "/" else base)
-                if rel == "/":
-                    break
-                rel = os.path.dirname(rel)
-            out.append((version, dirs))
-    if not out:  # no /proc/self/cgroup: the usual mount points, as a container sees its own cgroup
-        out = [("v2", [os.path.join(root, "sys/fs/cgroup")]), ("v1", [os.path.join(root, "sys/fs/cgroup/cpu")])]
-    return out
-
-
 def _quota_v2(directory: str) -> float | None:
-    text = _read(os.path.join(directory, "cpu.max"))
+    text = read_text(os.path.join(directory, "cpu.max"))
     if text is None:
         return None
     fields = text.split()
@@ -112,8 +55,8 @@ def _quota_v2(directory: str) -> float | None:
 
 
 def _quota_v1(directory: str) -> float | None:
-    quota = _read(os.path.join(directory, "cpu.cfs_quota_us"))
-    period = _read(os.path.join(directory, "cpu.cfs_period_us"))
+    quota = read_text(os.path.join(directory, "cpu.cfs_quota_us"))
+    period = read_text(os.path.join(directory, "cpu.cfs_period_us"))
     if quota is None or period is None:
         return None
     try:
@@ -128,7 +71,7 @@ def cpu_quota(root: str = "/") -> float | None:
 
     ``root``: where ``/proc`` and ``/sys`` are read from (tests pass a fake tree)."""
     found: list[float] = []
-    for version, dirs in _candidates(root):
+    for version, dirs in cgroup_dirs("cpu", root):
         read = _quota_v2 if version == "v2" else _quota_v1
         for d in dirs:
             q = read(d)

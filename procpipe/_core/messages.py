@@ -10,6 +10,9 @@ Coordinator -> worker:
 - ``Task``: load ``payload`` (a list of indices, or a ``procpipe._streaming.Block``) of
   epoch ``epoch`` into slot ``slot`` of ring ``ring_id`` (``slot = -1``: no slot, the
   arrays come back in the reply);
+- ``MapRing``: ring ``ring_id``'s shared memory (``nbytes``), whose descriptor comes with
+  this message (``SCM_RIGHTS``, wire.py); sent once per ring to each worker, before the
+  first task that names it;
 - ``STOP`` (``None``): finish and exit.
 
 Worker -> coordinator, in this order per task:
@@ -42,6 +45,13 @@ class Task(NamedTuple):
     ring_id: int
     slot: int  # -1: no slot, reply inline
     slot_bytes: int
+
+
+class MapRing(NamedTuple):
+    """A ring generation's segment for the worker to map: its descriptor travels with the message."""
+
+    ring_id: int
+    nbytes: int
 
 
 class ErrorInfo(NamedTuple):
@@ -92,4 +102,4 @@ class WorkerLost(NamedTuple):
 Reply = BatchDone | BatchFailed | SamplesSkipped | WorkerReady | WorkerFatal | WorkerLost
 
 # Every message the wire carries (wire.py sends each as a plain tuple tagged with its index here).
-WIRE_TYPES = (Task, BatchDone, BatchFailed, SamplesSkipped, WorkerReady, WorkerFatal, WorkerLost)
+WIRE_TYPES = (Task, BatchDone, BatchFailed, SamplesSkipped, WorkerReady, WorkerFatal, WorkerLost, MapRing)

@@ -1,9 +1,10 @@
-"""A node's CPUs shared by the auto-tuned loaders on it: one small locked file in ``shm_dir``.
+"""A node's CPUs shared by the auto-tuned loaders on it: one small locked file in ``/dev/shm``.
 
 Every ``workers="auto"`` loader of this user whose process has the same CPU budget (the
 same affinity and cgroup quota: the ranks of one job on a node, a train and a validation
-loader) writes one line into ``procpipe-node-u<uid>-<8 hex>-cpus`` in its ``shm_dir`` (the
-hex: a hash of the affinity mask, the budget and the pid namespace), about once a second:
+loader) writes one line into ``procpipe-node-u<uid>-<8 hex>-cpus`` in ``/dev/shm`` (in its
+``shm_dir`` if it has one: ``node_directory``) (the hex: a hash of the affinity mask, the budget
+and the pid namespace), about once a second:
 
     <key> <pid> <heartbeat> <want>
 
@@ -40,6 +41,7 @@ import math
 import os
 import re
 import stat
+import tempfile
 import time
 import uuid
 
@@ -50,8 +52,16 @@ logger = logging.getLogger("procpipe")
 NAME = re.compile(r"procpipe-node-u([0-9]+)-[0-9a-f]{8}-cpus\Z")
 STALE_S = 10.0  # a line not refreshed for this long is dropped (its loader is gone or stopped)
 HEARTBEAT_S = 1.0  # a loader rewrites its line at least this often
+NODE_DIR = "/dev/shm"  # the node file's directory for loaders without an shm_dir (node_directory)
 HEADROOM = 1.25  # a satisfied loader asks for this much more than it uses (so it can grow)
 MAX_BYTES = 1 << 16  # a file larger than this is not procpipe's: it is refused
+
+
+def node_directory() -> str:
+    """Where the node file goes for loaders whose shared memory is anonymous (no ``shm_dir``): the
+    one directory every process of the node knows, ``/dev/shm`` (a few hundred bytes), else the
+    temporary directory."""
+    return NODE_DIR if os.path.isdir(NODE_DIR) else tempfile.gettempdir()
 
 
 def file_name(budget: int, uid: int | None = None) -> str:
@@ -120,8 +130,9 @@ class NodeShare:
     """One loader's line in the node file (coordinator thread): ``update`` publishes what it
     wants and returns its share of ``budget``; ``leave`` removes the line (and the file, if last).
 
-    ``budget``: this process's CPU budget (``core.cpus.cpu_budget``); ``directory``: ``shm_dir``.
-    Never raises: where the file cannot be used, the share is the whole budget.
+    ``budget``: this process's CPU budget (``core.cpus.cpu_budget``); ``directory``: ``shm_dir``, or
+    ``node_directory()`` for a loader whose shared memory is anonymous. Never raises: where the file
+    cannot be used, the share is the whole budget.
     """
 
     def __init__(self, directory: str, budget: int, key: str | None = None) -> None:

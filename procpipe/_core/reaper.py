@@ -1,5 +1,9 @@
 """The reaper: removes this process's shared files by name once it is gone, however it ended.
 
+Only what has a name needs it: a ring in ``shm_dir=``, a cache in a directory, the node file of
+auto-tuned loaders. A loader's anonymous shared memory (the default, _core/shm.py) goes with its
+last user by itself, so a process that makes no named file starts no reaper.
+
 A loader removes its files on ``close()``, when it is garbage, at interpreter exit, and its
 workers remove them when they see the training process die. None of that runs when the
 training process is SIGKILLed (the OOM killer's way) while no worker is alive to notice:
@@ -21,10 +25,7 @@ reaper covers every such case:
 - It waits for the training process to end (a pidfd where Linux has them, else it checks
   its parent every half second), then reads what is left on the pipe and removes every
   path it was told about that is still a regular file of this user: ``lstat`` (a symlink
-  is never followed) and ``unlink`` (which removes a name, never a target); or a directory
-  of this user with one of procpipe's directory names (``DIRECTORY_NAME``: the torch
-  facade's snapshot store), with ``shutil.rmtree``, which follows no symlink inside it and
-  refuses one in its place. Then it exits.
+  is never followed) and ``unlink`` (which removes a name, never a target). Then it exits.
 
 Each registered file is also held open here with a shared ``flock``, released when this
 process ends: the start-up sweep (``procpipe._core.stale_files``) takes a file whose lock is free
@@ -48,10 +49,6 @@ import threading
 logger = logging.getLogger("procpipe")
 
 REAPER_MARK = "procpipe-reaper"  # in the reaper's command line: how tools (and the tests) recognise it
-# The directories procpipe makes (the torch facade's snapshot store), the only ones the reaper and the
-# sweep remove: ``procpipe-<pid>-<8 hex>-<kind>``, as its files are named (stale_files.py).
-DIRECTORY_KINDS = ("replicas",)
-DIRECTORY_NAME = r"procpipe-[0-9]+-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z"
 
 # The reaper process's whole program (an interpreter started with -S -I runs it; stdin is the pipe).
 REAPER_CODE = f"""# {REAPER_MARK}: removes the files its parent registered once the parent is gone
@@ -107,10 +104,6 @@ for p in paths:
         st = os.lstat(p)
         if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
             os.unlink(p)
-        elif stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
-            import re, shutil  # (only here: a directory is rare)
-            if re.match(rb"{DIRECTORY_NAME}", os.path.basename(p)):
-                shutil.rmtree(p)  # (fd-based: no symlink inside is followed, and one in its place is refused)
     except OSError:
         pass
 def live(line):  # a node file's line "<key> <pid> <heartbeat> <want>" of another live process
@@ -244,8 +237,7 @@ def _current() -> _Client:
 
 def register(path: str) -> None:
     """``path`` is about to be created by this process: the reaper removes it if this process
-    ends while it still exists. Call before creating the file (no window where it is unknown);
-    a directory must have a ``DIRECTORY_NAME``."""
+    ends while it still exists. Call before creating the file (no window where it is unknown)."""
     name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     with _lock:
         client = _current()
@@ -255,7 +247,7 @@ def register(path: str) -> None:
 
 
 def hold(path: str, fd: int) -> None:
-    """The registered file (or directory) ``path`` was created as ``fd``: keep a shared lock on it
+    """The registered file ``path`` was created as ``fd``: keep a shared lock on it
     while it exists, the sign that its creator is alive (see the sweep)."""
     name = os.fsencode(os.path.abspath(path))  # (the reaper works from /; this process may chdir)
     try:

@@ -1,77 +1,334 @@
-"""Shared memory: the ring of reusable batch slots, and the files behind it.
+"""Shared memory: where every byte procpipe shares between processes comes from, and how it goes.
 
-Every file a loader creates is named ``procpipe-<pid>-<token>-<what>`` in one directory
-(``/dev/shm`` by default), so the whole set can be removed by prefix: by ``close()``, by
-garbage collection of the loader, or by a worker that notices its parent was killed.
-Every file is created by ``open_new_file`` (owner-only, never an existing name, never
-through a symlink, its space reserved) and reopened by ``open_owned`` (only if it is
-still a regular 0600 file of this user). ``open_new_file`` registers each file with this
-process's reaper first (reaper.py), which removes it if the process is killed, and
-``remove_file`` tells the reaper it is gone; the first ``SharedFiles`` of a process in a
-directory sweeps it of the files of dead processes (stale_files.py).
+**Anonymous by default.** A loader's ring, its workers' status words, its shipped dataset and
+functions, a ``cache="memory"``, ``procpipe.Records`` and the torch facade's replica snapshots
+are *memfds* (``memfd_create``): shared memory with no name in any directory, so no
+``/dev/shm`` size limits it (a container's default 64 MB included), and nothing is left behind
+however a process ends: the kernel frees the memory with the last descriptor or mapping of
+it. Each is named ``procpipe-<pid>-<token>-<what>`` for ``/proc/<pid>/maps`` and ``lsof``
+(``/memfd:procpipe-... (deleted)``). Memory itself is the limit: what a segment needs is held
+against the memory cgroup's room and the machine's available memory before it is made
+(``memory_budget.py``), and reserved at once (``fallocate``), so too little memory is a
+``SharedMemoryError`` that names the limit and the fixes, never a SIGBUS or an OOM kill later.
 
-A slot is handed to the consumer as a *lease*: a small per-batch object that exports the
-slot's bytes. Every array of the batch is a view whose ``.base`` is that object, so the
-slot goes back to the free list exactly when the last array of the batch dies (a
-``weakref.finalize`` on the lease), never earlier.
+**Workers get descriptors, never names.** A ``SharedFd`` travels to a worker as it starts: inherited
+across ``fork``, passed by multiprocess (``SCM_RIGHTS`` through a forkserver or the zygote, kept
+open across ``exec`` for spawn) when it is an argument of the worker process, or inside the
+pickled ``WorkerSpec`` (``shipping``/``receiving``: the descriptors go beside the pickle, as
+arguments). A ring made later (the first batch sizes it; a batch that outgrows it makes a new
+generation) goes to each worker over its pipe (``wire.Outbox``, ``SCM_RIGHTS``). Fixed-size
+segments are sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``), so no
+process can truncate one under a reader (the SIGBUS of a truncated mapping); the shipped spec is
+sealed against writes too.
+
+**Named files where asked.** ``Loader(shm_dir=...)`` keeps the ring in files of that directory (a
+hugepages mount, a disk), and ``cache="/a/dir"`` keeps the cache there: ``Segments`` with a
+directory. Every file is named ``procpipe-<pid>-<token>-<what>``, created by ``open_new_file``
+(owner-only, never an existing name, never through a symlink, its space reserved) and reopened by
+``open_owned`` (only if still a regular 0600 file of this user); ``open_new_file`` registers each
+with this process's reaper (reaper.py), which removes it if the process is killed, and the first
+``Segments`` of a process in a directory sweeps it of dead processes' files (stale_files.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import fcntl
 import glob
 import mmap
 import os
 import secrets
 import stat
-import weakref
-from collections import deque
-from collections.abc import Callable
-from typing import Any, cast
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import psutil
 
 from ..errors import SharedMemoryError
 from . import reaper
+from .memory_budget import format_bytes, memory_budget
 from .stale_files import sweep_once
 
 PAGE = mmap.PAGESIZE
+MEMORY_RESERVE = 0.10  # the share of the memory budget a new segment leaves for everything else
+RING_FIXES = (
+    "lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, or "
+    "prefetch + 4*workers + 1 for batches up to 1 MiB; plus workers with speculate=, and 3 with device='cuda')"
+)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+# ---------------------------------------------------------------------------- descriptors to workers
+_shipping = threading.local()  # .table: the descriptors of the SharedFds pickled into a spec now (a list)
 
 
-class SharedFiles:
-    """Names and removes the files of one loader in its shared-memory directory."""
+class SharedFd:
+    """An open descriptor of procpipe's shared memory, that travels to worker processes.
 
-    def __init__(self, directory: str, prefix: str | None = None) -> None:
-        """A new, unique set of names in ``directory``; or, given ``prefix``, an existing set
-        (a worker removing the files of a loader that was killed).
+    It stays a plain number in this process and in a forked child (which inherits it). Pickled
+    as an argument of a starting worker process, multiprocess passes the descriptor itself
+    (``DupFd``); pickled into a worker's spec (``shipping``), it is put in a table that goes
+    beside the pickle, and the worker's unpickling (``receiving``) takes it from there. Anywhere
+    else a descriptor means nothing, and pickling one is an error.
+    """
 
-        The first new set of a process in a directory sweeps it first: the files that dead
-        processes of this user left there are removed, and a warning says so (stale_files.py)."""
-        self.directory = directory
-        if prefix is None:
-            sweep_once(directory)
-        self.prefix = prefix or os.path.join(
-            os.path.abspath(directory),  # (absolute: a chdir changes nothing)
-            f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-",
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        table = getattr(_shipping, "table", None)
+        if table is not None:
+            table.append(self)
+            return _shipped, (len(table) - 1,)
+        from multiprocess import context, reduction
+
+        if context.get_spawning_popen() is None:
+            raise TypeError(
+                "procpipe's shared memory can only be sent to a procpipe worker process as it starts "
+                "(it is a descriptor, meaningless in another process)"
+            )
+        return _received, (reduction.DupFd(self.fd),)
+
+    def __repr__(self) -> str:
+        return f"SharedFd({self.fd})"
+
+
+def _received(dup: Any) -> SharedFd:
+    return SharedFd(dup.detach())
+
+
+def _shipped(i: int) -> SharedFd:
+    table = getattr(_shipping, "table", None)
+    if table is None or i >= len(table):
+        raise RuntimeError("procpipe: a shared-memory descriptor of the worker spec did not arrive with it")
+    return table[i]
+
+
+@contextmanager
+def shipping() -> Iterator[list[SharedFd]]:
+    """While pickling a worker spec: the ``SharedFd``s pickled go into the list yielded (in order),
+    for the worker process to receive as arguments (``receiving``)."""
+    table: list[SharedFd] = []
+    _shipping.table = table
+    try:
+        yield table
+    finally:
+        _shipping.table = None
+
+
+@contextmanager
+def receiving(table: list[SharedFd]) -> Iterator[None]:
+    """While unpickling a worker spec in the worker: its ``SharedFd``s are those of ``table``."""
+    _shipping.table = table
+    try:
+        yield
+    finally:
+        _shipping.table = None
+
+
+def close_fd(fd: int) -> None:
+    """Close ``fd``, which may already be closed (the last step of a cleanup)."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------- room, before making
+def check_memory(needed: int, what: str, fixes: str) -> None:
+    """``SharedMemoryError`` naming the limit and the fixes, unless ``needed`` more bytes of
+    memory fit this process's budget (memory_budget.py) with ``MEMORY_RESERVE`` of it left over."""
+    budget = memory_budget()
+    if needed <= budget.available * (1 - MEMORY_RESERVE):
+        return
+    raise SharedMemoryError(
+        f"procpipe needs {format_bytes(needed)} of memory for {what}, but {budget.limit} leaves "
+        f"{format_bytes(budget.available)}, and procpipe keeps {MEMORY_RESERVE:.0%} of that for the rest of the "
+        f"program. Fixes: {fixes}; or give the process more memory (a container's limit: docker run --memory, "
+        "a Kubernetes pod's resources.limits.memory)."
+    )
+
+
+def check_capacity(directory: str, needed: int, what: str, fixes: str = RING_FIXES) -> None:
+    """Fail early, with the fixes, if ``directory`` cannot hold ``needed`` more bytes."""
+    free = psutil.disk_usage(directory).free
+    if needed > free:
+        raise SharedMemoryError(
+            f"procpipe needs {format_bytes(needed)} in {directory} for {what}, but only {format_bytes(free)} is "
+            f"free. Fixes: {fixes}; or pass shm_dir= a directory on a larger filesystem, or leave shm_dir out "
+            "(anonymous shared memory, limited by memory only)."
         )
 
+
+def room(directory: str | None) -> tuple[int, str]:
+    """``(bytes, where)``: the room a new segment has, and where that is (words for a message):
+    the memory budget for anonymous memory, the free space of ``directory`` for files."""
+    if directory is None:
+        budget = memory_budget()
+        return budget.available, budget.limit
+    free = psutil.disk_usage(directory).free
+    return free, f"{directory} ({format_bytes(free)} free)"
+
+
+# ---------------------------------------------------------------------------- making segments
+_SEALED_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0)
+_SEALED_SIZE = _SEALED_SHRINK | getattr(fcntl, "F_SEAL_GROW", 0)
+_SEALED_WRITES = getattr(fcntl, "F_SEAL_WRITE", 0)
+
+
+def new_memory(name: str, size: int, what: str, fixes: str, data: bytes = b"", seal: int = _SEALED_SIZE) -> int:
+    """An anonymous segment (a memfd named ``name``) of ``size`` bytes for ``what``, checked
+    against the memory budget and reserved; ``data`` written at its start; ``seal``: the seals
+    added (by default its size is fixed; 0: it may grow, as a growing cache). Its descriptor
+    (read-write, close-on-exec)."""
+    nbytes = max(size, len(data))
+    check_memory(nbytes, what, fixes)
+    try:
+        fd = os.memfd_create(name[:249], os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+    except (AttributeError, OSError) as exc:
+        raise SharedMemoryError(
+            f"procpipe cannot make anonymous shared memory for {what} here (memfd_create: {exc}). "
+            "Pass shm_dir='/dev/shm' (or another directory) to keep it in files there."
+        ) from exc
+    try:
+        _reserve_and_write(fd, nbytes, data, what, "memory")
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seal)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _reserve_and_write(fd: int, nbytes: int, data: bytes, what: str, where: str) -> None:
+    """Reserve ``nbytes`` of ``fd`` (a full filesystem or memory fails here, not with SIGBUS
+    later), then write ``data`` at its start."""
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done : done + (1 << 30)], done)
+    except OSError as exc:
+        raise SharedMemoryError(
+            f"procpipe could not reserve {format_bytes(nbytes)} of {where} for {what}: {exc}. Free some memory "
+            "or space, or pass shm_dir= a directory on a filesystem with room."
+        ) from exc
+
+
+def seal_writes(fd: int) -> None:
+    """Make an anonymous segment read-only for good (the shipped spec: no worker can change it)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALED_WRITES | fcntl.F_SEAL_SEAL)
+
+
+class Segments:
+    """Where a loader's shared memory comes from: anonymous memory, or files in ``directory``.
+
+    ``Segments()`` (``shm_dir`` left out): each ``new`` segment is a memfd, and nothing needs
+    removing. ``Segments(directory)``: each is a file named ``<prefix><what>`` there; the first
+    ``Segments`` of a process in a directory sweeps it of dead processes' files (stale_files.py).
+    ``remove_all`` removes every file of the set and closes the descriptors it ``hold``s (those of
+    segments no other object owns: the shipped spec). ``prefix``: an existing set (a worker
+    removing the files of a loader that was killed).
+    """
+
+    def __init__(self, directory: str | None = None, prefix: str | None = None) -> None:
+        self.directory = directory
+        self.token = f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-"  # every segment's name begins so
+        self.prefix: str | None = None  # the files' common path (named files only)
+        self._held: list[int] = []
+        if directory is not None:
+            if prefix is None:
+                sweep_once(directory)
+            self.prefix = prefix or os.path.join(os.path.abspath(directory), self.token)  # (a chdir changes nothing)
+
+    @property
+    def named(self) -> bool:
+        """Its segments are files in a directory (``shm_dir=``), not anonymous memory."""
+        return self.directory is not None
+
     @classmethod
-    def from_prefix(cls, prefix: str) -> SharedFiles:
+    def from_prefix(cls, prefix: str) -> Segments:
         return cls(os.path.dirname(prefix), prefix)
 
     def path(self, what: str) -> str:
+        """The file of segment ``what`` (named segments only)."""
+        if self.prefix is None:
+            raise ValueError("anonymous shared memory has no file names")
         return self.prefix + what
 
+    def new(
+        self,
+        what: str,
+        size: int,
+        description: str,
+        fixes: str = RING_FIXES,
+        data: bytes = b"",
+        anonymous: bool = False,
+        growing: bool = False,
+    ) -> int:
+        """A new segment ``what`` of ``size`` bytes, reserved (``description`` and ``fixes`` go into
+        the error if there is no room); its descriptor (read-write, close-on-exec). ``anonymous``:
+        in memory even where the set's segments are files (what workers only need for their lives:
+        their status words, the shipped spec). ``growing``: it may grow (a stream's cache); anonymous
+        memory never shrinks, and is fixed in size unless growing."""
+        if self.directory is None or anonymous:
+            seal = _SEALED_SHRINK if growing else _SEALED_SIZE
+            return new_memory(self.token + what, size, description, fixes, data, seal)
+        check_capacity(self.directory, max(size, len(data)), description, fixes)
+        return open_new_file(self.path(what), size, description, data)
+
+    def remove(self, what: str) -> None:
+        """Segment ``what`` is no longer needed: its file goes (anonymous memory goes with its last user)."""
+        if self.prefix is not None:
+            remove_file(self.prefix + what)
+
+    def hold(self, fd: int) -> None:
+        """Keep ``fd`` open until ``remove_all``."""
+        self._held.append(fd)
+
     def remove_all(self) -> None:
-        for path in glob.glob(glob.escape(self.prefix) + "*"):
-            remove_file(path)
+        held, self._held = self._held, []
+        for fd in held:
+            close_fd(fd)
+        if self.prefix is not None:
+            for path in glob.glob(glob.escape(self.prefix) + "*"):
+                remove_file(path)
 
 
+def map_fd(fd: int, size: int | None = None, populate: bool = True, writable: bool = True) -> mmap.mmap:
+    """Map ``size`` bytes of ``fd`` (all of it by default) shared, its pages populated up front
+    unless ``populate`` is False."""
+    if size is None:
+        size = os.fstat(fd).st_size
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+
+
+# ---------------------------------------------------------------------------- another process's segment
+def proc_address(fd: int) -> tuple[int, int, int, int]:
+    """``(pid, fd, device, inode)``: how another process of this user opens this process's segment
+    ``fd`` while it is open here (``open_proc_address``), the identity checked."""
+    st = os.fstat(fd)
+    return os.getpid(), fd, st.st_dev, st.st_ino
+
+
+def open_proc_address(address: Sequence[int | str], flags: int = os.O_RDONLY) -> int:
+    """Open the segment ``proc_address`` gave, through ``/proc/<pid>/fd/<fd>``; ``FileNotFoundError``
+    if that process no longer holds it (it exited or closed it, or the number now holds another file)."""
+    pid, owner_fd, dev, ino = (int(x) for x in address)
+    fd = os.open(f"/proc/{pid}/fd/{owner_fd}", flags | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (dev, ino) or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "not the shared memory it was", f"/proc/{pid}/fd/{owner_fd}")
+    return fd
+
+
+# ---------------------------------------------------------------------------- named files, safely
 def remove_file(path: str) -> None:
     """Remove a file procpipe created (if still there), and tell the reaper it is gone."""
     try:
@@ -79,46 +336,6 @@ def remove_file(path: str) -> None:
     except FileNotFoundError:
         pass
     reaper.forget(path)
-
-
-def check_capacity(directory: str, needed: int, what: str) -> None:
-    """Fail early, with the fix, if ``directory`` cannot hold ``needed`` more bytes."""
-    free = psutil.disk_usage(directory).free
-    if needed > free:
-        raise SharedMemoryError(
-            f"procpipe needs {_mib(needed)} in {directory} for {what}, but only {_mib(free)} is free. "
-            "Fixes: lower prefetch, workers or batch_size (the ring holds prefetch + 2*workers + 1 batches, "
-            "or prefetch + 4*workers + 1 for batches up to 1 MiB; "
-            "plus workers with speculate=, and 3 with device='cuda'); "
-            "in Docker, start the container with a larger --shm-size (e.g. --shm-size=2g); "
-            "or pass shm_dir='/path/on/a/larger/filesystem'."
-        )
-
-
-LARGE_RESERVATION_BYTES = 1 << 30  # a ring this large is mentioned when it is made
-
-
-def is_large_reservation(needed: int, free: int) -> bool:
-    """Whether reserving ``needed`` bytes where ``free`` are free deserves a word to the user:
-    more than ``LARGE_RESERVATION_BYTES``, or more than a quarter of what is free."""
-    return needed > LARGE_RESERVATION_BYTES or needed > free // 4
-
-
-def warn_large_ring(directory: str, slots: int, slot_bytes: int) -> None:
-    """Say (once per ring: a grown ring, a new generation, says it again) that the ring
-    reserves a lot of ``directory``, and how to lower it."""
-    needed, free = slots * slot_bytes, psutil.disk_usage(directory).free
-    if is_large_reservation(needed, free):
-        import warnings
-
-        warnings.warn(
-            f"procpipe: the ring reserves {_mib(needed)} of {directory} ({_mib(free)} free): {slots} slots "
-            f"of {_mib(slot_bytes)} (a full batch), one for each batch that may be ready or in "
-            "flight at once (prefetch + 2*workers + 1, or prefetch + 4*workers + 1 for batches up to 1 MiB; "
-            "plus workers with speculate=, and 3 with device='cuda'). "
-            "To lower it: a smaller prefetch, fewer workers, or a smaller batch_size.",
-            stacklevel=2,
-        )
 
 
 def open_new_file(path: str, size: int, what: str, data: bytes = b"", unlinked: bool = False) -> int:
@@ -154,19 +371,7 @@ def open_new_file(path: str, size: int, what: str, data: bytes = b"", unlinked: 
     if not unlinked:
         reaper.hold(path, fd)  # locked at once: the sweep never takes it for a dead process's
     try:
-        if max(size, len(data)):
-            os.posix_fallocate(fd, 0, max(size, len(data)))
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done : done + (1 << 30)], done)
-    except OSError as exc:
-        os.close(fd)
-        remove_file(path)
-        raise SharedMemoryError(
-            f"procpipe could not reserve {_mib(max(size, len(data)))} in {os.path.dirname(path)} for {what}: {exc}. "
-            "Free some space there, start Docker with a larger --shm-size, or pass shm_dir=... "
-            "on a filesystem with room."
-        ) from exc
+        _reserve_and_write(fd, max(size, len(data)), data, what, os.path.dirname(path))
     except BaseException:
         os.close(fd)
         remove_file(path)
@@ -224,154 +429,6 @@ def map_file(path: str) -> mmap.mmap:
     """Map a whole shared file read-write, pages populated up front (procpipe's own files only: ``open_owned``)."""
     fd = open_owned(path)
     try:
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        return map_fd(fd)
     finally:
         os.close(fd)
-
-
-def round_slot_bytes(nbytes: int) -> int:
-    return max(PAGE, -(-nbytes // PAGE) * PAGE)
-
-
-class Ring:
-    """A fixed number of equal slots in one shared file, and the consumer-side free list.
-
-    A loader's ring can be replaced by a larger one (a *generation*: ``ring_id`` 0, 1, ...)
-    when a batch outgrows its slots. Slot numbers are unique across generations: this
-    ring's are ``first_slot .. first_slot + slots - 1``, so a slot number alone names its
-    ring (``owns``). ``free`` holds the free slot numbers. A replaced ring is ``retired``:
-    its slots are never handed out again, and it is removed once they are all back.
-    """
-
-    def __init__(self, files: SharedFiles, ring_id: int, slots: int, slot_bytes: int, first_slot: int = 0) -> None:
-        self.ring_id = ring_id
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        self.first_slot = first_slot
-        self.retired = False
-        self.closed = False
-        self.path = files.path(f"ring{ring_id}")
-        what = f"{slots} ring slots of {_mib(slot_bytes)}"
-        check_capacity(files.directory, slots * slot_bytes, what)
-        warn_large_ring(files.directory, slots, slot_bytes)
-        create_file(self.path, slots * slot_bytes, what)
-        self._map: mmap.mmap | None = map_file(self.path)
-        self.nbytes = slots * slot_bytes
-        probe = ctypes.c_char.from_buffer(self._map)
-        self.address = ctypes.addressof(probe)  # where the ring is mapped in this process (CUDA registration)
-        del probe
-        self.free: deque[int] = deque(range(first_slot, first_slot + slots))
-        # One exporter type per ring: its length is the slot size; ``ring_ref`` finds the ring
-        # from a batch. A weak reference: the ring holds the type, and a strong one back would
-        # make a cycle that keeps a closed ring's mapping alive until the cycle collector runs.
-        self._lease_type = cast(
-            "type[ctypes.Array[ctypes.c_char]]",
-            type(
-                "SlotLease",
-                (ctypes.Array,),
-                {
-                    "_type_": ctypes.c_char,
-                    "_length_": slot_bytes,
-                    "ring_ref": weakref.ref(self),
-                    "__del__": _end_lease,
-                },
-            ),
-        )
-
-    def owns(self, slot: int) -> bool:
-        return self.first_slot <= slot < self.first_slot + self.slots
-
-    @property
-    def idle(self) -> bool:
-        """Every slot is free: nothing is being written into the ring or read from it."""
-        return len(self.free) == self.slots
-
-    def close(self) -> None:
-        """Unmap the ring now (and close its file descriptor) unless a batch still uses it;
-        then it is unmapped when the last such batch dies (the ring lets go of its mapping
-        here, so only the batches' exporters hold it)."""
-        self.closed = True
-        if self._map is None:
-            return
-        try:
-            self._map.close()
-        except BufferError:
-            pass
-        self._map = None
-
-    def remove(self) -> None:
-        """A retired ring whose slots are all back: its file goes now (its memory once unmapped)."""
-        remove_file(self.path)
-        self.close()
-
-    def lease(self, slot: int, on_release: Callable[[int], None]) -> ctypes.Array:
-        """A per-batch object exporting slot ``slot``; ``on_release(slot)`` runs when it dies."""
-        lease: Any = self._lease_type.from_buffer(self._mapped(), (slot - self.first_slot) * self.slot_bytes)
-        lease.slot, lease.on_release = slot, on_release  # (_end_lease: half the cost of a weakref.finalize)
-        return lease
-
-    def exporter(self) -> ctypes.Array:
-        """An object exporting the whole ring: while it lives the ring stays mapped (a CUDA
-        registration holds one, so the memory is never unmapped while registered)."""
-        return (ctypes.c_char * self.nbytes).from_buffer(self._mapped())
-
-    def _mapped(self) -> mmap.mmap:
-        if self._map is None:
-            raise ValueError(f"ring {self.path} is closed")
-        return self._map
-
-
-def _end_lease(lease: Any) -> None:
-    """A slot lease's ``__del__``: the last array viewing the slot is gone, the slot goes back."""
-    lease.on_release(lease.slot)
-
-
-def ring_of(array: Any) -> Ring | None:
-    """The ring a numpy array of a batch lives in (a view of one of its slots), or None."""
-    base = array
-    for _ in range(8):
-        base = getattr(base, "base", None)
-        if base is None:
-            return None
-        ref = getattr(type(base), "ring_ref", None)
-        ring = ref() if isinstance(ref, weakref.ref) else None
-        if isinstance(ring, Ring):
-            return ring
-    return None
-
-
-class WorkerRings:
-    """A worker's view of the rings: maps each ring file the first time a task names it.
-
-    Tasks arrive in the order they were sent, and after the coordinator replaced its ring
-    it names only the new one: mapping a newer ring unmaps the older ones here. One still
-    exported (a view of it outlived its task, e.g. held by a traceback) is kept and tried
-    again on every later call, so it is unmapped as soon as that view is gone.
-    """
-
-    def __init__(self, files_prefix: str) -> None:
-        self._prefix = files_prefix
-        self._maps: dict[int, mmap.mmap] = {}
-        self._newest = -1
-
-    def slot(self, ring_id: int, slot: int, slot_bytes: int) -> memoryview:
-        self._newest = max(self._newest, ring_id)
-        if len(self._maps) > 1 or (self._maps and ring_id not in self._maps):
-            self._unmap_older(self._newest)
-        ring = self._maps.get(ring_id)
-        if ring is None:
-            ring = self._maps[ring_id] = map_file(f"{self._prefix}ring{ring_id}")
-        return memoryview(ring)[slot * slot_bytes : (slot + 1) * slot_bytes]
-
-    def _unmap_older(self, ring_id: int) -> None:
-        for old in [i for i in self._maps if i < ring_id]:
-            try:
-                self._maps[old].close()
-            except BufferError:  # still exported: kept, and tried again on the next call
-                continue
-            del self._maps[old]
-
-    def mapped(self) -> list[int]:
-        """The ring generations mapped here."""
-        return sorted(self._maps)

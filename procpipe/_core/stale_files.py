@@ -1,10 +1,15 @@
 """The start-up sweep: remove procpipe files that a dead process of this user left in shm_dir.
 
+Only what has a name can be left behind: a loader's shared memory is anonymous unless it is
+given ``shm_dir=`` (its ring's files), a cache directory (``cache="/a/dir"``), and the node file
+auto-tuned loaders share; earlier versions of procpipe also kept their status words, spec and
+module lists in ``/dev/shm`` (``KINDS`` still names them, so an upgrade cleans up after them).
 The reaper (``procpipe._core.reaper``) removes a killed process's files. What it cannot cover
 (a reaper killed together with its process, say by a cgroup's OOM kill, files from a
 version of procpipe without a reaper, a reboot of a disk-backed ``shm_dir``) is found here:
-the first loader of a process sweeps its ``shm_dir`` once (``sweep_once``), and says what it
-removed in one warning line (logger ``procpipe``): the count, the bytes and the pids.
+the first ``Segments`` of a process in a directory sweeps it once (``sweep_once``; for the node
+file's directory, the first auto-tuned loader), and says what it removed in one warning line
+(logger ``procpipe``): the count, the bytes and the pids.
 
 A file is removed only when all of these hold:
 
@@ -23,11 +28,6 @@ The node file that auto-tuned loaders share (``procpipe-node-u<uid>-<8 hex>-cpus
 ``_core/nodeshare.py``) has no single creator: it is removed when it is this user's regular
 file, unchanged for ``nodeshare.STALE_S`` (every live loader rewrites it each second),
 not locked at the moment, and none of its lines is a live loader's.
-
-A directory is removed on the same conditions (a directory of this user, never a symlink,
-named as procpipe names its directories: ``reaper.DIRECTORY_NAME``, the torch facade's
-snapshot store; its creator holds the lock on the directory itself), with everything in it
-(``shutil.rmtree``: no symlink inside is followed).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import fcntl
 import logging
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -45,13 +44,14 @@ from dataclasses import dataclass, field
 import psutil
 
 from . import nodeshare
-from .reaper import DIRECTORY_KINDS
 
 logger = logging.getLogger("procpipe")
 
-KINDS = ("ring[0-9]+", "status", "spec", "preload", "cache", "cachefile", "records")
+# What procpipe names in a directory: ring files (shm_dir=), a cache file (there, or in a cache
+# directory), a Records file with shm_dir= (unlinked as soon as it is made); and what earlier
+# versions named there too.
+KINDS = ("ring[0-9]+", "cache", "records", "status", "spec", "preload", "cachefile")
 NAME = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(KINDS) + r")\Z")
-DIRECTORY = re.compile(r"procpipe-([0-9]+)-[0-9a-f]{8}-(?:" + "|".join(DIRECTORY_KINDS) + r")\Z")
 SETTLE_S = 2.0  # a file changed this recently is never swept
 _START_SLACK_S = 2.0  # a process's start time is known to about a second (boot time in whole seconds)
 
@@ -66,7 +66,6 @@ class Swept:
     paths: list[str] = field(default_factory=list)
     nbytes: int = 0
     pids: set[int] = field(default_factory=set)
-    directories: int = 0  # of the paths, those that were directories (with what they held)
 
 
 def sweep_once(directory: str) -> Swept | None:
@@ -78,12 +77,10 @@ def sweep_once(directory: str) -> Swept | None:
         _swept.add(key)
     swept = sweep(directory)
     if swept.paths:
-        files = len(swept.paths) - swept.directories
         logger.warning(
-            "procpipe removed %d file(s)%s (%.1f MiB) from %s left by process(es) %s that ended without "
+            "procpipe removed %d file(s) (%.1f MiB) from %s left by process(es) %s that ended without "
             "cleaning up (killed, or an older procpipe)",
-            files,
-            f" and {swept.directories} directory(ies)" if swept.directories else "",
+            len(swept.paths),
             swept.nbytes / 2**20,
             directory,
             ", ".join(map(str, sorted(swept.pids))) or "that shared a node file",
@@ -105,7 +102,7 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
         if node is not None and int(node.group(1)) == uid:
             _stale_node_file(os.path.join(directory, name), uid, now, swept)  # (no single creator's pid)
             continue
-        match = NAME.match(name) or DIRECTORY.match(name)
+        match = NAME.match(name)
         if match is None or int(match.group(1)) == me:
             continue
         path = os.path.join(directory, name)
@@ -113,9 +110,7 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
             st = os.lstat(path)
         except OSError:
             continue
-        is_directory = match.re is DIRECTORY
-        kind_ok = stat.S_ISDIR(st.st_mode) if is_directory else stat.S_ISREG(st.st_mode)
-        if not kind_ok or st.st_uid != uid or now - st.st_mtime < settle_s:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or now - st.st_mtime < settle_s:
             continue
         pid = int(match.group(1))
         if pid not in starts:
@@ -125,17 +120,12 @@ def sweep(directory: str, settle_s: float = SETTLE_S) -> Swept:
             continue  # its creator may run: the process with that pid is older than the file's last change
         if _locked(path, st):  # a process holds it: alive (in another pid namespace, say)
             continue
-        nbytes = _directory_bytes(path) if is_directory else st.st_blocks * 512
         try:
-            if is_directory:
-                shutil.rmtree(path)  # (fd-based: refuses a symlink swapped in its place, follows none inside)
-            else:
-                os.unlink(path)  # (the name: if swapped for a symlink meanwhile, the link, never its target)
+            os.unlink(path)  # (the name: if swapped for a symlink meanwhile, the link, never its target)
         except OSError:
             continue
         swept.paths.append(path)
-        swept.directories += is_directory
-        swept.nbytes += nbytes
+        swept.nbytes += st.st_blocks * 512
         swept.pids.add(pid)
     return swept
 
@@ -166,21 +156,6 @@ def _stale_node_file(path: str, uid: int, now: float, swept: Swept) -> bool:
         return False
     finally:
         os.close(fd)
-
-
-def _directory_bytes(path: str) -> int:
-    """The space the files directly in directory ``path`` take (symlinks not followed)."""
-    total = 0
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                try:
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-                except OSError:
-                    pass
-    except OSError:
-        pass
-    return total
 
 
 def _process_start(pid: int) -> float | None:

@@ -17,10 +17,17 @@ written with ``MSG_DONTWAIT``; what the pipe does not take now waits in the outb
 the selector says the pipe is writable again. Reading goes the same way (``Inbox``): every
 byte waiting, in one non-blocking read, split into whole messages (the coordinator reads a
 worker's replies so, and a worker its queued tasks).
+
+A message may carry descriptors (``Outbox.put(message, fds)``: a ring's shared memory, sent
+to a worker that must map it, ``MapRing``). They travel with its bytes as ``SCM_RIGHTS``
+ancillary data (the pipes are Unix socket pairs), never later than the message itself; an
+``Inbox`` made ``with_fds`` keeps those it receives, in order, in ``fds``, for the messages
+that announced them to take (one each).
 """
 
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import pickle
@@ -62,9 +69,18 @@ def encode_value(value: Any) -> bytes:
         return classref.dumps(value, PROTOCOL)
 
 
-def send(conn: Any, message: Any) -> None:
-    """Send ``message`` on a ``Connection``, blocking until the pipe takes it (workers' side)."""
-    conn.send_bytes(encode(message))
+def send(conn: Any, message: Any, fds: tuple[int, ...] | list[int] = ()) -> None:
+    """Send ``message`` on a ``Connection``, blocking until the pipe takes it (workers' side; a
+    Ray agent's to its workers), with ``fds`` (descriptors, ``SCM_RIGHTS``) if any."""
+    if not fds:
+        conn.send_bytes(encode(message))
+        return
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        sock.setblocking(True)
+        data = frame(encode(message))
+        sent = socket.send_fds(sock, [data], list(fds))
+        if sent < len(data):
+            sock.sendall(memoryview(data)[sent:])
 
 
 def decode(data: bytes) -> Any:
@@ -92,6 +108,8 @@ def frame(data: bytes) -> bytes:
 
 _CHUNK = 1 << 16  # what one read asks for, at least
 _GATHER = 64  # messages written by one system call, at most
+_MAX_FDS = 64  # descriptors one read can receive (the messages of one write carry a few at most)
+_FD_SIZE = struct.calcsize("i")
 
 
 class Inbox:
@@ -105,12 +123,15 @@ class Inbox:
     through its own duplicate of the connection's descriptor, which stays in blocking mode.
     """
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, with_fds: bool = False) -> None:
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))
         self._sock.setblocking(True)
         self._buffer = bytearray()
         self._need = 0  # bytes the buffer lacks for its first frame to be whole (0: unknown or none)
         self.closed = False  # the other end is gone (or this one was closed): nothing more will come
+        # with_fds: the descriptors that arrived (module doc), oldest first; else any sent are dropped
+        self._ancillary = socket.CMSG_SPACE(_MAX_FDS * _FD_SIZE) if with_fds else 0
+        self.fds: deque[int] = deque()
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -123,7 +144,12 @@ class Inbox:
         while True:
             size = max(_CHUNK, self._need)
             try:
-                chunk = self._sock.recv(size, _DONTWAIT)
+                if self._ancillary:
+                    chunk, ancillary, _, _ = self._sock.recvmsg(size, self._ancillary, _DONTWAIT)
+                    if ancillary:
+                        self._keep_fds(ancillary)
+                else:
+                    chunk = self._sock.recv(size, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:  # (reset by a peer that died)
@@ -137,6 +163,12 @@ class Inbox:
                 break  # the socket is drained: asking again would only say so
             self._need = max(0, self._need - len(chunk))  # (a large frame: the rest in one read)
         return self._frames()
+
+    def _keep_fds(self, ancillary: list[tuple[int, int, bytes]]) -> None:
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                count = len(data) // _FD_SIZE
+                self.fds.extend(struct.unpack(f"{count}i", data[: count * _FD_SIZE]))
 
     def _frames(self) -> list[bytes]:
         buffer = self._buffer
@@ -165,6 +197,15 @@ class Inbox:
         self.closed = True
         self._buffer.clear()
         self._sock.close()
+        while self.fds:
+            _close_quietly(self.fds.popleft())
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 class Outbox:
@@ -184,6 +225,11 @@ class Outbox:
         self._frames: deque[bytes | memoryview] = deque()
         self._started = False  # the first frame is partly written
         self.broken = False  # the other end is gone: messages are dropped
+        # Descriptors to send, as (the number of the frame they go with, our duplicates of them):
+        # frames are numbered in the order put, ``_written`` of them are written whole.
+        self._fds: deque[tuple[int, list[int]]] = deque()
+        self._put = 0
+        self._written = 0
 
     @property
     def pending(self) -> bool:
@@ -193,10 +239,15 @@ class Outbox:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def put(self, message: Any) -> None:
-        """Queue ``message`` (written by the next ``flush``)."""
-        if not self.broken:
-            self._frames.append(frame(encode(message)))
+    def put(self, message: Any, fds: tuple[int, ...] = ()) -> None:
+        """Queue ``message`` (written by the next ``flush``), with duplicates of ``fds`` (sent
+        with its bytes, module doc; the caller keeps its own)."""
+        if self.broken:
+            return
+        if fds:
+            self._fds.append((self._put, [os.dup(fd) for fd in fds]))
+        self._frames.append(frame(encode(message)))
+        self._put += 1
 
     def flush(self) -> bool:
         """Write what the pipe takes now, never blocking; True once nothing is left. The
@@ -205,7 +256,9 @@ class Outbox:
         sock = self._sock
         while frames:
             try:
-                if len(frames) == 1:
+                if self._fds and self._fds[0][0] < self._written + _GATHER:
+                    n = self._send_with_fds()
+                elif len(frames) == 1:
                     n = sock.send(frames[0], _DONTWAIT)
                 else:
                     n = sock.sendmsg(list(itertools.islice(frames, _GATHER)), (), _DONTWAIT)
@@ -214,6 +267,7 @@ class Outbox:
             except OSError:  # the worker is gone: its death is handled by its sentinel
                 self.broken = True
                 frames.clear()
+                self._drop_fds()
                 return True
             while frames:  # the frames written whole go; a frame written in part keeps its rest
                 head = frames[0]
@@ -224,19 +278,48 @@ class Outbox:
                     return False
                 n -= len(head)
                 frames.popleft()
+                self._written += 1
                 self._started = False
                 if not n:
                     break
         return True
 
+    def _send_with_fds(self) -> int:
+        """Write the next frames with the descriptors of those among them (they go with the first
+        byte written: never after their message); the bytes written."""
+        gathered = list(itertools.islice(self._frames, _GATHER))
+        last = self._written + len(gathered)
+        sending: list[int] = []
+        while self._fds and self._fds[0][0] < last and len(sending) < _MAX_FDS:
+            sending.extend(self._fds.popleft()[1])
+        try:
+            n = self._sock.sendmsg(
+                gathered, [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sending))], _DONTWAIT
+            )
+        except BaseException:
+            self._fds.appendleft((self._written, sending))  # not sent: with the next try
+            raise
+        for fd in sending:
+            _close_quietly(fd)
+        return n
+
     def drop_unsent(self) -> None:
         """Forget the messages not begun (a message partly written is kept, so the stream stays whole)."""
         keep = self._frames[0] if self._started else None
         self._frames.clear()
+        self._put = self._written
         if keep is not None:
             self._frames.append(keep)
+            self._put += 1
+        self._drop_fds()
+
+    def _drop_fds(self) -> None:
+        while self._fds:
+            for fd in self._fds.popleft()[1]:
+                _close_quietly(fd)
 
     def close(self) -> None:
         self._frames.clear()
+        self._drop_fds()
         self.broken = True
         self._sock.close()

@@ -14,10 +14,11 @@ has taken ``min_batches`` batches (default 16), at most ``8 x interval``; an int
 which a newly started worker is still loading is not closed (it starts again once all are
 ready, for at most ``8 x interval``).
 
-Memory: a new worker needs the largest resident size seen in a worker, and ``psutil``'s
-available memory must keep 10 % of the total (at least 256 MiB) free after it; when
-available memory falls below that reserve (other processes took it), the policy's limit
-drops below the count in force and workers are retired at once, down to ``min``.
+Memory: a new worker needs the largest resident size seen in a worker, and the memory this
+process may still take (``_core/memory_budget.py``: its cgroup's room, the machine's available
+memory) must keep 10 % of the total (at least 256 MiB) free after it; when it falls below that
+reserve (other processes took it), the policy's limit drops below the count in force and workers
+are retired at once, down to ``min``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from .._core.memory_budget import memory_budget
 from ..config import AutoWorkers, cpu_count
 from .policy import Sample, Tuner
 
@@ -43,14 +45,16 @@ def memory_room(worker_rss: int) -> int:
     Negative when available memory is already below the reserve: how many workers would
     have to go to give it back (the tuner retires them, one per interval, down to ``min``).
     """
-    vm = psutil.virtual_memory()
-    reserve = max(MEMORY_RESERVE * vm.total, MEMORY_RESERVE_MIN)
-    return math.floor((vm.available - reserve) / max(worker_rss, 1 << 20))
+    budget = memory_budget()
+    reserve = max(MEMORY_RESERVE * budget.total, MEMORY_RESERVE_MIN)
+    return math.floor((budget.available - reserve) / max(worker_rss, 1 << 20))
 
 
-def ring_workers(directory: str, slot_bytes: int, per_worker: int, besides: int, least: int, most: int) -> int:
-    """Workers an autotuned ring is sized for: ``most``, within a quarter of the free space
-    of ``directory`` (``shm_dir``) and of available memory, and never fewer than ``least``.
+def ring_workers(directory: str | None, slot_bytes: int, per_worker: int, besides: int, least: int, most: int) -> int:
+    """Workers an autotuned ring is sized for: ``most``, within a quarter of the memory this
+    process may still take (``memory_budget``: its cgroup's room, available memory) and of the
+    free space of ``directory`` (``shm_dir``; None: the ring is anonymous memory), and never
+    fewer than ``least``.
 
     The ring is sized once (rings never grow), so for the most workers the tuner may use;
     the tuner then never goes beyond what the ring serves (its ``capacity``).
@@ -58,7 +62,10 @@ def ring_workers(directory: str, slot_bytes: int, per_worker: int, besides: int,
     consumer's batch).
     """
     try:
-        budget = 0.25 * min(psutil.disk_usage(directory).free, psutil.virtual_memory().available)
+        room = memory_budget().available
+        if directory is not None:
+            room = min(room, psutil.disk_usage(directory).free)
+        budget = 0.25 * room
     except OSError:
         budget = 0.0
     fit = int((budget - besides * slot_bytes) // (slot_bytes * per_worker))

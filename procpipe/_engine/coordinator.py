@@ -40,7 +40,7 @@ Autotune. With ``workers="auto"`` a ``Tuner`` (policy.py) is consulted every con
 interval; the coordinator starts workers or retires them (no more tasks, then ``None``
 once idle). The ring and the status words are sized for the most workers the tuner may use.
 Auto-tuned loaders with local workers share the node's CPUs through a small file in
-``shm_dir`` (_core/nodeshare.py), written about once a second without waiting for its lock.
+``shm_dir`` or ``/dev/shm`` (_core/nodeshare.py), written about once a second without waiting for its lock.
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ import time
 from collections import deque
 from typing import Any
 
-from .._core.nodeshare import NodeShare
-from .._core.rings import RingSet
-from .._core.shm import Ring, SharedFiles
+from .._core.nodeshare import NodeShare, node_directory
+from .._core.rings import Ring, RingSet
+from .._core.shm import Segments
+from .._core.stale_files import sweep_once
 from .._core.stats import WorkerCounters, worker_baseline
 from .._core.wakeup import WakePipe
 from .._worker import fork_safety
@@ -92,17 +93,17 @@ _HEALTH_INTERVAL_S = 0.5  # how often worker memory is sampled and the workers a
 class Coordinator:
     """Starts the workers (through ``pool``) and runs the dispatch/reply loop in a daemon thread."""
 
-    def __init__(self, config: EngineConfig, pool: WorkerPool, files: SharedFiles) -> None:
+    def __init__(self, config: EngineConfig, pool: WorkerPool, segments: Segments) -> None:
         self.config = config
         self.pool = pool
-        self.files = files
+        self.segments = segments
         self.owner = os.getpid()  # the only process that may stop the workers or remove the files
         # The most workers at once: status words and worker indices are sized for it.
         capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
         # deepened once the first batch shows it is small; a remote pool asks for its own depth
         self.roster = Roster(pool, capacity, config.workers, pool.tasks_per_worker or TASKS_PER_WORKER)
         self._wakeup = WakePipe()
-        self.rings = RingSet(files, self._wakeup)
+        self.rings = RingSet(segments, self._wakeup)
         self.dispatcher = Dispatcher(self.roster, self.rings, pool.uses_ring, config.prefetch, self._flush)
         self._attempts = self.dispatcher.attempts  # (the same table)
         self.tuner: Tuner | None = None
@@ -114,7 +115,11 @@ class Coordinator:
             self.tuner = Tuner(auto.min, auto.hard_max, capacity, config.workers, time.monotonic(), cpus)
             self._meter = Meter(auto)
             if pool.uses_ring:
-                self._node = NodeShare(files.directory, cpus)
+                node_dir = segments.directory
+                if node_dir is None:  # (a loader with an shm_dir swept it as it made its segments)
+                    node_dir = node_directory()
+                    sweep_once(node_dir)
+                self._node = NodeShare(node_dir, cpus)
         self.stream: Stream | None = None
         self._watchdog = Watchdog(config.faults.speculate, config.faults.task_timeout)
         self._watching = config.faults.speculate is not None or config.faults.task_timeout is not None
@@ -425,7 +430,7 @@ class Coordinator:
             self.pool.stop(workers)
         finally:
             self.pool.close()
-            self.files.remove_all()
+            self.segments.remove_all()
         self.rings.close()
         self._wakeup.close()  # a late wake() (a batch dropped after close) is now ignored
         self._selector.close()

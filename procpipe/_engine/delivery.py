@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from .._core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, WorkerFatal, WorkerReady
-from .._core.shm import round_slot_bytes
+from .._core.rings import round_slot_bytes
 from .._core.stats import array_bytes
 from .._plan.base import EMPTY, Failure, loaded
 from .autotune import ring_workers
@@ -177,7 +177,7 @@ class Delivery:
         if self.tuner is not None:  # sized once, for the most workers the tuner may use
             per_worker = roster.tasks_per_worker + (1 if config.faults.speculate is not None else 0)
             workers = self.tuner.capacity = ring_workers(
-                self.rings.files.directory,
+                self.rings.segments.directory,
                 slot_bytes,
                 per_worker,
                 config.prefetch + 1,
@@ -204,7 +204,8 @@ class Delivery:
             if why is not None:
                 warnings.warn(
                     f"procpipe: could not add {extra} ring slots for a stage that holds batches ({why}); its "
-                    "batches share the workers' slots. Give shm_dir more room, or pass stage_slots= to Loader.",
+                    "batches share the workers' slots. Give the process more memory (or shm_dir more room), or pass "
+                    "stage_slots= to Loader.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -225,7 +226,7 @@ class Delivery:
             warnings.warn(
                 f"procpipe: a batch of {nbytes} bytes did not fit the ring's {slot_bytes}-byte "
                 f"slots and took the slower inline path.{why} Such batches keep taking it; pass "
-                "slot_bytes=<largest batch> to Loader, or give shm_dir more room.",
+                "slot_bytes=<largest batch> to Loader, or give the process more memory (or shm_dir more room).",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -161,6 +161,7 @@ class Dispatcher:
         worker.tasks[task_id] = attempt
         job.attempts.append(attempt)
         if slot >= 0:
+            worker.map_ring(ring)  # type: ignore[arg-type]  # (sent once per ring, before its first task)
             ring_id, local, slot_bytes = ring.ring_id, slot - ring.first_slot, ring.slot_bytes  # type: ignore[union-attr]
         else:
             ring_id, local, slot_bytes = (ring.ring_id if ring is not None else -1), -1, 0

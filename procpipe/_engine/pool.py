@@ -8,8 +8,9 @@ says whether its workers write into the coordinator's ring (``uses_ring``). The 
 no epochs, batches or order: those are the coordinator's.
 
 - ``LocalPool`` (this module): worker processes on this machine (_worker/process.py), one duplex
-  pipe each, their ``(task, index)`` status words in a shared file (so a death or a
-  ``task_timeout`` names the sample), batches written straight into the coordinator's ring.
+  pipe each (a Unix socket pair: a ring's descriptor travels on it, ``map_ring``), their
+  ``(task, index)`` status words in shared memory (so a death or a ``task_timeout`` names the
+  sample), batches written straight into the coordinator's ring.
 - ``procpipe.ray.RayPool``: agents on Ray nodes, each running local worker processes and
   a ring of its own; batches come back through Ray's object store.
 
@@ -33,10 +34,11 @@ import psutil
 from multiprocess.connection import wait as wait_ready
 
 from .._core import wire
-from .._core.messages import STOP, BatchDone, BatchFailed, Reply, SamplesSkipped
-from .._core.shm import SharedFiles, create_file, map_file
+from .._core.messages import STOP, BatchDone, BatchFailed, MapRing, Reply, SamplesSkipped
+from .._core.rings import Ring
+from .._core.shm import Segments, SharedFd, close_fd, map_fd
 from .._core.stats import WorkerCounters
-from .._worker.process import ABANDON_SIGNAL, STARTING, STATUS_STRIDE, worker_main
+from .._worker.process import ABANDON_SIGNAL, STARTING, STATUS_STRIDE, ShippedSpec, WorkerSpec, worker_main
 from .replies import unreadable_reply
 
 if TYPE_CHECKING:
@@ -127,6 +129,10 @@ class WorkerLink(ABC):
     def describe(self) -> str:
         """``_worker 3 (pid 1234)``: how messages name it."""
 
+    def map_ring(self, ring: Ring) -> None:  # noqa: B027 - an optional hook: a worker that maps no ring of ours
+        """Make sure the worker can map ``ring`` before a task names it (a local worker is sent its
+        segment, once); a remote worker writes into rings of its own."""
+
     @abstractmethod
     def reply_fd(self) -> int:
         """A descriptor that is readable when replies wait (``read``)."""
@@ -215,6 +221,7 @@ class LocalWorker(WorkerLink):
         # Every reply waiting, in one read (not a poll and two reads per reply, as recv_bytes).
         self.inbox = wire.Inbox(conn)
         self._status = status  # the pool's status words
+        self._rings_sent: set[int] = set()  # the ring generations sent to it (map_ring)
 
     @property
     def pid(self) -> int | None:
@@ -230,6 +237,11 @@ class LocalWorker(WorkerLink):
 
     def describe(self) -> str:
         return f"worker {self.index} (pid {self._process.pid})"
+
+    def map_ring(self, ring: Ring) -> None:
+        if ring.ring_id not in self._rings_sent:
+            self._rings_sent.add(ring.ring_id)
+            self.outbox.put(MapRing(ring.ring_id, ring.nbytes), (ring.fd,))
 
     def reply_fd(self) -> int:
         return self._reply_fd
@@ -301,18 +313,26 @@ class LocalPool(WorkerPool):
     """
 
     def __init__(
-        self, ctx: Any, spec: Any, files: SharedFiles, env: dict[str, str], capacity: int, own_session: bool = False
+        self,
+        ctx: Any,
+        spec: WorkerSpec | ShippedSpec,
+        segments: Segments,
+        leftovers: tuple[str, ...],
+        env: dict[str, str],
+        capacity: int,
+        own_session: bool = False,
     ) -> None:
         self.ctx = ctx
         self.own_session = own_session  # each worker in a session of its own (process.worker_main)
-        self.spec = spec  # a WorkerSpec (fork) or the path of its pickle (other starts)
-        self.prefix = files.prefix  # of the loader's shared files
+        self.spec = spec  # the WorkerSpec (fork), or its pickle in shared memory (other starts)
+        self.leftovers = leftovers  # the prefixes of the loader's named files (process.worker_main)
         self.env = env  # worker_env: set on top of this process's environment in each worker
         me = psutil.Process()
         self.parent = (me.pid, me.create_time())  # a worker that sees this process gone cleans up and exits
-        status_path = files.path("status")
-        create_file(status_path, STATUS_STRIDE * capacity, "the workers' status words")
-        self._status_map = map_file(status_path)
+        nbytes = STATUS_STRIDE * capacity
+        fd = segments.new("status", nbytes, "the workers' status words", "fewer workers", anonymous=True)
+        self._status_fd = SharedFd(fd)
+        self._status_map = map_fd(self._status_fd.fd, nbytes)
         self._status = memoryview(self._status_map).cast("q")  # (task id, index) per worker
 
     def start(self, index: int, counters: WorkerCounters) -> LocalWorker:
@@ -324,7 +344,8 @@ class LocalPool(WorkerPool):
                 index,
                 child_conn,
                 self.spec,
-                self.prefix,
+                self._status_fd,
+                self.leftovers,
                 *self.parent,
                 {**os.environ, **self.env},
                 self.own_session,
@@ -358,7 +379,8 @@ class LocalPool(WorkerPool):
 
     def close(self) -> None:
         self._status.release()
-        self._status_map.close()  # an mmap holds a file descriptor until closed
+        self._status_map.close()
+        close_fd(self._status_fd.fd)
 
 
 class Watchdog:

@@ -1,12 +1,13 @@
 """Starting a Loader's engine, in the calling process: everything before the first worker runs.
 
-``start_engine`` creates the loader's shared files, opens the cache (which computes the
-first sample), ships the user's objects to the workers (pickled once, with cloudpickle or dill
-(``process.dump_spec``), into a shared file each worker reads; with ``"fork"`` they are inherited instead),
+``start_engine`` makes the loader's shared memory (``Segments``: anonymous, or files in
+``shm_dir``), opens the cache (which computes the first sample), ships the user's objects to the
+workers (pickled once, with cloudpickle or dill (``process.dump_spec``), into a sealed segment of
+shared memory each worker receives as it starts; with ``"fork"`` they are inherited instead),
 gets the multiprocess context (``context``: with ``"forkserver"``, the server is started
 with the workers' environment and told to preload the modules the pickle references, in
 the parent's import order: preload_list.py, preload.py) and starts the ``Coordinator``,
-which starts the workers. If any step fails, every file made so far is removed.
+which starts the workers. If any step fails, everything made so far is released.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .._core.shm import SharedFiles, check_capacity, create_file
+from .._core.shm import Segments, SharedFd, proc_address, seal_writes
+from .._worker.cache import prefix_of
 from .._worker.preload_list import preload_list
-from .._worker.process import WorkerSpec, dump_spec, dump_value
+from .._worker.process import ShippedSpec, WorkerSpec, dump_spec, dump_value
 from .._worker.start_method import context as start_context
 from .._worker.stream_cache import open_loader_cache
 from ..config import EngineConfig
@@ -30,55 +32,67 @@ from .coordinator import Coordinator
 from .pool import LocalPool
 
 
-def start_engine(config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str, backend: Any = None) -> Coordinator:
+def start_engine(
+    config: EngineConfig, spec: WorkerSpec, cache: Any, shm_dir: str | None, backend: Any = None
+) -> Coordinator:
     """The coordinator of a loader with workers, its workers started (sets ``spec.cache``).
 
+    ``shm_dir``: None for anonymous shared memory, else the directory of the ring's files.
     ``backend``: None for worker processes on this machine (``LocalPool``), or a remote
-    backend (``procpipe.ray.Backend``) whose ``pool(spec, config, files, cache)`` makes the pool.
+    backend (``procpipe.ray.Backend``) whose ``pool(spec, config, segments, cache)`` makes the pool.
     """
-    files = SharedFiles(shm_dir)
+    segments = Segments(shm_dir)
     pool = None
     try:
-        pool = local_pool(config, spec, cache, files) if backend is None else backend.pool(spec, config, files, cache)
-        return Coordinator(config, pool, files)
+        pool = (
+            local_pool(config, spec, cache, segments)
+            if backend is None
+            else backend.pool(spec, config, segments, cache)
+        )
+        return Coordinator(config, pool, segments)
     except BaseException:
         if pool is not None:
             pool.close()
-        files.remove_all()
+        segments.remove_all()
         raise
 
 
 def local_pool(
-    config: EngineConfig, spec: WorkerSpec, cache: Any, files: SharedFiles, own_session: bool = False
+    config: EngineConfig, spec: WorkerSpec, cache: Any, segments: Segments, own_session: bool = False
 ) -> LocalPool:
     """Worker processes on this machine: the cache (which runs the first sample here), the
     user's objects shipped to them (``own_session``: see ``process.worker_main``), and the
     start method's context (a forkserver preloads the modules the shipped objects reference)."""
     capacity = config.workers if config.autotune is None else max(config.autotune.hard_max, config.workers)
-    spec.cache = open_loader_cache(spec, cache, files, files.directory)
+    spec.cache = open_loader_cache(spec, cache, segments, workers=True)
+    # the named files a worker removes if this process is killed (anonymous memory needs nobody)
+    leftovers = tuple(p for p in (segments.prefix, prefix_of(cache, segments)) if p is not None)
     if config.start_method == "fork":
-        return LocalPool(start_context("fork"), spec, files, config.worker_env, capacity, own_session)
-    data = serialize_spec(spec, config.start_method)
-    ctx = context(config.start_method, config.worker_env, files, preload_list(data))
-    return LocalPool(ctx, write_spec(data, files), files, config.worker_env, capacity, own_session)
+        return LocalPool(start_context("fork"), spec, segments, leftovers, config.worker_env, capacity, own_session)
+    data, fds = serialize_spec(spec, config.start_method)
+    ctx = context(config.start_method, config.worker_env, segments, preload_list(data))
+    shipped = ship_spec(data, fds, segments)
+    return LocalPool(ctx, shipped, segments, leftovers, config.worker_env, capacity, own_session)
 
 
-def context(start_method: str, env: dict[str, str], files: SharedFiles, preload: Sequence[str] = ()) -> Any:
+def context(start_method: str, env: dict[str, str], segments: Segments, preload: Sequence[str] = ()) -> Any:
     """The multiprocess context; a forkserver (if this starts it) preloads ``preload`` (preload.py)."""
     ctx = start_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["procpipe._worker.preload"])
         # The forkserver process inherits the environment when it starts: start it with
         # the workers' settings so libraries it preloads (numpy's BLAS) see them. The
-        # module list goes in a file (it can be too long for an environment variable);
-        # a server that starts reads it before it forks the first worker. A server that is
-        # already running (an earlier loader's) keeps what it preloaded.
+        # module list goes in shared memory (it can be too long for an environment variable),
+        # which the server, a child of this process, opens through /proc while the loader
+        # holds it; a server that starts reads it before it forks the first worker. A server
+        # that is already running (an earlier loader's) keeps what it preloaded.
         from multiprocess import forkserver
 
-        path = files.path("preload")
         listing = json.dumps({"sys_path": sys.path, "modules": list(preload)}).encode()
-        create_file(path, 0, "the forkserver's module list", listing)
-        server_env = dict(env, PROCPIPE_PRELOAD_FILE=path)
+        fd = segments.new("preload", 0, "the forkserver's module list", "fewer modules", listing, anonymous=True)
+        segments.hold(fd)
+        address = ":".join(str(x) for x in proc_address(fd))
+        server_env = dict(env, PROCPIPE_PRELOAD=address)
         saved = {k: os.environ.get(k) for k in server_env}
         os.environ.update(server_env)
         try:
@@ -96,9 +110,9 @@ _INHERITED_ONLY = "through inheritance"  # multiprocessing's refusal to pickle V
 _CULPRIT_DEPTH = 6  # how deep inside the user's objects the refusing attribute is looked for
 
 
-def serialize_spec(spec: WorkerSpec, start_method: str) -> bytes:
-    """The dataset, fn and collate_fn pickled (``process.dump_spec``), or a ``ShippingError`` (a
-    ``TypeError``) naming what refuses and why."""
+def serialize_spec(spec: WorkerSpec, start_method: str) -> tuple[bytes, list[SharedFd]]:
+    """The dataset, fn and collate_fn pickled (``process.dump_spec``) and the descriptors that go
+    beside the pickle, or a ``ShippingError`` (a ``TypeError``) naming what refuses and why."""
     try:
         return dump_spec(spec)
     except Exception as exc:  # noqa: BLE001 - whatever pickling raises becomes a ShippingError naming it
@@ -156,9 +170,12 @@ def _picklable(obj: Any) -> bool:
     return True
 
 
-def write_spec(data: bytes, files: SharedFiles) -> str:
-    """``data`` in the loader's shared file every worker reads; its path."""
-    path = files.path("spec")
-    check_capacity(files.directory, len(data), "the serialized dataset and functions")
-    create_file(path, len(data), "the serialized dataset and functions", data)
-    return path
+def ship_spec(data: bytes, fds: list[SharedFd], segments: Segments) -> ShippedSpec:
+    """The pickled spec ``data`` in a sealed segment of shared memory (no worker can change it),
+    held until the loader closes, with the descriptors pickled inside it: what a worker receives."""
+    fd = segments.new(
+        "spec", len(data), "the serialized dataset and functions", "a smaller dataset", data, anonymous=True
+    )
+    segments.hold(fd)
+    seal_writes(fd)
+    return ShippedSpec(SharedFd(fd), len(data), fds)

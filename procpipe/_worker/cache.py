@@ -14,10 +14,11 @@ per index over the sample's stored bytes::
 
     [filled: N bytes][crc: N x uint32, directory caches][field 0: N x leaf0][field 1: N x leaf1]...
 
-The file is the loader's own (created 0600 and opened only if still so, never through a
-symlink, see shm.py), and its size is checked on every read: a truncated file, a filled
-byte that is neither 0 nor 1, or a sample whose bytes no longer match their CRC raises
-``CacheError`` naming the file, instead of SIGBUS or silently wrong data.
+Every process of the loader reaches the cache through one descriptor (``Storage``: inherited,
+or shipped with the spec, shm.py), never by a name. Its size is checked on every read: a
+truncated file, a filled byte that is neither 0 nor 1, or a sample whose bytes no longer match
+their CRC raises ``CacheError`` naming the file, instead of SIGBUS or silently wrong data (a
+cache in memory is sealed against truncation: shm.py).
 
 A process writes a sample's fields (and CRC), then sets its filled byte; a reader copies a sample
 only once its byte is set. A worker that dies mid-write leaves the byte clear (the index
@@ -25,14 +26,13 @@ is computed again); two processes filling the same index write the same bytes (`
 deterministic), so concurrent fills are harmless. The tree's skeleton (dict keys,
 container types) and the field list travel in the ``WorkerSpec``, shipped once.
 
-Where the file lives: ``cache=True``/``"memory"``: in ``shm_dir`` (shared memory,
-``/dev/shm``), named with the loader's ``SharedFiles`` prefix, so ``close()``, garbage
-collection and a worker noticing its parent was SIGKILLed remove it like the ring.
-``cache="/a/dir"``: a memory-mapped file in that directory (for caches larger than
-memory), named like the loader's files; it is temporary too: removed by ``close()``,
-garbage collection, interpreter exit, and (through a pointer file under the loader's
-prefix) by workers whose parent was killed. With ``workers=0`` the file is unlinked as
-soon as it is mapped, so nothing can be left behind.
+Where it lives (``create_storage``): ``cache=True``/``"memory"``: in the loader's shared memory
+(anonymous, or a file in ``shm_dir`` when one is given), gone with the loader like the ring.
+``cache="/a/dir"``: a memory-mapped file in that directory (for caches larger than memory),
+named like the loader's files; it is temporary too: removed by ``close()``, garbage collection,
+interpreter exit, the reaper if the loader is killed, and by workers whose parent was killed
+(its prefix is among their ``leftovers``). With ``workers=0`` the file is unlinked as soon as it
+is made, so nothing can be left behind.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ import os
 import weakref
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from .._core.rng import no_sample_rng
-from .._core.shm import SharedFiles, check_capacity, create_file, open_owned, remove_file
+from .._core.shm import Segments, SharedFd, check_capacity, close_fd, map_fd, open_new_file, remove_file
 from ..config import CACHE_IN_MEMORY
-from ..errors import CacheError, SharedMemoryError
+from ..errors import CacheError
 
 MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
 ALIGN = 64
@@ -247,20 +247,29 @@ def _builder(node: list) -> Callable[[list[Any]], Any]:
     return lambda values: seq_type(*[part(values) for part in parts])  # namedtuple
 
 
+class Storage(NamedTuple):
+    """Where a cache's bytes are: ``fd``, the descriptor every process of the loader maps; ``path``,
+    its file's name (None: anonymous memory); ``label``, how a message names it."""
+
+    fd: SharedFd
+    path: str | None
+    label: str
+
+
 class Cache:
     """The cache file, mapped in this process; pickled (for the workers) as its description only."""
 
     def __init__(
         self,
-        path: str,
+        storage: Storage,
         length: int,
         skeleton: list,
         fields: list[Field],
         nbytes: int,
-        directory: str,
+        directory: str | None,
         crc_offset: int | None = None,
     ) -> None:
-        self.path = path
+        self.storage = storage
         self.length = length
         self.skeleton = skeleton
         self.fields = fields
@@ -280,7 +289,7 @@ class Cache:
     # -------------------------------------------------------------- pickling (to workers)
     def __getstate__(self) -> dict:
         return {
-            "path": self.path,
+            "storage": self.storage,
             "length": self.length,
             "skeleton": self.skeleton,
             "fields": self.fields,
@@ -294,23 +303,17 @@ class Cache:
 
     # -------------------------------------------------------------- mapping
     def _attach(self) -> np.ndarray:
-        """Map the file, without populating it (a directory cache may be larger than memory); its ``_flags``.
+        """Map the cache, without populating it (a directory cache may be larger than memory); its ``_flags``.
 
-        Only the loader's own file (``open_owned``: no symlink, owner-only), of its full size:
-        a truncated file would kill the process with SIGBUS at the first read past its end.
-        Every later read checks the size again (``_check``).
+        Only at its full size: a truncated file would kill the process with SIGBUS at the first
+        read past its end. Every later read checks the size again (``_check``).
         """
-        import mmap
-
-        try:
-            fd = open_owned(self.path)
-        except OSError as exc:
-            raise CacheError(f"cannot open the cache file {self.path}: {exc}") from exc
+        fd = self.storage.fd.fd
         try:
             self._check(os.fstat(fd).st_size)
-            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            self._map = map_fd(fd, self.nbytes, populate=False)
+        except OSError as exc:
+            raise CacheError(f"cannot map {self.storage.label}: {exc}") from exc
         self._flags = flags = np.ndarray((self.length,), np.uint8, buffer=self._map, offset=0)
         if self.crc_offset is not None:
             self._crcs = np.ndarray((self.length,), np.uint32, buffer=self._map, offset=self.crc_offset)
@@ -327,14 +330,14 @@ class Cache:
             size = self._map.size()
         if size != self.nbytes:
             raise CacheError(
-                f"the cache file {self.path} is {size} bytes, but this loader laid it out as {self.nbytes} bytes: "
+                f"{self.storage.label} is {size} bytes, but this loader laid it out as {self.nbytes} bytes: "
                 "something other than procpipe truncated or changed it. Close the loader and create a new one "
                 "(the cache is rebuilt), and keep other programs away from that file."
             )
 
     def _corrupt(self, index: int, what: str) -> CacheError:
         return CacheError(
-            f"the cache file {self.path} is corrupt: {what} of index {index}; something other than procpipe "
+            f"{self.storage.label} is corrupt: {what} of index {index}; something other than procpipe "
             "changed its bytes. Close the loader and create a new one (the cache is rebuilt), and keep other "
             "programs away from that file."
         )
@@ -427,23 +430,57 @@ class Cache:
 
 
 # ------------------------------------------------------------------ creation and cleanup
-def location(cache: Any, shm_dir: str) -> str | None:
-    """The directory a ``cache=`` argument puts the cache in (None: no cache)."""
-    if cache is None or cache is False:
-        return None
+def wanted(cache: Any) -> bool:
+    """Whether a ``cache=`` argument asks for a cache."""
+    return cache is not None and cache is not False
+
+
+def directory_of(cache: Any) -> str | None:
+    """The directory a ``cache=`` argument keeps the cache in; None: the loader's shared memory."""
     if cache is True or cache == MEMORY:
-        return shm_dir
+        return None
     return os.fspath(cache)
 
 
-def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Cache | None:
+def prefix_of(cache: Any, segments: Segments) -> str | None:
+    """The prefix of the files a loader's cache makes outside its shared memory (a directory
+    cache's), for workers to remove if the loader is killed; None: none."""
+    directory = directory_of(cache) if wanted(cache) else None
+    return None if directory is None else os.path.join(os.path.abspath(directory), segments.token)
+
+
+def create_storage(cache: Any, segments: Segments, nbytes: int, what: str, fixes: str, growing: bool) -> Storage:
+    """A new cache's ``Storage`` of ``nbytes`` (reserved): in the loader's shared memory
+    (``segments``: anonymous, or a file in ``shm_dir``), or a file in the ``cache=`` directory;
+    ``growing``: it may grow (a stream's cache), else its size is fixed."""
+    directory = directory_of(cache)
+    if directory is None:
+        fd = segments.new("cache", nbytes, what, fixes, growing=growing)
+        path = segments.path("cache") if segments.named else None
+    else:
+        check_capacity(directory, nbytes, what, fixes)
+        path = os.path.join(os.path.abspath(directory), segments.token) + "cache"
+        fd = open_new_file(path, nbytes, what)
+    return Storage(SharedFd(fd), path, f"the cache file {path}" if path else "the cache in shared memory")
+
+
+def release_storage(storage: Storage, pid: int) -> None:
+    """A cache is done with, in the process ``pid`` that created it (a cache's finalizer): its
+    descriptor is closed and its file, if any, removed (never from a forked worker that inherited it)."""
+    if os.getpid() == pid:
+        close_fd(storage.fd.fd)
+        if storage.path is not None:
+            remove_file(storage.path)  # (and the reaper forgets it)
+
+
+def open_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Cache | None:
     """Create the cache of a loader: run the cached stage once here, to lay the file out.
 
-    ``files``: the loader's ``SharedFiles`` (workers > 0), or None (``workers=0``: the file
-    is unlinked once mapped). Returns None when there is no cache (or no sample at all).
+    ``segments``: the loader's shared memory; ``workers``: whether worker processes will use it
+    (``workers=0``: a file is unlinked at once, only this process needs it). Returns None when
+    there is no cache (or no sample at all).
     """
-    directory = location(cache, shm_dir)
-    if directory is None:
+    if not wanted(cache):
         return None
     reader = spec.reader  # the source kind's: an index per sample, or per (shard, record) of a stream
     length = reader.cache_length()
@@ -454,79 +491,30 @@ def open_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -
     fields = layout.fields
     offset = _align(length)  # the filled bytes
     crc_offset = None
-    if not (cache is True or cache == MEMORY):  # a file on disk: per-sample checksums catch changed bytes
+    in_memory = directory_of(cache) is None
+    if not in_memory:  # a file on disk: per-sample checksums catch changed bytes
         crc_offset, offset = offset, offset + _align(4 * length)
     for field in fields:
         field.offset = offset
         offset += _align(length * field.itemsize)
     nbytes = max(offset, 1)
-    outside = files is not None and not os.path.samefile(files.directory, directory)
-    path = cache_path(directory, files)
     what = f"the sample cache ({length} samples x {layout.sample_bytes} bytes)"
+    fixes = (
+        "pass cache='/a/directory/on/disk' to keep the cache in a memory-mapped file there (for data larger "
+        "than memory)"
+        if in_memory
+        else "pass a directory on a larger filesystem"
+    ) + "; make the cached stage's output smaller (e.g. uint8 instead of float32, smaller images); or pass cache=False"
+    storage = create_storage(cache, segments, nbytes, what, fixes, growing=False)
+    directory = directory_of(cache) or segments.directory
+    result = Cache(storage, length, layout.skeleton, fields, nbytes, directory, crc_offset)
+    result._finalizer = weakref.finalize(result, release_storage, storage, os.getpid())
     try:
-        check_capacity(directory, nbytes, what)
-    except SharedMemoryError:
-        import psutil
-
-        fix = (
-            "pass cache='/a/directory/on/disk' to keep the cache in a memory-mapped file there (for data larger "
-            "than memory)"
-            if cache is True or cache == MEMORY
-            else "pass a directory on a larger filesystem"
-        )
-        raise SharedMemoryError(
-            f"procpipe needs {nbytes / 2**20:.1f} MiB in {directory} for {what}, but only "
-            f"{psutil.disk_usage(directory).free / 2**20:.1f} MiB is free. Fixes: {fix}; make the cached "
-            "stage's output smaller (e.g. uint8 instead of float32, smaller images); or pass cache=False."
-        ) from None
-    create_file(path, nbytes, what)
-    if outside and files is not None:  # (outside implies files)
-        # A directory outside the loader's files: name it in a pointer file under the loader's
-        # prefix, so a worker whose parent was killed removes it too (remove_orphan).
-        try:
-            create_file(files.path("cachefile"), 0, "the cache file's name", path.encode())
-        except BaseException:
-            _unlink(path)
-            raise
-    result = Cache(path, length, layout.skeleton, fields, nbytes, directory, crc_offset)
-    try:
+        if not workers and storage.path is not None:
+            remove_file(storage.path)  # workers=0: only this process uses it, through its descriptor
         result._attach()
         result.put(index, first)
     except BaseException:
         result.close()
-        _unlink(path)
         raise
-    if files is None:
-        _unlink(path)  # workers=0: only this process needs it, and it stays mapped
-    result._finalizer = weakref.finalize(result, remove_in_creator, path, os.getpid())
     return result
-
-
-def cache_path(directory: str, files: SharedFiles | None) -> str:
-    """The cache file's name in ``directory``: named like the loader's other files (``files``: its
-    ``SharedFiles``; None for ``workers=0``, a fresh prefix)."""
-    if files is None:
-        return SharedFiles(directory).prefix + "cache"
-    return os.path.join(directory, os.path.basename(files.prefix)) + "cache"
-
-
-def _unlink(path: str) -> None:
-    remove_file(path)  # (and the reaper forgets it)
-
-
-def remove_in_creator(path: str, pid: int) -> None:
-    """Remove a cache file, from the process ``pid`` that created it only (a cache's finalizer)."""
-    if os.getpid() == pid:  # never from a forked worker that inherited the object
-        _unlink(path)
-
-
-def remove_orphan(files_prefix: str) -> None:
-    """A worker whose loader died: remove the loader's cache file in a cache directory, if any."""
-    pointer = files_prefix + "cachefile"
-    try:
-        with os.fdopen(open_owned(pointer, os.O_RDONLY)) as f:  # the loader's own file only
-            path = f.read()
-    except OSError:
-        return
-    if os.path.basename(path).startswith(os.path.basename(files_prefix)):  # only ever our own file
-        _unlink(path)

@@ -1,6 +1,7 @@
 """Imported once by the forkserver process: preload what workers will need.
 
-``PROCPIPE_PRELOAD_FILE`` (set only while the forkserver starts) names a file (JSON) with
+``PROCPIPE_PRELOAD`` (set only while the forkserver starts) is the address of the loader's
+segment of shared memory (``pid:fd:device:inode``, shm.py ``proc_address``) holding a JSON list of
 the parent's ``sys.path`` and the modules the shipped dataset and functions reference
 (``preload_list``), in the order the parent imported them. Importing them here, once, lets
 every worker forked from the server start in milliseconds. A module that fails to import
@@ -17,7 +18,7 @@ import traceback
 import warnings
 
 import procpipe._worker.process  # noqa: F401  (the worker's own code and numpy)
-from procpipe._core.shm import open_owned
+from procpipe._core.shm import open_proc_address
 
 
 class PreloadWarning(UserWarning):
@@ -44,15 +45,15 @@ def preload(names: list[str]) -> list[tuple[str, str]]:
     return failed
 
 
-def _preload_file(path: str) -> None:
-    if not path:
+def _preload_listing(address: str) -> None:
+    if not address:
         return
     try:
-        with os.fdopen(open_owned(path, os.O_RDONLY)) as f:  # the loader's own file only
+        with os.fdopen(open_proc_address(address.split(":"))) as f:  # the loader's own segment only
             listing = json.load(f)
     except (OSError, ValueError) as exc:
         warnings.warn(
-            f"procpipe: the forkserver could not read its module list {path!r}: {exc}", PreloadWarning, stacklevel=1
+            f"procpipe: the forkserver could not read its module list ({address}): {exc}", PreloadWarning, stacklevel=1
         )
         return
     # The parent's sys.path (its script's directory, a path added by the program): multiprocess
@@ -61,4 +62,4 @@ def _preload_file(path: str) -> None:
     preload(listing["modules"])
 
 
-_preload_file(os.environ.get("PROCPIPE_PRELOAD_FILE", ""))
+_preload_listing(os.environ.get("PROCPIPE_PRELOAD", ""))

@@ -6,10 +6,11 @@ names, and replies with the batch's layout (a few hundred bytes). Nothing large 
 pickled unless the batch does not fit its slot.
 
 Messages (messages.py): in, a ``Task`` (``slot = -1`` meaning "no slot: send the arrays
-inline") or ``STOP``; out, per task, ``SamplesSkipped`` (``on_error="skip"``) before a
-``BatchDone``, or a ``BatchFailed``; ``WorkerFatal`` when the worker cannot start at all.
+inline"), a ``MapRing`` (a ring's shared memory, its descriptor with it) or ``STOP``; out, per
+task, ``SamplesSkipped`` (``on_error="skip"``) before a ``BatchDone``, or a ``BatchFailed``;
+``WorkerFatal`` when the worker cannot start at all.
 
-Each worker also keeps two int64s in the loader's ``status`` file up to date: the task id
+Each worker also keeps two int64s in the loader's status words up to date: the task id
 and the index it is loading (-1 between samples), so that when a worker dies or is killed
 for ``task_timeout``, the coordinator can name the sample it was stuck on. The coordinator
 sets the task id to ``STARTING`` before it starts a worker process, and the worker sets it
@@ -32,15 +33,26 @@ import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 import dill
 
 from .._core import collate, wire
-from .._core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSkipped, Task, WorkerFatal, WorkerReady
+from .._core.messages import (
+    STOP,
+    BatchDone,
+    BatchFailed,
+    ErrorInfo,
+    MapRing,
+    SamplesSkipped,
+    Task,
+    WorkerFatal,
+    WorkerReady,
+)
+from .._core.rings import WorkerRings
 from .._core.rng import SampleScope
-from .._core.shm import WorkerRings, map_file, open_owned
+from .._core.shm import SharedFd, close_fd, map_fd, receiving, shipping
 from ..config import Batching, Faults, Stages
 from ..errors import CollateError
 from .identity import enter_worker
@@ -59,7 +71,7 @@ ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs, shipped once per worker (by file for non-fork starts)."""
+    """Everything a worker needs, shipped once per worker (a ``ShippedSpec`` for non-fork starts)."""
 
     source: Any
     fn: Callable | None
@@ -120,8 +132,19 @@ class _SpecPickler(dill.Pickler):
         super().save(obj, save_persistent_id)
 
 
-def dump_spec(spec: WorkerSpec) -> bytes:
-    """``spec`` pickled for workers that do not inherit it (every start method but ``"fork"``).
+class ShippedSpec(NamedTuple):
+    """A ``WorkerSpec`` as a worker that is not forked receives it: the pickle, in a sealed
+    segment of shared memory, and the descriptors pickled inside it (shm.py ``shipping``),
+    both passed as the worker process's arguments."""
+
+    data: SharedFd
+    nbytes: int
+    fds: list[SharedFd]
+
+
+def dump_spec(spec: WorkerSpec) -> tuple[bytes, list[SharedFd]]:
+    """``spec`` pickled for workers that do not inherit it (every start method but ``"fork"``),
+    and the shared-memory descriptors it holds (a cache's), which travel beside the pickle.
 
     cloudpickle first: it pickles what an importable module defines by reference (the worker
     imports the module) and what the main script or a notebook defines (``__main__``), or a
@@ -133,7 +156,9 @@ def dump_spec(spec: WorkerSpec) -> bytes:
     and dill can pickle (a ``threading.Lock``, an open file); the error raised when both refuse is
     cloudpickle's, which names the object.
     """
-    return dump_value(spec)
+    with shipping() as fds:
+        data = dump_value(spec)
+    return data, fds
 
 
 def dump_value(value: Any) -> bytes:
@@ -149,12 +174,16 @@ def dump_value(value: Any) -> bytes:
         return buffer.getvalue()
 
 
-def _load_spec(spec: WorkerSpec | str) -> WorkerSpec:
+def _load_spec(spec: WorkerSpec | ShippedSpec) -> WorkerSpec:
     if isinstance(spec, WorkerSpec):
         return spec
-    # Only a file the loader's user created, owner-only: unpickling runs arbitrary code.
-    with os.fdopen(open_owned(spec, os.O_RDONLY), "rb") as f:
-        return dill.load(f)
+    mapped = map_fd(spec.data.fd, spec.nbytes, populate=False, writable=False)
+    close_fd(spec.data.fd)
+    try:
+        with receiving(spec.fds):
+            return dill.loads(mapped)
+    finally:
+        mapped.close()
 
 
 class _ParentWatch:
@@ -196,16 +225,17 @@ class _ParentWatch:
             os.close(fd)
 
 
-def _remove_files(files_prefix: str) -> None:
-    from .._core.shm import SharedFiles
-    from .cache import remove_orphan
+def _remove_files(leftovers: tuple[str, ...]) -> None:
+    """The named files a killed loader left (its ring in ``shm_dir``, a cache in a directory): every
+    file of each prefix of ``leftovers`` (its anonymous memory goes with its last user)."""
+    from .._core.shm import Segments
 
-    remove_orphan(files_prefix)  # a cache file in a cache directory, outside the prefix
-    SharedFiles.from_prefix(files_prefix).remove_all()
+    for prefix in leftovers:
+        Segments.from_prefix(prefix).remove_all()
 
 
-def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
-    """Watchdog thread: when the loader's process dies, remove its files and end this worker.
+def _exit_with_parent(parent: _ParentWatch, leftovers: tuple[str, ...]) -> None:
+    """Watchdog thread: when the loader's process dies, remove its named files and end this worker.
 
     It works even while the main thread is deep in user code. (PR_SET_PDEATHSIG is not
     enough: a forkserver worker's parent is the forkserver, which outlives the loader as
@@ -213,7 +243,7 @@ def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
     stuck in native code, or swallowing SystemExit, is ended after a grace period.
     """
     parent.wait()
-    _remove_files(files_prefix)
+    _remove_files(leftovers)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(_EXIT_GRACE_S)
     os._exit(1)
@@ -242,14 +272,19 @@ def _abandon(signum: int, frame: Any) -> None:
 def worker_main(
     worker_id: int,
     conn: Any,
-    spec: WorkerSpec | str,
-    files_prefix: str,
+    spec: WorkerSpec | ShippedSpec,
+    status: SharedFd,
+    leftovers: tuple[str, ...],
     parent_pid: int,
     parent_started: float,
     env: dict[str, str],
     own_session: bool = False,
 ) -> None:
     """Entry point of a worker process; ``env`` is its whole environment (pool.LocalPool).
+
+    ``spec``: the ``WorkerSpec`` itself (forked) or a ``ShippedSpec``; ``status``: the pool's
+    status words (module doc); ``leftovers``: the prefixes of the loader's named files, removed
+    here if the loader is killed (none where its shared memory is anonymous, the default).
 
     ``own_session``: start a session of its own, out of its parent's process group. A Ray
     agent's workers need it: Ray kills a dead actor's whole process group at once, and a
@@ -274,7 +309,7 @@ def worker_main(
     parent = _ParentWatch(parent_pid, parent_started)
     pipe_closed = terminated = False
     threading.Thread(
-        target=_exit_with_parent, args=(parent, files_prefix), name="procpipe-parent-watch", daemon=True
+        target=_exit_with_parent, args=(parent, leftovers), name="procpipe-parent-watch", daemon=True
     ).start()
     try:
         try:
@@ -282,10 +317,10 @@ def worker_main(
         except BaseException:  # noqa: BLE001 - the user's spec failing to load, however: the parent is told why
             wire.send(conn, WorkerFatal(traceback.format_exc()))
             return
-        status = _status_view(files_prefix, worker_id)
-        status[0] = -1  # started: no longer STARTING
+        status_words = _status_view(status, worker_id)
+        status_words[0] = -1  # started: no longer STARTING
         wire.send(conn, WorkerReady(os.getpid()))
-        _serve(conn, loaded, WorkerRings(files_prefix), parent, status)
+        _serve(conn, loaded, WorkerRings(), parent, status_words)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
     except SystemExit as exc:
@@ -298,17 +333,19 @@ def worker_main(
         # A loader that was killed closes our pipe (or signals us) while it is still exiting
         # (not yet a zombie): give its death a moment before deciding whether it is gone.
         if parent.wait(timeout=_EXIT_GRACE_S if pipe_closed or terminated else 0.0):
-            # The loader was killed before it could clean up: remove its shared files.
-            _remove_files(files_prefix)
+            # The loader was killed before it could clean up: remove its named files.
+            _remove_files(leftovers)
 
 
-def _status_view(files_prefix: str, worker_id: int) -> Any:
-    """This worker's ``(task id, index)`` pair in the loader's status file (see the module doc)."""
+def _status_view(status: SharedFd, worker_id: int) -> Any:
+    """This worker's ``(task id, index)`` pair in the pool's status words (see the module doc)."""
+    start = STATUS_STRIDE * worker_id
     try:
-        mapped = map_file(files_prefix + "status")
+        mapped = map_fd(status.fd, start + STATUS_STRIDE)
     except OSError:
         return [-1, -1]
-    start = STATUS_STRIDE * worker_id
+    finally:
+        close_fd(status.fd)  # (this process's copy: the mapping keeps the memory)
     return memoryview(mapped)[start : start + 16].cast("q")
 
 
@@ -316,7 +353,7 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
     scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     # The tasks queued in the pipe, read at once (small batches keep several queued): a
     # system call per few tasks, not a poll and two reads each (Connection.poll and recv_bytes).
-    inbox = wire.Inbox(conn)
+    inbox = wire.Inbox(conn, with_fds=True)  # (a MapRing's descriptor comes with it)
     waiting = select.poll()
     waiting.register(inbox.fileno(), select.POLLIN)
     idle_ms = int(_IDLE_CHECK_S * 1000)
@@ -332,6 +369,9 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         task = wire.decode(queued.popleft())
         if task is STOP:
             return
+        if type(task) is MapRing:
+            rings.add(task.ring_id, inbox.fds.popleft(), task.nbytes)
+            continue
         reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
         conn.send_bytes(encode_reply(reply, task))
 

@@ -7,13 +7,16 @@ count, and the kernel copies the page the object lives on into that worker
 UTF-8 buffer plus int64 offsets) in a single file mapped read-only, and builds every
 record it returns fresh, so reading touches no shared Python object.
 
-Lifetime. The file is created as ``<shm_dir>/procpipe-<pid>-<token>-records`` and its name
-is removed at once, before it is even filled: it exists exactly as long as a process has
-it open or mapped (the ``Records`` that made it, or workers that map it), so it cannot be
-left behind, even when its owner is SIGKILLed. Other processes reach it through
-``/proc/<owner pid>/fd/<fd>``: pickling a ``Records`` sends that address and a check of
-the file's identity (about 150 bytes, whatever the size), and unpickling maps the same
-pages. Forked workers inherit the mapping. ``save``/``load`` keep a file of your own.
+Lifetime. The records live in anonymous shared memory (a memfd named
+``procpipe-<pid>-<token>-records``: _core/shm.py), so no ``/dev/shm`` size limits them; what they
+need is checked against the memory this process may still take first. They exist exactly as
+long as a process has them open or mapped (the ``Records`` that made them, or workers that map
+them), so nothing can be left behind, even when the owner is SIGKILLed. With ``shm_dir=`` they
+are a file there instead, whose name is removed at once, before it is even filled. Other
+processes reach them through ``/proc/<owner pid>/fd/<fd>``: pickling a ``Records`` sends that
+address and a check of the segment's identity (about 150 bytes, whatever the size), and
+unpickling maps the same pages. Forked workers inherit the mapping. ``save``/``load`` keep a
+file of your own.
 
 File format: ``MAGIC``, the JSON header's length (uint64), the JSON header, then each
 column's arrays, 64-byte aligned. The header's offsets are relative to the end of the
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core.shm import open_new_file
+from .._core.shm import new_memory, open_new_file, open_proc_address, proc_address, seal_writes
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -56,7 +59,8 @@ class Records(Sequence):
             numpy scalars keep their dtype).
             ``None``, mixed kinds, other types and inconsistent keys raise an error naming
             the record and the field.
-        shm_dir: directory of the file (``/dev/shm`` by default; any directory works).
+        shm_dir: None (the default): anonymous shared memory, limited by memory only; a
+            directory: an unlinked file there instead.
 
     ``records[i]`` builds a fresh dict (tuple, scalar) of Python values; a slice is a
     ``Records`` view of the same memory. ``column(name)`` returns a numeric column as a
@@ -65,17 +69,23 @@ class Records(Sequence):
     releases the memory once no worker maps it any more; it closes every view.
     """
 
-    def __init__(self, items: Iterable[Any], *, shm_dir: str = "/dev/shm") -> None:
-        if not os.path.isdir(shm_dir):
+    def __init__(self, items: Iterable[Any], *, shm_dir: str | None = None) -> None:
+        if shm_dir is not None and not os.path.isdir(shm_dir):
             raise ValueError(f"shm_dir={shm_dir!r} is not a directory")
         header, parts, size = _pack(items)
-        path = os.path.join(shm_dir, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-records")
-        fd = open_new_file(path, size, "procpipe.Records", unlinked=True)  # reserves the pages: a full tmpfs fails here
-        os.unlink(path)  # from now on the file lives only while open or mapped
+        name = f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-records"
+        what = "procpipe.Records"
+        if shm_dir is None:  # reserved at once: too little memory fails here, never later
+            fd = new_memory(name, size, what, "fewer records or columns; or save them to a file, Records.load it")
+        else:
+            path = os.path.join(shm_dir, name)
+            fd = open_new_file(path, size, what, unlinked=True)  # reserves the pages: a full tmpfs fails here
+            os.unlink(path)  # from now on the file lives only while open or mapped
         try:
             _write(fd, header, parts)
-            st = os.fstat(fd)
-            self._store = _Store(fd, ("proc", os.getpid(), fd, st.st_dev, st.st_ino), populate=True, own_fd=True)
+            if shm_dir is None:
+                seal_writes(fd)  # read-only for good: no process can change them under the others
+            self._store = _Store(fd, ("proc", *proc_address(fd)), populate=True, own_fd=True)
         except BaseException:
             os.close(fd)
             raise
@@ -265,13 +275,9 @@ def _rebuild(where: tuple, token: str, span: tuple[int, int, int]) -> Records:
     if where[0] == "path":
         fd = os.open(where[1], os.O_RDONLY)
     else:
-        _, pid, owner_fd, dev, ino = where
+        pid = where[1]
         try:
-            fd = os.open(f"/proc/{pid}/fd/{owner_fd}", os.O_RDONLY)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (dev, ino):
-                os.close(fd)
-                raise FileNotFoundError
+            fd = open_proc_address(where[1:])
         except OSError as exc:
             raise RuntimeError(
                 f"procpipe.Records: the shared records of process {pid} are gone (that process exited or "

@@ -27,9 +27,9 @@ in the epoch's output either way (the cache only ever replaces ``fn``'s output b
 Integrity: every read checks the file's size is the table plus whole chunks, that a link
 points at a chunk inside the file, the filled byte, and the CRC-32 of the record's key
 ``(shard, record)`` and stored bytes, so a changed, truncated or re-linked file raises
-``CacheError`` naming the file, never silently wrong data. Lifetime and naming are
-cache.py's: the file is named like the loader's other files (``...-cache``), removed with
-the loader, and pointed at for workers whose parent was killed.
+``CacheError`` naming the file, never silently wrong data. Where it lives, its lifetime and
+naming are cache.py's (``create_storage``): in the loader's shared memory (never shrinking:
+sealed), or a file in the ``cache=`` directory, reached through one descriptor by every process.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from .._core.rng import SampleScope, no_sample_rng
-from .._core.shm import SharedFiles, check_capacity, create_file, open_new_file, open_owned, remove_file
+from .._core.shm import Segments, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
-from .cache import Layout
+from .cache import Layout, Storage
 from .reader import GROWING, first_record_cached
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
@@ -63,20 +63,20 @@ NO_RNG = (
 )
 
 
-def open_loader_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> Any:
+def open_loader_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Any:
     """The cache of a loader (None: none): this growing cache for a stream without
     ``lengths`` (its reader's ``cache_kind``: _worker/reader.py), cache.py's otherwise (see
     ``cache.open_cache`` for the arguments)."""
-    if indexed.location(cache, shm_dir) is None or spec.reader.cache_kind != GROWING:
-        return indexed.open_cache(spec, cache, files, shm_dir)
-    return open_stream_cache(spec, cache, files, shm_dir)
+    if not indexed.wanted(cache) or spec.reader.cache_kind != GROWING:
+        return indexed.open_cache(spec, cache, segments, workers)
+    return open_stream_cache(spec, cache, segments, workers)
 
 
 class StreamCache:
     """The growing cache file, opened in this process; pickled (for the workers) as its description."""
 
-    def __init__(self, path: str, shards: int, skeleton: list, fields: list, directory: str) -> None:
-        self.path = path
+    def __init__(self, storage: Storage, shards: int, skeleton: list, fields: list, directory: str | None) -> None:
+        self.storage = storage
         self.shards = shards
         self.skeleton = skeleton
         self.fields = fields
@@ -86,21 +86,25 @@ class StreamCache:
         self.slot = -(-(SLOT_HEAD + self.sample_bytes) // 8) * 8
         self.chunk = max(1, min(MAX_CHUNK, CHUNK_BYTES // self.slot))
         self.chunk_bytes = LINK + self.chunk * self.slot
-        self.table_bytes = -(-shards * ENTRY // 4096) * 4096
+        self.table_bytes = self.table_bytes_for(shards)
         offset = SLOT_HEAD
         for f in fields:  # each field's place in a slot
             f.offset = offset
             offset += f.itemsize
         # (what reading a leaf needs, worked out once: a record is read thousands of times per epoch)
         self._leaves = [(f.kind, f.dtype, int(np.prod(f.shape, dtype=np.int64)), f.offset, f.shape) for f in fields]
-        self._fd: int | None = None
         self._pid = 0
         self._chains: dict[int, list[int]] = {}  # shard -> its chunks' offsets found so far (links never change)
         self._finalizer: weakref.finalize | None = None
 
+    @staticmethod
+    def table_bytes_for(shards: int) -> int:
+        """The bytes of the shard table (the file's start) for ``shards`` shards."""
+        return -(-shards * ENTRY // 4096) * 4096
+
     def __getstate__(self) -> dict:
         return {
-            "path": self.path,
+            "storage": self.storage,
             "shards": self.shards,
             "skeleton": self.skeleton,
             "fields": self.fields,
@@ -112,24 +116,16 @@ class StreamCache:
 
     # -------------------------------------------------------------- the file
     def _file(self) -> int:
-        """This process's own descriptor (a forked worker opens its own)."""
-        if self._fd is None or self._pid != os.getpid():
-            try:
-                fd = open_owned(self.path)
-            except OSError as exc:
-                raise CacheError(f"cannot open the cache file {self.path}: {exc}") from exc
-            self._adopt(fd)
-        assert self._fd is not None
-        return self._fd
-
-    def _adopt(self, fd: int) -> None:
-        self._fd, self._pid, self._chains = fd, os.getpid(), {}
+        """The cache's descriptor (the chains found so far are this process's: a forked worker starts afresh)."""
+        if self._pid != os.getpid():
+            self._pid, self._chains = os.getpid(), {}
+        return self.storage.fd.fd
 
     def _size(self) -> int:
         size = os.fstat(self._file()).st_size
         if size < self.table_bytes or (size - self.table_bytes) % self.chunk_bytes:
             raise CacheError(
-                f"the cache file {self.path} is {size} bytes, which is not this loader's layout (a {self.table_bytes}"
+                f"{self.storage.label} is {size} bytes, which is not this loader's layout (a {self.table_bytes}"
                 f"-byte shard table and chunks of {self.chunk_bytes} bytes): something other than procpipe truncated "
                 "or changed it. Close the loader and create a new one (the cache is rebuilt), and keep other "
                 "programs away from that file."
@@ -138,7 +134,7 @@ class StreamCache:
 
     def _corrupt(self, what: str) -> CacheError:
         return CacheError(
-            f"the cache file {self.path} is corrupt: {what}; something other than procpipe changed its bytes. "
+            f"{self.storage.label} is corrupt: {what}; something other than procpipe changed its bytes. "
             "Close the loader and create a new one (the cache is rebuilt), and keep other programs away from "
             "that file."
         )
@@ -190,17 +186,14 @@ class StreamCache:
             os.posix_fallocate(fd, target, self.chunk_bytes)
         except OSError as exc:
             raise SharedMemoryError(
-                f"procpipe could not grow the cache file {self.path} by {self.chunk_bytes} bytes: {exc}. Free "
-                "some space there, pass cache='/a/directory' on a larger filesystem, or cache=False."
+                f"procpipe could not grow {self.storage.label} by {self.chunk_bytes} bytes: {exc}. Free "
+                "some memory or space there, pass cache='/a/directory' on a larger filesystem, or cache=False."
             ) from exc
         os.pwrite(fd, target.to_bytes(8, "little"), at)
         return target
 
     def close(self) -> None:
-        """Close (here) and, in the process that created it, remove the file. Idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None and self._pid == os.getpid():
-            os.close(fd)
+        """In the process that created it: close its descriptor and remove its file. Idempotent."""
         if self._finalizer is not None:
             self._finalizer()
 
@@ -320,38 +313,29 @@ class StreamCache:
         }
 
 
-def open_stream_cache(spec: Any, cache: Any, files: SharedFiles | None, shm_dir: str) -> StreamCache | None:
+def open_stream_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> StreamCache | None:
     """Create the growing cache of a stream: its first record is read and run through ``fn``
-    here, to lay the slots out (as cache.py does); None if every shard is empty."""
-    directory = indexed.location(cache, shm_dir)
-    assert directory is not None
+    here, to lay the slots out (as cache.py does); None if every shard is empty. ``segments``,
+    ``workers``: as ``cache.open_cache``'s."""
     source = spec.source
     found = _first_record(spec)
     if found is None:
         return None
     key, first = found
     layout = Layout.of(first)
-    path = indexed.cache_path(directory, files)
-    result = StreamCache(path, len(source), layout.skeleton, layout.fields, directory)
-    what = f"the stream cache ({result.slot} bytes per record, growing as records arrive)"
+    table_bytes = StreamCache.table_bytes_for(len(source))
+    what = "the stream cache (growing as records arrive)"
+    fixes = "pass cache='/a/directory/on/disk', or cache=False"
+    storage = indexed.create_storage(cache, segments, table_bytes, what, fixes, growing=True)
+    result = StreamCache(storage, len(source), layout.skeleton, layout.fields, indexed.directory_of(cache))
+    result._finalizer = weakref.finalize(result, indexed.release_storage, storage, os.getpid())
     try:
-        check_capacity(directory, result.table_bytes + result.chunk_bytes, what)
-    except SharedMemoryError as exc:
-        raise SharedMemoryError(f"{exc} (or pass cache='/a/directory/on/disk', or cache=False)") from None
-    outside = files is not None and not os.path.samefile(files.directory, directory)
-    fd = open_new_file(path, result.table_bytes, what, unlinked=files is None)
-    if files is None:
-        remove_file(path)  # workers=0: only this process uses it, through the open descriptor
-    result._adopt(fd)
-    try:
-        if outside and files is not None:  # named for workers whose parent was killed (cache.remove_orphan)
-            create_file(files.path("cachefile"), 0, "the cache file's name", path.encode())
+        if not workers and storage.path is not None:
+            remove_file(storage.path)  # workers=0: only this process uses it, through its descriptor
         result.put(key, first)
     except BaseException:
         result.close()
-        remove_file(path)
         raise
-    result._finalizer = weakref.finalize(result, indexed.remove_in_creator, path, os.getpid())
     return result
 
 

@@ -95,7 +95,7 @@ def wanted() -> str | None:
         return f"{ENV_SWITCH}=0"
     if not sys.platform.startswith("linux"):
         return "not Linux"
-    if os.environ.get("PROCPIPE_PRELOAD_FILE"):
+    if os.environ.get("PROCPIPE_PRELOAD"):
         return "procpipe's forkserver"
     for package in ("multiprocess", "multiprocessing"):
         process, spawn = sys.modules.get(f"{package}.process"), sys.modules.get(f"{package}.spawn")

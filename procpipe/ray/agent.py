@@ -50,26 +50,26 @@ class Agent:
         workers: int,
         env: dict[str, str],
         cache: Any,
-        shm_dir: str,
+        shm_dir: str | None,
         start_method: str,
         start_timeout: float,
     ) -> None:
         import dill
 
-        from .._core.shm import SharedFiles
+        from .._core.shm import Segments
         from .._engine.start import local_pool
         from ..config import EngineConfig
 
-        self.files = SharedFiles(shm_dir)
+        self.segments = Segments(shm_dir)
         spec = dill.loads(spec_bytes)
         config = EngineConfig(workers=workers, start_method=start_method, worker_env=env)  # (what local_pool reads)
-        self.pool = local_pool(config, spec, cache, self.files, own_session=True)
+        self.pool = local_pool(config, spec, cache, self.segments, own_session=True)
         self.start_timeout = start_timeout
         self.lanes = [_Lane(self.pool.start(i, WorkerCounters())) for i in range(workers)]
         for lane in self.lanes:  # an agent that answers has every worker ready: tasks' time runs from there
             self._wait_ready(lane.link)
         # each lane's running batch, and the one Ray is still sending; no ring until a batch tells its size
-        self.rings = RingSet(self.files)
+        self.rings = RingSet(self.segments)
         self.first_slots = 2 * workers + 2
         self.ring_counters = EpochCounters()  # (what take and grow record: the trainer keeps the stats)
         self.ring_lock = threading.Lock()  # take and grow: from the lanes' calls, run concurrently
@@ -128,10 +128,11 @@ class Agent:
             pass  # its first task will find it dead and report that
         return WorkerLost(task_id, code, index)
 
-    def node(self) -> tuple[str, int, str]:
-        """(Ray node id, pid, files prefix): where this agent runs and what it created there;
+    def node(self) -> tuple[str, int, str | None]:
+        """(Ray node id, pid, files prefix: None where its shared memory is anonymous): where this agent
+        runs and what it created there;
         answering it means the agent and its workers are up."""
-        return ray.get_runtime_context().get_node_id(), os.getpid(), self.files.prefix
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self.segments.prefix
 
     def ping(self) -> bool:
         return not self.closed
@@ -153,7 +154,8 @@ class Agent:
                 lane.turn.notify_all()
 
     def _run(self, lane: _Lane, lane_index: int, generation: int, task: Task) -> tuple[list[SamplesSkipped], Reply]:
-        from .._core import wire
+        import select
+
         from .._core.messages import WorkerReady
 
         link = lane.link
@@ -172,7 +174,13 @@ class Agent:
         )
         skipped: list[SamplesSkipped] = []
         try:
-            wire.send(link.conn, sent)
+            if ring is not None:
+                link.map_ring(ring)  # (its segment goes ahead of the first task that names it)
+            link.put(sent)
+            while not link.flush():  # (through the link's outbox, as the MapRing: in order)
+                select.select([], [link.write_fd()], [], 1.0)
+            if link.outbox.broken:
+                raise EOFError
             while True:
                 reply = self._next_reply(link, 1.0)
                 if isinstance(reply, SamplesSkipped):
@@ -225,7 +233,7 @@ class Agent:
         finally:
             self.pool.close()
             self.rings.close()
-            self.files.remove_all()
+            self.segments.remove_all()
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,16 @@ class Backend(BackendOptions):
         """The workers the coordinator sees: ``workers`` per agent."""
         return self.nodes * workers
 
-    def pool(self, spec: Any, config: EngineConfig, files: Any, cache: Any) -> RayPool:
+    def pool(self, spec: Any, config: EngineConfig, segments: Any, cache: Any) -> RayPool:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents,
         each with its share of the engine's workers and their environment."""
         from .._worker.process import dump_spec
 
+        data, fds = dump_spec(spec)
+        if fds:  # (a descriptor of this process's shared memory means nothing on another node)
+            raise TypeError(
+                "procpipe.ray: the dataset holds shared memory of this process (a cache or replica snapshots "
+                "made here), which cannot travel to other nodes; pass it without, and let each node make its own"
+            )
         nodes.connect(self.address)
-        return RayPool(
-            self, dump_spec(spec), config.workers // self.nodes, dict(config.worker_env), cache, files.directory
-        )
+        return RayPool(self, data, config.workers // self.nodes, dict(config.worker_env), cache, segments.directory)

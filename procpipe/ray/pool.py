@@ -39,7 +39,13 @@ class RayPool(WorkerPool):
     tasks_per_worker = 4
 
     def __init__(
-        self, backend: BackendOptions, spec_bytes: bytes, workers: int, env: dict[str, str], cache: Any, shm_dir: str
+        self,
+        backend: BackendOptions,
+        spec_bytes: bytes,
+        workers: int,
+        env: dict[str, str],
+        cache: Any,
+        shm_dir: str | None,
     ) -> None:
         self.backend = backend
         self.workers = workers
@@ -169,7 +175,7 @@ class RayPool(WorkerPool):
             self.agents[number] = replacement
             return replacement
 
-    def started(self, agent: AgentSlot, node_id: str, pid: int, prefix: str) -> None:
+    def started(self, agent: AgentSlot, node_id: str, pid: int, prefix: str | None) -> None:
         """``agent`` answered: its lanes' tasks now run (their time counts from here)."""
         with self.lock:
             agent.node_id, agent.pid, agent.files_prefix, agent.ready = node_id, pid, prefix, True

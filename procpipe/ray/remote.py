@@ -161,7 +161,7 @@ class AgentSlot:
     handle: Any
     node_id: str = ""
     pid: int | None = None
-    files_prefix: str = ""  # of the files it created on its node
+    files_prefix: str | None = None  # of the files it created on its node (None: anonymous memory)
     alive: bool = True
     ready: bool = False
     started: float = field(default_factory=time.monotonic)

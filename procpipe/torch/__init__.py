@@ -92,7 +92,7 @@ class _LoaderOptions(TypedDict):
     seed: int
     collate_fn: Callable[[list[Any]], Any] | None
     start_method: str
-    shm_dir: str
+    shm_dir: str | None
     slot_bytes: int | None
     max_worker_restarts: int
     worker_env: dict[str, str] | None
@@ -173,7 +173,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         in_order: bool = True,
         device: Any = None,
         slot_bytes: int | None = None,
-        shm_dir: str = "/dev/shm",
+        shm_dir: str | None = None,
         max_worker_restarts: int = 3,
         worker_env: dict[str, str] | None = None,
         snapshot_every_n_steps: int | None = 1,
@@ -254,7 +254,6 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             persistent=persistent_workers,
             generator=generator,
             snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0),
-            shm_dir=shm_dir,
             index_sampler=self._pp_kind.index_sampler,
         )
         weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._core.shm import ring_of
+from .._core.rings import ring_of
 from .convert import apply_device_fn, to_torch
 
 __all__ = ["CudaTransfer", "RingPins"]

@@ -38,7 +38,7 @@ torch's semantics, and how they are kept:
   ``state_dict()`` saves; each replica's records end with a ``ReplicaEnded`` one, carrying
   its final state (the consumer drops it).
 - **A worker crash** is recovered exactly when the replica is ``Stateful``: the worker also
-  writes its last snapshots to a file (``SnapshotStore``), and the replacement process
+  writes its last snapshots to shared memory (``SnapshotStore``), and the replacement process
   restores the latest one at or before the first record not received and produces again
   only the records between (``Replicas.open``). An opaque iterator cannot be re-read from
   where the dead worker was: then the epoch fails with ``ReplicaLostError`` naming the
@@ -201,7 +201,7 @@ class ReplicaSpec:
     shared_seed: int | None = None  # an IterDataPipe's shared seed (of ``first_epoch``); None: not a datapipe
     first_epoch: int = 0  # the loader's epoch number of the first epoch these workers load
     snapshot_every: int = 1  # a replica's state with every n-th record (0: only the first and the last)
-    store: SnapshotStore | None = None  # the snapshot files (a replacement process resumes from them)
+    store: SnapshotStore | None = None  # the snapshots in shared memory (a replacement process resumes from them)
     resume_epoch: int | None = None  # a loaded state_dict's epoch: its replicas may re-read from the start
     resume_positions: dict[int, int] | None = None  # ... up to these positions (those without a snapshot)
 

@@ -18,8 +18,9 @@ Snapshots travel two ways:
   position, and every ``snapshot_every_n_steps``-th one (per replica) the snapshot taken
   just after it; the consumer keeps the last snapshot of each replica among the batches it
   returned (``procpipe.torch.state``), which is what ``state_dict()`` saves;
-- **into a file** (``SnapshotStore``): the worker also writes its last few snapshots to a
-  small file per replica, which outlives the process. When a worker dies, its replacement
+- **into shared memory** (``SnapshotStore``): the worker also writes its last few snapshots to a
+  small segment of anonymous shared memory per replica (_core/shm.py), which outlives the
+  process (the training process holds it, and sends it to each worker). When a worker dies, its replacement
   reopens the replica from the latest snapshot at or before the first batch not delivered,
   and produces again only what lies between: the replica goes on exactly once. A loaded
   ``state_dict`` is written there too, for the workers to resume from.
@@ -31,11 +32,12 @@ import copy
 import os
 import pickle
 import secrets
-import shutil
+import struct
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeGuard
 
-from .._core import reaper
+from .._core.shm import SharedFd, close_fd, new_memory
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]
 
@@ -115,62 +117,74 @@ class Tagged:
 
 
 class SnapshotStore:
-    """A directory with one file per replica: its last ``KEEP`` snapshots ``(epoch, position, state)``.
+    """One segment of shared memory per replica: its last ``KEEP`` snapshots ``(epoch, position, state)``.
 
-    Made by the facade for a loader's workers (``create``), written by the worker iterating
-    the replica (only it writes that file; ``os.replace`` makes each write atomic, so a
-    process dying mid-write leaves the previous list), read by its replacement.
+    Made by the facade for a loader's workers (``create``), written by the worker iterating the
+    replica (only it writes that segment), read by its replacement. A write never touches the
+    snapshots it replaces: the new pickle goes where it overlaps nothing of the current one,
+    then a header (where, how long, its CRC-32) is rewritten in one small write; so a process
+    dying mid-write leaves the previous list.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    _HEADER = struct.Struct("<QQI")  # offset, length, CRC-32 of the pickle
+    _START = 64  # the first pickle's place (after the header)
+
+    def __init__(self, segments: list[SharedFd], owner: int) -> None:
+        self.segments = segments
+        self.owner = owner  # the pid that made them: only it closes them (remove)
 
     @classmethod
-    def create(cls, parent: str) -> SnapshotStore:
-        """A new, private (0700) directory under ``parent`` (the loader's ``shm_dir``), named as
-        procpipe names what it leaves there (``procpipe-<pid>-<8 hex>-replicas``): registered with
-        this process's reaper and locked while it exists, so that the reaper removes it if the
-        process is killed, and a later process's start-up sweep if the reaper could not
-        (_core/reaper.py, _core/stale_files.py)."""
-        while True:
-            path = os.path.join(parent, f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-replicas")
-            reaper.register(path)
-            try:
-                os.mkdir(path, 0o700)
-            except FileExistsError:
-                reaper.forget(path)  # (someone else's: never ours to remove)
-                continue
-            except BaseException:
-                reaper.forget(path)
-                raise
-            break
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    def create(cls, replicas: int) -> SnapshotStore:
+        """A segment for each of ``replicas`` replicas (anonymous memory: nothing is left behind)."""
+        token = f"procpipe-{os.getpid()}-{secrets.token_hex(4)}-replica"
+        segments: list[SharedFd] = []
         try:
-            reaper.hold(path, fd)  # locked at once: the sweep never takes it for a dead process's
-        finally:
-            os.close(fd)
-        return cls(path)
+            for i in range(max(1, replicas)):
+                what = "a replica's snapshots (procpipe.torch.DataLoader)"
+                segments.append(SharedFd(new_memory(f"{token}{i}", cls._START, what, "fewer workers", seal=0)))
+        except BaseException:
+            for segment in segments:
+                close_fd(segment.fd)
+            raise
+        return cls(segments, os.getpid())
 
-    def _file(self, worker: int) -> str:
-        return os.path.join(self.path, f"replica-{int(worker)}.pkl")
+    def _fd(self, worker: int) -> int | None:
+        worker = int(worker)
+        return self.segments[worker].fd if 0 <= worker < len(self.segments) else None
+
+    def _header(self, fd: int) -> tuple[int, int, int]:
+        raw = os.pread(fd, self._HEADER.size, 0)
+        return self._HEADER.unpack(raw) if len(raw) == self._HEADER.size else (0, 0, 0)
 
     def read(self, worker: int) -> list[tuple[int, int, dict]]:
         """Replica ``_worker``'s snapshots, oldest first (empty if none was written)."""
-        try:
-            with open(self._file(worker), "rb") as f:
-                return pickle.load(f)
-        except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+        fd = self._fd(worker)
+        if fd is None:
             return []
+        try:
+            offset, length, crc = self._header(fd)
+            if not length:
+                return []
+            data = os.pread(fd, length, offset)
+        except OSError:  # (closed: the DataLoader was closed)
+            return []
+        if len(data) != length or zlib.crc32(data) != crc:
+            return []  # (never seen: a header is written whole, after its pickle)
+        return pickle.loads(data)
 
     def write(self, worker: int, snapshots: list[tuple[int, int, dict]]) -> None:
         """Replace replica ``_worker``'s snapshots (the last ``KEEP``)."""
-        target = self._file(worker)
-        tmp = f"{target}.{os.getpid()}.tmp"
+        fd = self._fd(worker)
+        if fd is None:  # (released: the DataLoader was closed)
+            return
+        data = pickle.dumps(snapshots[-KEEP:], protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            with open(tmp, "wb") as f:
-                pickle.dump(snapshots[-KEEP:], f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, target)
-        except FileNotFoundError:  # the DataLoader was closed (its directory removed) while this worker ran
+            offset, length, _ = self._header(fd)
+            # before the current pickle if it fits there, else after it: never over it
+            at = self._START if not length or len(data) <= offset - self._START else -(-(offset + length) // 64) * 64
+            os.pwrite(fd, data, at)
+            os.pwrite(fd, self._HEADER.pack(at, len(data), zlib.crc32(data)), 0)
+        except OSError:  # the DataLoader was closed while this worker ran
             pass
 
     def best(self, worker: int, epoch: int, position: int) -> tuple[int, dict] | None:
@@ -182,6 +196,8 @@ class SnapshotStore:
         return found
 
     def remove(self) -> None:
-        """Delete the directory and its files (the loader is closed)."""
-        shutil.rmtree(self.path, ignore_errors=True)  # a worker still writing finds it gone (write())
-        reaper.forget(self.path)
+        """Release the segments (the loader is closed; in the process that made them only)."""
+        if os.getpid() == self.owner:
+            for segment in self.segments:
+                close_fd(segment.fd)
+            self.segments = []

@@ -182,7 +182,6 @@ class FacadeState:
         persistent: bool,
         generator: torch.Generator | None,
         snapshot_every: int,
-        shm_dir: str,
         index_sampler: Any = None,
     ) -> None:
         self.dataset = dataset
@@ -192,7 +191,6 @@ class FacadeState:
         self.persistent = persistent
         self.generator = generator
         self.snapshot_every = snapshot_every
-        self.shm_dir = shm_dir
         self.store: SnapshotStore | None = None
         self.stores: list[SnapshotStore] = []  # the store, for cleanup() (which must not hold this object)
         self.pending: dict[str, Any] | None = None  # a loaded state, for the next iteration
@@ -273,7 +271,7 @@ class FacadeState:
         """``ReplicaSpec`` fields for a new loader's replicas (workers), starting at ``epoch``; writes
         the snapshots a loaded state resumes them from into the store."""
         if self.store is None:
-            self.store = SnapshotStore.create(self.shm_dir)
+            self.store = SnapshotStore.create(self.num_workers)
             self.stores.append(self.store)
         options: dict[str, Any] = {"snapshot_every": self.snapshot_every, "store": self.store}
         pending = self.pending
@@ -479,7 +477,7 @@ class FacadeState:
         return pending["epoch"] + 1 if pending["finished"] else pending["epoch"]
 
     def close(self) -> None:
-        """Remove the snapshot files."""
+        """Release the snapshots' shared memory."""
         self.store = None
         self.cleanup(self.stores)
 
