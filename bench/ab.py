@@ -18,6 +18,7 @@ tiny1     ``Loader(range(n), batch_size=1, workers=2)``: the per-batch cost
 tiny64    the same with ``batch_size=64``
 stream    ``Shards`` of tiny int records, ``batch_size=64``, ``workers=2``
 transfer  224x224x3 uint8 copies, batch 64 (9.6 MB per batch), ``workers=2``
+cpu       a pure-Python loop holding the GIL (about 2 ms) and 256 float32, batch 20, ``workers=2``
 ========= ===================================================================
 
 The figure is the steady state: seconds per batch from the 50th batch to the end of the
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-WORKLOADS = ("tiny1", "tiny64", "stream", "transfer")
+WORKLOADS = ("tiny1", "tiny64", "stream", "transfer", "cpu")
 WARMUP_BATCHES = 50
 
 
@@ -61,6 +62,8 @@ def _epoch(name: str, options: str = "{}") -> float:
     elif name == "transfer":
         image = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
         loader = procpipe.Loader(range(64 * 150), lambda i: image.copy(), batch_size=64, **extra)
+    elif name == "cpu":  # (the reference workload's sample, written here: any version runs it)
+        loader = procpipe.Loader(range(20 * 120), _burn, batch_size=20, **extra)
     else:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     with loader:
@@ -71,6 +74,16 @@ def _epoch(name: str, options: str = "{}") -> float:
                 started = time.perf_counter()
             del batch
         return (time.perf_counter() - started) / (count - WARMUP_BATCHES)
+
+
+def _burn(i: int):
+    """The ``cpu`` workload's sample: pure Python holding the GIL for about 2 ms, then 256 float32."""
+    import numpy as np
+
+    x = i
+    for k in range(40_000):
+        x = (x * 31 + k) & 0xFFFFFF
+    return np.full(256, x & 0xFF, np.float32), i % 10
 
 
 def _read_ints(shard: int):

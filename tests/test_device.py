@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import mappings
+from conftest import loader_token, mappings
 
 import procpipe
 import procpipe.torch.cuda_transfer as ppc
@@ -133,7 +133,7 @@ def test_cuda_registration_is_released_and_the_ring_unmapped_on_close():
     gc.disable()  # unmapped by reference counting alone, not when the cycle collector happens to run
     try:
         loader = procpipe.Loader(range(64), sample, batch_size=8, workers=2, device="cuda")
-        prefix = loader.shm_prefix
+        prefix = loader_token(loader)
         batches = list(loader)
         assert loader.stats()["device"]["registered_rings"] == 1
         assert torch.equal(batches[3]["x"], expected(batches[3]["y"]))
@@ -217,7 +217,7 @@ def test_facade_cuda_ring_has_slots_for_the_transfer_and_close_unmaps_it_without
     try:
         loader = DataLoader(Images(), batch_size=8, num_workers=2, device="cuda", persistent_workers=True)
         batches = list(loader)
-        prefix = loader._pp_current.shm_prefix
+        prefix = loader_token(loader._pp_current)
         assert mappings(prefix)
         loader.close()  # the transfer's registrations end first, then the ring goes
         assert mappings(prefix) == []

@@ -158,7 +158,7 @@ def test_the_slow_start_warning_is_given_once_with_the_reason_and_the_fix(monkey
 def test_the_forkserver_preloads_what_the_spec_references_in_import_order():
     spec = WorkerSpec(source=np.arange(4), fn=lambda x: json.dumps(int(x)),  # by value: its globals too
                       collate_fn=None, batched=True, seed=0)
-    data = dump_spec(spec)
+    data, _ = dump_spec(spec)
     assert "json" in referenced_modules(data)
     names = preload_list(data)
     order = list(sys.modules)

@@ -18,7 +18,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow", reason="procpipe.tf needs TensorFlow (pip install procpipe[tf])")
 
-from conftest import REPO_ROOT, mappings, python_env  # noqa: E402
+from conftest import REPO_ROOT, loader_token, mappings, python_env  # noqa: E402
 
 import procpipe  # noqa: E402
 import procpipe.tf  # noqa: E402
@@ -105,7 +105,7 @@ def test_held_tensors_give_their_ring_slots_back(views):
         stats = loader.stats()
         assert stats["bytes_inline"] <= 2 * 8 * 16384 * 4, stats["bytes_inline"]  # batches before the ring existed
         assert stats["overflow_batches"] == 0 and stats["ring_slots"] < 40
-        ring = mappings(loader.shm_prefix)
+        ring = mappings(loader_token(loader))
         in_ring = [any(lo <= t.numpy().ctypes.data < hi for lo, hi in ring) for t in kept]
         assert sum(in_ring) <= views, f"{sum(in_ring)} tensors still hold ring slots"
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 from batch_compare import assert_batches_equal
-from conftest import is_ring_view, mappings, run_python, wait_until
+from conftest import is_ring_view, loader_token, mappings, run_python, wait_until
 
 import procpipe
 import procpipe.torch.cuda_transfer as ppc
@@ -112,7 +112,7 @@ def test_default_collate_parity_and_zero_copy():
         got = []
         for batch in loader:  # persistent workers: the second epoch reuses them
             for t in (batch["img"], batch["label"], batch["bf16"], batch["point"].y, batch["nested"][0]):
-                assert in_ring(t, loader._pp_loader.shm_prefix), "a tensor was copied, not a view of the ring"
+                assert in_ring(t, loader_token(loader._pp_loader)), "a tensor was copied, not a view of the ring"
             got.append(copy.deepcopy(batch))  # keep a copy, give the slot back
         assert_batches_equal(expected, got)
         assert loader.worker_pids == pids and len(pids) == 2
@@ -214,7 +214,7 @@ def test_custom_collate_object_parity_tensors_through_the_ring():
         for batch in loader:  # second epoch: the ring exists (the very first batches size it)
             assert type(batch.meta) is OrderedDict
             for t in (batch.images, batch.labels, batch.meta["bf16"]):
-                assert in_ring(t, loader._pp_loader.shm_prefix), "collate_fn's tensors must come through the ring"
+                assert in_ring(t, loader_token(loader._pp_loader)), "collate_fn's tensors must come through the ring"
             assert is_ring_view(batch.extra), "numpy arrays from collate_fn stay numpy, in the ring"
             got.append(copy.deepcopy(batch))
         assert_batches_equal(expected, got)
@@ -523,7 +523,7 @@ def test_loader_device_cpu_yields_tensors_sharing_the_ring():
         expected = [{k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in b.items()} for b in plain]
     with procpipe.Loader(range(16), sample, batch_size=4, workers=2, device="cpu") as loader:
         list(loader)  # the first epoch sizes the ring
-        prefix, count = loader.shm_prefix, 0
+        prefix, count = loader_token(loader), 0
         for exp, batch in zip(expected, loader, strict=True):  # one batch at a time: list() would hold every slot
             count += 1
             assert isinstance(batch["x"], torch.Tensor) and isinstance(batch["pair"], tuple)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import mappings
+from conftest import loader_token, mappings
 
 from procpipe.torch import DataLoader
 from procpipe.torch.iterable import ReplicaLostError
@@ -442,7 +442,7 @@ def test_batches_arrive_as_views_of_the_ring():
                         persistent_workers=True)
     try:
         first = as_lists(loader)  # the first batches size the ring (they come inline)
-        ranges, second = mappings(loader._pp_loader.shm_prefix), []
+        ranges, second = mappings(loader_token(loader._pp_loader)), []
         assert ranges
         for b in loader:  # persistent workers: the second epoch's batches are in ring slots
             start, end = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()

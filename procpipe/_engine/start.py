@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.shm import Segments, SharedFd, proc_address, seal_writes
+from .._core.shm import Segments, SharedFd, proc_address, seal_writes, shipping
 from .._worker.cache import prefix_of
 from .._worker.preload_list import preload_list
 from .._worker.process import ShippedSpec, WorkerSpec, dump_spec, dump_value
@@ -164,7 +164,8 @@ def _refusing(obj: Any, depth: int, seen: set[int]) -> tuple[str, Any] | None:
 
 def _picklable(obj: Any) -> bool:
     try:
-        dump_value(obj)
+        with shipping():  # (procpipe's own shared memory in it travels beside the pickle: not a refusal)
+            dump_value(obj)
     except Exception:  # noqa: BLE001 - whatever pickling raises, the answer is no
         return False
     return True
