@@ -23,8 +23,23 @@ import zipfile
 from pathlib import Path
 
 #: the optional frameworks an adapter module may need (procpipe's extras); absent in the smoke venv
-OPTIONAL = ("torch", "tensorflow", "keras", "jax", "flax", "optax", "orbax", "ray", "fsspec", "pyarrow",
-            "google", "google_crc32c", "webdataset", "matplotlib", "grain")
+OPTIONAL = (
+    "torch",
+    "tensorflow",
+    "keras",
+    "jax",
+    "flax",
+    "optax",
+    "orbax",
+    "ray",
+    "fsspec",
+    "pyarrow",
+    "google",
+    "google_crc32c",
+    "webdataset",
+    "matplotlib",
+    "grain",
+)
 
 
 def fail(message: str) -> None:
@@ -34,8 +49,9 @@ def fail(message: str) -> None:
 
 def tracked_package_files(repo: Path) -> set[str]:
     """Every file git tracks under procpipe/ (a module or data file the wheel must carry)."""
-    out = subprocess.run(["git", "-C", str(repo), "ls-files", "procpipe"], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "procpipe"], check=True, capture_output=True, text=True
+    ).stdout
     return set(out.split())
 
 
@@ -63,8 +79,10 @@ def contents(dist: Path, repo: Path) -> None:
     tests = sorted(m for m in members if m.startswith(("tests/", "docs/")))
     if tests:
         fail(f"the sdist holds part of tests/ or docs/ (MANIFEST.in prunes them): {tests[:5]}")
-    print(f"package contents: {wheels[0].name} ({len(package)} files under procpipe/, py.typed), "
-          f"{sdists[0].name} ({len(members)} files)")
+    print(
+        f"package contents: {wheels[0].name} ({len(package)} files under procpipe/, py.typed), "
+        f"{sdists[0].name} ({len(members)} files)"
+    )
 
 
 def quick_start(readme: Path) -> str:
@@ -78,11 +96,12 @@ def quick_start(readme: Path) -> str:
 
 def run_script(path: Path, expect: str | None = None) -> None:
     """``path`` run as a user runs it (its own interpreter, isolated: no clone on its sys.path)."""
-    result = subprocess.run([sys.executable, "-I", str(path)], capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run([sys.executable, "-I", str(path)], capture_output=True, text=True, timeout=300, check=False)
     if result.returncode != 0 or (expect is not None and expect not in result.stdout):
-        fail(f"{path.name} exited {result.returncode} (expected {expect!r} in its output)\n"
-             f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        fail(
+            f"{path.name} exited {result.returncode} (expected {expect!r} in its output)\n"
+            f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     print(f"ran {path.name} with the installed wheel")
 
 
@@ -113,8 +132,10 @@ def smoke(repo: Path) -> None:
             if (error.name or "").split(".")[0] not in OPTIONAL:
                 fail(f"{module.name} does not import from the wheel: {error!r}")
             skipped.append(module.name)
-    print(f"procpipe {procpipe.__version__} from {where.parent}; every module imports "
-          f"({len(skipped)} need an optional framework, absent here)")
+    print(
+        f"procpipe {procpipe.__version__} from {where.parent}; every module imports, but those that "
+        f"need an optional framework absent here: {', '.join(skipped)}"
+    )
 
     with procpipe.Loader(list(range(12)), _pid, batch_size=2, workers=2) as loader:
         pids = {int(pid) for batch in loader for pid in batch}
