@@ -24,6 +24,7 @@ from .errors import (
     WorkerError,
 )
 from ._core.rng import batch_rng, sample_rng
+from ._core.version import __version__ as __version__  # one definition, read by the package metadata too
 
 if TYPE_CHECKING:
     from ._consumer.elastic import combine_states
@@ -78,7 +79,6 @@ __all__ = [
     "combine_states",
     "sample_rng",
 ]
-__version__ = "0.1.0"
 
 # Last, while the process is still safe to fork: the zygote that later workers are forked
 # from when it no longer is (a thread of the program runs; procpipe._worker.zygote).

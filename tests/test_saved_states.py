@@ -1,10 +1,15 @@
-"""States saved by the format-1 code (``tests/data/states_v1/``, written by ``tests/statekit.py``)
-load and resume exactly: a plain shuffled Loader, a Mix (with a schedule and a nested mixture),
-a Shards stream, and ``procpipe.torch.DataLoader`` over a map-style and an iterable dataset.
+"""The saved-state promise (docs/guide/resume.md, "Which saved states load"; CHANGELOG.md): a state
+saved by procpipe 0.1.0 or later loads into every later release and resumes exactly, and a state
+of a format this release does not know is refused, never misread.
 
-Each file holds the state taken after ``statekit.CUT`` batches and the batches that followed it.
-Today's code must (1) take the very same state at the same point (the format is unchanged, key
-for key) and (2) after loading the saved state, yield exactly the saved batches.
+``tests/data/states_v1/`` (written by ``tests/statekit.py``) keeps states saved by 0.1.0, format 1:
+a plain shuffled Loader, a Mix (with a schedule and a nested mixture), a Shards stream, and
+``procpipe.torch.DataLoader`` over a map-style and an iterable dataset. Each file holds the state
+taken after ``statekit.CUT`` batches and the batches that followed it. Today's code must (1) after
+loading the saved state, yield exactly the saved batches (the promise); (2) take the very same
+state at the same point (the format is unchanged, key for key: a change of it must raise the
+version, keep loading format 1, and add a ``states_v2/`` beside these files); (3) refuse the saved
+state with its version raised, as it would one from a newer procpipe.
 """
 from __future__ import annotations
 
@@ -33,3 +38,19 @@ def test_the_state_taken_today_is_the_saved_one(case):
     state, rest = statekit.cut(case)
     assert state == file["state"]
     assert rest == file["rest"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_state_of_an_unknown_format_is_refused(case):
+    state = saved(case)["state"]
+    versioned = state["procpipe"] if case.startswith("torch") else state  # the facade's own entry
+    assert versioned["version"] == 1
+    versioned["version"] = 2
+    loader = statekit.make_loader(case)
+    try:
+        with pytest.raises(ValueError, match="not a procpipe"):
+            loader.load_state_dict(state)
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
