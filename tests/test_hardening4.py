@@ -67,3 +67,66 @@ def test_killed_workers_descriptors_are_closed_without_the_garbage_collector(tmp
     assert killed == len(hang), "the workers were not killed: the test proves nothing"
     assert after == before, f"{after - before} descriptors left open after {killed} workers were killed and close()"
     assert links == [], f"{len(links)} worker links kept by a reference cycle after close()"
+
+
+# --------------------------------------------------------------------------- 2: a stopped worker, a killed trainer
+_TRAINER = r'''
+import json, sys, threading
+import numpy as np
+import procpipe
+from procpipe._worker import zygote
+
+how = sys.argv[1]
+if how == "zygote":  # a thread runs before the loader: its workers are forked from the zygote
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+loader = procpipe.Loader(list(range(10**6)), fn=np.float32, batch_size=4, workers=2,
+                         **({"start_method": "forkserver"} if how == "forkserver" else {}))
+it = iter(loader)
+next(it)
+print(json.dumps({"workers": loader.worker_pids, "zygote": zygote.pid()}), flush=True)
+sys.stdin.read()  # until killed
+'''
+
+
+@pytest.mark.parametrize("how", ["fork", "zygote", "forkserver"])
+def test_nothing_outlives_a_killed_training_process_whose_worker_is_stopped(tmp_path, how) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    from conftest import python_env, wait_gone, wait_until
+
+    script = tmp_path / "train.py"
+    script.write_text(_TRAINER)
+    proc = subprocess.Popen([sys.executable, str(script), how], env=python_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started: list[int] = []
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the training process did not start: {proc.stderr.read()}"
+        info = json.loads(line)
+        workers, zygote_pid = info["workers"], info["zygote"]
+        started = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # zygote, workers, helpers
+        assert zygote_pid in started and set(workers) <= set(started)
+        parent = {"fork": proc.pid, "zygote": zygote_pid}.get(how)
+        if parent is not None:  # (the case it claims: who forked the workers)
+            assert {psutil.Process(w).ppid() for w in workers} == {parent}
+        stopped = psutil.Process(workers[0])
+        stopped.suspend()  # SIGSTOP: a debugger, a scheduler's suspend
+        wait_until(lambda: stopped.status() == psutil.STATUS_STOPPED, 10, "the worker to be stopped")
+        proc.kill()
+        assert proc.wait(10) == -signal.SIGKILL
+        survivors = wait_gone(started, 5.0)  # "a few seconds"
+        described = [f"{p} {psutil.Process(p).name()} {psutil.Process(p).status()}" for p in survivors]
+        assert survivors == [], f"outlived the training process by 5 s: {described}"
+    finally:
+        for pid in started:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        wait_gone(started, 10)
+        proc.kill()
+        proc.communicate()

@@ -46,6 +46,7 @@ from ..errors import CollateError
 from .identity import enter_worker
 from .produce import produce
 from .reader import IndexedReader, SourceReader
+from .start_method import leave_forkserver
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -207,10 +208,11 @@ def _remove_files(files_prefix: str) -> None:
 def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
     """Watchdog thread: when the loader's process dies, remove its files and end this worker.
 
-    It works even while the main thread is deep in user code. (PR_SET_PDEATHSIG is not
-    enough: a forkserver worker's parent is the forkserver, which outlives the loader as
-    long as any worker does.) SIGTERM makes the main thread exit normally; a main thread
-    stuck in native code, or swallowing SystemExit, is ended after a grace period.
+    It works even while the main thread is deep in user code, and where no death signal comes
+    (``_die_with_parent``: a Ray agent's workers, in sessions of their own, have none). SIGTERM
+    makes the main thread exit normally; a main thread stuck in native code, or swallowing
+    SystemExit, is ended after a grace period. (A stopped worker runs no thread at all: its
+    death signal, SIGKILL, ends it.)
     """
     parent.wait()
     _remove_files(files_prefix)
@@ -220,12 +222,18 @@ def _exit_with_parent(parent: _ParentWatch, files_prefix: str) -> None:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker when its parent process ends (best effort)."""
+    """Ask Linux to SIGKILL this worker when its parent process ends (best effort).
+
+    SIGKILL, not SIGTERM: a stopped worker (SIGSTOP, a debugger, a scheduler's suspend) keeps
+    any other signal pending, and cannot run its watch thread (``_exit_with_parent``) either;
+    SIGKILL ends it all the same. Its parent is the training process (fork), or the zygote or
+    forkserver that forked it, which exits when the training process does (``leave_forkserver``).
+    The files are the training process's reaper's to remove (_core/reaper.py)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -267,6 +275,7 @@ def worker_main(
         os.setsid()  # before the agent itself; the watch below follows the agent)
     else:
         _die_with_parent()
+    leave_forkserver()  # (nor does it keep the zygote or a forkserver alive)
     # The whole environment, not an update: a forkserver keeps the environment it started
     # with (the first loader's worker_env), which must not leak into another loader's workers.
     os.environ.clear()
@@ -289,8 +298,8 @@ def worker_main(
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
     except SystemExit as exc:
-        # SIGTERM: most often the death signal of a loader that was killed (PR_SET_PDEATHSIG),
-        # sent while it is still exiting. The watch thread removes its files then, but it is a
+        # SIGTERM: most often from the watch thread, a loader having been killed (_exit_with_parent),
+        # possibly while it is still exiting. The watch thread removes its files then, but it is a
         # daemon: this thread's exit would cut it short (some files removed, not all).
         terminated = exc.code == 128 + signal.SIGTERM
         raise

@@ -141,6 +141,22 @@ class SpawnWorker(_WithoutMain, _mp_context.SpawnProcess):
     """A spawned process that does not import the main script (module doc)."""
 
 
+def leave_forkserver() -> None:
+    """In a worker: close the forkserver's alive pipe that multiprocess handed it (a worker of the
+    zygote or of a forkserver gets the write end with each fork request; a forked one inherits the
+    training process's). A forkserver exits once no process holds that pipe: a stopped worker
+    holding it would keep the zygote or the forkserver alive after the training process died,
+    and so itself, whose death signal comes when its parent (that server) exits."""
+    server = _mp_forkserver._forkserver
+    fd = server._forkserver_alive_fd  # (multiprocess's: set by its protocol in the child)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class ZygoteServer(_mp_forkserver.ForkServer):
     """Connects to this process's zygote (``zygote.current()``) instead of starting a server."""
 
