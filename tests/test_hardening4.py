@@ -130,3 +130,68 @@ def test_nothing_outlives_a_killed_training_process_whose_worker_is_stopped(tmp_
         wait_gone(started, 10)
         proc.kill()
         proc.communicate()
+
+
+# --------------------------------------------------------------------------- 3: an open file in a sample
+class _WithOpenFile:
+    """Sample 5 holds an open file, 11 bytes read: it cannot reach the consumer as the same handle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        handle = None
+        if i == 5:
+            handle = open(self.path, "rb")  # noqa: SIM115 - the point: a handle in the sample
+            handle.read(11)
+        return {"x": np.float32(i), "h": handle}
+
+
+def _data_file(tmp_path) -> str:
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(64)))
+    return str(path)
+
+
+def _errors_and_batches(loader, pick) -> tuple[list[str], list]:
+    got, errors = [], []
+    it = iter(loader)
+    while True:
+        try:
+            got.append(pick(next(it)))
+        except StopIteration:
+            return errors, got
+        except procpipe.CollateError as exc:
+            errors.append(str(exc))
+
+
+def _assert_names_the_open_file(errors: list[str]) -> None:
+    assert len(errors) == 1, errors
+    message = errors[0]
+    assert "sample['h'] of index 5" in message and "open file" in message, message
+    assert "position 0" in message and "Return the path" in message, message  # why, and the fix
+
+
+def test_an_open_file_in_a_sample_is_its_batchs_error(tmp_path) -> None:
+    with procpipe.Loader(_WithOpenFile(_data_file(tmp_path)), batch_size=4, workers=2, shuffle=False) as loader:
+        errors, got = _errors_and_batches(loader, lambda b: b["x"].tolist())
+        deaths = loader.stats()["worker_deaths"]
+    _assert_names_the_open_file(errors)
+    assert got == [[0.0, 1.0, 2.0, 3.0]]  # the other batch arrives; the error is that batch's
+    assert deaths == 0
+
+
+@pytest.mark.parametrize("batch_size", [4, None], ids=["pass_through_collate", "unbatched"])
+def test_an_open_file_in_a_torch_sample_is_its_batchs_error(tmp_path, batch_size) -> None:
+    pytest.importorskip("torch")
+    import procpipe.torch
+
+    dataset = _WithOpenFile(_data_file(tmp_path))
+    extra = {"collate_fn": lambda batch: batch} if batch_size else {}
+    loader = procpipe.torch.DataLoader(dataset, batch_size=batch_size, num_workers=2, **extra)
+    errors, got = _errors_and_batches(loader, lambda b: b)
+    _assert_names_the_open_file(errors)
+    assert len(got) == (1 if batch_size else 7)

@@ -280,9 +280,10 @@ class LocalWorker(WorkerLink):
         return self.outbox.fileno()
 
     def reap(self) -> None:
-        """Collect the process, close the pipe, and close the process object: its own two
+        """Collect the dead process, close the pipe, and close the process object: its own two
         descriptors (the pipe multiprocess watches its end by) are otherwise released only
-        when the object is garbage, which a reference cycle or a disabled GC postpones."""
+        when the object is garbage, which a reference cycle or a disabled GC postpones. (Its
+        replacement is a new process: ``Loader.worker_processes`` lists the live ones.)"""
         process = self._process
         process.join(0.1)
         self.outbox.close()
@@ -488,4 +489,6 @@ def stop_all(workers: list[LocalWorker]) -> None:
         if w.process.is_alive():
             kill_tree(w.process.pid)
         w.process.join(1.0)
-        w.reap()
+        w.outbox.close()
+        w.inbox.close()
+        w.conn.close()  # (its process object stays open: code watching worker_processes may hold it)

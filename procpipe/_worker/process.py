@@ -42,9 +42,8 @@ from .._core.messages import STOP, BatchDone, BatchFailed, ErrorInfo, SamplesSki
 from .._core.rng import SampleScope
 from .._core.shm import WorkerRings, map_file, open_owned
 from ..config import Batching, Faults, Stages
-from ..errors import CollateError
 from .identity import enter_worker
-from .produce import produce
+from .produce import made_in, produce
 from .reader import IndexedReader, SourceReader
 from .start_method import leave_forkserver
 
@@ -330,6 +329,7 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
     waiting.register(inbox.fileno(), select.POLLIN)
     idle_ms = int(_IDLE_CHECK_S * 1000)
     queued: deque[bytes] = deque()
+    samples_made_in = made_in(spec)  # (what an unsendable value's error names as the place to fix it)
     while True:
         while not queued:
             if inbox.closed:
@@ -342,10 +342,10 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
         if task is STOP:
             return
         reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
-        conn.send_bytes(encode_reply(reply, task))
+        conn.send_bytes(encode_reply(reply, task, samples_made_in))
 
 
-def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
+def encode_reply(reply: BatchDone | BatchFailed, task: Task, made_in: str = "fn") -> bytes:
     """``reply`` for the wire; a batch holding a value that cannot be pickled (a generator, a
     lock, a socket...) becomes that batch's error, naming the value, rather than ending the
     worker: the consumer gets it from its ``next()``, as any other error of ``fn``."""
@@ -354,7 +354,7 @@ def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
     except Exception as exc:
         if not isinstance(reply, BatchDone) or reply.layout is None:
             raise
-        error = _unsendable(reply.layout, task.payload, exc)
+        error = _unsendable(reply.layout, task.payload, exc, made_in)
         return wire.encode(BatchFailed(task.id, error, reply.busy_s))
 
 
@@ -366,26 +366,20 @@ def _refuses_pickle(value: Any) -> bool:
     return False
 
 
-def _unsendable(layout: list, payload: Any, exc: Exception) -> ErrorInfo:
-    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type."""
+def _unsendable(layout: list, payload: Any, exc: Exception, made_in: str) -> ErrorInfo:
+    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type
+    (``made_in``: where the samples are made, ``produce.made_in``)."""
     found = collate.find_inline(layout, _refuses_pickle)
     if found is None:  # (only the whole batch fails to pickle: say so without a field)
-        where, index, kind = "the batch", None, "an object"
+        where, index, value = "the batch", None, None
     else:
         path, position, value = found
         if not isinstance(payload, list) and path[:1] == (1,):  # a stream's block layout: (info, records)
             path = path[1:]
         indices = payload if isinstance(payload, list) else None
         index = indices[position] if indices is not None and position is not None else None
-        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
         where = collate.describe_path(path) + (f" of index {index}" if index is not None else "")
-    error = CollateError(
-        f"cannot send {where} to the training process: it holds a {kind}, which cannot be pickled "
-        f"({type(exc).__name__}: {exc}). Return only picklable values from fn (arrays, numbers, str, "
-        f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
-        f"file), or drop the field in batch_fn / collate_fn."
-    )
-    return _error_info(index, error)
+    return _error_info(index, collate.unsendable_error(where, value, exc, made_in))
 
 
 def run_task(
