@@ -195,3 +195,66 @@ def test_an_open_file_in_a_torch_sample_is_its_batchs_error(tmp_path, batch_size
     errors, got = _errors_and_batches(loader, lambda b: b)
     _assert_names_the_open_file(errors)
     assert len(got) == (1 if batch_size else 7)
+
+
+# --------------------------------------------------------------------------- 4: what an error does to an epoch
+def _catching_loop(it, limit: int = 200) -> tuple[int, list[BaseException], bool]:
+    """A loop that catches what next() raises and calls it again (the pattern the docs show):
+    batches, errors, and whether it ended (StopIteration) within ``limit`` calls."""
+    got, errors = 0, []
+    for _ in range(limit):
+        try:
+            next(it)
+            got += 1
+        except StopIteration:
+            return got, errors, True
+        except Exception as exc:  # noqa: BLE001 - the loop under test catches everything
+            errors.append(exc)
+    return got, errors, False
+
+
+def _fails_at_5(i: int) -> np.float32:
+    if i == 5:
+        raise KeyError(i)
+    return np.float32(i)
+
+
+def _records_then_fails(shard: int):
+    yield from range(4)
+    if shard == 1:
+        raise OSError("the shard's file is truncated")
+
+
+def _dies_at_5(i: int) -> np.float32:
+    if i == 5:
+        os._exit(3)
+    return np.float32(i)
+
+
+def _loader(kind: str, workers: int, device: str | None) -> procpipe.Loader:
+    extra = {"device": device} if device else {}
+    if kind == "batch error":
+        return procpipe.Loader(list(range(12)), _fails_at_5, batch_size=2, workers=workers, shuffle=False, **extra)
+    if kind == "stream error":
+        return procpipe.Loader(procpipe.Shards([0, 1, 2], _records_then_fails), batch_size=2, workers=workers,
+                               **extra)
+    return procpipe.Loader(list(range(12)), _dies_at_5, batch_size=2, workers=workers, shuffle=False,
+                           max_worker_restarts=0, **extra)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["plain", "device_stage"])
+@pytest.mark.parametrize(("kind", "workers"), [("batch error", 0), ("batch error", 2), ("stream error", 0),
+                                               ("stream error", 2), ("worker crash loop", 2)])
+def test_a_loop_that_catches_errors_ends_with_the_epoch(kind: str, workers: int, device) -> None:
+    if device:
+        pytest.importorskip("torch")
+    with _loader(kind, workers, device) as loader:
+        got, errors, ended = _catching_loop(iter(loader))
+    assert ended, f"next() kept raising: {len(errors)} errors, the last {errors[-1]!r}"
+    assert len(errors) == 1, errors  # told once
+    if kind == "batch error":  # only that batch is lost: the loop gets the batches after it (as torch's)
+        assert isinstance(errors[0], KeyError) and got == 5
+    elif kind == "stream error":
+        assert isinstance(errors[0], OSError)
+    else:
+        assert isinstance(errors[0], procpipe.WorkerError)
