@@ -258,3 +258,79 @@ def test_a_loop_that_catches_errors_ends_with_the_epoch(kind: str, workers: int,
         assert isinstance(errors[0], OSError)
     else:
         assert isinstance(errors[0], procpipe.WorkerError)
+
+
+# --------------------------------------------------------------------------- 5: messages
+def _float64_after_the_first_batch(i: int) -> np.ndarray:
+    return np.full(3, i, np.float32 if i < 2 else np.float64)
+
+
+def test_tf_dtype_mismatch_says_to_cast_or_give_the_dtype() -> None:
+    tf = pytest.importorskip("tensorflow", reason="procpipe.tf needs TensorFlow (pip install procpipe[tf])")
+    import procpipe.tf
+
+    with procpipe.Loader(range(6), _float64_after_the_first_batch, batch_size=2, workers=0) as loader:
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            list(procpipe.tf.dataset(loader))  # the spec is the first batch's: float32
+    message = str(info.value)
+    assert "of dtype float64" in message and "says dtype float32" in message, message
+    assert "cast in fn" in message and "element_spec=... with the dtype" in message, message
+    assert "None for the dimensions that vary" not in message, message  # (no fix for another cause)
+
+
+_PIN_MEMORY_SCRIPT = r'''
+import torch
+import torch.utils.data as tud
+import procpipe.torch
+
+class Indexed(tud.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+print("ACCELERATOR" if torch.accelerator.is_available() else "none", flush=True)
+loader = procpipe.torch.DataLoader if __import__("sys").argv[1] == "procpipe" else tud.DataLoader
+first = list(loader(Indexed(), batch_size=2, pin_memory=True))   # three loaders, three lines of the
+second = list(loader(Indexed(), batch_size=2, pin_memory=True))  # program: torch says it once
+third = list(loader(Indexed(), batch_size=2, pin_memory=True))
+'''
+
+
+def test_pin_memory_without_accelerator_is_said_once_per_process_as_torch_says_it(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from conftest import run_python
+
+    script = tmp_path / "pin.py"
+    script.write_text(_PIN_MEMORY_SCRIPT)
+    said = {}
+    for kind in ("torch", "procpipe"):
+        out = run_python(["-W", "default", str(script), kind])  # (the default filter, as a script runs)
+        assert out.returncode == 0, out.stderr
+        if out.stdout.startswith("ACCELERATOR"):
+            pytest.skip("checks the warning without an accelerator; one is present")
+        said[kind] = out.stderr.count("no accelerator is found")
+    assert said == {"torch": 1, "procpipe": 1}
+
+
+_EXITING_WORKERS_SCRIPT = r'''
+import sys, threading
+import numpy as np
+import procpipe
+if sys.argv[1] == "zygote":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+method = {"zygote": "auto", "auto": "auto"}.get(sys.argv[1], sys.argv[1])
+with procpipe.Loader(list(range(16)), fn=np.float32, batch_size=4, workers=2, start_method=method) as loader:
+    print(sum(len(b) for b in loader), flush=True)
+'''
+
+
+@pytest.mark.parametrize("how", ["auto", "zygote", "forkserver"])
+def test_exiting_workers_leave_no_resource_warning(tmp_path, how: str) -> None:
+    from conftest import run_python
+
+    script = tmp_path / "exiting.py"
+    script.write_text(_EXITING_WORKERS_SCRIPT)
+    out = run_python(["-X", "dev", "-W", "default", str(script), how])  # warnings on, ResourceWarning too
+    assert out.returncode == 0 and out.stdout.strip() == "16", out.stderr
+    assert "ResourceWarning" not in out.stderr, out.stderr

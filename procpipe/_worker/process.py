@@ -321,10 +321,19 @@ def _status_view(files_prefix: str, worker_id: int) -> Any:
 
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
-    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     # The tasks queued in the pipe, read at once (small batches keep several queued): a
     # system call per few tasks, not a poll and two reads each (Connection.poll and recv_bytes).
     inbox = wire.Inbox(conn)
+    try:
+        _serve_tasks(conn, spec, rings, parent, status, inbox)
+    finally:
+        inbox.close()  # (its own socket: left to the garbage collector, an exiting worker warns of it)
+
+
+def _serve_tasks(
+    conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any, inbox: Any
+) -> None:
+    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     waiting = select.poll()
     waiting.register(inbox.fileno(), select.POLLIN)
     idle_ms = int(_IDLE_CHECK_S * 1000)
