@@ -334,3 +334,83 @@ def test_exiting_workers_leave_no_resource_warning(tmp_path, how: str) -> None:
     out = run_python(["-X", "dev", "-W", "default", str(script), how])  # warnings on, ResourceWarning too
     assert out.returncode == 0 and out.stdout.strip() == "16", out.stderr
     assert "ResourceWarning" not in out.stderr, out.stderr
+
+
+def _slow_start_message(monkeypatch, make) -> str:
+    """The SlowStartWarning ``make()`` gives with a thread of the program running and no zygote."""
+    import threading
+    import warnings
+
+    from procpipe._worker import start_method, zygote
+
+    monkeypatch.setattr(start_method, "_warned", False)
+    monkeypatch.setattr(zygote, "current", lambda: None)  # (procpipe imported after the threads started)
+    stop = threading.Event()
+    user = threading.Thread(target=stop.wait, name="user-thread")
+    user.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+    finally:
+        stop.set()
+        user.join(10)
+    slow = [str(w.message) for w in caught if issubclass(w.category, start_method.SlowStartWarning)]
+    assert len(slow) == 1, [str(w.message) for w in caught]
+    return slow[0]
+
+
+def test_slow_start_advice_in_a_notebook_is_one_the_reader_can_follow(monkeypatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))  # (as in a Jupyter kernel)
+
+    def make() -> None:
+        with procpipe.Loader(list(range(8)), batch_size=4, workers=1) as loader:
+            assert len(list(loader)) == 2
+
+    message = _slow_start_message(monkeypatch, make)
+    assert "notebook" in message and "kernel's own threads run before the first cell" in message, message
+    assert "import procpipe before starting threads" not in message, message  # (not the reader's to do there)
+    assert "start_method='fork'" in message and "start_method='forkserver'" in message, message
+
+
+def test_slow_start_advice_to_a_dataloader_user_names_multiprocessing_context(monkeypatch) -> None:
+    pytest.importorskip("torch")
+    import procpipe.torch
+
+    def make() -> None:
+        assert len(list(procpipe.torch.DataLoader(list(range(8)), batch_size=4, num_workers=1))) == 2
+
+    message = _slow_start_message(monkeypatch, make)
+    assert "multiprocessing_context=None starts workers from a forkserver" in message, message
+    assert "multiprocessing_context='fork'" in message and "multiprocessing_context='forkserver'" in message
+    assert "start_method" not in message, message
+
+
+_SCIPY_FIRST = r'''
+import numpy, scipy.linalg  # SciPy's own OpenBLAS, with a thread pool of its own (Keras on JAX imports it)
+scipy.linalg.inv(numpy.eye(64))
+import json, os
+threads = len(os.listdir("/proc/self/task"))
+import procpipe
+from procpipe._worker import fork_safety, zygote
+print(json.dumps({"threads": threads, "why": fork_safety.why_not_safe(), "zygote": zygote.pid()}))
+'''
+
+
+def test_scipys_blas_pool_does_not_keep_procpipe_from_forking(tmp_path) -> None:
+    pytest.importorskip("scipy")
+    import json
+
+    from conftest import run_python
+
+    script = tmp_path / "scipy_first.py"
+    script.write_text(_SCIPY_FIRST)
+    out = run_python(["-W", "error::UserWarning", str(script)])
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    if info["threads"] < 3:
+        pytest.skip("numpy's and SciPy's BLAS pools have no threads on this machine (one CPU): nothing to count")
+    assert info["why"] is None and info["zygote"] is not None, info

@@ -39,6 +39,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.utils.data as _tud
 
+from .._worker.start_method import spoken_as
 from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader
@@ -370,7 +371,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
         (``shared_seed``: an IterDataPipe's, see ``procpipe.torch.iterable``)."""
         try:
-            loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+            with spoken_as(_WORDS):  # (a SlowStartWarning says multiprocessing_context too)
+                loader = self._pp_kind.new_loader(
+                    self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state
+                )
         except ShippingError as exc:  # in the words of a DataLoader user, who has no start_method
             raise exc.reworded(words=_WORDS) from None
         # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)
