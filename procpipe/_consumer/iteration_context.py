@@ -153,7 +153,6 @@ class LoaderIterator(Node):
         ``close()`` elsewhere): it says so; later ones in this thread find it over."""
         self._told.add(threading.get_ident())
         iteration_over(self._cancelled)
-        raise AssertionError  # (iteration_over always raises)
 
     def _over(self) -> NoReturn:
         """``next()`` on an iteration that has ended. Each thread is told once why, if it did not

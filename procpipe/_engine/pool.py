@@ -284,12 +284,14 @@ class LocalWorker(WorkerLink):
         descriptors (the pipe multiprocess watches its end by) are otherwise released only
         when the object is garbage, which a reference cycle or a disabled GC postpones. (Its
         replacement is a new process: ``Loader.worker_processes`` lists the live ones.)"""
-        process = self._process
-        process.join(0.1)
         self.outbox.close()
         self.inbox.close()
         self.conn.close()
-        if self.reaped or process.exitcode is None:
+        if self.reaped:
+            return
+        process = self._process
+        process.join(0.1)
+        if process.exitcode is None:
             return  # (still running: its descriptors go with the object)
         self._exitcode = process.exitcode
         process.close()
