@@ -400,7 +400,7 @@ print(json.dumps({"threads": threads, "why": fork_safety.why_not_safe(), "zygote
 '''
 
 
-def test_scipys_blas_pool_does_not_keep_procpipe_from_forking(tmp_path) -> None:
+def test_scipys_blas_pool_keras_on_jax_imports_does_not_keep_procpipe_from_forking(tmp_path) -> None:
     pytest.importorskip("scipy")
     import json
 
