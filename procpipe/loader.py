@@ -430,7 +430,10 @@ class Loader:
     def worker_processes(self) -> list[Any]:
         """The live workers' process objects (``multiprocess.Process``: ``pid``, ``is_alive()``,
         ``join()``...), for code that watches them; empty for ``workers=0`` or once closed.
-        procpipe starts, restarts and stops them: do not terminate them yourself."""
+        procpipe starts, restarts and stops them: do not terminate them yourself. A worker that
+        died is replaced by a new process, and its own object closed once procpipe has collected
+        it (its descriptors released; ``exitcode`` and ``is_alive()`` then raise ``ValueError``):
+        ask again for the current ones."""
         return [] if self._closed else [w.process for w in self._parts.live_workers() if w.process is not None]
 
     def cache_info(self) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from conftest import REPO_ROOT, run_python
@@ -195,11 +196,14 @@ def test_a_busy_training_step_is_not_blamed_on_other_processes(monkeypatch):
     are not "contended by other processes". The run queue is made to look long (schedstat)."""
     from procpipe.bench.__main__ import loader_maker
 
-    assert not sweep.contended_by_others(2, busy_s=1.0, runq_s=0.6, trainer_cpus=1.0, cpus=2)  # our own step
-    assert sweep.contended_by_others(1, busy_s=1.0, runq_s=0.6, trainer_cpus=0.1, cpus=2)  # someone else's
-    assert not sweep.contended_by_others(1, busy_s=1.0, runq_s=0.1, trainer_cpus=0.1, cpus=2)  # no real wait
+    # (own_cpus: the CPU time of the workers and of the training process, per second of the window)
+    assert not sweep.contended_by_others(busy_s=1.0, runq_s=0.6, own_cpus=2.0, cpus=2, seconds=1.0)  # our own step
+    assert sweep.contended_by_others(busy_s=1.0, runq_s=0.6, own_cpus=0.5, cpus=2, seconds=1.0)  # someone else's
+    assert not sweep.contended_by_others(busy_s=1.0, runq_s=0.1, own_cpus=0.5, cpus=2, seconds=1.0)  # no real wait
     clock = iter(range(1, 10**6))
     monkeypatch.setattr(sweep, "schedstat_seconds", lambda pid: (0.0, 100.0 * next(clock)))  # a long run queue
+    # the workers use the CPU the step leaves them (queueing for it, as workers behind a busy step do)
+    monkeypatch.setattr(sweep, "_cpu_seconds", lambda pids: {p: time.perf_counter() for p in pids})
     monkeypatch.setattr(sweep, "cpu_count", lambda: 2)
     make = loader_maker(lambda: {"source": list(range(64)), "batch_size": 4})
     busy = sweep.measure(make, 2, step_s=0.005, step_mode="busy", max_batches=40)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._core.reassembly import ResumePoint
 from .._engine.commands import CancelStream, StartStream
-from .._engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream, iteration_over
+from .._engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream
 from .iteration_context import IterationContext, LoaderIterator
 
 if TYPE_CHECKING:
@@ -90,15 +90,6 @@ class EpochIterator(LoaderIterator):
         with self._lock:
             return self._next()
 
-    def _over(self) -> None:
-        """``next()`` on an iterator that has ended: StopIteration, or why it ended otherwise."""
-        if self._failed is not None:
-            raise RuntimeError(
-                "this epoch's iterator has already ended with an error, raised by an earlier "
-                "next() (perhaps in another thread)"
-            ) from self._failed
-        iteration_over(self._cancelled)
-
     def _next(self) -> Any:
         if self._done:
             self._over()
@@ -130,12 +121,11 @@ class EpochIterator(LoaderIterator):
                 # Cancelled (iter() or close() from another thread or a signal handler) while
                 # this next() waited: the iteration ended early, so it must say so.
                 if self._cancelled:
-                    iteration_over(self._cancelled)
+                    self._ended_early()
                 self._complete = True
                 self._set_epoch(self._next_start())
                 raise StopIteration
-            self._failed = item.exc
-            raise item.exc  # a Failure
+            raise self._ending(item.exc)  # a Failure: the iteration ends with it
 
     def _enter(self, epoch: Epoch) -> None:
         """The consumer received the first batch of a later epoch."""

@@ -25,7 +25,7 @@ from .._core.notes import add_note
 from .._core.reassembly import ResumePoint
 from .._core.rng import SampleScope
 from .._core.stats import array_bytes
-from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, Stream, iteration_over
+from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, Stream
 from .._plan.base import loaded
 from .._worker.produce import produce
 from ..errors import summarize_indices
@@ -115,23 +115,19 @@ class InlineDriver(LoaderIterator):
 
     def _next(self) -> Any:
         if self._done:
-            if self._failed is not None:
-                raise RuntimeError(
-                    "this epoch's iterator has already ended with an error, raised by an earlier next()"
-                ) from self._failed
-            iteration_over(self._cancelled)
+            self._over()
         stream = self._stream
         started = time.perf_counter()
         out = stream.out
         while True:
             while out.empty():  # (asked, not caught: an exception per batch costs more than the question)
                 if self._cancelled:  # by iter() or close() from another thread or a signal handler
-                    iteration_over(self._cancelled)
+                    self._ended_early()
                 try:
                     self._load()
-                except BaseException as exc:  # (KeyboardInterrupt...): later next() calls say so, never StopIteration
-                    self._failed = exc
+                except BaseException as exc:  # (KeyboardInterrupt...): it ends the iteration (_over)
                     self._stop()
+                    self._ending(exc)
                     raise
             item = out.get_nowait()
             if type(item) is tuple:
@@ -153,8 +149,7 @@ class InlineDriver(LoaderIterator):
                 self._complete = True
                 self._set_epoch(self._next_start())
                 raise StopIteration
-            self._failed = item.exc
-            raise item.exc  # a Failure that ends the iteration
+            raise self._ending(item.exc)  # a Failure that ends the iteration
 
     def _enter(self, epoch: Epoch) -> None:
         stream = self._stream

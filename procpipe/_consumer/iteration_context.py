@@ -14,9 +14,11 @@ procpipe/_consumer/state.py) and whose ``reset(state)`` restarts it there.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from .._engine.epochs import iteration_over
 from .nodes import Node
 from .state import decode_position, encode_position, start_position
 
@@ -135,8 +137,41 @@ class LoaderIterator(Node):
         self._complete = False  # every batch of the stream was returned
         self._cancelled = None
         self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
+        self._told: set[int] = set()  # the threads a next() has told why the iteration ended (_over)
         self._standing.counters = self._epoch.counters
         self._set_epoch(number + 1)
+
+    def _ending(self, exc: BaseException) -> BaseException:
+        """The error that ends the iteration, for the ``next()`` that met it to raise: later ones
+        in this thread find the iteration over (``_over``)."""
+        self._failed = exc
+        self._told.add(threading.get_ident())
+        return exc
+
+    def _ended_early(self) -> NoReturn:
+        """A ``next()`` that finds the iteration cancelled (``iter()``, ``load_state_dict`` or
+        ``close()`` elsewhere): it says so; later ones in this thread find it over."""
+        self._told.add(threading.get_ident())
+        iteration_over(self._cancelled)
+
+    def _over(self) -> NoReturn:
+        """``next()`` on an iteration that has ended. Each thread is told once why, if it did not
+        end with its last batch: the error that ended it (a ``RuntimeError`` from it: the error
+        itself was raised by the ``next()`` that met it, perhaps in another thread), or that it
+        was ended early. After that, and after a normal end, it is exhausted: ``StopIteration``.
+        So a loop that catches an error and calls ``next()`` again ends instead of spinning, and
+        no thread sees an iteration that ended early end as if it were complete."""
+        thread = threading.get_ident()
+        if thread not in self._told:
+            self._told.add(thread)
+            if self._failed is not None:
+                raise RuntimeError(
+                    "this epoch's iterator has already ended with an error, raised by an earlier next() in "
+                    "another thread; iter(loader) starts a new epoch"
+                ) from self._failed
+            if self._cancelled:
+                iteration_over(self._cancelled)
+        raise StopIteration
 
     def _set_epoch(self, epoch: int) -> None:
         """Move ``loader.epoch`` along (unless the user chose one with ``set_epoch`` meanwhile)."""

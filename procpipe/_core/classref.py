@@ -148,10 +148,28 @@ def reduce_class(obj: Any) -> tuple | None:
     return reduction
 
 
+_IN_MEMORY = (io.BytesIO, io.StringIO)  # file objects that pickle whole (their contents)
+
+
+def is_open_file(obj: Any) -> bool:
+    """Whether ``obj`` is a file object over an OS file or stream (not an in-memory one)."""
+    return isinstance(obj, io.IOBase) and not isinstance(obj, _IN_MEMORY)
+
+
 class DillPickler(dill.Pickler):
-    """dill, but classes ``reduce_class`` can name go by reference."""
+    """dill, but classes ``reduce_class`` can name go by reference, and an open file is refused.
+
+    dill pickles a file object by its name: the receiver opens the file again, a new handle at
+    position 0 (or fails, on a pipe or socket), silently not the object the worker made. What
+    a worker sends back must be the value it made, so such a value is an error
+    (``collate.unsendable_error`` words it, naming the field)."""
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if is_open_file(obj):
+            raise pickle.PicklingError(
+                f"procpipe does not pickle an open file ({obj!r}): another process would get a new "
+                "handle, at position 0, not this one"
+            )
         if isinstance(obj, type) and id(obj) not in self.memo:
             reduction = reduce_class(obj)
             if reduction is not None:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import CollateError, summarize_indices
+from . import classref
 
 ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
 ALIGN = 64  # every array starts on a cache line
@@ -273,9 +274,55 @@ def find_inline(node: list, refuses: Any, path: tuple = ()) -> tuple[tuple, int 
     return None
 
 
-def describe_path(path: tuple) -> str:
-    """A place in a sample, as errors name it: ``sample['image']``, ``sample[0]``."""
-    return _path_str(path)
+def describe_path(path: tuple, root: str = "sample") -> str:
+    """A place in a sample (or a batch: ``root``), as errors name it: ``sample['image']``, ``sample[0]``."""
+    return root + _path_str(path).removeprefix("sample")
+
+
+def find_value(tree: Any, wanted: Callable[[Any], bool], path: tuple = ()) -> tuple[tuple, Any] | None:
+    """The first value in ``tree`` (dicts, lists and tuples are walked, anything else is a value)
+    for which ``wanted(value)`` holds, as ``(path, value)`` (``describe_path`` names it); None if none.
+    For errors only: it walks the whole tree."""
+    return _find_value(tree, wanted, path, set())
+
+
+def _find_value(tree: Any, wanted: Callable[[Any], bool], path: tuple, seen: set[int]) -> tuple[tuple, Any] | None:
+    if isinstance(tree, (dict, list, tuple)):
+        if id(tree) in seen:  # (a container holding itself)
+            return None
+        seen.add(id(tree))
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        for key, child in items:
+            found = _find_value(child, wanted, path + (key,), seen)
+            if found is not None:
+                return found
+        return None
+    return (path, tree) if wanted(tree) else None
+
+
+def unsendable_error(
+    where: str, value: Any, exc: BaseException, made_in: str = "fn", drop_in: str = "batch_fn / collate_fn"
+) -> CollateError:
+    """The error of a value a worker made that cannot go to the training process: ``where`` it is
+    (``sample['h'] of index 5``), what it is, why (``exc``, its pickling error), and the fix: in
+    ``made_in``, where the value was made, or ``drop_in``. An open file is named as such: pickled
+    by name, it would arrive as a new handle at position 0 (classref.py refuses it)."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    if classref.is_open_file(value):
+        name = getattr(value, "name", None)
+        return CollateError(
+            f"cannot send {where} to the training process: it holds an open file ({kind}"
+            f"{'' if name is None else f' {name!r}'}), which procpipe does not send: the training process would "
+            f"get a new handle, at position 0, not this one. Return the path (and the position, f.tell()) or the "
+            f"bytes read instead, from {made_in}, or drop the field in {drop_in}."
+        )
+    return CollateError(
+        f"cannot send {where} to the training process: it holds "
+        f"{'an object' if value is None else f'a {kind}'}, which cannot be pickled "
+        f"({type(exc).__name__}: {exc}). Return only picklable values from {made_in} (arrays, numbers, str, "
+        f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
+        f"file), or drop the field in {drop_in}."
+    )
 
 
 def count_arrays(node: list) -> int:

@@ -35,7 +35,8 @@ as one whose creator is gone, even from another pid namespace (a container shari
 Forked children (workers) close the reaper's pipe and the locks at once
 (``os.register_at_fork``): the reaper follows the training process only, and a child
 stopped or stuck cannot keep a file "alive". If the reaper cannot start, procpipe says so
-once (logger ``procpipe``) and works as before (workers still clean up after a killed parent).
+once (logger ``procpipe``): a killed training process's files then stay until the next loader's
+start-up sweep (its workers end with it, by their death signal, before they could remove them).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ releasing thread no system call.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 class WakePipe:
@@ -33,10 +34,14 @@ class WakePipe:
         """The read end: register it with the selector (EVENT_READ)."""
         return self._read
 
-    def wake(self) -> None:
-        """Make the next (or current) ``select`` return; never blocks, never raises."""
+    def wake(self, _write: Any = os.write) -> None:
+        """Make the next (or current) ``select`` return; never blocks, never raises.
+
+        (``os.write`` is bound at definition: a batch's last reference may die as the
+        interpreter exits, after this module's globals were cleared, and its slot's release
+        wakes the coordinator.)"""
         try:
-            os.write(self._write, b"\0")
+            _write(self._write, b"\0")
         except OSError:
             pass  # already awake (the pipe is full: BlockingIOError) or closed
 

@@ -438,6 +438,15 @@ class Coordinator:
     # ---------------------------------------------------------------- deaths
     def _on_exit(self, worker: WorkerLink) -> None:
         """A worker died (or was killed): re-run what it held (deaths.py), and replace it."""
+        try:
+            self._settle_exit(worker)
+        finally:
+            # The attempt it was killed for points back at it (Attempt.worker): a cycle that
+            # would keep the dead link, its pipe buffers and whatever it holds until a
+            # garbage collection. Its death is settled: nothing asks for the attempt again.
+            worker.killed_for = None
+
+    def _settle_exit(self, worker: WorkerLink) -> None:
         selector = self._selector
         selector.unregister(worker.exit_fd())
         try:

@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from .._core.notes import add_note
 from .._core.reassembly import ResumePoint
@@ -48,7 +48,7 @@ class PlanClass(Protocol):
     def unopened_state(self, resumed: Any) -> Any: ...
 
 
-def iteration_over(cancelled: str | None) -> None:
+def iteration_over(cancelled: str | None) -> NoReturn:
     """What ``next()`` does on an epoch iterator that has ended: say why if it was ended early."""
     if cancelled:
         raise RuntimeError(f"this epoch's iterator was ended early: {cancelled}")

@@ -222,21 +222,24 @@ class LocalWorker(WorkerLink):
         self.inbox = wire.Inbox(conn)
         self._status = status  # the pool's status words
         self._rings_sent: set[int] = set()  # the ring generations sent to it (map_ring)
+        self._pid = process.pid  # kept: a closed process (reap) has none to give
+        self._exitcode: int | None = None  # how it ended, kept by reap
+        self.reaped = False  # reap collected it: its process object is closed, its descriptors too
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._pid
 
     @property
     def process(self) -> Any:
-        return self._process
+        return None if self.reaped else self._process
 
     @property
     def exitcode(self) -> int | None:
-        return self._process.exitcode
+        return self._exitcode if self.reaped else self._process.exitcode
 
     def describe(self) -> str:
-        return f"worker {self.index} (pid {self._process.pid})"
+        return f"worker {self.index} (pid {self._pid})"
 
     def map_ring(self, ring: Ring) -> None:
         if ring.ring_id not in self._rings_sent:
@@ -289,13 +292,25 @@ class LocalWorker(WorkerLink):
         return self.outbox.fileno()
 
     def reap(self) -> None:
-        self._process.join(0.1)
+        """Collect the dead process, close the pipe, and close the process object: its own two
+        descriptors (the pipe multiprocess watches its end by) are otherwise released only
+        when the object is garbage, which a reference cycle or a disabled GC postpones. (Its
+        replacement is a new process: ``Loader.worker_processes`` lists the live ones.)"""
         self.outbox.close()
         self.inbox.close()
         self.conn.close()
+        if self.reaped:
+            return
+        process = self._process
+        process.join(0.1)
+        if process.exitcode is None:
+            return  # (still running: its descriptors go with the object)
+        self._exitcode = process.exitcode
+        process.close()
+        self.reaped = True
 
     def kill(self) -> None:
-        kill_tree(self._process.pid, wait=False)
+        kill_tree(self._pid, wait=False)
 
     def stuck_on(self, attempt: Attempt) -> int | None:
         word = _STATUS_WORDS * self.index
@@ -303,7 +318,7 @@ class LocalWorker(WorkerLink):
         return index if task_id == attempt.id else None
 
     def failed_to_start(self) -> bool:
-        return self._status[_STATUS_WORDS * self.index] == STARTING and (self._process.exitcode or 0) > 0
+        return self._status[_STATUS_WORDS * self.index] == STARTING and (self.exitcode or 0) > 0
 
 
 class LocalPool(WorkerPool):
@@ -468,6 +483,7 @@ def stop_all(workers: list[LocalWorker]) -> None:
     replies are read and dropped: a worker blocked writing a large reply (an inline batch,
     before the ring exists) could not otherwise see the stop.
     """
+    workers = [w for w in workers if not w.reaped]  # (a dead one kept till the next epoch is collected)
     for w in workers:
         w.outbox.drop_unsent()
         w.outbox.put(STOP)
@@ -499,4 +515,4 @@ def stop_all(workers: list[LocalWorker]) -> None:
         w.process.join(1.0)
         w.outbox.close()
         w.inbox.close()
-        w.conn.close()
+        w.conn.close()  # (its process object stays open: code watching worker_processes may hold it)

@@ -16,8 +16,10 @@ the child: forking is safe only while no other thread can hold a lock the child 
 - a thread of **numpy's BLAS pool**, which OpenBLAS makes fork-safe itself
   (``pthread_atfork``). Only those are counted as safe (``SAFE_NATIVE_THREADS``): measured
   when procpipe imports numpy itself (the threads it starts), else asked of OpenBLAS (its
-  pool is its thread count less one). A native thread that was running before procpipe was
-  imported (TensorFlow's, a C library's) is *not* safe: it counts against forking.
+  pool is its thread count less one), and so are the threads of every other OpenBLAS loaded
+  (SciPy's has a pool of its own), asked when there are more native threads than that. A
+  native thread that was running before procpipe was imported (TensorFlow's, a C library's)
+  is *not* safe: it counts against forking.
 
 CPython 3.12+ warns after every fork of a multi-threaded process (``DeprecationWarning``: "This
 process is multi-threaded, use of fork() may lead to deadlocks in the child"). For a fork that
@@ -58,7 +60,9 @@ def _python_native_split() -> tuple[int, int]:
 
 
 def _openblas_pool() -> int | None:
-    """Threads of OpenBLAS's pool in this process (its thread count less the caller), or None."""
+    """Threads of the OpenBLAS pools in this process (each library's thread count less the
+    caller), or None if none can be asked. Every OpenBLAS loaded has a pool of its own: numpy's,
+    and SciPy's (which Keras on JAX imports, and ``scipy.linalg``), each fork-safe alike."""
     try:
         with open("/proc/self/maps") as f:
             libraries = sorted(set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read())))
@@ -68,6 +72,7 @@ def _openblas_pool() -> int | None:
         return None
     import ctypes
 
+    pools = []
     for path in libraries:
         try:
             library = ctypes.CDLL(path)
@@ -81,8 +86,9 @@ def _openblas_pool() -> int | None:
         ):
             get = getattr(library, symbol, None)
             if get is not None:
-                return max(0, int(get()) - 1)
-    return None
+                pools.append(max(0, int(get()) - 1))
+                break
+    return sum(pools) if pools else None
 
 
 def _measure_safe_native() -> tuple[int, str]:
@@ -225,7 +231,11 @@ def why_not_safe() -> str | None:
         )
     native = _python_native_split()[1]
     if native > SAFE_NATIVE_THREADS:
-        unknown = native - SAFE_NATIVE_THREADS
+        # (a BLAS pool started since procpipe was imported, SciPy's say, is as safe: asked only now)
+        safe = max(SAFE_NATIVE_THREADS, _openblas_pool() or 0)
+        if native <= safe:
+            return None
+        unknown = native - safe
         frameworks = [m for m in ("tensorflow", "jax", "torch", "ray", "grpc") if m in sys.modules]
         hint = f"; imported: {', '.join(frameworks)}" if frameworks else ""
         return (

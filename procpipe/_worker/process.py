@@ -54,10 +54,10 @@ from .._core.rings import WorkerRings
 from .._core.rng import SampleScope
 from .._core.shm import SharedFd, close_fd, map_fd, receiving, shipping
 from ..config import Batching, Faults, Stages
-from ..errors import CollateError
 from .identity import enter_worker
-from .produce import produce
+from .produce import made_in, produce
 from .reader import IndexedReader, SourceReader
+from .start_method import leave_forkserver
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -237,10 +237,11 @@ def _remove_files(leftovers: tuple[str, ...]) -> None:
 def _exit_with_parent(parent: _ParentWatch, leftovers: tuple[str, ...]) -> None:
     """Watchdog thread: when the loader's process dies, remove its named files and end this worker.
 
-    It works even while the main thread is deep in user code. (PR_SET_PDEATHSIG is not
-    enough: a forkserver worker's parent is the forkserver, which outlives the loader as
-    long as any worker does.) SIGTERM makes the main thread exit normally; a main thread
-    stuck in native code, or swallowing SystemExit, is ended after a grace period.
+    It works even while the main thread is deep in user code, and where no death signal comes
+    (``_die_with_parent``: a Ray agent's workers, in sessions of their own, have none). SIGTERM
+    makes the main thread exit normally; a main thread stuck in native code, or swallowing
+    SystemExit, is ended after a grace period. (A stopped worker runs no thread at all: its
+    death signal, SIGKILL, ends it.)
     """
     parent.wait()
     _remove_files(leftovers)
@@ -250,12 +251,18 @@ def _exit_with_parent(parent: _ParentWatch, leftovers: tuple[str, ...]) -> None:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker when its parent process ends (best effort)."""
+    """Ask Linux to SIGKILL this worker when its parent process ends (best effort).
+
+    SIGKILL, not SIGTERM: a stopped worker (SIGSTOP, a debugger, a scheduler's suspend) keeps
+    any other signal pending, and cannot run its watch thread (``_exit_with_parent``) either;
+    SIGKILL ends it all the same. Its parent is the training process (fork), or the zygote or
+    forkserver that forked it, which exits when the training process does (``leave_forkserver``).
+    The files are the training process's reaper's to remove (_core/reaper.py)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -302,6 +309,7 @@ def worker_main(
         os.setsid()  # before the agent itself; the watch below follows the agent)
     else:
         _die_with_parent()
+    leave_forkserver()  # (nor does it keep the zygote or a forkserver alive)
     # The whole environment, not an update: a forkserver keeps the environment it started
     # with (the first loader's worker_env), which must not leak into another loader's workers.
     os.environ.clear()
@@ -324,8 +332,8 @@ def worker_main(
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pipe_closed = True  # the loader closed our pipe, or died
     except SystemExit as exc:
-        # SIGTERM: most often the death signal of a loader that was killed (PR_SET_PDEATHSIG),
-        # sent while it is still exiting. The watch thread removes its files then, but it is a
+        # SIGTERM: most often from the watch thread, a loader having been killed (_exit_with_parent),
+        # possibly while it is still exiting. The watch thread removes its files then, but it is a
         # daemon: this thread's exit would cut it short (some files removed, not all).
         terminated = exc.code == 128 + signal.SIGTERM
         raise
@@ -350,14 +358,24 @@ def _status_view(status: SharedFd, worker_id: int) -> Any:
 
 
 def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any) -> None:
-    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     # The tasks queued in the pipe, read at once (small batches keep several queued): a
     # system call per few tasks, not a poll and two reads each (Connection.poll and recv_bytes).
     inbox = wire.Inbox(conn, with_fds=True)  # (a MapRing's descriptor comes with it)
+    try:
+        _serve_tasks(conn, spec, rings, parent, status, inbox)
+    finally:
+        inbox.close()  # (its own socket: left to the garbage collector, an exiting worker warns of it)
+
+
+def _serve_tasks(
+    conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch, status: Any, inbox: Any
+) -> None:
+    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals)
     waiting = select.poll()
     waiting.register(inbox.fileno(), select.POLLIN)
     idle_ms = int(_IDLE_CHECK_S * 1000)
     queued: deque[bytes] = deque()
+    samples_made_in = made_in(spec)  # (what an unsendable value's error names as the place to fix it)
     while True:
         while not queued:
             if inbox.closed:
@@ -373,10 +391,10 @@ def _serve(conn: Any, spec: WorkerSpec, rings: WorkerRings, parent: _ParentWatch
             rings.add(task.ring_id, inbox.fds.popleft(), task.nbytes)
             continue
         reply = run_task(spec, scope, rings, task, status, lambda skipped: wire.send(conn, skipped))
-        conn.send_bytes(encode_reply(reply, task))
+        conn.send_bytes(encode_reply(reply, task, samples_made_in))
 
 
-def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
+def encode_reply(reply: BatchDone | BatchFailed, task: Task, made_in: str = "fn") -> bytes:
     """``reply`` for the wire; a batch holding a value that cannot be pickled (a generator, a
     lock, a socket...) becomes that batch's error, naming the value, rather than ending the
     worker: the consumer gets it from its ``next()``, as any other error of ``fn``."""
@@ -385,7 +403,7 @@ def encode_reply(reply: BatchDone | BatchFailed, task: Task) -> bytes:
     except Exception as exc:
         if not isinstance(reply, BatchDone) or reply.layout is None:
             raise
-        error = _unsendable(reply.layout, task.payload, exc)
+        error = _unsendable(reply.layout, task.payload, exc, made_in)
         return wire.encode(BatchFailed(task.id, error, reply.busy_s))
 
 
@@ -397,26 +415,20 @@ def _refuses_pickle(value: Any) -> bool:
     return False
 
 
-def _unsendable(layout: list, payload: Any, exc: Exception) -> ErrorInfo:
-    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type."""
+def _unsendable(layout: list, payload: Any, exc: Exception, made_in: str) -> ErrorInfo:
+    """The error of a batch whose layout cannot be pickled: which field, of which index, of what type
+    (``made_in``: where the samples are made, ``produce.made_in``)."""
     found = collate.find_inline(layout, _refuses_pickle)
     if found is None:  # (only the whole batch fails to pickle: say so without a field)
-        where, index, kind = "the batch", None, "an object"
+        where, index, value = "the batch", None, None
     else:
         path, position, value = found
         if not isinstance(payload, list) and path[:1] == (1,):  # a stream's block layout: (info, records)
             path = path[1:]
         indices = payload if isinstance(payload, list) else None
         index = indices[position] if indices is not None and position is not None else None
-        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
         where = collate.describe_path(path) + (f" of index {index}" if index is not None else "")
-    error = CollateError(
-        f"cannot send {where} to the training process: it holds a {kind}, which cannot be pickled "
-        f"({type(exc).__name__}: {exc}). Return only picklable values from fn (arrays, numbers, str, "
-        f"plain containers: e.g. list(generator) instead of the generator, a path instead of an open "
-        f"file), or drop the field in batch_fn / collate_fn."
-    )
-    return _error_info(index, error)
+    return _error_info(index, collate.unsendable_error(where, value, exc, made_in))
 
 
 def run_task(

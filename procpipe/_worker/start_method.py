@@ -23,10 +23,14 @@ main script defines by value. ``context`` returns contexts whose processes start
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import os
+import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import multiprocess
@@ -36,6 +40,7 @@ from multiprocess import popen_forkserver as _mp_popen_forkserver
 from multiprocess import spawn as _mp_spawn
 from multiprocess import util as _mp_util
 
+from ..errors import LOADER_WORDS, Words
 from . import fork_safety, zygote
 
 AUTO = "auto"
@@ -80,16 +85,47 @@ def _warn_once(why: str, stacklevel: int = 4) -> None:
     if _warned:
         return
     _warned = True
-    warnings.warn(
-        f"procpipe: start_method='auto' starts workers from a forkserver, not by fork: {why}. "
-        "The first batch takes longer (a fresh process imports what the dataset and functions reference, "
-        "once per process). To fork, or start workers from a zygote: import procpipe before starting threads "
-        "and before libraries that start thread pools, and create loaders before starting threads; or pass "
-        "start_method='fork' if those threads hold no lock the workers need, or start_method='forkserver' to "
-        "choose it (and silence this). See docs/guide/startup.md.",
-        SlowStartWarning,
-        stacklevel=stacklevel,
+    warnings.warn(slow_start_message(why, _words.get()), SlowStartWarning, stacklevel=stacklevel)
+
+
+def slow_start_message(why: str, words: Words = LOADER_WORDS) -> str:
+    """Why ``"auto"`` cannot fork, and what the reader can do, where they are: a notebook's kernel
+    runs threads before any cell (importing procpipe first is not theirs to do there), and
+    ``words`` names the option as the API the user called does (``procpipe.torch.DataLoader``:
+    ``multiprocessing_context``)."""
+    option = words.option
+    head = (
+        f"procpipe: {words.auto} starts workers from a forkserver, not by fork: {why}. The first batch takes "
+        "longer (a fresh process imports what the dataset and functions reference, once per process)."
     )
+    choose = (
+        f"pass {option}='fork' to fork anyway, as torch's DataLoader does (safe if those threads hold no lock the "
+        f"workers need), or {option}='forkserver' to choose this start (and silence this). See docs/guide/startup.md."
+    )
+    if "ipykernel" in sys.modules:  # a notebook (Jupyter): the kernel's threads run before the first cell
+        return (
+            f"{head} In a notebook the kernel's own threads run before the first cell, so procpipe cannot fork "
+            f"the workers nor a zygote to start them from (loaders created in a script that imports procpipe "
+            f"before starting threads can). Here, {choose}"
+        )
+    return (
+        f"{head} To fork, or start workers from a zygote: import procpipe before starting threads and before "
+        f"libraries that start thread pools, and create loaders before starting threads; or {choose}"
+    )
+
+
+_words: contextvars.ContextVar[Words] = contextvars.ContextVar("procpipe_start_words", default=LOADER_WORDS)
+
+
+@contextlib.contextmanager
+def spoken_as(words: Words) -> Iterator[None]:
+    """While it is held, ``SlowStartWarning`` names the options as ``words`` does: an adapter that
+    makes a ``Loader`` for its user (``procpipe.torch.DataLoader``) speaks that user's API."""
+    token = _words.set(words)
+    try:
+        yield
+    finally:
+        _words.reset(token)
 
 
 def _install() -> None:
@@ -139,6 +175,22 @@ class ForkServerWorker(_WithoutMain, _mp_context.ForkServerProcess):
 
 class SpawnWorker(_WithoutMain, _mp_context.SpawnProcess):
     """A spawned process that does not import the main script (module doc)."""
+
+
+def leave_forkserver() -> None:
+    """In a worker: close the forkserver's alive pipe that multiprocess handed it (a worker of the
+    zygote or of a forkserver gets the write end with each fork request; a forked one inherits the
+    training process's). A forkserver exits once no process holds that pipe: a stopped worker
+    holding it would keep the zygote or the forkserver alive after the training process died,
+    and so itself, whose death signal comes when its parent (that server) exits."""
+    server = _mp_forkserver._forkserver
+    fd = server._forkserver_alive_fd  # (multiprocess's: set by its protocol in the child)
+    if fd is not None:
+        server._forkserver_alive_fd = None
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class ZygoteServer(_mp_forkserver.ForkServer):

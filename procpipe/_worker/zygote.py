@@ -23,7 +23,11 @@ The zygote
   stdout and stderr is pointed at ``/dev/null`` (its number stays taken, so no Python
   object inherited from the parent closes a descriptor the zygote opens later);
 - exits when the training process does (its ``alive`` pipe, as multiprocess's forkserver),
-  and removes its socket; its name (``ps``, ``/proc/PID/comm``) is ``procpipe-zygote``.
+  and removes its socket; its name (``ps``, ``/proc/PID/comm``) is ``procpipe-zygote``. Only
+  the training process holds the pipe's write end: a child it forks closes its copy at once
+  (``_forget_in_child``), and a worker the copy multiprocess's protocol hands it
+  (``start_method.leave_forkserver``), so that a stopped worker cannot keep the zygote alive;
+  once the zygote has exited, its workers get their death signal (SIGKILL: _worker/process.py).
 
 It is not forked where it is not wanted: in a process that is not fork-safe at import,
 in a worker process multiprocess is starting (one that imports procpipe to unpickle its
@@ -79,6 +83,23 @@ def current() -> Zygote | None:
         os.close(_zygote.alive_fd)
         _zygote = None
     return _zygote
+
+
+def _forget_in_child() -> None:
+    """In any child this process forks (a worker, the user's own ``os.fork()``): close the zygote's
+    alive pipe. The zygote exits when every copy of it is closed; a child holding one, stopped
+    (SIGSTOP, a debugger) or stuck, would keep the zygote, and its workers, alive after the
+    training process died."""
+    global _zygote
+    if _zygote is not None:
+        try:
+            os.close(_zygote.alive_fd)
+        except OSError:
+            pass
+        _zygote = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def pid() -> int | None:

@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 LEGEND = (
     "  (median of the repeats; spread: ± half the range of samples/s; runq %: time the workers waited "
-    "for a CPU, held by other processes (! = contended) or, when the workers and the training process "
-    "need more than the CPUs, by each other; USS: private memory, the shared ring left out)"
+    "for a CPU, held by other processes (! = contended: the bench's own processes left CPUs unused) or, "
+    "when the workers and the training process need more than the CPUs, by each other; MB/s: the arrays "
+    "and tensors received; USS: private memory, the shared ring left out)"
 )
 
 

@@ -185,10 +185,11 @@ class PipelineMaker:
         theirs = next((s for s in settings if s.workers == self.theirs), None)
         if theirs is None:
             return text + f" (yours, {self.option}={self.theirs}, was not measured: add it to --workers)"
+        apart = abs(self.theirs - recommended)
         return text + (
             f" (yours, {self.option}={self.theirs}, gave {100 * theirs.samples_per_s / best:.0f} % of the best "
-            f"throughput with {abs(self.theirs - recommended)} {'more' if self.theirs > recommended else 'fewer'} "
-            "worker processes)"
+            f"throughput with {apart} {'more' if self.theirs > recommended else 'fewer'} "
+            f"worker {'process' if apart == 1 else 'processes'})"
         )
 
 

@@ -86,13 +86,30 @@ def cpu_count() -> int:
     return cpu_budget()
 
 
-def contended_by_others(workers: int, busy_s: float, runq_s: float, trainer_cpus: float, cpus: int) -> bool:
-    """Whether the workers' waits for a CPU (``runq_s`` in all, against ``busy_s`` of work) mean
-    that *other* processes held the CPUs: they waited more than ``CONTENDED`` of their busy time
-    although the bench's own processes, the workers and the training process (``trainer_cpus``
-    CPUs: a ``busy`` step, the coordinator), fit in the ``cpus``. Beyond that they queue behind
-    each other or behind the modelled step, which is not contention."""
-    return busy_s > 0 and runq_s > CONTENDED * busy_s and workers + trainer_cpus <= cpus
+def contended_by_others(busy_s: float, runq_s: float, own_cpus: float, cpus: int, seconds: float) -> bool:
+    """Whether the workers' waits for a CPU (``runq_s`` in all, against ``busy_s`` of work, over a
+    window of ``seconds``) mean that *other* processes held the CPUs: they waited more than
+    ``CONTENDED`` of their busy time, while the bench's own processes (``own_cpus``: the CPU time
+    of the workers and of the training process, its ``busy`` step and the coordinator, per second)
+    left CPUs unused, by more than that margin. Workers that queue behind each other or behind the
+    modelled step keep the CPUs busy with the bench's own work: that is not contention. (Counting
+    processes instead, 2 workers beside a sleeping step on 2 CPUs would never be contended, though
+    they waited 75 % of the time for CPUs they did not use.)"""
+    if busy_s <= 0 or runq_s <= CONTENDED * busy_s:
+        return False
+    return own_cpus < cpus - CONTENDED * busy_s / seconds
+
+
+def array_bytes(batch: Any) -> int:
+    """The bytes of the arrays and tensors in a batch as the consumer holds it (dicts, lists and
+    tuples walked): what MB/s counts, the same way at every worker count (0 included, where no
+    ring slot is filled, and through an adapter such as the torch facade)."""
+    if isinstance(batch, dict):
+        return sum(array_bytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(array_bytes(v) for v in batch)
+    nbytes = getattr(batch, "nbytes", None)  # numpy arrays, torch tensors
+    return nbytes if isinstance(nbytes, int) else 0
 
 
 def _step(seconds: float, mode: str) -> None:
@@ -188,7 +205,7 @@ def measure(
         start = time.perf_counter()
         deadline = start + max_seconds if max_seconds else math.inf
         endless = max_batches is None and max_seconds is None  # (then: the rest of the first epoch)
-        consumed = pending = 0
+        consumed = pending = delivered = 0
         waited = 0.0
         report_at = start + 0.2
         while True:
@@ -206,6 +223,7 @@ def measure(
             now = time.perf_counter()
             waited += now - before
             consumed += 1
+            delivered += array_bytes(batch)
             _step(step_s, step_mode)
             del batch
             pending += 1
@@ -231,7 +249,6 @@ def measure(
         progress(pending)
     seconds = max(end - start, 1e-9)
     per_batch_samples = s1["samples"] / s1["batches"] if s1["batches"] else 0.0
-    per_batch_bytes = s1["bytes"] / s1["batches"] if s1["batches"] else 0.0
     samples = round(consumed * per_batch_samples)
     wait = min(1.0, max(0.0, waited / seconds))
     busy_pct = cpu_pct = peak = total = uss = runq_pct = None
@@ -248,7 +265,8 @@ def measure(
         runq = [max(0.0, sched1[p][1] - sched0[p][1]) for p in sched1 if p in sched0]
         if runq:
             runq_pct = 100.0 * sum(runq) / len(runq) / seconds
-            contended = contended_by_others(workers, sum(busy) * seconds, sum(runq), trainer_s / seconds, cpu_count())
+            own = sum(cpu) + trainer_s / seconds
+            contended = contended_by_others(sum(busy) * seconds, sum(runq), own, cpu_count(), seconds)
     return Setting(
         workers=workers,
         batches=consumed,
@@ -256,7 +274,7 @@ def measure(
         seconds=seconds,
         samples_per_s=samples / seconds,
         batches_per_s=consumed / seconds,
-        mb_per_s=consumed * per_batch_bytes / seconds / 1e6,
+        mb_per_s=delivered / seconds / 1e6,
         wait_pct=100.0 * wait,
         worker_busy_pct=busy_pct,
         worker_cpu_pct=cpu_pct,
@@ -336,11 +354,13 @@ def recommend(
     frac = rec.samples_per_s / best.samples_per_s
     beyond = [s for s in settings if s.workers > rec.workers]
     gain = max((s.samples_per_s / rec.samples_per_s - 1.0 for s in beyond), default=None)
-    diagnosis, why = _diagnose(rec, step_s, cpus, largest=gain is None)
+    diagnosis, why = _diagnose(rec, step_s, cpus, largest=gain is None, best=best)
     noun = "worker" if rec.workers == 1 else "workers"
     text = f"use {rec.workers} {noun}: {frac * 100:.0f} % of the best throughput"
     if best is not rec:
         text += f" ({best.samples_per_s:,.0f} samples/s with {best.workers})"
+    if frac < within:  # chosen by its best run: say so, as the table's spread shows it
+        text += f", {_best_run(rec) / best.samples_per_s * 100:.0f} % in its best run (within the noise)"
     if gain is not None and gain > 1.0 - within and not io_bound and best.workers > cpus >= rec.workers:
         text += (
             f"; more workers than the {cpus} CPUs measured up to {gain * 100:+.0f} %, which a CPU-bound "
@@ -389,8 +409,14 @@ def _cpus_used(setting: Setting) -> float:
     return (setting.worker_cpu_pct or 0.0) * setting.workers / 100.0
 
 
-def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool) -> tuple[str, str]:
-    """What limits the recommended setting: ``(kind, explanation)`` (kinds: ``recommend``)."""
+def _best_run(setting: Setting) -> float:
+    """A setting's samples/s in its best repeat."""
+    return setting.samples_per_s_max or setting.samples_per_s
+
+
+def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool, best: Setting | None = None) -> tuple[str, str]:
+    """What limits the recommended setting: ``(kind, explanation)`` (kinds: ``recommend``); ``best``:
+    the setting of the best throughput, which the explanation of ``workers=0`` compares against."""
     busy = rec.worker_busy_pct
     cpu = rec.worker_cpu_pct
     runq = rec.worker_runq_pct or 0.0
@@ -401,10 +427,19 @@ def _diagnose(rec: Setting, step_s: float, cpus: int, largest: bool) -> tuple[st
         busy is not None and cpu is not None and busy >= 50.0 and cpu + runq < 0.5 * busy and used < 0.5 * cpus
     )
     if rec.workers == 0:
+        if best is None or best.samples_per_s <= rec.samples_per_s:
+            return "inline", (
+                "loading in the training process is at least as fast as with workers: the per-batch "
+                "work is too small to pay for handing batches between processes (or the step leaves "
+                "no CPU for them)"
+            )
+        noun = "worker" if best.workers == 1 else "workers"
         return "inline", (
-            "loading in the training process is at least as fast as with workers: the per-batch "
-            "work is too small to pay for handing batches between processes (or the step leaves "
-            "no CPU for them)"
+            f"loading in the training process reached {rec.samples_per_s / best.samples_per_s * 100:.0f} % of "
+            f"the best median ({best.samples_per_s:,.0f} samples/s with {best.workers} {noun}) and "
+            f"{_best_run(rec) / best.samples_per_s * 100:.0f} % in its best run: within the noise between runs, "
+            "workers gained too little to pay for handing batches between processes (measure with more "
+            "--repeat to separate them)"
         )
     if step_s > 0 and wait < 5.0:
         mem = f" and about {rec.uss_mib:.0f} MiB" if rec.uss_mib else ""

@@ -304,12 +304,20 @@ def _compile(spec: Any, path: tuple) -> Any:
     )
 
 
-def _mismatch(path: tuple, got: str, want: str) -> ValueError:
+def _mismatch(path: tuple, got: str, want: str, dtype: bool = False) -> ValueError:
+    """A batch that does not match the element_spec; ``dtype``: the mismatch is a leaf's dtype, whose
+    fix is a cast (a spec has no "any dtype", as it has None for a dimension that varies)."""
+    fix = (
+        "Give every batch one dtype: cast in fn (or collate_fn / batch_fn), e.g. np.asarray(x, np.float32), "
+        "or pass element_spec=... with the dtype the batches have."
+        if dtype
+        else "With batches that differ in structure or in a dimension other than the batch dimension (padding to "
+        "the longest sample, batches= of varying sizes, on_error='skip' with drop_last=True), pass "
+        "element_spec=... with None for the dimensions that vary."
+    )
     return ValueError(
         f"procpipe.tf: {_where(path)} is {got}, but the dataset's element_spec says {want}. The spec comes from "
-        "the first batch (or element_spec=); with batches that differ in structure, dtype or a dimension other than "
-        "the batch dimension (padding to the longest sample, batches= of varying sizes, on_error='skip' with "
-        "drop_last=True), pass element_spec=... with None for the dimensions that vary."
+        f"the first batch (or element_spec=). {fix}"
     )
 
 
@@ -407,10 +415,10 @@ def _leaf(leaf: _Leaf, value: Any, batch: _Batch) -> Any:
         return value  # TensorFlow encodes str as UTF-8: a copy it must make anyway
     if not isinstance(value, np.ndarray):
         if not isinstance(value, _NUMBER_TYPES):
-            raise _mismatch(leaf.path, f"a {type(value).__name__}", f"{leaf.dtype} numbers")
+            raise _mismatch(leaf.path, f"a {type(value).__name__}", f"{leaf.dtype} numbers", dtype=True)
         value = np.asarray(value)
     if value.dtype != leaf.dtype:
-        raise _mismatch(leaf.path, f"of dtype {value.dtype}", f"dtype {leaf.dtype}")
+        raise _mismatch(leaf.path, f"of dtype {value.dtype}", f"dtype {leaf.dtype}", dtype=True)
     _check_shape(leaf, value.shape)
     return batch.owned(value)
 

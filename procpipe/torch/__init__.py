@@ -39,6 +39,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.utils.data as _tud
 
+from .._worker.start_method import spoken_as
 from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader
@@ -273,17 +274,19 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         if not reuse:
             # What torch's iterator does when it is created: the same warnings, and the same
             # draw from the generator (so shuffling stays in step with torch's DataLoader).
+            # torch's warnings point into its own iterator's code, one place: the default filter
+            # shows each once per process, not once per line of the program that iterates.
             if self.pin_memory and self.pin_memory_device:
                 warnings.warn(
                     "pin_memory_device is deprecated, the current accelerator will be used as the "
                     f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
-                    stacklevel=2,
+                    stacklevel=1,
                 )
             if self.pin_memory and not torch.accelerator.is_available():
                 warnings.warn(
                     "'pin_memory' argument is set as true but no accelerator is found, then device "
                     "pinned memory won't be used.",
-                    stacklevel=2,
+                    stacklevel=1,
                 )
             if datapipe:  # torch: a shared seed for the datapipe's random pipes, then the workers' base seed
                 shared_seed = _draw_seed(self.generator)
@@ -367,7 +370,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
         (``shared_seed``: an IterDataPipe's, see ``procpipe.torch.iterable``)."""
         try:
-            loader = self._pp_kind.new_loader(self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state)
+            with spoken_as(_WORDS):  # (a SlowStartWarning says multiprocessing_context too)
+                loader = self._pp_kind.new_loader(
+                    self._pp_options, base_seed, shared_seed, self._pp_epochs, self._pp_state
+                )
         except ShippingError as exc:  # in the words of a DataLoader user, who has no start_method
             raise exc.reworded(words=_WORDS) from None
         # "auto" is resolved once, for the first epoch: later epochs' workers (persistent_workers=False)

@@ -18,21 +18,23 @@ from __future__ import annotations
 import copy
 import io
 import pickle
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple, final
 
 import numpy as np
 import torch
 import torch.utils.data as _tud
 
-from .._core import classref
+from .._core import classref, collate
 from .._core.tensors import DTYPE_NAMES as _DTYPE_NAMES
 from .._core.tensors import numpy_tensor as _numpy_tensor
 from .._core.tensors import tensor_numpy as _tensor_numpy
 from .._worker.identity import worker_index
+from ..errors import CollateError, summarize_indices
 
 __all__ = [
     "InProcess",
+    "Keyed",
     "Packed",
     "PackingCollate",
     "from_default",
@@ -249,9 +251,45 @@ class InProcess:
         self.value = value
 
 
-def pack_for_consumer(obj: Any) -> Packed | InProcess:
-    """``obj`` as it leaves for the consumer: packed in a worker, as is in the consumer's process."""
-    return InProcess(obj) if worker_index() is None else pack(obj)
+_FIX_IN = ("the dataset's __getitem__", "collate_fn")  # unsendable_error's made_in, drop_in: the facade's words
+
+
+def pack_for_consumer(obj: Any, samples: Sequence[Keyed] = ()) -> Packed | InProcess:
+    """``obj`` as it leaves for the consumer: packed in a worker, as is in the consumer's process.
+
+    A value that cannot be sent (an open file, a generator...) raises the ``CollateError`` the
+    core raises for one (``collate.unsendable_error``), naming its place: in the sample (of
+    ``samples``, by identity) that holds it, with that sample's index, else in ``obj``."""
+    if worker_index() is None:
+        return InProcess(obj)
+    try:
+        return pack(obj)
+    except Exception as exc:  # noqa: BLE001 - pickling user objects raises anything: the value is named below
+        raise _unsendable(obj, samples, exc) from None
+
+
+def _refuses_pickle(value: Any) -> bool:
+    try:
+        pack(value)
+    except Exception:  # noqa: BLE001 - a user value's pickling can raise anything: that is the answer
+        return True
+    return False
+
+
+def _unsendable(obj: Any, samples: Sequence[Keyed], exc: Exception) -> CollateError:
+    found = collate.find_value(obj, _refuses_pickle)
+    if found is None:  # (only the whole object fails to pickle)
+        return collate.unsendable_error("the batch", None, exc, *_FIX_IN)
+    path, value = found
+    for keyed in samples:
+        inside = collate.find_value(keyed.sample, lambda v: v is value)
+        if inside is not None:
+            where = f"{collate.describe_path(inside[0])} of index {keyed.index}"
+            return collate.unsendable_error(where, value, exc, *_FIX_IN)
+    where = collate.describe_path(path, "batch") if path else "the batch"
+    if samples:
+        where += f" (of {summarize_indices([k.index for k in samples])})"
+    return collate.unsendable_error(where, value, exc, *_FIX_IN)
 
 
 def unpack(packed: Packed | InProcess) -> Any:
@@ -266,11 +304,19 @@ def unpack_convert(packed: Packed) -> Any:
     return _tud.default_convert(unpack(packed))
 
 
+class Keyed(NamedTuple):
+    """A sample for a custom ``collate_fn``, with its index (``TorchSource``): a value that
+    cannot be sent is named by the index of the sample holding it."""
+
+    index: Any
+    sample: Any
+
+
 class PackingCollate:
-    """The user's collate_fn, run in the worker; its result leaves as a ``Packed``."""
+    """The user's collate_fn, run in the worker on the samples (``Keyed``); its result leaves as a ``Packed``."""
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, samples: list[Any]) -> Packed | InProcess:
-        return pack_for_consumer(self.collate_fn(samples))
+    def __call__(self, samples: list[Keyed]) -> Packed | InProcess:
+        return pack_for_consumer(self.collate_fn([keyed.sample for keyed in samples]), samples)

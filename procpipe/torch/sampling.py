@@ -17,7 +17,7 @@ from typing import Any
 
 from .._core.rng import reseed_current_sample
 from .._worker.identity import worker_index
-from .collate import InProcess, Packed, pack_for_consumer, sample_to_wire
+from .collate import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire
 from .worker_setup import become_torch_worker
 
 __all__ = ["BULK", "CUSTOM", "DEFAULT", "UNBATCHED", "BulkFetch", "SamplerBatches", "TorchSource"]
@@ -103,8 +103,8 @@ class TorchSource:
                 raise _none_sample_error(index)
             return sample_to_wire(sample)
         if self.mode == UNBATCHED:
-            return pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))
-        return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
+            return pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample), [Keyed(index, sample)])
+        return Keyed(index, sample)  # CUSTOM: the collate_fn gets the samples as the dataset made them (PackingCollate)
 
 
 class BulkFetch:
