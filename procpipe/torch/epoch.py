@@ -16,6 +16,7 @@ from typing import Any
 from ..loader import Loader
 from .device import Stage
 from .iterable import RaisedInReplica, reraise
+from .sampling import SamplerBatches
 from .snapshots import ReplicaEnded
 from .state import FacadeState
 
@@ -37,6 +38,7 @@ class EpochIterator:
         dataset: Any = None,
         with_workers: bool = False,
         state: FacadeState | None = None,
+        draws: SamplerBatches | None = None,
     ) -> None:
         self._epoch = epoch
         self._convert = convert
@@ -49,6 +51,8 @@ class EpochIterator:
         self._yielded = 0
         self._loader = loader  # None: an IterableDataset iterated in this process
         self._state = state  # the DataLoader's state_dict keeper: told what is returned
+        self._draws = draws  # a map-style epoch's sampler items: the generators follow the batches returned
+        self._returned = 0
 
     @property
     def _workers(self) -> list[Any]:
@@ -73,11 +77,17 @@ class EpochIterator:
                 batch = next(self._stage) if self._stage is not None else self._convert(next(self._epoch))
             except StopIteration:
                 self._finish()
+                if self._draws is not None:
+                    self._draws.ended()
+                    self._draws = None
                 if self._state is not None:
                     self._state.finished()
                 raise
             if self._state is None or type(batch := self._state.received(batch)) is not ReplicaEnded:
                 break
+        if self._draws is not None:
+            self._returned += 1
+            self._draws.returned(self._returned)
         if self._length is None:
             if type(batch) is RaisedInReplica:  # an error in a replica, in the place of its batch
                 reraise(batch)

@@ -37,6 +37,7 @@ import dill
 import torch
 
 from .._consumer.state import EPOCH, ended_epoch
+from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
 
@@ -86,20 +87,6 @@ def _encode_rng(generator: torch.Generator) -> str:
 
 def _decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _generators(index_sampler: Any, loader_generator: torch.Generator | None) -> list[torch.Generator]:
-    """The generators an epoch's sampler draw may use: the samplers' own, and the loader's
-    (or torch's global one, which torch's samplers use without a generator), each once."""
-    found: list[torch.Generator] = []
-    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not x for x in found):
-            found.append(g)
-    g = loader_generator if loader_generator is not None else torch.default_generator
-    if all(g is not x for x in found):
-        found.append(g)
-    return found
 
 
 def _samplers(index_sampler: Any) -> list[Any]:
@@ -212,7 +199,14 @@ class FacadeState:
         self.delivered: dict[int, int] = {}  # replica -> records returned (incl. errors and its end)
         self.snaps: dict[int, tuple[int, Any]] = {}  # replica -> (position, state) of its last snapshot returned
         self.ended: set[int] = set()
+        # a Stateful map-style dataset with workers: worker -> its dataset's state (dill bytes, or as
+        # loaded) after the last batch it made that was returned (sampling.SnapshottingCollate)
+        self.worker_snaps: dict[int, Any] = {}
         self.seed = 0  # the per-sample seed, as of the last state_dict()
+
+    def reconfigure(self, num_workers: int, generator: torch.Generator | None, index_sampler: Any) -> None:
+        """The DataLoader's attributes were assigned after construction (``num_workers``, ``generator``)."""
+        self.num_workers, self.generator, self.index_sampler = num_workers, generator, index_sampler
 
     # ---------------------------------------------------------------- checks
     @staticmethod
@@ -239,6 +233,11 @@ class FacadeState:
         self.seeds = (base_seed, shared_seed)
         self.loader = self.stage = self.replica = self.frozen = None
         self.delivered, self.snaps, self.ended = {}, {}, set()
+        if not self.iterable:
+            if self._resumes_workers(epoch):
+                self.worker_snaps = dict(pending["worker_states"]) if pending is not None else {}
+            elif not self.persistent:
+                self.worker_snaps = {}  # fresh workers: their initial states
         if pending is not None and pending["epoch"] == epoch:
             for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
                 worker = int(key)
@@ -256,7 +255,7 @@ class FacadeState:
         """The iteration's sampler items are about to be drawn: for a resumed epoch, put back
         what the original draw depended on; then remember it (for a state taken in this epoch)."""
         pending, epoch = self.pending, self.epoch
-        generators = _generators(index_sampler, self.generator)
+        generators = generators_of(index_sampler, self.generator)
         if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
             draw = pending["draw"]
             # (strict=False: the draw was saved by a DataLoader built the same way; zip's shortest wins)
@@ -267,6 +266,28 @@ class FacadeState:
         self.draws[epoch] = {
             "generators": [_encode_rng(g) for g in generators],
             "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
+        }
+
+    def _resumes_workers(self, epoch: int) -> bool:
+        """Whether epoch ``epoch``'s workers start from a loaded state's worker snapshots: those of its
+        own epoch, or with persistent workers the epoch after a finished one (the same workers went on)."""
+        pending = self.pending
+        if pending is None or not pending.get("worker_states"):
+            return False
+        if pending["finished"]:
+            return self.persistent and pending["epoch"] + 1 == epoch
+        return pending["epoch"] == epoch
+
+    def worker_states(self, epoch: int) -> dict[int, bytes]:
+        """The map-style workers' dataset states for a new loader starting at ``epoch`` (``TorchSource``)."""
+        if not self._resumes_workers(epoch):
+            return {}
+        assert self.pending is not None
+        states = self.pending["worker_states"]
+        return {
+            w: dill.dumps(state, protocol=dill.HIGHEST_PROTOCOL)
+            for w, state in states.items()
+            if w < self.num_workers and state is not None
         }
 
     def replica_options(self, epoch: int) -> dict[str, Any]:
@@ -352,6 +373,10 @@ class FacadeState:
         if type(record) is not Tagged:
             return record
         worker = record.worker
+        if not self.iterable:  # a map-style batch with its worker's dataset state
+            if record.state is not None:
+                self.worker_snaps[worker] = record.state
+            return record.value
         self.delivered[worker] = record.position + 1
         if record.state is not None:
             self.snaps[worker] = (record.snap_position, record.state)
@@ -387,7 +412,7 @@ class FacadeState:
             "shared_seed": self.seeds[1],
         }
         if finished:  # the next epoch draws from the generator as it is now
-            mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
+            mine["generators"] = [_encode_rng(g) for g in generators_of(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and (loader_state := self._position()) is not None:
             if loader_state.get(EPOCH, self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
@@ -413,6 +438,8 @@ class FacadeState:
             replicas: dict[str, Any] = {}
             for w in range(self.num_workers):
                 snapshot: dict[str, Any] = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
+                if not self.iterable and self.worker_snaps.get(w) is not None:
+                    snapshot["dataset_state"] = _decoded(self.worker_snaps[w])
                 if self.iterable:
                     position, saved = self.snaps.get(w, (0, None))
                     decoded = _decoded(saved) if saved is not None else None
@@ -461,12 +488,19 @@ class FacadeState:
         pending["saved"] = copy.deepcopy(state)
         if self.num_workers == 0 and not self.iterable:
             pending["dataset_state"] = state.get("dataset_state")
+        if not self.iterable:  # the workers' dataset states (torchdata's worker snapshots)
+            workers = (state.get("_snapshot") or {}).get("_worker_snapshots") or {}
+            pending["worker_states"] = {
+                int(key.split("_")[-1]): copy.deepcopy(snap.get("dataset_state"))
+                for key, snap in workers.items()
+                if isinstance(snap, dict) and snap.get("dataset_state") is not None
+            }
         if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
             # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
             for g, text in zip(
-                _generators(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
+                generators_of(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
             ):
                 g.set_state(_decode_rng(text))
             for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
