@@ -259,7 +259,6 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
                 self._pp_seed,
                 self.batch_size,
                 self.drop_last,
-                self._pp_state.snapshot_every,
             )
         )
         context = self._pp_context
@@ -300,6 +299,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             batches.before_draw = functools.partial(self._pp_state.before_draw, self._index_sampler)
             batches.generators = functools.partial(generators_of, self._index_sampler, self.generator)
             batches.ahead = (self.prefetch_factor or 0) * num_workers
+            batches.workers = num_workers > 0
     def __copy__(self) -> DataLoader[_T_co]:
         """A shallow copy (``copy.copy``): the same dataset, sampler and options, with an engine of its
         own (closing one never closes the other's workers)."""
@@ -371,6 +371,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
                 loader = owned = self._pp_new_loader(base_seed, shared_seed)
                 self._pp_epoch_loader = weakref.ref(owned)
             loader.set_epoch(self._pp_epochs)
+            if kind.batches is not None:  # (a resumed epoch's pulls go on from its position)
+                kind.batches.offset = self._pp_state.returned
             self._pp_state.resume_loader(loader, None)
             self._pp_current = loader
             self._pp_epochs += 1

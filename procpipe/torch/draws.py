@@ -48,14 +48,15 @@ class PullStates:
 
     def __init__(self) -> None:
         self._generators: list[torch.Generator] = []
-        self._points: list[tuple[int, tuple[bytes, ...]]] = []  # (pulls made, the states after them), rising
-        self._applied = -1  # the index in _points the generators stand at
+        # (pulls made, {generator: its state after them}): the generators that changed at that pull
+        self._points: list[tuple[int, dict[int, bytes]]] = []
+        self._applied = -1  # the last point the generators were set to
         self._fresh = False  # drawn, not advanced yet: the generators stand at the end of the draw
 
     def draw(self, sampler: Iterable[Any], generators: list[torch.Generator]) -> list[Any]:
         """All of ``sampler``'s items; the generators are left where a full pull left them."""
         last = _states(generators)
-        points = [(0, last)]
+        points = [(0, dict(enumerate(last)))]
         items: list[Any] = []
         iterator = iter(sampler)
         while True:
@@ -67,31 +68,46 @@ class PullStates:
                 ended = False
             now = _states(generators)
             if now != last:
-                points.append((len(items) + ended, now))
+                points.append((len(items) + ended, {i: s for i, s in enumerate(now) if s != last[i]}))
                 last = now
             if ended:
                 break
-        self._generators, self._points, self._applied = generators, points, len(points) - 1
-        self._fresh = True
+        self._generators, self._points, self._applied, self._fresh = generators, points, len(points) - 1, True
         return items
 
     def advance(self, pulls: int) -> None:
         """Set the generators to their states after ``pulls`` pulls (where torch's iterator would have
-        drawn so far). Right after the draw they may go back; later, only forward."""
+        drawn so far). Right after the draw they may go back; later, only forward, and only the
+        generators the sampler drew from at the pulls passed (the dataset's or the program's own
+        draws from a generator between two pulls are kept)."""
         points = self._points
         if not points:
             return
-        target = 0 if self._fresh else self._applied
-        while target + 1 < len(points) and points[target + 1][0] <= pulls:
-            target += 1
-        self._fresh = False
-        if target == self._applied:
+        if self._fresh:  # every generator to its state at the last point at or before pulls
+            self._fresh = False
+            target = 0
+            while target + 1 < len(points) and points[target + 1][0] <= pulls:
+                target += 1
+            states: dict[int, bytes] = {}
+            for _, changed in points[: target + 1]:
+                states.update(changed)
+            self._set(states)
+            self._applied = target
             return
-        for g, state in zip(self._generators, points[target][1], strict=True):
-            g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        self._applied = target
+        while self._applied + 1 < len(points) and points[self._applied + 1][0] <= pulls:
+            self._applied += 1
+            self._set(points[self._applied][1])
+
+    def _set(self, states: dict[int, bytes]) -> None:
+        for i, state in states.items():
+            self._generators[i].set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
     def finish(self) -> None:
         """The epoch ended (every item pulled, and one past the last): the states a full pull leaves."""
-        self.advance(1 << 62)
+        if not self._fresh:
+            self.advance(1 << 62)
+        self._points = []
+
+    def forget(self) -> None:
+        """Leave the generators where the draw left them (a resumed epoch: they were restored)."""
         self._points = []

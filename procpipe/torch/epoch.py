@@ -72,6 +72,8 @@ class EpochIterator:
         return self._length
 
     def __next__(self) -> Any:
+        if self._draws is not None:
+            self._draws.pulling(self._returned)
         while True:
             try:
                 batch = next(self._stage) if self._stage is not None else self._convert(next(self._epoch))

@@ -66,7 +66,6 @@ class TorchArguments(NamedTuple):
     seed: int
     batch_size: int | None
     drop_last: bool
-    snapshot_every: int = 1
 
 
 class MapStyle:
@@ -86,8 +85,8 @@ class MapStyle:
                 f"when it starts); {type(index_sampler).__name__} has no __len__"
             ) from None
         self.convert: Callable[[Any], Any]  # a batch as the consumer gets it, from what the engine delivers
+        default = collate_fn is _tud.default_convert
         if not torch_args.auto_collation:  # collate_fn (default: default_convert) applies to each sample
-            default = collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else collate_fn)
             self.convert = unpack_convert if default else unpack
         elif collate_fn is _tud.default_collate:
@@ -104,10 +103,14 @@ class MapStyle:
         if mode in (DEFAULT, CUSTOM) and fetches_batches(dataset):  # torch: one __getitems__ call per batch
             self.source.fetch_batches = True
             self.collate_fn = BatchedFetch(self.source, collate_fn if mode == CUSTOM else None)
-        if mode in (DEFAULT, CUSTOM) and torch_args.num_workers > 0 and is_stateful(dataset):
+        if torch_args.num_workers > 0 and is_stateful(dataset):
             # torchdata's worker snapshots: the dataset's state taken in the worker after each batch
-            self.collate_fn = SnapshottingCollate(self.source, self.collate_fn, torch_args.snapshot_every)
-            self.convert = SnapshotConvert(self.convert)
+            if mode == UNBATCHED:  # (each sample is a batch: TorchSource tags it)
+                self.source.snapshots = True
+                self.convert = SnapshotConvert(_tud.default_convert if default else _same)
+            else:
+                self.collate_fn = SnapshottingCollate(self.source, self.collate_fn)
+                self.convert = SnapshotConvert(self.convert)
         self.bulk_collate = BulkFetch(self.source)
 
     def inline_epoch(self, state: FacadeState, shared_seed: int | None) -> Iterator[Any] | None:
@@ -205,6 +208,10 @@ class IterableStyle:
     def epoch_length(self, loader: Sized) -> int | None:
         """None: an iterator over an IterableDataset has no ``len()``."""
         return None
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 DatasetKind = MapStyle | IterableStyle

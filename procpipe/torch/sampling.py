@@ -89,6 +89,7 @@ class TorchSource:
         # a Stateful dataset's state per worker (dill bytes), loaded by that worker as it starts: a
         # resumed epoch's workers go on from the states of the batches returned (torchdata's)
         self.worker_states: dict[int, bytes] = {}
+        self.snapshots = False  # batch_size=None: each sample leaves with the state (SnapshottingCollate)
         try:
             self.length = len(dataset)
         except TypeError:
@@ -129,7 +130,10 @@ class TorchSource:
                 raise _none_sample_error(index)
             return sample_to_wire(sample)
         if self.mode == UNBATCHED:
-            return pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample))
+            item = sample if self.item_fn is None else self.item_fn(sample)
+            if self.snapshots and self._in_worker:  # with its worker's dataset state (SnapshottingCollate)
+                return pack_for_consumer(Tagged(item, worker_index(), -1, -1, _dataset_state(self.dataset)))
+            return pack_for_consumer(item)
         return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
 
 
@@ -184,32 +188,31 @@ class BatchedFetch:
 
 class SnapshottingCollate:
     """``collate_fn`` for the core over a ``Stateful`` map-style dataset with workers, run in the
-    worker: the batch (``inner``'s, or the default stacking into new arrays), then every
-    ``every``-th batch of this worker the dataset's ``state_dict()`` taken right after it, sent
-    with it as a ``Tagged`` record (``procpipe.torch.snapshots``). The consumer keeps, per worker,
+    worker: the batch (``inner``'s, or the default stacking into new arrays), then the dataset's
+    ``state_dict()`` taken right after it, sent with it as a ``Tagged`` record
+    (``procpipe.torch.snapshots``). After every batch, whatever ``snapshot_every_n_steps`` says:
+    a map-style worker cannot make its batches again to reach a later point (torchdata's
+    fast-forward), so an exact resume needs the state of the very batch returned last. The consumer keeps, per worker,
     the state of the last batch it returned (torchdata's worker snapshots), so a resumed epoch's
     workers go on where the returned batches left them, random generators in the state included."""
 
-    def __init__(self, source: TorchSource, inner: Callable[[list[Any]], Any] | None, every: int) -> None:
+    def __init__(self, source: TorchSource, inner: Callable[[list[Any]], Any] | None) -> None:
         self.source = source
         self.inner = inner
-        self.every = every
-        self._made = 0  # batches this process made
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_made": 0}
 
     def __call__(self, samples: list[Any]) -> Packed | InProcess:
         if self.inner is not None:
             value = self.inner(samples)
         else:
             value = collate_privately(None, samples, list(range(len(samples))))
-        self._made += 1
         worker = worker_index()
-        state = None
-        if worker is not None and self.every and self._made % self.every == 0:
-            state = dill.dumps(self.source.dataset.state_dict(), protocol=dill.HIGHEST_PROTOCOL)
+        state = None if worker is None else _dataset_state(self.source.dataset)
         return pack_for_consumer(Tagged(value, -1 if worker is None else worker, -1, -1, state))
+
+
+def _dataset_state(dataset: Any) -> bytes:
+    """A Stateful dataset's state, taken now (in a worker), as it travels to the consumer."""
+    return dill.dumps(dataset.state_dict(), protocol=dill.HIGHEST_PROTOCOL)
 
 
 class SnapshotConvert:
@@ -249,18 +252,29 @@ class SamplerBatches:
         self.before_draw: Callable[[], None] | None = None  # the facade's state, told before each draw
         self.generators: Callable[[], list[Any]] = list  # the facade's: the generators the draw may use
         self.ahead = 0  # the items torch's iterator pulls when it starts (prefetch_factor * num_workers)
+        self.workers = False  # without workers torch pulls an item as next() begins, before loading it
+        self.offset = 0  # batches returned before this iteration began (a resumed epoch's)
         self.pulls = PullStates()  # the generators' states along the draw (procpipe.torch.draws)
 
     def _draw(self) -> list[Any]:
         if self.before_draw is not None:
             self.before_draw()
         items = self.pulls.draw(self.index_sampler, self.generators())
-        self.pulls.advance(self.ahead)  # where torch's generators stand once its iterator has started
+        # where torch's generators stand once its iterator has started (a resumed epoch: at its position)
+        self.pulls.advance(self.offset + (self.ahead if self.workers else 0))
         return items
 
+    def pulling(self, batches: int) -> None:
+        """The epoch's iterator begins ``next()`` after ``batches`` batches (without workers torch pulls
+        the next item now, before loading its batch)."""
+        if not self.workers:
+            self.pulls.advance(self.offset + batches + 1)
+
     def returned(self, batches: int) -> None:
-        """The epoch's iterator has returned ``batches`` batches: the generators stand where torch's do."""
-        self.pulls.advance(self.ahead + batches)
+        """The epoch's iterator has returned ``batches`` batches (with workers torch pulls one more item
+        after each): the generators stand where torch's do."""
+        if self.workers:
+            self.pulls.advance(self.offset + self.ahead + batches)
 
     def ended(self) -> None:
         """The epoch ended: the generators stand where a full pull leaves them."""

@@ -203,6 +203,7 @@ class FacadeState:
         # loaded) after the last batch it made that was returned (sampling.SnapshottingCollate)
         self.worker_snaps: dict[int, Any] = {}
         self.seed = 0  # the per-sample seed, as of the last state_dict()
+        self.returned = 0  # batches the iteration returned (with a resumed epoch's before it)
 
     def reconfigure(self, num_workers: int, generator: torch.Generator | None, index_sampler: Any) -> None:
         """The DataLoader's attributes were assigned after construction (``num_workers``, ``generator``)."""
@@ -233,6 +234,9 @@ class FacadeState:
         self.seeds = (base_seed, shared_seed)
         self.loader = self.stage = self.replica = self.frozen = None
         self.delivered, self.snaps, self.ended = {}, {}, set()
+        self.returned = 0
+        if pending is not None and pending["epoch"] == epoch and not pending["finished"]:
+            self.returned = int(pending.get("returned", 0))
         if not self.iterable:
             if self._resumes_workers(epoch):
                 self.worker_snaps = dict(pending["worker_states"]) if pending is not None else {}
@@ -370,6 +374,7 @@ class FacadeState:
 
     def received(self, record: Any) -> Any:
         """A record of a replica, returned by the consumer: its batch (``ReplicaEnded``: the replica ended)."""
+        self.returned += 1
         if type(record) is not Tagged:
             return record
         worker = record.worker
@@ -420,6 +425,7 @@ class FacadeState:
                     return self._ended_state()
                 loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
             mine["loader"] = loader_state
+            mine["returned"] = self.returned
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
         state: dict[str, Any] = {}
