@@ -452,6 +452,15 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         if seed != self._pp_seed:  # the per-batch seeds (seed_globals=True) are the saved loader's
             self._pp_seed = self._pp_options["seed"] = seed
 
+    def procpipe_options(self) -> dict[str, Any]:
+        """procpipe's own keyword arguments of this DataLoader, and ``multiprocessing_context`` as given
+        (procpipe's names, such as ``"zygote"``, which torch's attribute cannot hold): what a DataLoader
+        rebuilt from this one's attributes passes on (``procpipe.torch.accelerate``)."""
+        return {
+            **{name: getattr(self, name) for name in _PROCPIPE_OPTIONS},
+            "multiprocessing_context": self._pp_context,
+        }
+
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
         ``python -m procpipe.bench`` reads); ``RuntimeError`` before the first one."""
@@ -503,6 +512,17 @@ _READ_AT_ITERATION = (
     "shm_dir",
     "max_worker_restarts",
     "worker_env",
+    "assign",
+    "seed_globals",
+)
+# procpipe's own arguments, kept as public attributes of the same names
+_PROCPIPE_OPTIONS = (
+    "device",
+    "slot_bytes",
+    "shm_dir",
+    "max_worker_restarts",
+    "worker_env",
+    "snapshot_every_n_steps",
     "assign",
     "seed_globals",
 )

@@ -416,7 +416,7 @@ class FacadeState:
             "base_seed": self.seeds[0],
             "shared_seed": self.seeds[1],
         }
-        if finished:  # the next epoch draws from the generator as it is now
+        if finished or not self.started:  # the next epoch draws from the generator as it is now
             mine["generators"] = [_encode_rng(g) for g in generators_of(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and (loader_state := self._position()) is not None:
@@ -501,7 +501,7 @@ class FacadeState:
                 for key, snap in workers.items()
                 if isinstance(snap, dict) and snap.get("dataset_state") is not None
             }
-        if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
+        if pending["finished"] or pending.get("generators") is not None:  # before the next epoch's draws
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
             # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
