@@ -314,6 +314,9 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> EpochIterator:
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
+        live = self._pp_live() if self._pp_live is not None and reuse else None
+        if live is not None:  # torch resets its one iterator and hands it back: the old epoch ends here
+            live.end_epoch()
         if not reuse and self._pp_read() != self._pp_configured:
             # an attribute torch reads when an iterator starts was assigned since (worker_init_fn...)
             if self._pp_loader is not None:
@@ -407,7 +410,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
         self._pp_state.set_stage(stage)
         self._pp_state.started_iteration()
-        return EpochIterator(
+        iterator = EpochIterator(
             epoch,
             convert,
             stage,
@@ -420,6 +423,12 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             self._pp_state,
             kind.batches if loader is not None else None,
         )
+        if self.persistent_workers and self.num_workers > 0:
+            if live is not None:
+                live.adopt(iterator)
+                iterator = live
+            self._pp_live = weakref.ref(iterator)
+        return iterator
 
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker

@@ -23,6 +23,11 @@ from .state import FacadeState
 __all__ = ["EpochIterator"]
 
 
+def _taken_over() -> dict[str, Any]:
+    """What an iterator whose epoch another took over holds: nothing to close, nothing to tell."""
+    return {"_stage": None, "_owned": None, "_state": None, "_draws": None, "_loader": None}
+
+
 class EpochIterator:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
@@ -111,6 +116,17 @@ class EpochIterator:
                     "torch.utils.data.get_worker_info())."
                 )
             warnings.warn(message, stacklevel=3)
+
+    def end_epoch(self) -> None:
+        """A new epoch of the same persistent workers begins (``iter(loader)`` again): this one's stage
+        and position are let go now, before the new one starts (``adopt`` follows)."""
+        self._finish()
+
+    def adopt(self, other: EpochIterator) -> None:
+        """Become ``other`` (the new epoch's iterator), as torch's one iterator of persistent workers is
+        reset and handed back by ``iter(loader)``: code holding this object reads the new epoch."""
+        self.__dict__.update(other.__dict__)
+        other.__dict__.update(_taken_over())
 
     def _finish(self) -> None:
         if self._state is not None:
