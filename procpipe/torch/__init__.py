@@ -43,9 +43,9 @@ from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader
 from .device import CudaTransfer, Stage, resolve_device
+from .draws import generators_of
 from .epoch import EpochIterator
 from .kinds import DatasetKind, TorchArguments, dataset_kind
-from .draws import generators_of
 from .sampling import SamplerBatches
 from .state import FacadeState, on_moved, on_value
 
@@ -216,6 +216,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
         self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
         self._pp_live: weakref.ref[EpochIterator] | None = None  # persistent workers: the iterator iter() hands back
+        self._pp_latest: EpochIterator | None = None  # an IterableDataset's latest iterator, held (__iter__)
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -300,6 +301,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             batches.generators = functools.partial(generators_of, self._index_sampler, self.generator)
             batches.ahead = (self.prefetch_factor or 0) * num_workers
             batches.workers = num_workers > 0
+
     def __copy__(self) -> DataLoader[_T_co]:
         """A shallow copy (``copy.copy``): the same dataset, sampler and options, with an engine of its
         own (closing one never closes the other's workers)."""
@@ -313,6 +315,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> EpochIterator:
+        self._pp_latest = None  # (the previous iteration's, if nobody else holds it, ends now)
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
         live = self._pp_live() if self._pp_live is not None and reuse else None
         if live is not None:  # torch resets its one iterator and hands it back: the old epoch ends here
@@ -423,6 +426,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             self._pp_state,
             kind.batches if loader is not None else None,
         )
+        if kind.iterable and self.num_workers > 0:
+            # as torchdata's StatefulDataLoader holds its iterator: the replicas of `iter(loader)` run
+            # (and report their initial states to state_dict()) until the next iter() or close()
+            self._pp_latest = iterator
         if self.persistent_workers and self.num_workers > 0:
             if live is not None:
                 live.adopt(iterator)
@@ -482,6 +489,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         those of an epoch still being iterated included."""
         # The CUDA transfer first (as Loader.close): its registrations of the rings end
         # before the rings are unmapped. A later iteration makes a new one (direct copies).
+        self._pp_latest = None
         transfer, self._pp_transfer = self._pp_transfer, None
         if transfer is not None:
             transfer.close()
@@ -541,6 +549,7 @@ _ENGINE_FREE: dict[str, Any] = {
     "_pp_current": None,
     "_pp_epoch_loader": None,
     "_pp_live": None,
+    "_pp_latest": None,
     "_pp_transfer": None,
     "_pp_iterated": False,
 }

@@ -66,7 +66,9 @@ def rebuilt(torch_loader: _tud.DataLoader, options: dict[str, Any]) -> DataLoade
     elif torch_loader.batch_size is None and torch_loader.batch_sampler is not None:
         kwargs["batch_sampler"] = torch_loader.batch_sampler  # (torch's own sampler beside it is a default)
     else:
-        kwargs.update(sampler=torch_loader.sampler, batch_size=torch_loader.batch_size, drop_last=torch_loader.drop_last)
+        kwargs.update(
+            sampler=torch_loader.sampler, batch_size=torch_loader.batch_size, drop_last=torch_loader.drop_last
+        )
     given = dict(options)
     if kwargs["multiprocessing_context"] is None and "multiprocessing_context" in given:
         kwargs["multiprocessing_context"] = given["multiprocessing_context"]  # procpipe's names ("zygote")
@@ -102,10 +104,12 @@ def _options_of(loader: Any) -> dict[str, Any] | None:
     return loader.procpipe_options() if isinstance(loader, DataLoader) else None
 
 
-class Accelerator(accelerate.Accelerator):  # type: ignore[misc]  # accelerate is typed as Any here
+class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` whose prepared loaders load through procpipe (module docstring)."""
 
-    def prepare_data_loader(self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:
+    def prepare_data_loader(
+        self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
         prepared = super().prepare_data_loader(
             data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch
         )

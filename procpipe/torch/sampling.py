@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import operator
 import os
-
-import dill
 from collections.abc import Callable
 from typing import Any
 
+import dill
 import torch.utils.data as _tud
 
 from .._core.rng import reseed_current_sample
-from .._worker.produce import collate_privately
 from .._worker.identity import worker_index
-from .draws import PullStates
+from .._worker.produce import collate_privately
 from .collate import InProcess, Packed, pack_for_consumer, sample_to_wire, unpack
+from .draws import PullStates
 from .snapshots import Tagged
 from .worker_setup import become_torch_worker
 
@@ -131,8 +130,9 @@ class TorchSource:
             return sample_to_wire(sample)
         if self.mode == UNBATCHED:
             item = sample if self.item_fn is None else self.item_fn(sample)
-            if self.snapshots and self._in_worker:  # with its worker's dataset state (SnapshottingCollate)
-                return pack_for_consumer(Tagged(item, worker_index(), -1, -1, _dataset_state(self.dataset)))
+            worker = worker_index()
+            if self.snapshots and worker is not None:  # with its worker's dataset state (SnapshottingCollate)
+                return pack_for_consumer(Tagged(item, worker, -1, -1, _dataset_state(self.dataset)))
             return pack_for_consumer(item)
         return sample  # CUSTOM: the collate_fn gets the samples as the dataset made them
 

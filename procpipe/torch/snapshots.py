@@ -177,9 +177,19 @@ class SnapshotStore:
         """The latest snapshot of ``_worker``'s replica in ``epoch`` at or before ``position``."""
         found = None
         for e, p, state in self.read(worker):
+            if state is None:  # (the mark of a replica opened without a state: mark_opened)
+                continue
             if e == epoch and p <= position and (found is None or p >= found[0]):
                 found = (p, state)
         return found
+
+    def initial(self, worker: int, epoch: int) -> tuple[bool, dict | None]:
+        """Whether replica ``worker`` has started ``epoch`` (opened its iterator, or failed in
+        ``worker_init_fn``), and its state then (None: it has none)."""
+        for e, p, state in self.read(worker):
+            if e == epoch and p == 0:
+                return True, state
+        return False, None
 
     def remove(self) -> None:
         """Delete the directory and its files (the loader is closed)."""

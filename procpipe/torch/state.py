@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, 
 __all__ = ["FacadeState", "InProcessReplica", "on_moved", "on_value"]
 
 VERSION = 1
+INITIAL_STATE_WAIT_S = 60.0  # state_dict() before a replica's first batch: how long it waits for its start
 
 
 def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -440,6 +442,8 @@ class FacadeState:
                 dataset_state = copy.deepcopy(self.dataset.state_dict())
             state = {"dataset_state": dataset_state, "fetcher_state": fetcher_state, "_iterator_finished": finished}
         else:
+            if self.iterable and self.started and not finished:
+                self._await_initial_states()
             workers: dict[str, Any] = {}
             replicas: dict[str, Any] = {}
             for w in range(self.num_workers):
@@ -470,6 +474,30 @@ class FacadeState:
             }
         state["procpipe"] = mine
         return state
+
+    def _await_initial_states(self) -> None:
+        """torchdata's iterator waits until every worker has sent its initial state; procpipe's replicas
+        send theirs with their first batch. For a state taken before a replica's first batch came back,
+        wait (up to ``INITIAL_STATE_WAIT_S``) until the replica has started and written its initial
+        snapshot to the store, so the state holds it (what ``__iter__`` did to the replica counts)."""
+        store = self.store
+        waiting = [w for w in range(self.num_workers) if w not in self.snaps and not self.delivered.get(w)]
+        if store is None or not waiting:
+            return
+        deadline = time.monotonic() + INITIAL_STATE_WAIT_S
+        pause = 0.001
+        while waiting:
+            for w in list(waiting):
+                started, state = store.initial(w, self.epoch)
+                if started:
+                    waiting.remove(w)
+                    if state is not None and w not in self.snaps:
+                        self.snaps[w] = (0, state)
+            running = self.loader() if self.loader is not None else None
+            if not waiting or running is None or time.monotonic() > deadline:
+                return  # (an iteration let go closed its workers: they start no more)
+            time.sleep(pause)  # the workers write files; no descriptor to wait on (bounded, rare)
+            pause = min(pause * 2, 0.05)
 
     def load(self, state: Any) -> int:
         """Check a saved state and keep it for the next iteration; returns that iteration's epoch."""

@@ -19,7 +19,7 @@ class attribute (or instance attribute) ``procpipe_options``, e.g. ``{"seed_glob
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import transformers
 
@@ -31,7 +31,7 @@ __all__ = ["ProcpipeTrainerMixin", "Trainer"]
 class ProcpipeTrainerMixin:
     """Put before a ``transformers.Trainer`` class in the bases: its loaders load through procpipe."""
 
-    procpipe_options: dict[str, Any] = {}  # procpipe.torch.DataLoader's own keyword arguments
+    procpipe_options: ClassVar[dict[str, Any]] = {}  # procpipe.torch.DataLoader's own keyword arguments
 
     def get_train_dataloader(self) -> Any:
         return procpipe_backed(super().get_train_dataloader(), self.procpipe_options)  # type: ignore[misc]
@@ -43,5 +43,5 @@ class ProcpipeTrainerMixin:
         return procpipe_backed(super().get_test_dataloader(test_dataset), self.procpipe_options)  # type: ignore[misc]
 
 
-class Trainer(ProcpipeTrainerMixin, transformers.Trainer):  # type: ignore[misc]  # transformers is typed as Any
+class Trainer(ProcpipeTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` whose loaders load through procpipe (module docstring)."""
