@@ -47,6 +47,7 @@ from .draws import generators_of
 from .epoch import EpochIterator
 from .kinds import DatasetKind, TorchArguments, dataset_kind
 from .sampling import SamplerBatches
+from .snapshots import is_stateful
 from .state import FacadeState, on_moved, on_value
 
 __all__ = ["DataLoader"]
@@ -114,8 +115,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
 
     - a map-style dataset's sampler must have a length and yield integer indices (with
       ``batch_size=None``, or lists of them: each list is loaded with one ``dataset[list]``
-      call); ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which
-      is what it stands for);
+      call); a dataset's ``__getitems__`` loads each batch in one call, as torch's;
     - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
       with ``in_order``; see ``procpipe.torch.iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
@@ -149,7 +149,11 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
     on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
     ``max_worker_restarts``, ``worker_env``, ``assign`` (None: torch's schedule, above),
-    ``seed_globals`` (``False``: torch's per-worker seeds). ``close()`` ends the workers now.
+    ``seed_globals`` (``False``: torch's per-worker seeds), kept as attributes of the same names
+    (``procpipe_options()``). ``close()`` ends the workers now. What torch reads when an iterator
+    starts (``worker_init_fn``, ``collate_fn``, ``num_workers``...) may be assigned after construction,
+    as in torch. Accelerate and the Hugging Face Trainer: ``procpipe.torch.accelerate``,
+    ``procpipe.torch.transformers``.
     """
 
     def __init__(
@@ -426,9 +430,10 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             self._pp_state,
             kind.batches if loader is not None else None,
         )
-        if kind.iterable and self.num_workers > 0:
+        if kind.iterable and self.num_workers > 0 and is_stateful(self.dataset):
             # as torchdata's StatefulDataLoader holds its iterator: the replicas of `iter(loader)` run
-            # (and report their initial states to state_dict()) until the next iter() or close()
+            # (and report their initial states to state_dict()) until the next iter() or close();
+            # a dataset with no state to report keeps torch's lifetime (workers end with the iterator)
             self._pp_latest = iterator
         if self.persistent_workers and self.num_workers > 0:
             if live is not None:

@@ -32,7 +32,7 @@ import os
 import pickle
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeGuard
 
 from .._core import reaper
@@ -154,7 +154,7 @@ class SnapshotStore:
     def _file(self, worker: int) -> str:
         return os.path.join(self.path, f"replica-{int(worker)}.pkl")
 
-    def read(self, worker: int) -> list[tuple[int, int, dict]]:
+    def read(self, worker: int) -> list[tuple[int, int, dict | None]]:
         """Replica ``_worker``'s snapshots, oldest first (empty if none was written)."""
         try:
             with open(self._file(worker), "rb") as f:
@@ -162,7 +162,7 @@ class SnapshotStore:
         except (FileNotFoundError, EOFError, pickle.UnpicklingError):
             return []
 
-    def write(self, worker: int, snapshots: list[tuple[int, int, dict]]) -> None:
+    def write(self, worker: int, snapshots: Sequence[tuple[int, int, dict | None]]) -> None:
         """Replace replica ``_worker``'s snapshots (the last ``KEEP``)."""
         target = self._file(worker)
         tmp = f"{target}.{os.getpid()}.tmp"
