@@ -244,7 +244,7 @@ def test_lightning_fit_loads_through_procpipe_and_keeps_its_options(devices, tmp
     script = tmp_path / "fit.py"
     script.write_text(LIGHTNING_FIT)
     strategy = "auto" if devices == 1 else "ddp"
-    proc = run_python([str(script), shm_dir, str(devices), strategy], timeout=360, cwd=str(tmp_path))
+    proc = run_python([str(script), shm_dir, str(devices), strategy], timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK") == devices, proc.stdout + proc.stderr
 
@@ -298,7 +298,7 @@ def _accelerate_results(tmp_path, procs: int, split: bool, even: bool, stateful:
     args = [str(script), str(int(split)), str(int(even)), str(int(stateful)), str(tmp_path / "ckpt")]
     if procs > 1:
         args = ["-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--standalone", *args]
-    proc = run_python(args, timeout=300, cwd=str(tmp_path))
+    proc = run_python(args, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(results) == procs, proc.stdout + proc.stderr
@@ -383,7 +383,7 @@ def test_hugging_face_trainer_trains_through_procpipe(tmp_path):
     pytest.importorskip("accelerate", reason="Accelerate is not installed (CI: .venv-frameworks)")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(HF_TRAIN))
-    proc = run_python([str(script), str(tmp_path / "out")], timeout=360, cwd=str(tmp_path))
+    proc = run_python([str(script), str(tmp_path / "out")], timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK 4" in proc.stdout, proc.stdout + proc.stderr
 
