@@ -286,35 +286,67 @@ def test_map_samples_come_from_per_sample_seeds_so_any_num_workers_resumes():
     assert head + [_plain(b) for b in again] == want
 
 
-def test_map_workers_report_no_dataset_state():
-    """Difference: any worker loads any batch (the least busy one, not round-robin), so a
-    map-style dataset's per-worker state is not collected: each worker's
-    ``dataset_state`` is None (with ``num_workers=0`` it is the dataset's, as torchdata)."""
-    loader = DataLoader(StatefulNoisy(), batch_size=4, num_workers=2)
+class GlobalDraws(tud.Dataset):
+    """Draws from torch's global generator in ``__getitem__`` and saves it in its state (as torchdata's
+    ``DummyMapDataset(shuffle=True)``): exact resume needs each worker's own generator back."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        return i * 1000 + int(torch.randint(1000, (1,)).item())
+
+    def state_dict(self) -> dict:
+        return {"rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["rng"])
+
+
+@pytest.mark.parametrize("workers", [3, 4])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_map_workers_resume_their_dataset_state_with_torchs_seeds(workers, persistent):
+    """A Stateful map-style dataset's state is taken in each worker after each batch (torchdata's
+    worker snapshots): with torch's worker seeds (the default), a resumed epoch draws exactly what the
+    original drew, and each worker_<i> reports the state of its last batch returned."""
+    kwargs = dict(batch_size=2, num_workers=workers, persistent_workers=persistent,
+                  generator=torch.Generator().manual_seed(3))
+    loader = DataLoader(GlobalDraws(), **kwargs)
     it = iter(loader)
-    next(it)
-    snapshots = loader.state_dict()["_snapshot"]["_worker_snapshots"]
-    assert set(snapshots) == {"worker_0", "worker_1"}
-    assert all(s["dataset_state"] is None for s in snapshots.values())
+    for _ in range(5):
+        next(it)
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    snapshots = state["_snapshot"]["_worker_snapshots"]
+    assert all(snapshots[f"worker_{w}"]["dataset_state"] is not None for w in range(workers))
+    again = DataLoader(GlobalDraws(), **kwargs)
+    again.load_state_dict(state)
+    assert [b.tolist() for b in again] == rest
+    loader.close()
+    again.close()
+
+
+def test_map_dataset_state_with_num_workers_0_is_the_datasets():
     inline = DataLoader(StatefulNoisy(), batch_size=4)
     next(iter(inline))
     assert inline.state_dict()["dataset_state"] == {"calls": 1}
-    loader.close()
 
 
-def test_a_replica_has_no_state_before_its_first_batch_arrives():
-    """Difference: torchdata waits for every worker's initial state when the iterator is
-    created; procpipe's replicas send theirs with their first batch. A state taken before
-    says none (and resuming from it starts the replica from its beginning)."""
+def test_a_replica_reports_its_initial_state_before_its_first_batch():
+    """As torchdata's: a state taken right after ``iter()`` holds each replica's initial state (the
+    state waits for the replicas to start; the DataLoader holds its latest iterator, so a dropped
+    ``iter(loader)`` still runs), and resuming from it yields the same batches."""
     loader = DataLoader(Stream(), batch_size=2, num_workers=2)
     it = iter(loader)
     state = loader.state_dict()
     for s in state["_snapshot"]["_worker_snapshots"].values():
-        assert s["dataset_state"] is None and s["fetcher_state"]["dataset_iter_state"] is None
+        assert s["dataset_state"] is not None or s["fetcher_state"]["dataset_iter_state"] is not None
     want = [_plain(b) for b in it]
     again = DataLoader(Stream(), batch_size=2, num_workers=2)
     again.load_state_dict(state)
     assert [_plain(b) for b in again] == want
+    loader.close()
+    again.close()
 
 
 def test_an_iterable_state_needs_the_same_num_workers():

@@ -44,9 +44,11 @@ from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader
 from .device import CudaTransfer, Stage, resolve_device
+from .draws import generators_of
 from .epoch import EpochIterator
 from .kinds import DatasetKind, TorchArguments, dataset_kind
 from .sampling import SamplerBatches
+from .snapshots import is_stateful
 from .state import FacadeState, on_moved, on_value
 
 __all__ = ["DataLoader"]
@@ -114,8 +116,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
 
     - a map-style dataset's sampler must have a length and yield integer indices (with
       ``batch_size=None``, or lists of them: each list is loaded with one ``dataset[list]``
-      call); ``__getitems__`` is not used (each index is fetched with ``__getitem__``, which
-      is what it stands for);
+      call); a dataset's ``__getitems__`` loads each batch in one call, as torch's;
     - an ``IterableDataset`` is iterated as torch does (a replica per worker, round-robin
       with ``in_order``; see ``procpipe.torch.iterable``), except that a worker that dies
       ends the epoch with ``ReplicaLostError`` (its iterator cannot be resumed elsewhere);
@@ -149,7 +150,11 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     Extra keyword arguments (procpipe's): ``device`` ("cuda[:N]": batches arrive already
     on the GPU, see ``Loader(device=...)``), ``slot_bytes``, ``shm_dir``,
     ``max_worker_restarts``, ``worker_env``, ``assign`` (None: torch's schedule, above),
-    ``seed_globals`` (``False``: torch's per-worker seeds). ``close()`` ends the workers now.
+    ``seed_globals`` (``False``: torch's per-worker seeds), kept as attributes of the same names
+    (``procpipe_options()``). ``close()`` ends the workers now. What torch reads when an iterator
+    starts (``worker_init_fn``, ``collate_fn``, ``num_workers``...) may be assigned after construction,
+    as in torch. Accelerate and the Hugging Face Trainer: ``procpipe.torch.accelerate``,
+    ``procpipe.torch.transformers``.
     """
 
     def __init__(
@@ -181,7 +186,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         assign: str | None = None,
         seed_globals: bool | str = False,
     ) -> None:
-        kind = dataset_kind(dataset)  # resolved once: the DataLoader asks its kind, never which it is
+        self._pp_kind_class = dataset_kind(dataset)  # resolved once: the DataLoader asks its kind, never which it is
         super().__init__(
             dataset,
             batch_size,
@@ -201,71 +206,130 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        # procpipe's own options, public attributes named as the arguments: what rebuilds a loader from
+        # its attributes (Lightning's sampler injection, procpipe.torch.accelerate) passes them on
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.shm_dir = shm_dir
+        self.max_worker_restarts = max_worker_restarts
+        self.worker_env = worker_env
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.assign = assign
+        self.seed_globals = seed_globals
+        self._pp_context = multiprocessing_context  # as given: procpipe's names ("auto", "zygote") torch refuses
+        self._pp_loader: Loader | None = None
+        self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
+        self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
+        self._pp_live: weakref.ref[EpochIterator] | None = None  # persistent workers: the iterator iter() hands back
+        self._pp_latest: EpochIterator | None = None  # an IterableDataset's latest iterator, held (__iter__)
+        self._pp_iterated = False
+        self._pp_epochs = 0
+        self._pp_transfer: CudaTransfer | None = None
+        self._pp_state = self._pp_new_state()
+        self._pp_configure()
+
+    # ---------------------------------------------------------------- configuration
+    def _pp_read(self) -> tuple[Any, ...]:
+        """The attributes an iteration reads (torch's iterator reads them when it starts): assigning
+        one after construction (Lightning's ``worker_init_fn``) takes effect at the next new iterator."""
+        return tuple(getattr(self, name) for name in _READ_AT_ITERATION)
+
+    def _pp_new_state(self) -> FacadeState:
+        state = FacadeState(
+            dataset=self.dataset,
+            iterable=self._pp_kind_class.iterable,
+            num_workers=self.num_workers,
+            persistent=self.persistent_workers,
+            generator=self.generator,
+            snapshot_every=FacadeState.check_every(self.snapshot_every_n_steps or 0),
+            index_sampler=self._index_sampler,
+        )
+        weakref.finalize(self, FacadeState.cleanup, state.stores)
+        return state
+
+    def _pp_configure(self) -> None:
+        """The kind, the start method and the Loader's options, from the attributes as they are now."""
+        self._pp_configured = self._pp_read()
+        num_workers = self.num_workers
+        generator = self.generator
         self._pp_seed = int((generator if generator is not None else torch.default_generator).initial_seed())
-        self._pp_kind: DatasetKind = kind(
+        self._pp_kind: DatasetKind = self._pp_kind_class(
             TorchArguments(
-                dataset,
+                self.dataset,
                 self._index_sampler,
                 self._auto_collation,
                 self.collate_fn,
-                worker_init_fn,
+                self.worker_init_fn,
                 num_workers,
                 self._pp_seed,
                 self.batch_size,
-                drop_last,
+                self.drop_last,
             )
         )
-        self._pp_start_method = _start_method(multiprocessing_context)
-        self._pp_device = None if device is None else resolve_device(device)
+        context = self._pp_context
+        if _torch_context(context) is not self.multiprocessing_context:  # assigned since (torch's setter)
+            context = self._pp_context = self.multiprocessing_context
+        self._pp_start_method = _start_method(context)
+        self._pp_device = None if self.device is None else resolve_device(self.device)
         if self._pp_device is not None and self._pp_device.type == "cpu":
             self._pp_device = None  # batches are CPU tensors already
+        assign = self.assign
         self._pp_options = _LoaderOptions(
             batch_size=self._pp_kind.batch_size,  # sizes: the batch sampler's
             workers=num_workers,
-            ordered=bool(in_order),
+            ordered=bool(self.in_order),
             prefetch=max(1, (self.prefetch_factor or 0) * num_workers),
             seed=self._pp_seed,
             collate_fn=self._pp_kind.collate_fn,
             start_method=self._pp_start_method,
-            shm_dir=shm_dir,
-            slot_bytes=slot_bytes,
-            max_worker_restarts=max_worker_restarts,
-            worker_env=worker_env,
+            shm_dir=self.shm_dir,
+            slot_bytes=self.slot_bytes,
+            max_worker_restarts=self.max_worker_restarts,
+            worker_env=self.worker_env,
             batches=self._pp_kind.batches,
             # torch's per-worker seeds (TorchSource), unless procpipe's reseeding is asked for;
             # like torch, num_workers=0 leaves the generators alone
-            seed_globals=seed_globals if num_workers > 0 else False,
+            seed_globals=self.seed_globals if num_workers > 0 else False,
             # torch's schedule: in order, batch k to worker k % num_workers (IterableDataset
             # replicas are bound to their workers whatever this says)
-            assign=assign if assign is not None else ("round_robin" if in_order else "balanced"),
+            assign=assign if assign is not None else ("round_robin" if self.in_order else "balanced"),
             # the CUDA transfer's copies read batches in their slots: the ring gets slots for them
             stage_slots=0 if self._pp_device is None else CudaTransfer.SLOTS_HELD,
         )
         LoaderConfig.from_arguments(**self._pp_options)  # procpipe's arguments checked now, as torch checks its own
-        self._pp_loader: Loader | None = None
-        self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
-        self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
-        self._pp_iterated = False
-        self._pp_epochs = 0
-        self._pp_transfer: CudaTransfer | None = None
-        self._pp_state = FacadeState(
-            dataset=dataset,
-            iterable=self._pp_kind.iterable,
-            num_workers=num_workers,
-            persistent=persistent_workers,
-            generator=generator,
-            snapshot_every=FacadeState.check_every(snapshot_every_n_steps or 0),
-            index_sampler=self._pp_kind.index_sampler,
-        )
-        weakref.finalize(self, FacadeState.cleanup, self._pp_state.stores)
+        self._pp_state.reconfigure(num_workers, self.generator, self._pp_kind.index_sampler)
         batches = self._pp_kind.batches
         if batches is not None:
             # (the keeper and the sampler, not self: a cycle would keep the workers until the next gc)
             batches.before_draw = functools.partial(self._pp_state.before_draw, self._index_sampler)
+            batches.generators = functools.partial(generators_of, self._index_sampler, self.generator)
+            batches.ahead = (self.prefetch_factor or 0) * num_workers
+            batches.workers = num_workers > 0
+
+    def __copy__(self) -> DataLoader[_T_co]:
+        """A shallow copy (``copy.copy``): the same dataset, sampler and options, with an engine of its
+        own (closing one never closes the other's workers)."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        for name, value in _ENGINE_FREE.items():
+            clone.__dict__[name] = value
+        clone.__dict__["_pp_state"] = clone._pp_new_state()
+        clone._pp_configure()
+        return clone
 
     # ---------------------------------------------------------------- iteration
     def __iter__(self) -> EpochIterator:
+        self._pp_latest = None  # (the previous iteration's, if nobody else holds it, ends now)
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
+        live = self._pp_live() if self._pp_live is not None and reuse else None
+        if live is not None:  # torch resets its one iterator and hands it back: the old epoch ends here
+            live.end_epoch()
+        if not reuse and self._pp_read() != self._pp_configured:
+            # an attribute torch reads when an iterator starts was assigned since (worker_init_fn...)
+            if self._pp_loader is not None:
+                self._pp_loader.close()
+                self._pp_loader = None
+            self._pp_configure()
         pin = False
         base_seed = 0
         shared_seed: int | None = None  # an IterDataPipe's (torch draws one per iterator)
@@ -319,6 +383,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
                 loader = owned = self._pp_new_loader(base_seed, shared_seed)
                 self._pp_epoch_loader = weakref.ref(owned)
             loader.set_epoch(self._pp_epochs)
+            if kind.batches is not None:  # (a resumed epoch's pulls go on from its position)
+                kind.batches.offset = self._pp_state.returned
             self._pp_state.resume_loader(loader, None)
             self._pp_current = loader
             self._pp_epochs += 1
@@ -353,7 +419,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
         self._pp_state.set_stage(stage)
         self._pp_state.started_iteration()
-        return EpochIterator(
+        iterator = EpochIterator(
             epoch,
             convert,
             stage,
@@ -364,7 +430,19 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             self.dataset,
             self.num_workers > 0,
             self._pp_state,
+            kind.batches if loader is not None else None,
         )
+        if kind.iterable and self.num_workers > 0 and is_stateful(self.dataset):
+            # as torchdata's StatefulDataLoader holds its iterator: the replicas of `iter(loader)` run
+            # (and report their initial states to state_dict()) until the next iter() or close();
+            # a dataset with no state to report keeps torch's lifetime (workers end with the iterator)
+            self._pp_latest = iterator
+        if self.persistent_workers and self.num_workers > 0:
+            if live is not None:
+                live.adopt(iterator)
+                iterator = live
+            self._pp_live = weakref.ref(iterator)
+        return iterator
 
     def _pp_new_loader(self, base_seed: int, shared_seed: int | None) -> Loader:
         """The engine: over the dataset, or (IterableDataset) over one replica per worker
@@ -400,6 +478,15 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         if seed != self._pp_seed:  # the per-batch seeds (seed_globals=True) are the saved loader's
             self._pp_seed = self._pp_options["seed"] = seed
 
+    def procpipe_options(self) -> dict[str, Any]:
+        """procpipe's own keyword arguments of this DataLoader, and ``multiprocessing_context`` as given
+        (procpipe's names, such as ``"zygote"``, which torch's attribute cannot hold): what a DataLoader
+        rebuilt from this one's attributes passes on (``procpipe.torch.accelerate``)."""
+        return {
+            **{name: getattr(self, name) for name in _PROCPIPE_OPTIONS},
+            "multiprocessing_context": self._pp_context,
+        }
+
     def stats(self) -> dict[str, Any]:
         """``procpipe.Loader.stats()`` of the engine behind the latest iteration (what
         ``python -m procpipe.bench`` reads); ``RuntimeError`` before the first one."""
@@ -412,6 +499,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         those of an epoch still being iterated included."""
         # The CUDA transfer first (as Loader.close): its registrations of the rings end
         # before the rings are unmapped. A later iteration makes a new one (direct copies).
+        self._pp_latest = None
         transfer, self._pp_transfer = self._pp_transfer, None
         if transfer is not None:
             transfer.close()
@@ -434,6 +522,47 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
     def worker_pids(self) -> list[int]:
         """Process ids of the persistent workers (empty before the first epoch or without them)."""
         return [] if self._pp_loader is None else self._pp_loader.worker_pids
+
+
+# What torch's iterator reads from the DataLoader when it starts (and procpipe's own options): a
+# new value assigned after construction is used by the next iterator that starts workers.
+_READ_AT_ITERATION = (
+    "num_workers",
+    "collate_fn",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "in_order",
+    "device",
+    "slot_bytes",
+    "shm_dir",
+    "max_worker_restarts",
+    "worker_env",
+    "assign",
+    "seed_globals",
+)
+# procpipe's own arguments, kept as public attributes of the same names
+_PROCPIPE_OPTIONS = (
+    "device",
+    "slot_bytes",
+    "shm_dir",
+    "max_worker_restarts",
+    "worker_env",
+    "snapshot_every_n_steps",
+    "assign",
+    "seed_globals",
+)
+# A shallow copy's engine: none yet (copy.copy must not share the original's workers)
+_ENGINE_FREE: dict[str, Any] = {
+    "_pp_loader": None,
+    "_pp_current": None,
+    "_pp_epoch_loader": None,
+    "_pp_live": None,
+    "_pp_latest": None,
+    "_pp_transfer": None,
+    "_pp_iterated": False,
+}
 
 
 def _same(batch: Any) -> Any:

@@ -16,10 +16,16 @@ from typing import Any
 from ..loader import Loader
 from .device import Stage
 from .iterable import RaisedInReplica, reraise
+from .sampling import SamplerBatches
 from .snapshots import ReplicaEnded
 from .state import FacadeState
 
 __all__ = ["EpochIterator"]
+
+
+def _taken_over() -> dict[str, Any]:
+    """What an iterator whose epoch another took over holds: nothing to close, nothing to tell."""
+    return {"_stage": None, "_owned": None, "_state": None, "_draws": None, "_loader": None}
 
 
 class EpochIterator:
@@ -37,6 +43,7 @@ class EpochIterator:
         dataset: Any = None,
         with_workers: bool = False,
         state: FacadeState | None = None,
+        draws: SamplerBatches | None = None,
     ) -> None:
         self._epoch = epoch
         self._convert = convert
@@ -49,6 +56,8 @@ class EpochIterator:
         self._yielded = 0
         self._loader = loader  # None: an IterableDataset iterated in this process
         self._state = state  # the DataLoader's state_dict keeper: told what is returned
+        self._draws = draws  # a map-style epoch's sampler items: the generators follow the batches returned
+        self._returned = 0
 
     @property
     def _workers(self) -> list[Any]:
@@ -68,16 +77,24 @@ class EpochIterator:
         return self._length
 
     def __next__(self) -> Any:
+        if self._draws is not None:
+            self._draws.pulling(self._returned)
         while True:
             try:
                 batch = next(self._stage) if self._stage is not None else self._convert(next(self._epoch))
             except StopIteration:
                 self._finish()
+                if self._draws is not None:
+                    self._draws.ended()
+                    self._draws = None
                 if self._state is not None:
                     self._state.finished()
                 raise
             if self._state is None or type(batch := self._state.received(batch)) is not ReplicaEnded:
                 break
+        if self._draws is not None:
+            self._returned += 1
+            self._draws.returned(self._returned)
         if self._length is None:
             if type(batch) is RaisedInReplica:  # an error in a replica, in the place of its batch
                 reraise(batch)
@@ -99,6 +116,17 @@ class EpochIterator:
                     "torch.utils.data.get_worker_info())."
                 )
             warnings.warn(message, stacklevel=3)
+
+    def end_epoch(self) -> None:
+        """A new epoch of the same persistent workers begins (``iter(loader)`` again): this one's stage
+        and position are let go now, before the new one starts (``adopt`` follows)."""
+        self._finish()
+
+    def adopt(self, other: EpochIterator) -> None:
+        """Become ``other`` (the new epoch's iterator), as torch's one iterator of persistent workers is
+        reset and handed back by ``iter(loader)``: code holding this object reads the new epoch."""
+        self.__dict__.update(other.__dict__)
+        other.__dict__.update(_taken_over())
 
     def _finish(self) -> None:
         if self._state is not None:

@@ -307,6 +307,8 @@ class _ReplicaBatches:
         self.fetcher = BatchFetcher(self.iterator, spec.batch_size, spec.drop_last, _in_private_memory(spec.collate_fn))
         if self.position == 0:
             self.initial = self._snapshot(0, False)
+            if self.initial is None:
+                self.replica.mark_opened(self.worker)  # (a stateless replica: state_dict() need not wait)
         return self.fetcher
 
     def _snapshot(self, position: int, ended: bool) -> tuple[int, bytes] | None:
@@ -325,6 +327,7 @@ class _ReplicaBatches:
             return None
         spec = self.replica.spec
         if self.init_error is not None:
+            self.replica.mark_opened(self.worker)
             error, self.init_error, self.done = self.init_error, None, True
             self.position += 1
             return spec.pack(Tagged(error, self.worker, self.position - 1))
@@ -423,6 +426,13 @@ class Replicas(Shards):
         self._snapshots.append((self._epoch, position, state))
         del self._snapshots[:-8]
         store.write(worker, self._snapshots)
+
+    def mark_opened(self, worker: int) -> None:
+        """Tell the store this epoch's replica has started without a state to save (its initial
+        snapshot, where it has one, says so itself): the facade's ``state_dict()`` waits for either."""
+        store = self.spec.store
+        if store is not None:
+            store.write(worker, [*self._snapshots, (self._epoch, 0, None)])
 
     def _start(self, worker: int) -> tuple[int, dict[str, Any]] | None:
         """Where this epoch's replica starts: a snapshot to restore, or None (its start)."""

@@ -25,7 +25,20 @@ import torch.utils.data as _tud
 from ..loader import Loader
 from .collate import PackingCollate, from_default, pack, unpack, unpack_convert
 from .iterable import Replicas, ReplicaSpec, in_process, sharding_init
-from .sampling import BULK, CUSTOM, DEFAULT, UNBATCHED, BulkFetch, SamplerBatches, TorchSource
+from .sampling import (
+    BULK,
+    CUSTOM,
+    DEFAULT,
+    UNBATCHED,
+    BatchedFetch,
+    BulkFetch,
+    SamplerBatches,
+    SnapshotConvert,
+    SnapshottingCollate,
+    TorchSource,
+    fetches_batches,
+)
+from .snapshots import is_stateful
 from .state import FacadeState
 
 __all__ = ["Batching", "DatasetKind", "IterableStyle", "MapStyle", "TorchArguments", "dataset_kind"]
@@ -72,8 +85,8 @@ class MapStyle:
                 f"when it starts); {type(index_sampler).__name__} has no __len__"
             ) from None
         self.convert: Callable[[Any], Any]  # a batch as the consumer gets it, from what the engine delivers
+        default = collate_fn is _tud.default_convert
         if not torch_args.auto_collation:  # collate_fn (default: default_convert) applies to each sample
-            default = collate_fn is _tud.default_convert
             mode, item_fn = UNBATCHED, (None if default else collate_fn)
             self.convert = unpack_convert if default else unpack
         elif collate_fn is _tud.default_collate:
@@ -87,6 +100,17 @@ class MapStyle:
         self.batches: SamplerBatches | None = SamplerBatches(index_sampler, mode == UNBATCHED)
         self.batch_size: int | None = None if mode == UNBATCHED else 1  # the Loader's: sizes are the sampler's
         self.collate_fn: Callable[[list[Any]], Any] | None = PackingCollate(collate_fn) if mode == CUSTOM else None
+        if mode in (DEFAULT, CUSTOM) and fetches_batches(dataset):  # torch: one __getitems__ call per batch
+            self.source.fetch_batches = True
+            self.collate_fn = BatchedFetch(self.source, collate_fn if mode == CUSTOM else None)
+        if torch_args.num_workers > 0 and is_stateful(dataset):
+            # torchdata's worker snapshots: the dataset's state taken in the worker after each batch
+            if mode == UNBATCHED:  # (each sample is a batch: TorchSource tags it)
+                self.source.snapshots = True
+                self.convert = SnapshotConvert(_tud.default_convert if default else _same)
+            else:
+                self.collate_fn = SnapshottingCollate(self.source, self.collate_fn)
+                self.convert = SnapshotConvert(self.convert)
         self.bulk_collate = BulkFetch(self.source)
 
     def inline_epoch(self, state: FacadeState, shared_seed: int | None) -> Iterator[Any] | None:
@@ -119,6 +143,7 @@ class MapStyle:
         """The engine over the dataset; its workers seed as torch's do, from ``base_seed``
         (this iterator's draw from the generator, or a resumed state's)."""
         self.source.base_seed = base_seed
+        self.source.worker_states = state.worker_states(epoch)
         return Loader(self.source, **options)
 
     def epoch_length(self, loader: Sized) -> int | None:
@@ -183,6 +208,10 @@ class IterableStyle:
     def epoch_length(self, loader: Sized) -> int | None:
         """None: an iterator over an IterableDataset has no ``len()``."""
         return None
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 DatasetKind = MapStyle | IterableStyle

@@ -15,12 +15,30 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import dill
+import torch.utils.data as _tud
+
 from .._core.rng import reseed_current_sample
 from .._worker.identity import worker_index
-from .collate import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire
+from .._worker.produce import collate_privately
+from .collate import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire, unpack
+from .draws import PullStates
+from .snapshots import Tagged
 from .worker_setup import become_torch_worker
 
-__all__ = ["BULK", "CUSTOM", "DEFAULT", "UNBATCHED", "BulkFetch", "SamplerBatches", "TorchSource"]
+__all__ = [
+    "BULK",
+    "CUSTOM",
+    "DEFAULT",
+    "UNBATCHED",
+    "BatchedFetch",
+    "BulkFetch",
+    "SamplerBatches",
+    "SnapshotConvert",
+    "SnapshottingCollate",
+    "TorchSource",
+    "fetches_batches",
+]
 
 _UNKNOWN_LENGTH = 1 << 62  # a map-style dataset without __len__ (allowed with a custom sampler)
 
@@ -66,6 +84,11 @@ class TorchSource:
         self.worker_init_fn = worker_init_fn
         self.num_workers = num_workers
         self.base_seed = base_seed  # the per-worker seeds': each iterator's draw, set by the facade (kinds.py)
+        self.fetch_batches = False  # the dataset's __getitems__ loads each batch (BatchedFetch)
+        # a Stateful dataset's state per worker (dill bytes), loaded by that worker as it starts: a
+        # resumed epoch's workers go on from the states of the batches returned (torchdata's)
+        self.worker_states: dict[int, bytes] = {}
+        self.snapshots = False  # batch_size=None: each sample leaves with the state (SnapshottingCollate)
         try:
             self.length = len(dataset)
         except TypeError:
@@ -90,20 +113,27 @@ class TorchSource:
         become_torch_worker(self.base_seed, worker_id, self.num_workers, self.dataset)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
+        state = self.worker_states.get(worker_id)
+        if state is not None:  # torchdata's order: seeds, worker_init_fn, then the dataset's state
+            self.dataset.load_state_dict(dill.loads(state))
 
     def __getitem__(self, index: int) -> Any:
         if self._pid != os.getpid():
             self._enter_process()
             reseed_current_sample()  # the per-worker set-up above re-seeded the generators
-        if self.mode == BULK:
-            return index  # BulkFetch loads the whole list at once
+        if self.mode == BULK or self.fetch_batches:
+            return index  # BulkFetch / BatchedFetch loads the whole list at once
         sample = self.dataset[index]
         if self.mode == DEFAULT:
             if sample is None:
                 raise _none_sample_error(index)
             return sample_to_wire(sample)
         if self.mode == UNBATCHED:
-            return pack_for_consumer(sample if self.item_fn is None else self.item_fn(sample), [Keyed(index, sample)])
+            item = sample if self.item_fn is None else self.item_fn(sample)
+            worker = worker_index()
+            if self.snapshots and worker is not None:  # with its worker's dataset state (SnapshottingCollate)
+                item = Tagged(item, worker, -1, -1, _dataset_state(self.dataset))
+            return pack_for_consumer(item, [Keyed(index, sample)])  # (a value it cannot send names its index)
         return Keyed(index, sample)  # CUSTOM: the collate_fn gets the samples as the dataset made them (PackingCollate)
 
 
@@ -118,6 +148,84 @@ class BulkFetch:
         source = self.source
         data = source.dataset[list(indices)]
         return pack_for_consumer(data if source.item_fn is None else source.item_fn(data))
+
+
+def fetches_batches(dataset: Any) -> bool:
+    """Whether torch's fetcher loads a batch of ``dataset`` with one ``__getitems__`` call (as torch
+    asks: the attribute is there and true). A ``Subset`` of a dataset without one counts as without:
+    its ``__getitems__`` is then the very per-index loop (torch's ``Subset``)."""
+    if not getattr(dataset, "__getitems__", None):
+        return False
+    if type(dataset) is _tud.Subset:
+        return fetches_batches(dataset.dataset)
+    return True
+
+
+class BatchedFetch:
+    """``collate_fn`` for the core when the dataset has ``__getitems__``, run in the worker: one
+    ``dataset.__getitems__(indices)`` call per batch, as torch's fetcher makes it, then the batch:
+
+    - default collate: each sample as the core stacks it (``sample_to_wire``), stacked here into new
+      arrays (the consumer rebuilds ``default_collate``'s batch from them, ``from_default``);
+    - a ``collate_fn``: its result, packed (its tensors through the ring, ``unpack``).
+    """
+
+    def __init__(self, source: TorchSource, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.source = source
+        self.collate_fn = collate_fn  # None: default collate
+
+    def __call__(self, indices: list[Any]) -> Any:
+        samples = self.source.dataset.__getitems__(list(indices))
+        if self.collate_fn is not None:
+            return pack_for_consumer(self.collate_fn(samples))
+        wire = []
+        for index, sample in zip(indices, samples, strict=True):
+            if sample is None:
+                raise _none_sample_error(index)
+            wire.append(sample_to_wire(sample))
+        return collate_privately(None, wire, list(indices))
+
+
+class SnapshottingCollate:
+    """``collate_fn`` for the core over a ``Stateful`` map-style dataset with workers, run in the
+    worker: the batch (``inner``'s, or the default stacking into new arrays), then the dataset's
+    ``state_dict()`` taken right after it, sent with it as a ``Tagged`` record
+    (``procpipe.torch.snapshots``). After every batch, whatever ``snapshot_every_n_steps`` says:
+    a map-style worker cannot make its batches again to reach a later point (torchdata's
+    fast-forward), so an exact resume needs the state of the very batch returned last. The consumer keeps, per worker,
+    the state of the last batch it returned (torchdata's worker snapshots), so a resumed epoch's
+    workers go on where the returned batches left them, random generators in the state included."""
+
+    def __init__(self, source: TorchSource, inner: Callable[[list[Any]], Any] | None) -> None:
+        self.source = source
+        self.inner = inner
+
+    def __call__(self, samples: list[Any]) -> Packed | InProcess:
+        if self.inner is not None:
+            value = self.inner(samples)
+        else:
+            value = collate_privately(None, samples, list(range(len(samples))))
+        worker = worker_index()
+        state = None if worker is None else _dataset_state(self.source.dataset)
+        return pack_for_consumer(Tagged(value, -1 if worker is None else worker, -1, -1, state))
+
+
+def _dataset_state(dataset: Any) -> bytes:
+    """A Stateful dataset's state, taken now (in a worker), as it travels to the consumer."""
+    return dill.dumps(dataset.state_dict(), protocol=dill.HIGHEST_PROTOCOL)
+
+
+class SnapshotConvert:
+    """The consumer's side of ``SnapshottingCollate``: the ``Tagged`` record, its batch converted
+    as the dataset's kind converts batches (the facade's state unwraps it when it is returned)."""
+
+    def __init__(self, convert: Callable[[Any], Any]) -> None:
+        self.convert = convert
+
+    def __call__(self, packed: Any) -> Any:
+        record = unpack(packed)
+        record.value = self.convert(record.value)
+        return record
 
 
 def _is_index(item: Any) -> bool:
@@ -142,11 +250,35 @@ class SamplerBatches:
         self.bulk = False
         self._planned: list[Any] | None = None
         self.before_draw: Callable[[], None] | None = None  # the facade's state, told before each draw
+        self.generators: Callable[[], list[Any]] = list  # the facade's: the generators the draw may use
+        self.ahead = 0  # the items torch's iterator pulls when it starts (prefetch_factor * num_workers)
+        self.workers = False  # without workers torch pulls an item as next() begins, before loading it
+        self.offset = 0  # batches returned before this iteration began (a resumed epoch's)
+        self.pulls = PullStates()  # the generators' states along the draw (procpipe.torch.draws)
 
     def _draw(self) -> list[Any]:
         if self.before_draw is not None:
             self.before_draw()
-        return list(self.index_sampler)
+        items = self.pulls.draw(self.index_sampler, self.generators())
+        # where torch's generators stand once its iterator has started (a resumed epoch: at its position)
+        self.pulls.advance(self.offset + (self.ahead if self.workers else 0))
+        return items
+
+    def pulling(self, batches: int) -> None:
+        """The epoch's iterator begins ``next()`` after ``batches`` batches (without workers torch pulls
+        the next item now, before loading its batch)."""
+        if not self.workers:
+            self.pulls.advance(self.offset + batches + 1)
+
+    def returned(self, batches: int) -> None:
+        """The epoch's iterator has returned ``batches`` batches (with workers torch pulls one more item
+        after each): the generators stand where torch's do."""
+        if self.workers:
+            self.pulls.advance(self.offset + self.ahead + batches)
+
+    def ended(self) -> None:
+        """The epoch ended: the generators stand where a full pull leaves them."""
+        self.pulls.finish()
 
     def __len__(self) -> int:
         return len(self.index_sampler)

@@ -34,7 +34,7 @@ import pickle
 import secrets
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeGuard
 
 from .._core.shm import SharedFd, close_fd, new_memory
@@ -148,6 +148,11 @@ class SnapshotStore:
             raise
         return cls(segments, os.getpid())
 
+    @property
+    def replicas(self) -> int:
+        """How many replicas it has a segment for."""
+        return len(self.segments)
+
     def _fd(self, worker: int) -> int | None:
         worker = int(worker)
         return self.segments[worker].fd if 0 <= worker < len(self.segments) else None
@@ -156,7 +161,7 @@ class SnapshotStore:
         raw = os.pread(fd, self._HEADER.size, 0)
         return self._HEADER.unpack(raw) if len(raw) == self._HEADER.size else (0, 0, 0)
 
-    def read(self, worker: int) -> list[tuple[int, int, dict]]:
+    def read(self, worker: int) -> list[tuple[int, int, dict | None]]:
         """Replica ``_worker``'s snapshots, oldest first (empty if none was written)."""
         fd = self._fd(worker)
         if fd is None:
@@ -172,7 +177,7 @@ class SnapshotStore:
             return []  # (never seen: a header is written whole, after its pickle)
         return pickle.loads(data)
 
-    def write(self, worker: int, snapshots: list[tuple[int, int, dict]]) -> None:
+    def write(self, worker: int, snapshots: Sequence[tuple[int, int, dict | None]]) -> None:
         """Replace replica ``_worker``'s snapshots (the last ``KEEP``)."""
         fd = self._fd(worker)
         if fd is None:  # (released: the DataLoader was closed)
@@ -191,9 +196,19 @@ class SnapshotStore:
         """The latest snapshot of ``_worker``'s replica in ``epoch`` at or before ``position``."""
         found = None
         for e, p, state in self.read(worker):
+            if state is None:  # (the mark of a replica opened without a state: mark_opened)
+                continue
             if e == epoch and p <= position and (found is None or p >= found[0]):
                 found = (p, state)
         return found
+
+    def initial(self, worker: int, epoch: int) -> tuple[bool, dict | None]:
+        """Whether replica ``worker`` has started ``epoch`` (opened its iterator, or failed in
+        ``worker_init_fn``), and its state then (None: it has none)."""
+        for e, p, state in self.read(worker):
+            if e == epoch and p == 0:
+                return True, state
+        return False, None
 
     def remove(self) -> None:
         """Release the segments (the loader is closed; in the process that made them only)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -37,12 +38,14 @@ import dill
 import torch
 
 from .._consumer.state import EPOCH, ended_epoch
+from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
 
 __all__ = ["FacadeState", "InProcessReplica", "on_moved", "on_value"]
 
 VERSION = 1
+INITIAL_STATE_WAIT_S = 60.0  # state_dict() before a replica's first batch: how long it waits for its start
 
 
 def on_value(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -86,20 +89,6 @@ def _encode_rng(generator: torch.Generator) -> str:
 
 def _decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _generators(index_sampler: Any, loader_generator: torch.Generator | None) -> list[torch.Generator]:
-    """The generators an epoch's sampler draw may use: the samplers' own, and the loader's
-    (or torch's global one, which torch's samplers use without a generator), each once."""
-    found: list[torch.Generator] = []
-    for obj in (index_sampler, getattr(index_sampler, "sampler", None)):
-        g = getattr(obj, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not x for x in found):
-            found.append(g)
-    g = loader_generator if loader_generator is not None else torch.default_generator
-    if all(g is not x for x in found):
-        found.append(g)
-    return found
 
 
 def _samplers(index_sampler: Any) -> list[Any]:
@@ -210,7 +199,15 @@ class FacadeState:
         self.delivered: dict[int, int] = {}  # replica -> records returned (incl. errors and its end)
         self.snaps: dict[int, tuple[int, Any]] = {}  # replica -> (position, state) of its last snapshot returned
         self.ended: set[int] = set()
+        # a Stateful map-style dataset with workers: worker -> its dataset's state (dill bytes, or as
+        # loaded) after the last batch it made that was returned (sampling.SnapshottingCollate)
+        self.worker_snaps: dict[int, Any] = {}
         self.seed = 0  # the per-sample seed, as of the last state_dict()
+        self.returned = 0  # batches the iteration returned (with a resumed epoch's before it)
+
+    def reconfigure(self, num_workers: int, generator: torch.Generator | None, index_sampler: Any) -> None:
+        """The DataLoader's attributes were assigned after construction (``num_workers``, ``generator``)."""
+        self.num_workers, self.generator, self.index_sampler = num_workers, generator, index_sampler
 
     # ---------------------------------------------------------------- checks
     @staticmethod
@@ -237,6 +234,14 @@ class FacadeState:
         self.seeds = (base_seed, shared_seed)
         self.loader = self.stage = self.replica = self.frozen = None
         self.delivered, self.snaps, self.ended = {}, {}, set()
+        self.returned = 0
+        if pending is not None and pending["epoch"] == epoch and not pending["finished"]:
+            self.returned = int(pending.get("returned", 0))
+        if not self.iterable:
+            if self._resumes_workers(epoch):
+                self.worker_snaps = dict(pending["worker_states"]) if pending is not None else {}
+            elif not self.persistent:
+                self.worker_snaps = {}  # fresh workers: their initial states
         if pending is not None and pending["epoch"] == epoch:
             for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
                 worker = int(key)
@@ -254,7 +259,7 @@ class FacadeState:
         """The iteration's sampler items are about to be drawn: for a resumed epoch, put back
         what the original draw depended on; then remember it (for a state taken in this epoch)."""
         pending, epoch = self.pending, self.epoch
-        generators = _generators(index_sampler, self.generator)
+        generators = generators_of(index_sampler, self.generator)
         if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
             draw = pending["draw"]
             # (strict=False: the draw was saved by a DataLoader built the same way; zip's shortest wins)
@@ -267,10 +272,32 @@ class FacadeState:
             "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
         }
 
+    def _resumes_workers(self, epoch: int) -> bool:
+        """Whether epoch ``epoch``'s workers start from a loaded state's worker snapshots: those of its
+        own epoch, or with persistent workers the epoch after a finished one (the same workers went on)."""
+        pending = self.pending
+        if pending is None or not pending.get("worker_states"):
+            return False
+        if pending["finished"]:
+            return self.persistent and pending["epoch"] + 1 == epoch
+        return pending["epoch"] == epoch
+
+    def worker_states(self, epoch: int) -> dict[int, bytes]:
+        """The map-style workers' dataset states for a new loader starting at ``epoch`` (``TorchSource``)."""
+        if not self._resumes_workers(epoch):
+            return {}
+        assert self.pending is not None
+        states = self.pending["worker_states"]
+        return {
+            w: dill.dumps(state, protocol=dill.HIGHEST_PROTOCOL)
+            for w, state in states.items()
+            if w < self.num_workers and state is not None
+        }
+
     def replica_options(self, epoch: int) -> dict[str, Any]:
         """``ReplicaSpec`` fields for a new loader's replicas (workers), starting at ``epoch``; writes
         the snapshots a loaded state resumes them from into the store."""
-        if self.store is None:
+        if self.store is None or self.store.replicas < self.num_workers:  # (num_workers may be assigned later)
             self.store = SnapshotStore.create(self.num_workers)
             self.stores.append(self.store)
         options: dict[str, Any] = {"snapshot_every": self.snapshot_every, "store": self.store}
@@ -347,9 +374,14 @@ class FacadeState:
 
     def received(self, record: Any) -> Any:
         """A record of a replica, returned by the consumer: its batch (``ReplicaEnded``: the replica ended)."""
+        self.returned += 1
         if type(record) is not Tagged:
             return record
         worker = record.worker
+        if not self.iterable:  # a map-style batch with its worker's dataset state
+            if record.state is not None:
+                self.worker_snaps[worker] = record.state
+            return record.value
         self.delivered[worker] = record.position + 1
         if record.state is not None:
             self.snaps[worker] = (record.snap_position, record.state)
@@ -384,8 +416,8 @@ class FacadeState:
             "base_seed": self.seeds[0],
             "shared_seed": self.seeds[1],
         }
-        if finished:  # the next epoch draws from the generator as it is now
-            mine["generators"] = [_encode_rng(g) for g in _generators(self.index_sampler, self.generator)]
+        if finished or not self.started:  # the next epoch draws from the generator as it is now
+            mine["generators"] = [_encode_rng(g) for g in generators_of(self.index_sampler, self.generator)]
             mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and (loader_state := self._position()) is not None:
             if loader_state.get(EPOCH, self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
@@ -393,6 +425,7 @@ class FacadeState:
                     return self._ended_state()
                 loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
             mine["loader"] = loader_state
+            mine["returned"] = self.returned
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
         state: dict[str, Any] = {}
@@ -407,10 +440,14 @@ class FacadeState:
                 dataset_state = copy.deepcopy(self.dataset.state_dict())
             state = {"dataset_state": dataset_state, "fetcher_state": fetcher_state, "_iterator_finished": finished}
         else:
+            if self.iterable and self.started and not finished:
+                self._await_initial_states()
             workers: dict[str, Any] = {}
             replicas: dict[str, Any] = {}
             for w in range(self.num_workers):
                 snapshot: dict[str, Any] = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
+                if not self.iterable and self.worker_snaps.get(w) is not None:
+                    snapshot["dataset_state"] = _decoded(self.worker_snaps[w])
                 if self.iterable:
                     position, saved = self.snaps.get(w, (0, None))
                     decoded = _decoded(saved) if saved is not None else None
@@ -436,6 +473,30 @@ class FacadeState:
         state["procpipe"] = mine
         return state
 
+    def _await_initial_states(self) -> None:
+        """torchdata's iterator waits until every worker has sent its initial state; procpipe's replicas
+        send theirs with their first batch. For a state taken before a replica's first batch came back,
+        wait (up to ``INITIAL_STATE_WAIT_S``) until the replica has started and written its initial
+        snapshot to the store, so the state holds it (what ``__iter__`` did to the replica counts)."""
+        store = self.store
+        waiting = [w for w in range(self.num_workers) if w not in self.snaps and not self.delivered.get(w)]
+        if store is None or not waiting:
+            return
+        deadline = time.monotonic() + INITIAL_STATE_WAIT_S
+        pause = 0.001
+        while waiting:
+            for w in list(waiting):
+                started, state = store.initial(w, self.epoch)
+                if started:
+                    waiting.remove(w)
+                    if state is not None and w not in self.snaps:
+                        self.snaps[w] = (0, state)
+            running = self.loader() if self.loader is not None else None
+            if not waiting or running is None or time.monotonic() > deadline:
+                return  # (an iteration let go closed its workers: they start no more)
+            time.sleep(pause)  # the workers write files; no descriptor to wait on (bounded, rare)
+            pause = min(pause * 2, 0.05)
+
     def load(self, state: Any) -> int:
         """Check a saved state and keep it for the next iteration; returns that iteration's epoch."""
         mine = state.get("procpipe") if isinstance(state, dict) else None
@@ -459,12 +520,19 @@ class FacadeState:
         pending["saved"] = copy.deepcopy(state)
         if self.num_workers == 0 and not self.iterable:
             pending["dataset_state"] = state.get("dataset_state")
-        if pending["finished"]:  # the state of the epoch's end, before the next epoch's draws
+        if not self.iterable:  # the workers' dataset states (torchdata's worker snapshots)
+            workers = (state.get("_snapshot") or {}).get("_worker_snapshots") or {}
+            pending["worker_states"] = {
+                int(key.split("_")[-1]): copy.deepcopy(snap.get("dataset_state"))
+                for key, snap in workers.items()
+                if isinstance(snap, dict) and snap.get("dataset_state") is not None
+            }
+        if pending["finished"] or pending.get("generators") is not None:  # before the next epoch's draws
             if pending.get("dataset_state") is not None and is_stateful(self.dataset):
                 self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
             # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
             for g, text in zip(
-                _generators(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
+                generators_of(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
             ):
                 g.set_state(_decode_rng(text))
             for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
