@@ -37,7 +37,7 @@ from typing import Any
 import dill
 import torch
 
-from .._consumer.state import EPOCH, ended_epoch
+from .._consumer.state import DONE, DONE_BELOW, EPOCH, ended_epoch
 from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
@@ -81,6 +81,14 @@ def on_moved(transfer: Callable[..., tuple[Any, Any]], convert: Callable[[Any], 
         return moved, ready
 
     return move
+
+
+def _batches_returned(position: dict[str, Any] | None) -> int:
+    """The batches of its epoch a saved position (a map-style dataset's: indexed) says were returned:
+    those below ``done_below`` and those in ``done`` (no key of its own: the format stays 0.1.0's)."""
+    if not position:
+        return 0
+    return int(position.get(DONE_BELOW) or 0) + len(position.get(DONE) or ())
 
 
 def _encode_rng(generator: torch.Generator) -> str:
@@ -236,7 +244,7 @@ class FacadeState:
         self.delivered, self.snaps, self.ended = {}, {}, set()
         self.returned = 0
         if pending is not None and pending["epoch"] == epoch and not pending["finished"]:
-            self.returned = int(pending.get("returned", 0))
+            self.returned = _batches_returned(pending.get("loader"))
         if not self.iterable:
             if self._resumes_workers(epoch):
                 self.worker_snaps = dict(pending["worker_states"]) if pending is not None else {}
@@ -425,7 +433,6 @@ class FacadeState:
                     return self._ended_state()
                 loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
             mine["loader"] = loader_state
-            mine["returned"] = self.returned
         if not self.iterable and not finished and self.epoch in self.draws:
             mine["draw"] = self.draws[self.epoch]
         state: dict[str, Any] = {}
