@@ -37,7 +37,7 @@ RUN = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     kind, batch_size, workers, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    N = batch_size * 8
+    N = batch_size * 40
     BASE = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
 
     def image(i):
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--shm-size", default="64m", help="the tmpfs size of /dev/shm (default 64m)")
     parser.add_argument("--batches", default="64,256", help="batch sizes, comma-separated")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3, help="timed epochs of 8 batches, after a first one")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs of 40 batches, after a first one")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--loaders", default=",".join(LOADERS))
     args = parser.parse_args()
