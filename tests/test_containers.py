@@ -74,7 +74,7 @@ LOADER_CASES = IMAGES + textwrap.dedent('''
     import procpipe
 
     for batch_size in (64, 256):
-        for method in ("auto", "fork", "forkserver", "spawn"):
+        for method in ("auto", "fork", "zygote", "forkserver", "spawn"):
             with procpipe.Loader(list(range(N)), image, batch_size=batch_size, workers=2,
                                  start_method=method) as loader:
                 seen, used = epochs_seen(loader, 2)
@@ -91,7 +91,7 @@ def test_batches_larger_than_dev_shm_under_every_start_method(size):
     results = in_small_dev_shm(size, LOADER_CASES)
     expected = [i % 251 for i in range(512)]
     assert [(r["batch"], r["method"]) for r in results] == [
-        (b, m) for b in (64, 256) for m in ("auto", "fork", "forkserver", "spawn")]
+        (b, m) for b in (64, 256) for m in ("auto", "fork", "zygote", "forkserver", "spawn")]
     for r in results:
         assert r["seen"] == [expected, expected], (r["batch"], r["method"])  # 2 exact epochs, in order
         assert r["dev_shm_used"] < 1 << 20 and r["left"] == [], r  # /dev/shm never held any of it
