@@ -15,6 +15,11 @@ the test (as an error in teardown), then the leaked processes are killed and the
 removed so that one failure does not cascade into the next tests.
 Opt out with ``@pytest.mark.allow_leaks`` (e.g. a test that deliberately orphans a worker).
 
+The fast subset: a test (or a module, ``pytestmark = pytest.mark.unit``) marked ``unit`` starts no
+process, so ``python -m pytest -m unit`` runs alone in under a minute. The autouse fixture
+``unit_starts_no_process`` holds it to that: in a ``unit`` test, starting a process
+(multiprocess's or multiprocessing's ``Process.start``, ``subprocess``, ``os.fork``) raises.
+
 The autouse fixture ``hang_guard`` dumps every thread's stack and ends the run if a test
 exceeds ``PROCPIPE_TEST_TIMEOUT_S`` seconds (default 180), so a deadlock fails loudly
 instead of hanging CI; raise it for one test with ``@pytest.mark.timeout_s(600)``.
@@ -31,7 +36,8 @@ Helpers, importable from the tests (``from conftest import wait_until, ...``):
   segment of a loader begins with.
 - ``ring_views(batch)`` / ``is_ring_view(arr)``: whether arrays are zero-copy views of a ring slot;
   ``mappings(prefix)``: address ranges where files with that prefix are mapped in this process.
-- ``leaves(batch)``: the leaves of a batch tree.
+- ``leaves(batch)``: the leaves of a batch tree; ``to_py(batch)``: a batch as plain Python, for
+  whole-structure comparisons.
 - ``assert_running(loader)`` -> ``(pids, prefix)``, then ``assert_cleaned(pids, prefix)``: a loader's
   workers and shared memory (files, or anonymous segments) exist while it runs / are all gone after
   cleanup (with a deadline).
@@ -241,6 +247,17 @@ def leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
+def to_py(tree: Any) -> Any:
+    """A batch as plain Python (arrays become (dtype, nested lists)) for whole-structure comparisons."""
+    if isinstance(tree, dict):
+        return {k: to_py(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree).__name__, [to_py(v) for v in tree]
+    if isinstance(tree, np.ndarray):
+        return str(tree.dtype), tree.tolist()
+    return tree
+
+
 def ring_views(batch: Any) -> list[bool]:
     """For every array leaf of ``batch``: whether it is a ring view."""
     return [is_ring_view(a) for a in leaves(batch) if isinstance(a, np.ndarray)]
@@ -397,6 +414,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist's own marker, declared here too for runs without it: under `-n 2 --dist loadgroup`
     # the tests of one group run in one worker (those that start a Ray cluster: one cluster at a time).
     config.addinivalue_line("markers", "xdist_group(name): run in the same pytest-xdist worker as the rest of the group")
+    config.addinivalue_line("markers", "unit: starts no process: `python -m pytest -m unit` runs them in under a minute")
 
 
 def _stderr_fd(config: pytest.Config) -> int:
@@ -418,6 +436,31 @@ def hang_guard(request: pytest.FixtureRequest):
     faulthandler.cancel_dump_traceback_later()
 
 
+class StartedAProcess(AssertionError):
+    """A ``unit`` test started a process (``unit_starts_no_process``)."""
+
+
+@pytest.fixture(autouse=True)
+def unit_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """In a test marked ``unit``, every way procpipe or a test starts a process raises."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+
+    import multiprocess.process
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise StartedAProcess("a unit test started a process: take its unit mark off (tests/conftest.py)")
+
+    monkeypatch.setattr(multiprocess.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest):
     """Fail a test that leaves child processes or procpipe files of this process behind."""
@@ -428,7 +471,6 @@ def no_leaks(request: pytest.FixtureRequest):
     files_before = our_shm_files()
     segments_before = our_segments()
     yield
-    gc.collect()
     new_procs: set[int] = set()
     new_files: set[str] = set()
     new_segments: set[str] = set()
@@ -440,6 +482,10 @@ def no_leaks(request: pytest.FixtureRequest):
         new_segments = our_segments() - segments_before
         return not new_procs and not new_files and not new_segments
 
+    # A unit test that left nothing needs no collection (a full one takes ~0.3 s with torch and keras
+    # imported: most of the unit subset's time); every other test's garbage is collected first.
+    if request.node.get_closest_marker("unit") is None or not clean():
+        gc.collect()
     deadline = time.monotonic() + LEAK_DEADLINE_S
     while not clean() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -2,10 +2,13 @@
 
 ``PYTHONPATH=.:tests python -c "import statekit; statekit.write()"`` writes, for each case,
 ``<case>.json``: the loader's ``state_dict()`` taken after ``CUT`` batches of a shuffled
-epoch, and the batches an uninterrupted run yields after it. The files were written by the
-code of the saved-state format version 1; ``tests/test_saved_states.py`` loads each into a
-loader built here and checks that it resumes exactly there, so a change of the state's
-format (or of what it means) fails that test.
+epoch, and the batches an uninterrupted run yields after it (``combined``: the state
+``combine_states`` makes of two ranks' states, and the batches three ranks yield after loading
+it). The files were written by the code of the saved-state format version 1 (``mix_stream``,
+``combined`` and ``caller`` by e24b893's, before issue 44's restructuring:
+``statekit.write(["mix_stream", "combined", "caller"])`` run in a checkout of it);
+``tests/test_saved_states.py`` loads each into a loader built here and checks that it resumes
+exactly there, so a change of the state's format (or of what it means) fails that test.
 """
 from __future__ import annotations
 
@@ -25,10 +28,31 @@ def open_shard(shard):
         yield shard[0] * 100 + i
 
 
-def make_loader(case: str) -> Any:
-    """A fresh loader of ``case`` (``loader``, ``mix``, ``shards``, ``torch_map``, ``torch_iterable``)."""
+class CallerBatches:
+    """``batches=``: each epoch's batches chosen by the caller (a reversed, epoch-rotated order of
+    4-index batches), with a ``len()`` (the loader's)."""
+
+    def __call__(self, epoch: int) -> list[list[int]]:
+        order = [(i * 7 + epoch * 3) % 30 for i in range(30)]
+        return [order[i : i + 4] for i in range(0, 30, 4)][::-1]
+
+    def __len__(self) -> int:
+        return 8
+
+
+def make_loader(case: str, shard: tuple[int, int] | None = None) -> Any:
+    """A fresh loader of ``case`` (``loader``, ``mix``, ``shards``, ``mix_stream``, ``combined``
+    (rank ``shard`` of a sharded stream), ``caller``, ``torch_map``, ``torch_iterable``)."""
     from procpipe import Loader, Mix, Shards
 
+    if case == "mix_stream":
+        source = Mix([Shards(SHARDS, open_shard, cycle_length=2, block_length=3), list(range(500, 517))], [0.6, 0.4],
+                     shard_size=5)
+        return Loader(source, batch_size=4, shuffle=True, seed=11, epochs=2, with_epoch=True)
+    if case == "combined":
+        return Loader(list(range(40)), batch_size=3, shuffle=True, seed=11, epochs=2, with_epoch=True, shard=shard)
+    if case == "caller":
+        return Loader(list(range(30)), batches=CallerBatches(), epochs=2, with_epoch=True)
     if case == "loader":
         return Loader(list(range(30)), batch_size=4, shuffle=True, seed=11, epochs=2, with_epoch=True)
     if case == "mix":
@@ -67,7 +91,8 @@ if HAVE_TORCH:
             return iter(range(30))
 
 
-CASES = ("loader", "mix", "shards", "torch_map", "torch_iterable")
+CASES = ("loader", "mix", "shards", "mix_stream", "combined", "caller", "torch_map", "torch_iterable")
+COMBINED_FROM, COMBINED_TO = 2, 3  # ``combined``: the world sizes saved and loaded
 
 
 def plain(batch: Any) -> Any:
@@ -82,8 +107,20 @@ def plain(batch: Any) -> Any:
 
 
 def cut(case: str) -> tuple[dict[str, Any], list[Any]]:
-    """The state after ``CUT`` batches, and every batch after it (the rest of the epochs)."""
-    loader = make_loader(case)
+    """The state after ``CUT`` batches, and every batch after it (the rest of the epochs);
+    ``combined``: every rank's state after ``CUT`` batches combined, and what the ranks of the
+    new world yield after loading it."""
+    if case == "combined":
+        from procpipe import combine_states
+
+        states = [_cut_one(case, (rank, COMBINED_FROM))[0] for rank in range(COMBINED_FROM)]
+        state = json.loads(json.dumps(combine_states(states)))
+        return state, resume(case, state)
+    return _cut_one(case, None)
+
+
+def _cut_one(case: str, shard: tuple[int, int] | None) -> tuple[dict[str, Any], list[Any]]:
+    loader = make_loader(case, shard)
     epochs = 1 if case.startswith("torch") else None
     try:
         it = iter(loader)
@@ -101,8 +138,15 @@ def cut(case: str) -> tuple[dict[str, Any], list[Any]]:
 
 
 def resume(case: str, state: dict[str, Any]) -> list[Any]:
-    """The batches a fresh loader yields after ``load_state_dict(state)``."""
-    loader = make_loader(case)
+    """The batches a fresh loader yields after ``load_state_dict(state)`` (``combined``: each
+    rank's of the new world, one list per rank)."""
+    if case == "combined":
+        return [_resume_one(case, state, (rank, COMBINED_TO)) for rank in range(COMBINED_TO)]
+    return _resume_one(case, state, None)
+
+
+def _resume_one(case: str, state: dict[str, Any], shard: tuple[int, int] | None) -> list[Any]:
+    loader = make_loader(case, shard)
     try:
         loader.load_state_dict(state)
         rest = [plain(b) for b in loader]
@@ -115,9 +159,10 @@ def resume(case: str, state: dict[str, Any]) -> list[Any]:
     return rest
 
 
-def write() -> None:
+def write(cases: Any = CASES) -> None:
+    """Write ``<case>.json`` of each of ``cases`` (all by default) from the code imported."""
     DATA.mkdir(parents=True, exist_ok=True)
-    for case in CASES:
+    for case in cases:
         state, rest = cut(case)
         (DATA / f"{case}.json").write_text(json.dumps({"state": state, "rest": rest}, sort_keys=True, indent=1) + "\n")
         print(case, len(rest), "batches after the cut")

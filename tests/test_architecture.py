@@ -64,6 +64,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 PACKAGE = "procpipe"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -21,6 +21,8 @@ import procpipe._engine.autotune as autotune
 import procpipe._engine.policy as policy
 from procpipe._engine.autotune import AutoWorkers, Sample, Tuner
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 INTERVAL = 0.25
 
 

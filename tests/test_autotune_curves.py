@@ -145,6 +145,7 @@ def reached(fractions: list[float], since: int = 0) -> int | None:
     return None
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 @pytest.mark.parametrize("curve", curves(), ids=lambda c: c.name)
 def test_each_curve_reaches_95_percent_of_the_best_count_quickly(curve):
     seeds = range(10) if curve.noise else range(1)
@@ -156,6 +157,7 @@ def test_each_curve_reaches_95_percent_of_the_best_count_quickly(curve):
             f"{curve.within * INTERVAL:g} s); counts {counts[curve.since:curve.since + 40]}")
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_growth_takes_steps_that_grow_not_one_worker_at_a_time():
     rate, measure = cpu_bound(96)
     counts, _ = run(Curve("96", 96, rate, measure, 40, 0))
@@ -163,12 +165,14 @@ def test_growth_takes_steps_that_grow_not_one_worker_at_a_time():
     assert distinct[:7] == [2, 4, 8, 16, 32, 64, 96], distinct
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_cpu_bound_work_stops_at_the_cpu_budget():
     rate, measure = cpu_bound(16)
     counts, _ = run(Curve("16", 16, rate, measure, 200, 0))
     assert max(counts) <= 17 and counts[-1] == 16, counts  # (one probe past it, when the CPUs are contended)
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_it_backs_off_when_the_training_step_takes_cpus_and_grows_back_when_it_gives_them_back():
     busy = lambda t: HALF <= t < 2 * HALF  # noqa: E731
     rate, measure = cpu_bound(16, main=lambda t: MAIN_CPU + (4 if busy(t) else 0), free=lambda t: 12 if busy(t) else 16)
@@ -239,6 +243,7 @@ def test_ranks_sharing_a_node_come_close_to_the_best_fixed_split(tmp_path, ranks
     assert os.listdir(tmp_path) == []  # the last one out removed the node file
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_without_sharing_ranks_oversubscribe_the_node(tmp_path):
     """What the node file prevents: each rank alone grows to the whole node."""
     counts, totals = run_ranks(4, None)

@@ -11,6 +11,7 @@ polls its shm_dir until it is empty (a few seconds at most).
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 from conftest import python_env, segments, wait_gone, wait_until
@@ -25,6 +27,7 @@ from conftest import python_env, segments, wait_gone, wait_until
 import procpipe
 from procpipe._core import reaper
 from procpipe._core.stale_files import SETTLE_S, sweep
+from procpipe._engine.pool import LocalWorker
 
 GONE_WITHIN_S = 5.0  # "a few seconds": from the SIGKILL to an empty shm_dir
 
@@ -389,5 +392,160 @@ def test_sigkill_of_a_facade_over_an_iterable_dataset_leaves_nothing(tmp_path, s
         assert any(n.startswith(f"procpipe-{proc.pid}-") and "replica" in n for n in segments(proc.pid))
         _kill_and_check(proc, lambda: os.listdir(shm_dir), [reaper_pid])
     finally:
+        proc.kill()
+        proc.communicate()
+
+
+# --------------------------------------------------------------------------- no cycle keeps a loader
+def _zeros(i: int) -> np.ndarray:
+    return np.zeros(256, np.float32) + i
+
+
+def _records(shard: list) -> list:
+    return shard
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["indexed", "shards"])
+def test_abandoned_loader_frees_its_files_without_the_garbage_collector(streaming: bool) -> None:
+    import gc
+    import weakref
+
+    from conftest import our_segments
+
+    before = our_segments()
+    source = procpipe.Shards([list(range(64)), list(range(64))], _records) if streaming else list(range(128))
+    gc.collect()
+    gc.disable()  # a re-run notebook cell: the loader is dropped mid-epoch, and no collection runs
+    try:
+        loader = procpipe.Loader(source, fn=_zeros, batch_size=4, workers=2)
+        for k, _batch in enumerate(loader):
+            if k == 2:
+                break
+        del _batch  # the last batch holds a ring slot: the loader is dropped with none in hand
+        assert our_segments() - before, "the loader made no shared memory: the test proves nothing"
+        gone = weakref.ref(loader)
+        del loader
+        assert gone() is None, "a reference cycle keeps the abandoned loader alive"
+        assert our_segments() - before == set()  # no descriptor and no mapping of its memory left
+    finally:
+        gc.enable()
+
+
+# --------------------------------------------------------------------------- descriptors of killed workers
+class _HangsOnce:
+    """Indices in ``hang`` hang on their first attempt (a marker file, shared by the workers,
+    says it was made): the worker is killed after ``task_timeout``, and the retry returns."""
+
+    def __init__(self, directory: str, hang: set[int], n: int, pace_s: float) -> None:
+        self.directory, self.hang, self.n, self.pace_s = directory, hang, n, pace_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.float32:
+        if i in self.hang:
+            try:
+                fd = os.open(os.path.join(self.directory, f"hung-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass  # the retry
+            else:
+                os.close(fd)
+                time.sleep(120)  # stuck: only the kill ends it
+        time.sleep(self.pace_s)  # (the epoch outlasts task_timeout after the last hang: its kill counts)
+        return np.float32(i)
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("speculate", [None, 2.0], ids=["task_timeout", "speculate_lost"])
+def test_killed_workers_descriptors_are_closed_without_the_garbage_collector(tmp_path, speculate) -> None:
+    warm = procpipe.Loader(list(range(8)), batch_size=2, workers=2)  # (lazily made process-wide parts)
+    list(warm)
+    warm.close()
+    del warm
+    gc.collect()
+    gc.disable()  # a job that freezes or disables the GC: nothing may wait for a collection
+    try:
+        before = _open_descriptors()
+        hang, n = {6, 12, 18}, 64
+        loader = procpipe.Loader(
+            _HangsOnce(str(tmp_path), hang, n, pace_s=0.02), batch_size=1, workers=2, shuffle=False,
+            task_timeout=0.5, speculate=speculate,
+        )
+        got = [int(x) for b in loader for x in b.tolist()]
+        killed = loader.stats()["worker_deaths"]  # (each one killed: no sample fails)
+        loader.close()
+        del loader
+        after = _open_descriptors()
+        links = [o for o in gc.get_objects() if isinstance(o, LocalWorker)]  # (uncollected garbage included)
+    finally:
+        gc.enable()
+    assert got == list(range(n))
+    assert killed == len(hang), "the workers were not killed: the test proves nothing"
+    assert after == before, f"{after - before} descriptors left open after {killed} workers were killed and close()"
+    assert links == [], f"{len(links)} worker links kept by a reference cycle after close()"
+
+
+# --------------------------------------------------------------------------- a stopped worker, a killed trainer
+_TRAINER = r'''
+import json, sys, threading
+import numpy as np
+import procpipe
+from procpipe._worker import zygote
+
+how = sys.argv[1]
+if how == "zygote":  # a thread runs before the loader: its workers are forked from the zygote
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+loader = procpipe.Loader(list(range(10**6)), fn=np.float32, batch_size=4, workers=2,
+                         **({"start_method": "forkserver"} if how == "forkserver" else {}))
+it = iter(loader)
+next(it)
+print(json.dumps({"workers": loader.worker_pids, "zygote": zygote.pid()}), flush=True)
+sys.stdin.read()  # until killed
+'''
+
+
+@pytest.mark.parametrize("how", ["fork", "zygote", "forkserver"])
+def test_nothing_outlives_a_killed_training_process_whose_worker_is_stopped(tmp_path, how) -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    from conftest import python_env, wait_gone, wait_until
+
+    script = tmp_path / "train.py"
+    script.write_text(_TRAINER)
+    proc = subprocess.Popen([sys.executable, str(script), how], env=python_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started: list[int] = []
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the training process did not start: {proc.stderr.read()}"
+        info = json.loads(line)
+        workers, zygote_pid = info["workers"], info["zygote"]
+        started = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]  # zygote, workers, helpers
+        assert zygote_pid in started and set(workers) <= set(started)
+        parent = {"fork": proc.pid, "zygote": zygote_pid}.get(how)
+        if parent is not None:  # (the case it claims: who forked the workers)
+            assert {psutil.Process(w).ppid() for w in workers} == {parent}
+        stopped = psutil.Process(workers[0])
+        stopped.suspend()  # SIGSTOP: a debugger, a scheduler's suspend
+        wait_until(lambda: stopped.status() == psutil.STATUS_STOPPED, 10, "the worker to be stopped")
+        proc.kill()
+        assert proc.wait(10) == -signal.SIGKILL
+        survivors = wait_gone(started, 5.0)  # "a few seconds"
+        described = [f"{p} {psutil.Process(p).name()} {psutil.Process(p).status()}" for p in survivors]
+        assert survivors == [], f"outlived the training process by 5 s: {described}"
+    finally:
+        for pid in started:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        wait_gone(started, 10)
         proc.kill()
         proc.communicate()

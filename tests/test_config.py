@@ -24,6 +24,8 @@ from procpipe.config import EngineConfig
 from procpipe._worker.process import WorkerSpec
 from procpipe._worker.reader import IndexedReader
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 CONFIG_MODULES = ("config.py",)  # where LoaderConfig and its groups check their arguments
 
 

@@ -117,6 +117,7 @@ def engine(workers: int = 2, tasks_per_worker: int = 2) -> tuple[Roster, Dispatc
 
 
 # --------------------------------------------------------------------------- wake pipe, commands
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_wake_pipe_wakes_select_once_starved_and_ignores_a_wake_after_close():
     wakeup = WakePipe()
     with selectors.DefaultSelector() as selector:
@@ -137,6 +138,7 @@ def test_wake_pipe_wakes_select_once_starved_and_ignores_a_wake_after_close():
     assert wakeup.fileno() == -1
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_commands_are_typed_and_a_name_is_refused():
     typed = StartStream(object())  # type: ignore[arg-type]
     assert checked(typed) is typed and isinstance(checked(CancelStream(1)), CancelStream)
@@ -147,6 +149,7 @@ def test_commands_are_typed_and_a_name_is_refused():
 
 
 # --------------------------------------------------------------------------- roster
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_roster_states_from_start_to_death():
     roster = Roster(FakePool(), 3, 3, 2)
     link = roster.start(2)
@@ -162,6 +165,7 @@ def test_roster_states_from_start_to_death():
     assert state_of(link) is WorkerState.DEAD
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_roster_picks_the_least_loaded_healthy_worker_and_retires_the_highest():
     roster, dispatcher, _ = engine(workers=3)
     a, b, c = roster.links
@@ -182,6 +186,7 @@ def test_roster_picks_the_least_loaded_healthy_worker_and_retires_the_highest():
 
 
 # --------------------------------------------------------------------------- dispatch and speculation
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_send_records_the_attempt_and_puts_a_task_without_a_ring():
     roster, dispatcher, _ = engine()
     epoch = fake_epoch(number=5)
@@ -195,6 +200,7 @@ def test_send_records_the_attempt_and_puts_a_task_without_a_ring():
     assert attempt.started is not None  # an idle, ready worker starts it now
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_speculation_copies_a_stragglers_batch_to_a_healthy_worker_once():
     roster, dispatcher, _ = engine(workers=3)
     slow, fast, other = roster.links
@@ -213,6 +219,7 @@ def test_speculation_copies_a_stragglers_batch_to_a_healthy_worker_once():
     assert needs_copy(roster.links) == []
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_no_speculation_for_a_batch_that_timed_out_already_or_is_done():
     roster, dispatcher, _ = engine()
     slow = roster.links[0]
@@ -237,6 +244,7 @@ def died(dispatcher: Dispatcher, worker: WorkerLink, **kwargs: Any):
     return death, released
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_crash_reruns_its_batches_and_restarts_the_worker():
     roster, dispatcher, _ = engine()
     worker = roster.links[0]
@@ -251,6 +259,7 @@ def test_a_crash_reruns_its_batches_and_restarts_the_worker():
     assert death.timed_out is None and released == [] and not dispatcher.attempts
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_past_the_restart_budget_the_death_fails_the_epoch():
     roster, dispatcher, _ = engine()
     worker = roster.links[0]
@@ -259,6 +268,7 @@ def test_past_the_restart_budget_the_death_fails_the_epoch():
     assert death.next is Next.OVER_BUDGET
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_batch_killed_twice_for_task_timeout_fails_the_epoch():
     roster, dispatcher, _ = engine()
     epoch = fake_epoch()
@@ -275,6 +285,7 @@ def test_a_batch_killed_twice_for_task_timeout_fails_the_epoch():
         roster.mark_ready(roster.links[0])
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_death_gives_back_the_slots_of_batches_finished_or_running_elsewhere():
     roster, dispatcher, _ = engine()
     slow, fast = roster.links
@@ -289,6 +300,7 @@ def test_a_death_gives_back_the_slots_of_batches_finished_or_running_elsewhere()
     assert death.redo == [] and released == [4, 5] and [a.worker for a in copied.attempts] == [fast]
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 @pytest.mark.parametrize("how, expected", [("retiring", Next.GONE), ("fatal", Next.FATAL),
                                            ("start_failed", Next.CANNOT_START)])
 def test_what_becomes_of_a_worker_that_cannot_go_on(how: str, expected: Next):
@@ -388,6 +400,7 @@ def loop_coordinator(tmp_path: Any, pool: PipePool, workers: int) -> Any:
     return Coordinator(config, pool, Segments(str(tmp_path)))
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path):
     pool = PipePool(expect=3)
     coordinator = loop_coordinator(tmp_path, pool, workers=2)
@@ -403,6 +416,7 @@ def test_the_coordinator_loop_replaces_a_dead_worker_and_closes_cleanly(tmp_path
     assert all(link.exit_r == -1 for link in pool.links)
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced(tmp_path):
     # (a copy of the descriptor's other end leaked into another process: test_engine_robustness)
     pool = PipePool(expect=3)
@@ -416,6 +430,7 @@ def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced
     assert pool.stopped == [pool.links[0], pool.links[2]]
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
     coordinator = loop_coordinator(tmp_path, PipePool(expect=1), workers=1)
     try:
@@ -443,6 +458,7 @@ def _stream(batches: int, pending: bool) -> Any:
     return stream
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_round_writes_each_workers_tasks_at_once_after_queuing_them_all():
     roster, dispatcher, _ = engine(workers=2, tasks_per_worker=3)
     flushed: list = []
@@ -456,6 +472,7 @@ def test_a_round_writes_each_workers_tasks_at_once_after_queuing_them_all():
     assert flushed[-1] == (0, 4)
 
 
+@pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_coordinator_stream_holds_a_rounds_items_until_published_and_abandon_drops_them():
     from procpipe._engine.epochs import EndOfStream
 

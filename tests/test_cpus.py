@@ -10,6 +10,8 @@ import pytest
 from procpipe._core import cpus
 from procpipe._core.cpus import cpu_budget, cpu_quota
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
 V1_MOUNTS = (
     "31 23 0:28 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"

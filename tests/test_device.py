@@ -239,3 +239,29 @@ def test_facade_cuda_iteration_after_close_copies_straight_from_the_ring_again()
         assert loader._pp_transfer is not None and loader._pp_transfer.direct_batches > 0  # before: pins stayed None
     finally:
         loader.close()
+
+
+# --------------------------------------------------------------------------- device_fn's batch_rng, workers=0
+def _shard_records(shard: list) -> list:
+    return shard
+
+
+def _as_float(record: int) -> np.float32:
+    return np.float32(record)
+
+
+def _noisy(batch):
+    return batch + float(procpipe.batch_rng().integers(1_000_000))
+
+
+def test_device_fn_batch_rng_is_the_same_with_and_without_workers_for_a_stream() -> None:
+    pytest.importorskip("torch", reason="device= needs torch")
+
+    def run(workers: int) -> list:
+        shards = procpipe.Shards([list(range(10)), list(range(10, 20))], _shard_records)
+        with procpipe.Loader(shards, fn=_as_float, batch_size=4, workers=workers, device="cpu",
+                             device_fn=_noisy, epochs=2) as loader:
+            return [batch.tolist() for batch in loader]
+
+    inline, pooled = run(0), run(2)
+    assert len(inline) == 10 and inline == pooled

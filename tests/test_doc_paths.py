@@ -7,6 +7,8 @@ module of the package and checks each ``name.py`` / ``folder/name.py`` it mentio
 """
 from __future__ import annotations
 
+import pytest
+
 import ast
 import importlib.util
 import pathlib
@@ -15,6 +17,8 @@ import re
 from conftest import REPO_ROOT
 
 import procpipe  # its __all__: the public names, some imported lazily (PEP 562)
+
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
 PACKAGE = pathlib.Path(REPO_ROOT) / "procpipe"
 EXAMPLES = {"mytrain/data.py"}  # a user's file in an example, not one of ours

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -11,6 +13,7 @@ from conftest import descendants, our_segments, our_shm_files, run_python, wait_
 
 import procpipe
 from procpipe import CollateError, Loader, RemoteTraceback, SharedMemoryError, WorkerError
+from procpipe._engine.faults import death_message, timeout_message
 
 N, BS, BAD = 40, 4, 13  # index 13 is in batch 3 (indices 12..15)
 
@@ -322,3 +325,230 @@ def test_a_script_without_a_main_guard_works(tmp_path, start_method):
     prefix = f"procpipe-{words[3]}-"
     wait_until(lambda: not [f for f in os.listdir("/dev/shm") if f.startswith(prefix)], 30,
                "the script's and its workers' shared-memory files to be removed")
+
+
+def forgot_return(sample):
+    sample * 2  # no return
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_fn_returning_none_says_so(workers):
+    with procpipe.Loader(list(range(8)), forgot_return, batch_size=4, workers=workers) as loader:
+        with pytest.raises(TypeError, match=r"fn returned None for index 0.*forget a `return`"):
+            list(loader)
+
+
+def test_none_samples_with_a_collate_fn_are_the_users_business():
+    with procpipe.Loader(list(range(4)), forgot_return, batch_size=2, workers=0, collate_fn=len) as loader:
+        assert list(loader) == [2, 2]
+
+
+def test_an_empty_source_warns():
+    with pytest.warns(UserWarning, match=r"yields no batch: the source is empty"):
+        loader = procpipe.Loader([], batch_size=4, workers=0)
+    assert list(loader) == []
+    with pytest.warns(UserWarning, match=r"drop_last=True drops the only, partial batch \(3 samples < batch_size=4\)"):
+        procpipe.Loader([1, 2, 3], batch_size=4, workers=0, drop_last=True)
+
+
+def test_a_large_ring_says_so_once(monkeypatch):
+    import procpipe._core.rings
+
+    assert procpipe._core.rings.is_large_reservation(2 << 30, 100 << 30)  # over 1 GiB
+    assert procpipe._core.rings.is_large_reservation(300 << 20, 1 << 30)  # over a quarter of what is free
+    assert not procpipe._core.rings.is_large_reservation(100 << 20, 1 << 30)
+    monkeypatch.setattr(procpipe._core.rings, "LARGE_RESERVATION_BYTES", 1024)
+    with pytest.warns(UserWarning, match=r"the ring reserves .* slots of .*lower it: a smaller prefetch") as record:
+        with procpipe.Loader(np.zeros((64, 256), np.float32), batch_size=8, workers=1) as loader:
+            for _ in range(2):
+                assert sum(len(b) for b in loader) == 64
+    assert sum("the ring reserves" in str(w.message) for w in record) == 1
+
+
+
+class Interrupted(BaseException):
+    """A user exception outside ``Exception`` (like KeyboardInterrupt): must keep its type."""
+
+
+def interrupt_at_13(i):
+    if i == 13:
+        raise Interrupted(f"stop at {i}")
+    return np.full(2, i)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_base_exception_from_fn_keeps_its_type(workers):
+    with Loader(list(range(N)), interrupt_at_13, batch_size=BS, workers=workers) as loader:
+        with pytest.raises(Interrupted, match="stop at 13"):
+            list(loader)
+        stats = loader.stats()
+        assert stats["worker_deaths"] == 0  # reported like any exception, not by dying
+        assert all(w["restarts"] == 0 for w in stats["per_worker"])
+
+
+def fake_worker(exitcode, rss):
+    return SimpleNamespace(index=0, exitcode=exitcode, describe=lambda: "worker 0 (pid 123)",
+                           counters=SimpleNamespace(rss_bytes=rss))
+
+
+def test_error_messages_summarize_a_large_batch_and_say_when_rss_is_unknown():
+    job = SimpleNamespace(seq=3, payload=list(range(20_000)), timeouts=2)
+    message = timeout_message(job, 150, 2.0, 0)
+    assert len(message) < 1000 and "20000 indices [0, 1, 2" in message and "19999]" in message
+    lost = [SimpleNamespace(job=job)]
+    message = death_message(fake_worker(-signal.SIGKILL, 0), lost, 150, 3)
+    assert len(message) < 1500 and "20000 indices [0, 1, 2" in message
+    assert "RSS 0 MiB" not in message and "RSS is unknown" in message
+    message = death_message(fake_worker(-signal.SIGKILL, 300 * 2**20), lost, 150, 3)
+    assert "last sampled RSS was 300 MiB" in message
+
+
+# --------------------------------------------------------------------------- unpicklable sample
+def _with_generator(i: int) -> dict:
+    return {"x": np.float32(i), "g": (k for k in range(3)) if i == 5 else None}
+
+
+def test_unpicklable_value_is_its_batchs_error_and_the_worker_lives() -> None:
+    loader = procpipe.Loader(list(range(16)), fn=_with_generator, batch_size=4, workers=2, max_worker_restarts=0)
+    it = iter(loader)
+    got, errors = [], []
+    for _ in range(4):
+        try:
+            got.append(next(it)["x"].tolist())
+        except CollateError as exc:
+            errors.append(str(exc))
+    with pytest.raises(StopIteration):
+        next(it)
+    assert len(errors) == 1 and "sample['g'] of index 5" in errors[0] and "generator" in errors[0], errors
+    assert "pickle" in errors[0]
+    assert sorted(got) == [[0.0, 1.0, 2.0, 3.0], [8.0, 9.0, 10.0, 11.0], [12.0, 13.0, 14.0, 15.0]]
+    assert loader.stats()["worker_deaths"] == 0
+    loader.close()
+
+
+# --------------------------------------------------------------------------- an open file in a sample
+class _WithOpenFile:
+    """Sample 5 holds an open file, 11 bytes read: it cannot reach the consumer as the same handle."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        handle = None
+        if i == 5:
+            handle = open(self.path, "rb")  # noqa: SIM115 - the point: a handle in the sample
+            handle.read(11)
+        return {"x": np.float32(i), "h": handle}
+
+
+def _data_file(tmp_path) -> str:
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(64)))
+    return str(path)
+
+
+def _errors_and_batches(loader, pick) -> tuple[list[str], list]:
+    got, errors = [], []
+    it = iter(loader)
+    while True:
+        try:
+            got.append(pick(next(it)))
+        except StopIteration:
+            return errors, got
+        except procpipe.CollateError as exc:
+            errors.append(str(exc))
+
+
+def _assert_names_the_open_file(errors: list[str]) -> None:
+    assert len(errors) == 1, errors
+    message = errors[0]
+    assert "sample['h'] of index 5" in message and "open file" in message, message
+    assert "position 0" in message and "Return the path" in message, message  # why, and the fix
+
+
+def test_an_open_file_in_a_sample_is_its_batchs_error(tmp_path) -> None:
+    with procpipe.Loader(_WithOpenFile(_data_file(tmp_path)), batch_size=4, workers=2, shuffle=False) as loader:
+        errors, got = _errors_and_batches(loader, lambda b: b["x"].tolist())
+        deaths = loader.stats()["worker_deaths"]
+    _assert_names_the_open_file(errors)
+    assert got == [[0.0, 1.0, 2.0, 3.0]]  # the other batch arrives; the error is that batch's
+    assert deaths == 0
+
+
+@pytest.mark.parametrize("batch_size", [4, None], ids=["pass_through_collate", "unbatched"])
+def test_an_open_file_in_a_torch_sample_is_its_batchs_error(tmp_path, batch_size) -> None:
+    pytest.importorskip("torch")
+    import procpipe.torch
+
+    dataset = _WithOpenFile(_data_file(tmp_path))
+    extra = {"collate_fn": lambda batch: batch} if batch_size else {}
+    loader = procpipe.torch.DataLoader(dataset, batch_size=batch_size, num_workers=2, **extra)
+    errors, got = _errors_and_batches(loader, lambda b: b)
+    _assert_names_the_open_file(errors)
+    assert len(got) == (1 if batch_size else 7)
+
+
+# --------------------------------------------------------------------------- what an error does to an epoch
+def _catching_loop(it, limit: int = 200) -> tuple[int, list[BaseException], bool]:
+    """A loop that catches what next() raises and calls it again (the pattern the docs show):
+    batches, errors, and whether it ended (StopIteration) within ``limit`` calls."""
+    got, errors = 0, []
+    for _ in range(limit):
+        try:
+            next(it)
+            got += 1
+        except StopIteration:
+            return got, errors, True
+        except Exception as exc:  # noqa: BLE001 - the loop under test catches everything
+            errors.append(exc)
+    return got, errors, False
+
+
+def _fails_at_5(i: int) -> np.float32:
+    if i == 5:
+        raise KeyError(i)
+    return np.float32(i)
+
+
+def _records_then_fails(shard: int):
+    yield from range(4)
+    if shard == 1:
+        raise OSError("the shard's file is truncated")
+
+
+def _dies_at_5(i: int) -> np.float32:
+    if i == 5:
+        os._exit(3)
+    return np.float32(i)
+
+
+def _loader(kind: str, workers: int, device: str | None) -> procpipe.Loader:
+    extra = {"device": device} if device else {}
+    if kind == "batch error":
+        return procpipe.Loader(list(range(12)), _fails_at_5, batch_size=2, workers=workers, shuffle=False, **extra)
+    if kind == "stream error":
+        return procpipe.Loader(procpipe.Shards([0, 1, 2], _records_then_fails), batch_size=2, workers=workers,
+                               **extra)
+    return procpipe.Loader(list(range(12)), _dies_at_5, batch_size=2, workers=workers, shuffle=False,
+                           max_worker_restarts=0, **extra)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["plain", "device_stage"])
+@pytest.mark.parametrize(("kind", "workers"), [("batch error", 0), ("batch error", 2), ("stream error", 0),
+                                               ("stream error", 2), ("worker crash loop", 2)])
+def test_a_loop_that_catches_errors_ends_with_the_epoch(kind: str, workers: int, device) -> None:
+    if device:
+        pytest.importorskip("torch")
+    with _loader(kind, workers, device) as loader:
+        got, errors, ended = _catching_loop(iter(loader))
+    assert ended, f"next() kept raising: {len(errors)} errors, the last {errors[-1]!r}"
+    assert len(errors) == 1, errors  # told once
+    if kind == "batch error":  # only that batch is lost: the loop gets the batches after it (as torch's)
+        assert isinstance(errors[0], KeyError) and got == 5
+    elif kind == "stream error":
+        assert isinstance(errors[0], OSError)
+    else:
+        assert isinstance(errors[0], procpipe.WorkerError)

@@ -15,11 +15,13 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import psutil
 import pytest
 from conftest import loader_token, our_shm_files, python_env, segments, shm_files, wait_gone, wait_until
-from faultkit import BS, N, CrashWhileFlag, FailingCollate, Faulty, check_epoch, reference, take
+from faultkit import BS, CrashWhileFlag, FailingCollate, Faulty, N, check_epoch, reference, take
 
+import procpipe
 from procpipe import Loader, TaskTimeoutError, WorkerError
 from procpipe._core.reassembly import Ordered, Progress, Sloppy
 
@@ -409,12 +411,13 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
     """One select() round can report a worker's sentinel and its pipe together; the death
     handler (first) closes the pipe, and the pipe's callback must then do nothing (it used
     to call fileno() on the closed pipe: OSError out of the coordinator's loop)."""
-    import multiprocess
     from types import SimpleNamespace
 
+    import multiprocess
+
+    from procpipe._core.stats import WorkerCounters
     from procpipe._engine.delivery import Delivery
     from procpipe._engine.pool import LocalWorker
-    from procpipe._core.stats import WorkerCounters
 
     ours, theirs = multiprocess.Pipe()
     link = LocalWorker(0, SimpleNamespace(pid=1), ours, WorkerCounters(), [-1, -1])
@@ -430,3 +433,69 @@ def test_reply_event_of_a_worker_whose_death_was_just_handled_is_ignored():
     coordinator = SimpleNamespace(on_message=lambda *a: handled.append(a), selector=SimpleNamespace(unregister=unregister))
     Delivery.on_readable(coordinator, link)
     assert handled == []
+
+
+# --------------------------------------------------------------------------- device_fn's batch_rng, workers=0
+def _shard_records(shard: list) -> list:
+    return shard
+
+
+# --------------------------------------------------------------------------- speculation helps a stream
+class _StallFirstAttempt:
+    """fn: the first attempt at record 13 stalls until ``release`` exists (at most 30 s), then
+    writes ``finished``; any other attempt (speculation's, on another worker) is quick."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, record: int) -> np.float32:
+        import os
+        import time
+
+        if record == 13:
+            try:
+                os.close(os.open(os.path.join(self.directory, "stalled"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                deadline = time.monotonic() + 30
+                while not os.path.exists(os.path.join(self.directory, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                open(os.path.join(self.directory, "finished"), "w").close()
+        time.sleep(0.002)
+        return np.float32(record)
+
+
+def test_speculation_lets_a_stream_go_on_past_a_stalled_block(tmp_path) -> None:
+    shards = [list(range(k * 20, k * 20 + 20)) for k in range(4)]
+    source = procpipe.Shards(shards, _shard_records, block_length=4)
+    with procpipe.Loader(source, fn=_StallFirstAttempt(str(tmp_path)), batch_size=4, workers=2,
+                         speculate=2.0) as loader:
+        got = sorted(r for batch in loader for r in batch.tolist())
+        # Every batch arrived while the first attempt was still stalled: the speculative one was used,
+        # and the shard's later blocks did not wait behind the straggler.
+        assert not (tmp_path / "finished").exists()
+        (tmp_path / "release").touch()
+        assert loader.stats()["speculative_tasks"] >= 1
+    assert got == list(range(80))
+
+
+def test_a_straggling_workers_lane_moves_even_without_a_copied_task() -> None:
+    """A shard's lane held by a straggler that has no task of that shard to copy (its queue
+    holds another shard's blocks) goes to a healthy worker: it used to stay, and the shard's
+    later blocks waited for the straggler's reply (the test above, now and then, under load)."""
+    from types import SimpleNamespace
+
+    from procpipe._engine.roster import Roster
+
+    def link(index: int, stalled: bool) -> SimpleNamespace:
+        return SimpleNamespace(index=index, stalled=stalled, retiring=False, usable=True, dead=False, fatal=None,
+                               tasks={})
+
+    straggler, healthy = link(0, True), link(1, False)
+    roster = SimpleNamespace(links=[straggler, healthy])
+    epoch = SimpleNamespace(plan=SimpleNamespace(lanes_held=lambda: {0: 2, 1: 2}))
+    assert Roster.for_lane(roster, SimpleNamespace(worker=0), epoch) is healthy  # the lane moves
+    assert Roster.for_lane(roster, SimpleNamespace(worker=None), epoch) is healthy  # a new lane avoids it
+    straggler.stalled = False  # it replied: its lane is its own again
+    assert Roster.for_lane(roster, SimpleNamespace(worker=0), epoch) is straggler

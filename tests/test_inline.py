@@ -11,6 +11,8 @@ import pytest
 import procpipe
 from procpipe._consumer.inline import InlineDriver
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 
 def open_shard(shard):
     return (np.int64(100 * shard + r) for r in range(5))

@@ -18,6 +18,8 @@ from procpipe._plan.index import IndexPlan
 from procpipe._streaming import ShardPlan
 from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 OPTIONS = {"batch_size": 2}
 
 

@@ -51,6 +51,7 @@ def documented_imports() -> list[tuple[str, str | None]]:
     return sorted(found, key=lambda pair: (pair[0], pair[1] or ""))
 
 
+@pytest.mark.unit
 def test_the_docs_show_the_public_surface() -> None:
     names = documented_imports()
     assert ("procpipe", "Loader") in names and ("procpipe.torch", "DataLoader") in names, names
@@ -80,6 +81,7 @@ def test_every_documented_import_works(module: str, name: str | None) -> None:
     resolve(module if name is None else f"{module}.{name}")
 
 
+@pytest.mark.unit
 def test_the_top_of_the_package_is_the_public_modules_and_packages() -> None:
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert modules == ["__init__.py", "config.py", "errors.py", "loader.py"], modules
@@ -102,6 +104,7 @@ def where_table() -> list[tuple[str, list[str]]]:
     return rows
 
 
+@pytest.mark.unit
 def test_the_where_table_names_files_that_exist() -> None:
     rows = where_table()
     assert len(rows) >= 15, rows

@@ -8,6 +8,8 @@ import pytest
 
 from procpipe._core import notes
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 
 class _Structured(Exception):
     """An exception whose args are structured and whose __init__ takes other arguments."""

@@ -24,6 +24,8 @@ from procpipe._plan.sampler import Sampler
 from procpipe._streaming import Shards, StreamPlan
 from procpipe._worker.process import WorkerSpec
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 WORKERS = 3
 PER_LANE = 2
 

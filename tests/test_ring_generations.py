@@ -9,6 +9,8 @@ from procpipe._core.rings import RingSet
 from procpipe._core.shm import PAGE, Segments
 from procpipe._core.stats import EpochCounters
 
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
+
 
 @pytest.fixture
 def files():

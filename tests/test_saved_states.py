@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import statekit
+
+from procpipe import Loader
 
 CASES = [pytest.param(c, marks=[pytest.mark.skipif(c.startswith("torch") and not statekit.HAVE_TORCH,
                                                    reason="torch is not installed")]) for c in statekit.CASES]
@@ -54,3 +57,25 @@ def test_a_state_of_an_unknown_format_is_refused(case):
         close = getattr(loader, "close", None)
         if close is not None:
             close()
+
+
+N, BS = 40, 4
+
+
+def eight(i):
+    return np.full(8, i, np.int64)  # 64 bytes a sample: a cache field with no padding
+
+
+@pytest.mark.parametrize("change", [
+    {"done_below": 10**10},  # would build a set of 10**10 positions
+    {"done_below": 15},  # past the epoch's 10 batches: silently an empty epoch
+    {"done_below": 2, "done": [4, 10]},
+    {"ahead": [[1, 11, []]]},
+])
+def test_positions_outside_the_epoch_in_a_saved_state_are_refused(change):
+    with Loader(list(range(N)), eight, batch_size=BS, workers=0, epochs=None) as loader:
+        assert len(loader) == 10
+        state = dict(loader.state_dict(), **change)
+        with pytest.raises(ValueError, match="out of range.*10 batches"):
+            loader.load_state_dict(state)
+        loader.load_state_dict(dict(loader.state_dict(), done_below=10))  # the whole epoch done: fine

@@ -7,11 +7,14 @@ mid-batch, and when a straggler's batch was run twice (speculation).
 from __future__ import annotations
 
 import random
+import textwrap
 
 import numpy as np
 import pytest
-from faultkit import BS, N, Faulty
+from conftest import run_python
+from faultkit import BS, Faulty, N
 
+import procpipe
 from procpipe import Loader
 from procpipe._core.rng import _TASK_MARK, SampleScope, mix_seed
 
@@ -112,3 +115,86 @@ def test_a_tasks_samples_entered_through_each_draw_as_when_entered_one_by_one(mo
         return got
 
     assert draws(one_by_one=False) == draws(one_by_one=True)
+
+
+def test_sample_rng_outside_a_loader_raises():
+    with pytest.raises(RuntimeError, match="outside a procpipe.Loader"):
+        procpipe.sample_rng()
+
+
+class DrawingDataset:
+    """``__getitem__`` draws from the global generators, as torchvision-style transforms do."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([np.random.randint(1 << 30), random.getrandbits(30)], dtype=np.int64)
+
+
+def _draws(workers: int, seed: int = 0, **kw) -> np.ndarray:
+    with procpipe.Loader(DrawingDataset(), batch_size=3, workers=workers, seed=seed, **kw) as loader:
+        return np.concatenate([b.copy() for b in loader])
+
+
+def test_global_generators_are_seeded_per_sample():
+    two = _draws(2)
+    assert len({tuple(row) for row in two}) == len(two), "two samples got the same draws"
+    np.testing.assert_array_equal(two, _draws(2), err_msg="not reproducible across runs")
+    np.testing.assert_array_equal(two, _draws(1), err_msg="depends on the worker count")
+    np.testing.assert_array_equal(two, _draws(0), err_msg="workers=0 differs")
+    np.testing.assert_array_equal(two, _draws(2, start_method="forkserver"), err_msg="forkserver differs")
+    assert not np.array_equal(two, _draws(2, seed=1)), "the seed does not matter"
+
+
+def test_workers_0_leaves_the_callers_generators_alone():
+    np.random.seed(5)
+    random.seed(5)
+    expected = (np.random.randint(1 << 30), random.getrandbits(30))
+    np.random.seed(5)
+    random.seed(5)
+    _draws(0)
+    assert (np.random.randint(1 << 30), random.getrandbits(30)) == expected
+
+
+def test_seed_globals_false_leaves_them_alone():
+    # With workers=0 and no seeding, the draws continue the caller's stream.
+    np.random.seed(7)
+    random.seed(7)
+    out = _draws(0, seed_globals=False)
+    np.random.seed(7)
+    random.seed(7)
+    expected = [(np.random.randint(1 << 30), random.getrandbits(30)) for _ in range(12)]
+    assert [tuple(r) for r in out] == expected
+
+
+TORCH_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    import procpipe
+
+    class Draw:
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            return torch.randint(0, 1 << 30, (1,)).numpy()
+
+    def run(workers):
+        with procpipe.Loader(Draw(), batch_size=2, workers=workers, seed=3) as loader:
+            return [int(x) for b in loader for x in b.ravel()]
+
+    two, one = run(2), run(1)
+    assert len(set(two)) == len(two), two
+    assert two == one, (two, one)
+    print(",".join(map(str, two)))
+""")
+
+
+def test_torch_generator_is_seeded_per_sample(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "draw_torch.py"
+    script.write_text(TORCH_SCRIPT)
+    runs = [run_python([str(script)], timeout=240) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout == runs[1].stdout, "torch draws differ between runs"

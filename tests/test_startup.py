@@ -206,3 +206,132 @@ def test_the_torch_facade_exposes_the_resolved_start_method(monkeypatch):
         assert loader.start_method == "fork"
     finally:
         loader.close()
+
+
+def test_auto_start_method_does_not_fork_a_process_running_threads():
+    import threading
+
+    import procpipe._worker.start_method as start_method
+    from procpipe._worker import zygote
+
+    # Never fork beside a foreign thread: the zygote made at import (when this process was still
+    # safe to fork) where there is one, else the forkserver.
+    server = "zygote" if zygote.current() is not None else "forkserver"
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="test-busy-thread")
+    thread.start()
+    try:
+        assert not start_method.fork_is_safe()
+        assert start_method.resolve("auto") == server
+        with procpipe.Loader(list(range(8)), batch_size=4, workers=1) as loader:
+            assert loader.start_method == server  # what its workers were really started with
+            assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    finally:
+        stop.set()
+        thread.join(10)
+    assert start_method.resolve("spawn") == "spawn" and start_method.resolve("fork") == "fork"
+
+
+WORKER_ENV_SCRIPT = r"""
+import os
+import procpipe
+
+
+def read_env(i):
+    return os.environ.get("PROCPIPE_TEST_FIRST", "unset"), os.environ.get("PROCPIPE_TEST_SECOND", "unset")
+
+
+if __name__ == "__main__":
+    for env in ({"PROCPIPE_TEST_FIRST": "1"}, {"PROCPIPE_TEST_SECOND": "2"}):
+        with procpipe.Loader([0, 1], read_env, batch_size=None, workers=1, worker_env=env) as loader:
+            print(*sorted(set(loader)), flush=True)
+"""
+
+
+def test_worker_env_of_one_loader_does_not_leak_into_the_next(tmp_path):
+    # A fresh process: the forkserver must be started by the first loader for the leak to show.
+    script = tmp_path / "worker_env.py"
+    script.write_text(WORKER_ENV_SCRIPT)
+    result = run_python([str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["('1', 'unset')", "('unset', '2')"]
+
+
+def _slow_start_message(monkeypatch, make) -> str:
+    """The SlowStartWarning ``make()`` gives with a thread of the program running and no zygote."""
+    import threading
+    import warnings
+
+    from procpipe._worker import start_method, zygote
+
+    monkeypatch.setattr(start_method, "_warned", False)
+    monkeypatch.setattr(zygote, "current", lambda: None)  # (procpipe imported after the threads started)
+    stop = threading.Event()
+    user = threading.Thread(target=stop.wait, name="user-thread")
+    user.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+    finally:
+        stop.set()
+        user.join(10)
+    slow = [str(w.message) for w in caught if issubclass(w.category, start_method.SlowStartWarning)]
+    assert len(slow) == 1, [str(w.message) for w in caught]
+    return slow[0]
+
+
+def test_slow_start_advice_in_a_notebook_is_one_the_reader_can_follow(monkeypatch) -> None:
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))  # (as in a Jupyter kernel)
+
+    def make() -> None:
+        with procpipe.Loader(list(range(8)), batch_size=4, workers=1) as loader:
+            assert len(list(loader)) == 2
+
+    message = _slow_start_message(monkeypatch, make)
+    assert "notebook" in message and "kernel's own threads run before the first cell" in message, message
+    assert "import procpipe before starting threads" not in message, message  # (not the reader's to do there)
+    assert "start_method='fork'" in message and "start_method='forkserver'" in message, message
+
+
+def test_slow_start_advice_to_a_dataloader_user_names_multiprocessing_context(monkeypatch) -> None:
+    pytest.importorskip("torch")
+    import procpipe.torch
+
+    def make() -> None:
+        assert len(list(procpipe.torch.DataLoader(list(range(8)), batch_size=4, num_workers=1))) == 2
+
+    message = _slow_start_message(monkeypatch, make)
+    assert "multiprocessing_context=None starts workers from a forkserver" in message, message
+    assert "multiprocessing_context='fork'" in message and "multiprocessing_context='forkserver'" in message
+    assert "start_method" not in message, message
+
+
+_SCIPY_FIRST = r'''
+import numpy, scipy.linalg  # SciPy's own OpenBLAS, with a thread pool of its own (Keras on JAX imports it)
+scipy.linalg.inv(numpy.eye(64))
+import json, os
+threads = len(os.listdir("/proc/self/task"))
+import procpipe
+from procpipe._worker import fork_safety, zygote
+print(json.dumps({"threads": threads, "why": fork_safety.why_not_safe(), "zygote": zygote.pid()}))
+'''
+
+
+def test_scipys_blas_pool_keras_on_jax_imports_does_not_keep_procpipe_from_forking(tmp_path) -> None:
+    pytest.importorskip("scipy")
+    import json
+
+    from conftest import run_python
+
+    script = tmp_path / "scipy_first.py"
+    script.write_text(_SCIPY_FIRST)
+    out = run_python(["-W", "error::UserWarning", str(script)])
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    if info["threads"] < 3:
+        pytest.skip("numpy's and SciPy's BLAS pools have no threads on this machine (one CPU): nothing to count")
+    assert info["why"] is None and info["zygote"] is not None, info

@@ -337,3 +337,32 @@ def test_cache_layout_read_checks_the_first_shards_length():
     source = Shards([(0, 0), (1, 3)], open_shard, lengths=[2, 3])
     with pytest.raises(ShardLengthError, match=r"shard 0 \(\(0, 0\)\) ended after 0 records"):
         Loader(source, batch_size=2, workers=0, cache=True)
+
+
+# --------------------------------------------------------------------------- device_fn's batch_rng, workers=0
+def _shard_records(shard: list) -> list:
+    return shard
+
+
+# --------------------------------------------------------------------------- streams without lengths
+def _fails_on_multiples(every: int):
+    def fn(record: int) -> np.float32:
+        if record % every == every - 1:
+            raise ValueError(f"bad record {record}")
+        return np.float32(record)
+    return fn
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_skips_a_fraction_of_the_records_seen_so_far(workers: int) -> None:
+    shards = [list(range(k * 50, k * 50 + 50)) for k in range(4)]  # no lengths=: the epoch's size is unknown
+    with procpipe.Loader(procpipe.Shards(shards, _shard_records), fn=_fails_on_multiples(25), batch_size=5,
+                         workers=workers, on_error="skip", max_skipped=0.05) as loader:
+        got = sorted(r for batch in loader for r in batch.tolist())
+        assert len(loader.stats()["skipped"]) == 8
+    assert got == [r for r in range(200) if r % 25 != 24]
+    with procpipe.Loader(procpipe.Shards(shards, _shard_records), fn=_fails_on_multiples(5), batch_size=5,
+                         workers=workers, on_error="skip", max_skipped=0.05) as loader:
+        with pytest.raises(ValueError, match="bad record") as raised:
+            list(loader)
+    assert "samples seen so far" in "\n".join(getattr(raised.value, "__notes__", []))

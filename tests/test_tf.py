@@ -205,3 +205,17 @@ def test_tf_data_autotuning_is_off_so_a_pass_ends_without_waiting():
         assert ds.with_options(on).options().autotune.enabled is True
         with pytest.raises(TypeError, match="autotune must be True or False"):
             procpipe.tf.dataset(loader, autotune="yes")
+
+
+def _float64_after_the_first_batch(i: int) -> np.ndarray:
+    return np.full(3, i, np.float32 if i < 2 else np.float64)
+
+
+def test_tf_dtype_mismatch_says_to_cast_or_give_the_dtype() -> None:
+    with procpipe.Loader(range(6), _float64_after_the_first_batch, batch_size=2, workers=0) as loader:
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            list(procpipe.tf.dataset(loader))  # the spec is the first batch's: float32
+    message = str(info.value)
+    assert "of dtype float64" in message and "says dtype float32" in message, message
+    assert "cast in fn" in message and "element_spec=... with the dtype" in message, message
+    assert "None for the dimensions that vary" not in message, message  # (no fix for another cause)

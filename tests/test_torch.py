@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import multiprocessing
 import random
 import sys
 import threading
@@ -16,7 +17,6 @@ import warnings
 from collections import OrderedDict, namedtuple
 
 import multiprocess
-import multiprocessing
 import numpy as np
 import pytest
 import torch
@@ -25,8 +25,8 @@ from batch_compare import assert_batches_equal
 from conftest import is_ring_view, loader_token, mappings, run_python, wait_until
 
 import procpipe
-import procpipe.torch.cuda_transfer as ppc
 import procpipe._consumer.prefetch as ppp
+import procpipe.torch.cuda_transfer as ppc
 from procpipe.torch import DataLoader
 
 Point = namedtuple("Point", "x y")
@@ -618,3 +618,38 @@ def test_map_tensors_keeps_containers():
     assert type(out["od"]) is OrderedDict and type(out["p"]) is P and type(out["tup"]) is tuple
     assert out["t"].tolist() == [2, 2] and out["p"].a.tolist() == [2] and out["p"].b == "s"
     assert out["np"] is batch["np"] and out["obj"] is object and out["tup"][1] == 3
+
+
+_PIN_MEMORY_SCRIPT = r'''
+import torch
+import torch.utils.data as tud
+import procpipe.torch
+
+class Indexed(tud.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+print("ACCELERATOR" if torch.accelerator.is_available() else "none", flush=True)
+loader = procpipe.torch.DataLoader if __import__("sys").argv[1] == "procpipe" else tud.DataLoader
+first = list(loader(Indexed(), batch_size=2, pin_memory=True))   # three loaders, three lines of the
+second = list(loader(Indexed(), batch_size=2, pin_memory=True))  # program: torch says it once
+third = list(loader(Indexed(), batch_size=2, pin_memory=True))
+'''
+
+
+def test_pin_memory_without_accelerator_is_said_once_per_process_as_torch_says_it(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from conftest import run_python
+
+    script = tmp_path / "pin.py"
+    script.write_text(_PIN_MEMORY_SCRIPT)
+    said = {}
+    for kind in ("torch", "procpipe"):
+        out = run_python(["-W", "default", str(script), kind])  # (the default filter, as a script runs)
+        assert out.returncode == 0, out.stderr
+        if out.stdout.startswith("ACCELERATOR"):
+            pytest.skip("checks the warning without an accelerator; one is present")
+        said[kind] = out.stderr.count("no accelerator is found")
+    assert said == {"torch": 1, "procpipe": 1}

@@ -1,9 +1,13 @@
 """``core.wakeup.WakePipe``: wake() wakes a selector, drain lets the next poke wake it again."""
 from __future__ import annotations
 
+import pytest
+
 import selectors
 
 from procpipe._core.wakeup import WakePipe
+
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
 
 def test_a_wake_wakes_the_selector_until_drained_and_nothing_blocks_or_raises():

@@ -10,10 +10,12 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
-import tomllib
 
 import pytest
+import tomllib
 from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
 requirements = pytest.importorskip("packaging.requirements", reason="packaging (a dependency of pytest) reads them")
 
