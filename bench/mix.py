@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 import procpipe
-from procpipe._mix.mix import MixSampler
-from procpipe._plan.sampler import Sampler
+from procpipe._sources.indexed.index_order import Sampler
+from procpipe._sources.mix.mixture import MixSampler
 
 WARMUP_BATCHES = 50
 

@@ -27,11 +27,11 @@ from ._core.rng import batch_rng, sample_rng
 from ._core.version import __version__ as __version__  # one definition, read by the package metadata too
 
 if TYPE_CHECKING:
-    from ._consumer.elastic import combine_states
+    from ._sources.combine import combine_states
     from .config import AutoWorkers
     from .loader import Loader
-    from ._mix.mix import Mix
-    from ._streaming import Shards
+    from ._sources.mix.mixture import Mix
+    from ._sources.stream import Shards
     from ._worker.records import Records
 
 # The rest of the API is imported when first used (PEP 562): a worker started from a
@@ -40,10 +40,10 @@ if TYPE_CHECKING:
 _LAZY = {
     "AutoWorkers": "config",
     "Loader": "loader",
-    "Mix": "_mix.mix",
+    "Mix": "_sources.mix.mixture",
     "Records": "_worker.records",
-    "Shards": "_streaming",
-    "combine_states": "_consumer.elastic",
+    "Shards": "_sources.stream",
+    "combine_states": "_sources.combine",
 }
 
 

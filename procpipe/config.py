@@ -16,7 +16,7 @@ step is ``LoaderConfig.from_arguments``, which sorts them into six groups by nam
 Each group is a frozen slotted dataclass that checks its own fields in ``__post_init__`` (the
 one place each argument is checked), so a group that exists is valid; ``LoaderConfig`` then
 checks the rules that span groups (``check_across``), once. The checks that involve the source
-itself (its kind, a ``Mix`` with ``batches=``) are ``_consumer/kinds.py``'s (``resolve_kind``).
+itself (its kind, a ``Mix`` with ``batches=``) are ``_sources/resolve.py``'s (``resolve_kind``).
 Nothing is checked anywhere else, and nothing per batch: the internals are handed the slice
 they need, built once: the workers take ``Stages`` (``WorkerSpec.of``), the engine its
 ``EngineConfig`` (``engine_config``: workers, ring, ``Faults``). ``AutoWorkers`` is the option

@@ -161,3 +161,13 @@ class RemoteTraceback(Exception):
 class ShardLengthError(ProcpipeError, ValueError):
     """A shard of a ``procpipe.Shards`` with ``lengths=`` yielded a different number of
     records than promised: the epoch would not have the ``len()`` the loader reported."""
+
+
+# ---------------------------------------------------------------------- procpipe.ray (raised to the user)
+class NodeLostError(RuntimeError):
+    """``procpipe.ray``: agents were lost more often than ``Backend(max_node_restarts=...)`` allows,
+    or none could start."""
+
+
+class ObjectStoreError(RuntimeError):
+    """``procpipe.ray``: the batches the loader keeps in flight would not fit in the Ray object store."""

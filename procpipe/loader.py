@@ -1,7 +1,7 @@
 """``procpipe.Loader``: the public entry point.
 
 The Loader checks its arguments into a frozen configuration (``loader.config``: config.py),
-plans its epochs (sampler.py, or the _streaming/ package for a ``procpipe.Shards`` source),
+plans its epochs (_sources/indexed/index_order.py, or the _sources/stream/ package for a ``procpipe.Shards`` source),
 makes its parts from the configuration (assembly.py: the worker spec, the engine and its
 workers, once) and hands each iteration to an epoch iterator (_consumer/epoch_iterator.py),
 the object the consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
@@ -21,12 +21,13 @@ from ._consumer.assembly import assemble
 from ._consumer.epoch_iterator import EpochIterator
 from ._consumer.inline import InlineDriver
 from ._consumer.iteration_context import LoaderIterator
-from ._consumer.kinds import resolve_kind
 from ._consumer.nodes import Node
-from ._consumer.state import encode_position, load_state, save_state, start_position
 from ._core.reassembly import ResumePoint
 from ._engine.commands import ReserveSlots
-from ._plan.base import BatchPlan
+from ._sources.epoch_plan import BatchPlan
+from ._sources.resolve import resolve_kind
+from ._sources.saved_state import encode_position, start_position
+from ._sources.source_kind import load_state, save_state
 from .config import LoaderConfig
 
 if TYPE_CHECKING:
@@ -248,7 +249,7 @@ class Loader:
             even_ranks=even_ranks,
             assign=assign,
         )
-        # Which kind of source this is, asked once (_consumer/kinds.py): its plan, the reader, workers=0's driver
+        # Which kind of source this is, asked once (_sources/resolve.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)
         self._sampler: BatchPlan = kind.plan
         self._parts = assemble(config, kind)  # workers start here
@@ -335,7 +336,7 @@ class Loader:
 
         For a streaming source (``procpipe.Shards``) what was returned is counted in
         records: ``stream`` replaces ``done_below``/``done`` (None, or the
-        ``procpipe._streaming.StreamProgress`` state of the epoch: ``complete`` shards, the
+        ``procpipe._sources.stream.StreamProgress`` state of the epoch: ``complete`` shards, the
         ordered interleave's ``cursor``, ``received`` record ranges), ``ahead`` entries are
         ``[epoch, stream]``, and the settings checked are ``shards`` (their number),
         ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``, ``reshuffle``,

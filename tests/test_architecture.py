@@ -1,22 +1,16 @@
-"""The package's shape, checked from its source text (``ast``; procpipe is never imported).
+"""The package's shape, checked from its source text (``ast``; procpipe is never imported), for what
+import-linter cannot say.
 
-Three rules, each reporting every offender at once (and ``test_plans_are_pure``: the
-per-epoch plans import no process, thread or clock API;
-``test_long_modules_are_reported_for_review``: a warning, not a failure, for a module over 800
-lines; and ``test_the_source_kind_is_tested_in_at_most_3_places``: "which kind of source is this?" is
-answered once, by ``_consumer/kinds.py``):
+The layering itself is declared as import-linter contracts in ``pyproject.toml``
+(``[tool.importlinter]``) and checked by ``lint-imports`` in CI (``.ci/run``, after mypy): the
+layers of the package (``layers``), the source kinds as one package each over one contract
+(``kinds``), no framework in the core (``frameworks``), orders and epoch plans with no process,
+thread or clock (``pure-orders``) and no import circles at any depth, ``TYPE_CHECKING`` imports
+included (``acyclic``). Here:
 
-1. **No import circles.** Every import of a procpipe module counts: top-level, inside a
-   function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
-   still two modules that each need the other to be read). ``from . import wire`` is an
-   edge to ``procpipe.wire``; ``from ._streaming import Shards`` is an edge to the package
-   ``procpipe._streaming`` (whose ``__init__`` is a module of its own). Importing a
-   submodule also runs its parent packages' ``__init__``; that implicit edge is not
-   counted, since every module would then depend on ``procpipe`` itself.
-2. **Layers.** Every module belongs to one layer of ``LAYERS`` (the same table as in
-   ARCHITECTURE.md); a module may import its own layer and the layers below it, never a
-   layer above. A new module must be added to the table.
-3. **No reading another module's privates.** ``expr._name`` (not a dunder), where ``expr``
+1. **The contracts are there and CI runs them**, and ARCHITECTURE.md's layer table is the
+   ``layers`` contract's.
+2. **No reading another module's privates.** ``expr._name`` (not a dunder), where ``expr``
    is not ``self``/``cls`` and ``_name`` is not defined by the module itself but is defined
    by another procpipe module, reads (or writes) that module's internals: give it a public
    name, a property or a method instead. ``from .x import _name`` and ``getattr(obj, "_name")``
@@ -24,36 +18,9 @@ answered once, by ``_consumer/kinds.py``):
    (``torch.utils.data._utils``, ``dill._dill``) are out of scope. A module's own private
    names are not checked at all (``other._x`` in a class that sets ``self._x`` is its own
    business), so a reader that happens to define the same private name is not caught.
-
-Why the layers are what they are (bottom to top). The internal layers are ``_``-prefixed
-packages (``_core/``, ``_worker/``, ``_plan/``, ``_engine/``, ``_consumer/``), so the table names
-them by folder; the packages of one concept span layers (``_streaming``, one source kind, and
-``_mix``, the mixture: their plans in ``plan``, their consumer side in ``consumer``), and the
-top-level public modules are listed by name:
-
-- ``base`` (``_core/``, ``errors``, ``config``): leaves that know nothing of processes or epochs:
-  argument checks and the configuration, the ring and files (``shm``), collation, RNG, delivery
-  order (``reassembly``), the wire.
-- ``worker`` (``_worker/``): what runs in a worker process: the process's loop, producing a
-  batch, the cache, starting it (``start_method``, ``preload``), and ``Records`` (read by
-  ``fn`` in workers).
-- ``plan`` (``_plan/``, the plans of ``_streaming`` and ``_mix``): which work an epoch holds,
-  with no processes: the sampler, the plan contract (``_plan.base``) and its kinds
-  (``_plan.index``, ``_streaming.shard_plan``, ``_mix.mix``), and the streaming source's blocks,
-  interleave and batching. ``_streaming.shards`` and ``_streaming.batching`` use ``produce`` (a
-  block is read and collated the same way in a worker and in the loader's process), so
-  ``plan`` sits above ``worker``.
-- ``engine`` (``_engine/``): ``epochs`` (an epoch's jobs, slots and counters around its plan,
-  the stream's queue), the coordinator thread, the worker pool, faults, autotune, starting it all.
-- ``consumer`` (``_consumer/``, ``loader``): what the user's loop touches: ``Loader``, the
-  consumer-side nodes (its iterators), the saved state and resume, and the streaming plan and
-  mixture positions the Loader drives; ``procpipe`` (the package) exports ``Loader``.
-- ``adapters``: built on the public API and never imported by it: the torch package (its
-  facade and ``Loader(device=...)``'s stage, loaded by name), Keras, tf.data, the bench tools,
-  Ray, the readers (``readers.*``: open_fn for Shards over files and URLs).
-
-A module listed here but absent from the tree is ignored, so that modules can be added in
-one branch and listed in another.
+3. **The source kind is asked once** (``_sources/resolve.py``'s ``kind_of``), in at most 3 places.
+4. **One name, one concept**: no module name in two packages.
+5. ``test_long_modules_are_reported_for_review``: a warning, not a failure, for a module over 800 lines.
 """
 from __future__ import annotations
 
@@ -69,27 +36,12 @@ pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (
 PACKAGE = "procpipe"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / PACKAGE
 
-#: layer name -> modules (without the ``procpipe.`` prefix; ``procpipe`` is the package
-#: itself, ``bench.*`` the package ``bench`` and every module under it), bottom to top.
-LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("errors", "_core.*", "config"),
-    "worker": ("_worker.*",),
-    "plan": ("_plan.*", "_streaming.shards", "_streaming.blocks", "_streaming.order", "_streaming.batching",
-             "_streaming.shard_plan", "_streaming.even_ranks", "_mix", "_mix.mix", "_mix.kinds"),
-    "engine": ("_engine.*",),
-    "consumer": ("_consumer.*", "_mix.mixing", "_mix.virtual", "_mix.elastic", "_streaming.plan", "_streaming", "loader",
-                 "procpipe"),
-    "adapters": ("torch", "torch.*", "keras", "keras.*", "tf", "tf.*", "jax", "jax.*", "bench.*", "ray", "ray.*",
-                 "readers.*"),
-}
-
-
 # --------------------------------------------------------------------------- reading the tree
 @dataclass(frozen=True)
 class Module:
     """One ``.py`` file of the package, parsed."""
 
-    name: str  # dotted, e.g. "procpipe._streaming.plan"; a package's __init__ is the package's name
+    name: str  # dotted, e.g. "procpipe._sources.stream.shard_order"; a package's __init__ is the package's name
     path: Path
     is_package: bool
     tree: ast.Module
@@ -114,15 +66,6 @@ def read_modules() -> dict[str, Module]:
 
 def where(module: Module, node: ast.AST) -> str:
     return f"{module.path.relative_to(PACKAGE_DIR.parent)}:{getattr(node, 'lineno', '?')}"
-
-
-@dataclass(frozen=True)
-class Edge:
-    """``source`` imports ``target`` at ``line``."""
-
-    source: str
-    target: str
-    line: str
 
 
 def imports_of(module: Module, known: set[str]) -> Iterator[tuple[ast.AST, str, tuple[str, ...]]]:
@@ -156,179 +99,54 @@ def deepest_known(name: str, known: set[str]) -> str:
     return name
 
 
-def import_graph(modules: dict[str, Module]) -> dict[str, dict[str, Edge]]:
-    """module -> {imported module -> the first place it is imported}."""
-    known = set(modules)
-    graph: dict[str, dict[str, Edge]] = {name: {} for name in modules}
-    for module in modules.values():
-        for node, target, _ in imports_of(module, known):
-            if target != module.name:
-                graph[module.name].setdefault(target, Edge(module.name, target, where(module, node)))
-    return graph
+# --------------------------------------------------------------------------- 1. the contracts
+PYPROJECT = PACKAGE_DIR.parent / "pyproject.toml"
+CONTRACTS = ("layers", "kinds", "frameworks", "pure-orders", "acyclic")
 
 
-# --------------------------------------------------------------------------- 1. circles
-def strongly_connected(graph: dict[str, dict[str, Edge]]) -> list[list[str]]:
-    """Tarjan's components of more than one module (the import circles), iteratively."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+def contracts() -> dict[str, dict]:
+    """pyproject.toml's import-linter contracts, by id."""
+    import tomllib  # (3.11: this file is not in the 3.10 CI subset)
+
+    config = tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]
+    return {contract["id"]: contract for contract in config["contracts"]}
 
 
-def a_circle(graph: dict[str, dict[str, Edge]], component: list[str]) -> list[Edge]:
-    """One concrete circle through the component's first module (breadth-first, so shortest)."""
-    members = set(component)
-    start = component[0]
-    came: dict[str, Edge] = {}
-    frontier = [start]
-    while frontier:
-        following = []
-        for node in frontier:
-            for target, edge in sorted(graph[node].items()):
-                if target not in members:
-                    continue
-                if target == start:
-                    path = [edge]
-                    while path[0].source != start:
-                        path.insert(0, came[path[0].source])
-                    return path
-                if target not in came:
-                    came[target] = edge
-                    following.append(target)
-        frontier = following
-    raise AssertionError(f"no circle through {start}")  # a component of > 1 always has one
+def test_the_layering_is_declared_as_import_linter_contracts_run_by_ci() -> None:
+    declared = contracts()
+    assert set(CONTRACTS) <= set(declared), f"pyproject.toml lacks the contracts {set(CONTRACTS) - set(declared)}"
+    assert declared["layers"]["exhaustive"] and declared["kinds"]["exhaustive"], "a new package must be given a layer"
+    ci = (PACKAGE_DIR.parent / ".ci" / "run").read_text()
+    assert any(line.strip().endswith("lint-imports") and not line.lstrip().startswith("#") for line in ci.splitlines()), (
+        ".ci/run does not run lint-imports")
+    lint_extra = (PYPROJECT.read_text().split("lint = [", 1)[1].split("]", 1)[0])
+    assert "import-linter==" in lint_extra, "the lint extra does not pin import-linter"
 
 
-def test_no_import_circles() -> None:
-    graph = import_graph(read_modules())
-    report = []
-    for component in strongly_connected(graph):
-        circle = a_circle(graph, component)
-        lines = [f"  {edge.source} -> {edge.target}   ({edge.line})" for edge in circle]
-        report.append(f"circle among {', '.join(component)}:\n" + "\n".join(lines))
-    if report:
-        pytest.fail("import circles (every import counts, TYPE_CHECKING ones too):\n" + "\n".join(report),
-                    pytrace=False)
-
-
-# --------------------------------------------------------------------------- 2. layers
-def layer_of() -> dict[str, int]:
-    """Short module name (or ``name.*`` pattern) -> its layer's height."""
-    table: dict[str, int] = {}
-    for height, members in enumerate(LAYERS.values()):
-        for member in members:
-            assert member not in table, f"{member} is in two layers of LAYERS"
-            table[member] = height
-    return table
-
-
-def height_of(short: str, table: dict[str, int]) -> int | None:
-    if short in table:
-        return table[short]
-    parts = short.split(".")
-    for cut in range(len(parts), 0, -1):
-        pattern = ".".join(parts[:cut]) + ".*"
-        if pattern in table:
-            return table[pattern]
-    return None
-
-
-def test_every_module_has_a_layer() -> None:
-    table = layer_of()
-    missing = [module.short for module in read_modules().values() if height_of(module.short, table) is None]
-    if missing:
-        pytest.fail(f"modules in no layer: {', '.join(missing)}; add it to the table LAYERS in "
-                    "tests/test_architecture.py (and to ARCHITECTURE.md's layer table)", pytrace=False)
-
-
-def test_no_layer_imports_upward() -> None:
-    modules = read_modules()
-    table = layer_of()
-    names = list(LAYERS)
-    report = []
-    for source, targets in sorted(import_graph(modules).items()):
-        low = height_of(modules[source].short, table)
-        for target, edge in sorted(targets.items()):
-            high = height_of(modules[target].short, table)
-            if low is not None and high is not None and high > low:
-                report.append(f"  {edge.line}: {modules[source].short} ({names[low]}) imports "
-                              f"{modules[target].short} ({names[high]})")
-    if report:
-        pytest.fail("imports from a lower layer to a higher one (LAYERS, bottom to top: "
-                    f"{', '.join(LAYERS)}):\n" + "\n".join(report), pytrace=False)
-
-
-#: The per-epoch plans and what they use: pure bookkeeping, run in whichever thread drives
-#: them. They must not start, wait for or talk to anything (issue: "plan/: pure, no processes").
-PURE_PLANS = ("_plan.sampler", "_plan.base", "_plan.index", "_streaming.shard_plan", "_streaming.order")
-NOT_PURE = {"os", "threading", "multiprocess", "multiprocessing", "queue", "select", "selectors", "signal",
-            "socket", "subprocess", "time", "concurrent", "asyncio", "psutil"}
-
-
-def test_plans_are_pure() -> None:
-    modules = read_modules()
-    known = set(modules)
-    report = []
-    for short in PURE_PLANS:
-        module = modules[f"{PACKAGE}.{short}"]
-        for tree in ast.walk(module.tree):
-            names = ([a.name for a in tree.names] if isinstance(tree, ast.Import)
-                     else [tree.module or ""] if isinstance(tree, ast.ImportFrom) and not tree.level else [])
-            for name in names:
-                if name.split(".")[0] in NOT_PURE:
-                    report.append(f"{where(module, tree)}: imports {name}")
-    assert known and not report, "a plan module imports a process, thread or clock API:\n" + "\n".join(report)
+def layer_rows(markdown: str) -> list[str]:
+    """The layers of ARCHITECTURE.md's table (section 'Layers'), top to bottom, as the contract spells them."""
+    section = markdown.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for row in section.splitlines():
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[1].startswith("`"):
+            rows.append(" | ".join(name.strip().strip("`") for name in cells[1].split(",")))
+    return rows
 
 
 def test_architecture_md_shows_the_same_layers() -> None:
-    """ARCHITECTURE.md's layer table is this one: ``| layer | `module`, ... | why |`` rows, in order."""
-    text = (PACKAGE_DIR.parent / "ARCHITECTURE.md").read_text()
-    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
-    shown: dict[str, tuple[str, ...]] = {}
-    for row in section.splitlines():
-        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
-        if len(cells) >= 2 and cells[0] in LAYERS:
-            shown[cells[0]] = tuple(name.strip().strip("`") for name in cells[1].split(","))
-    assert list(shown.items()) == list(LAYERS.items()), (
-        "ARCHITECTURE.md's layer table (section 'Layers') and LAYERS in tests/test_architecture.py differ")
+    """ARCHITECTURE.md's layer table is the ``layers`` contract: a row per layer, top to bottom."""
+    shown = layer_rows((PACKAGE_DIR.parent / "ARCHITECTURE.md").read_text())
+    declared = [" | ".join(part.strip() for part in layer.replace(":", "|").split("|")) for layer in contracts()["layers"]["layers"]]
+    assert shown == declared, f"ARCHITECTURE.md's layer table {shown} is not pyproject.toml's layers contract {declared}"
 
 
-# --------------------------------------------------------------------------- 3. privates
+def test_the_layer_table_reader_reads_rows() -> None:
+    table = "## Layers\n\n| layer | modules | why |\n|---|---|---|\n| adapters | `torch`, `tf` | x |\n| base | `_core` | y |\n"
+    assert layer_rows(table) == ["torch | tf", "_core"]
+
+
+# --------------------------------------------------------------------------- 2. privates
 def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -336,7 +154,7 @@ def is_private(name: str) -> bool:
 def defined_names(module: Module) -> set[str]:
     """The private names ``module`` defines itself: functions, classes, module-level and
     class-level names, ``self._x = ...`` / ``cls._x = ...`` attributes, and names it imports
-    under a private alias (``from .rng import mix_seed as _mix``)."""
+    under a private alias (``from .rng import mix_seed as _sources.mix``)."""
     names: set[str] = set()
 
     def targets(node: ast.AST) -> Iterator[ast.AST]:
@@ -440,29 +258,6 @@ def _modules_of(sources: dict[str, str]) -> dict[str, Module]:
     return modules
 
 
-def _graph_of(sources: dict[str, str]) -> dict[str, dict[str, Edge]]:
-    return import_graph(_modules_of(sources))
-
-
-def test_the_checker_sees_every_kind_of_import() -> None:
-    graph = _graph_of({
-        "procpipe": "from .loader import Loader\nfrom .sub import thing\n",
-        "procpipe.loader": "from . import wire\nif TYPE_CHECKING:\n    from .sub.deep import X\n",
-        "procpipe.wire": "def f():\n    import procpipe.sub.deep\n",
-        "procpipe.sub": "from .deep import Y\nfrom .. import wire\n",
-        "procpipe.sub.deep": "from ..loader import Loader\nimport numpy\n",
-    })
-    assert set(graph["procpipe"]) == {"procpipe.loader", "procpipe.sub"}
-    assert set(graph["procpipe.loader"]) == {"procpipe.wire", "procpipe.sub.deep"}
-    assert set(graph["procpipe.wire"]) == {"procpipe.sub.deep"}
-    assert set(graph["procpipe.sub"]) == {"procpipe.sub.deep", "procpipe.wire"}
-    assert set(graph["procpipe.sub.deep"]) == {"procpipe.loader"}
-    circles = strongly_connected(graph)
-    assert circles == [["procpipe.loader", "procpipe.sub.deep", "procpipe.wire"]]
-    path = [edge.source for edge in a_circle(graph, circles[0])]
-    assert path == ["procpipe.loader", "procpipe.sub.deep"]  # the shortest: loader -> deep -> loader
-
-
 def test_the_checker_tells_own_privates_from_others() -> None:
     module = Module("procpipe.m", PACKAGE_DIR / "m.py", False, ast.parse(
         "_TABLE = {}\nclass A:\n    _slot = 1\n    def _step(self):\n        self._count = 0\n"
@@ -490,10 +285,10 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
 
 
 
-# --------------------------------------------------------------------------- 4. the source kind, asked once
-#: Where "which kind of source is this?" is answered: ``_consumer.kinds`` resolves a Loader's source once
+# --------------------------------------------------------------------------- 3. the source kind, asked once
+#: Where "which kind of source is this?" is answered: ``_sources.resolve`` resolves a Loader's source once
 #: (its plan, reader, inline driver, saved-state check); ``worker.reader`` is its worker side.
-KIND_MODULES = ("_consumer.kinds", "_worker.reader")
+KIND_MODULES = ("_sources.resolve", "_worker.reader")
 #: The classes whose ``isinstance`` asks a source's (or its plan's, or its task's) kind.
 KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "Sampler", "ExplicitBatches",
                 "Block", "RecordKey"}
@@ -501,8 +296,8 @@ KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "S
 KIND_ATTRIBUTES = {"produce_block", "plan_class", "mixing", "check_progress", "streaming", "cache_kind"}
 #: The other modules that may still test a kind (at most 3), and why.
 KIND_TESTS_ALLOWED: dict[str, str] = {
-    "_mix.mix": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
-    "_consumer.state": "the position format (a stream's progress or an index plan's), for any sampler it is given",
+    "_sources.mix.mixture": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
+    "_sources.saved_state": "the position format (a stream's progress or an index plan's), for any sampler it is given",
 }
 MAX_KIND_TEST_MODULES = 3
 
@@ -544,14 +339,14 @@ def kind_test_report(modules: dict[str, Module]) -> list[str]:
 def test_the_source_kind_is_tested_in_at_most_3_places() -> None:
     report = kind_test_report(read_modules())
     if report:
-        pytest.fail("the source kind is asked outside procpipe/_consumer/kinds.py (resolved once: ask the Loader's "
+        pytest.fail("the source kind is asked outside procpipe/_sources/resolve.py (resolved once: ask the Loader's "
                     "SourceKind, its plan or its reader instead):\n" + "\n".join(report), pytrace=False)
 
 
 def test_the_kind_checker_finds_every_kind_test() -> None:
     modules = _modules_of({
-        "procpipe._consumer.kinds": "isinstance(source, Shards)\n",
-        "procpipe._mix.mix": "isinstance(source, Mix)\n",
+        "procpipe._sources.resolve": "isinstance(source, Shards)\n",
+        "procpipe._sources.mix.mixture": "isinstance(source, Mix)\n",
         "procpipe.loader": ("isinstance(source, (Shards, Mix))\nhasattr(source, 'produce_block')\n"
                             "getattr(sampler, 'plan_class', None)\ntype(indices) is not list\n"
                             "isinstance(x, dict)\ntype(x) is tuple\ngetattr(x, 'name', None)\n"),
@@ -559,6 +354,29 @@ def test_the_kind_checker_finds_every_kind_test() -> None:
     lines = [line.split(": ", 1)[1] for line in kind_test_report(modules)]
     assert lines == ["isinstance(source, (Shards, Mix))", "hasattr(source, 'produce_block')",
                      "getattr(sampler, 'plan_class', None)", "type(indices) is not list"], lines
+
+
+# --------------------------------------------------------------------------- 4. one name, one concept
+def repeated_module_names(paths: list[Path]) -> dict[str, list[str]]:
+    """Module file names (``__init__.py`` aside) that stand in more than one package, with where."""
+    where_named: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name != "__init__.py":
+            where_named.setdefault(path.name, []).append(str(path.parent.relative_to(PACKAGE_DIR.parent)))
+    return {name: places for name, places in sorted(where_named.items()) if len(places) > 1}
+
+
+def test_no_module_name_stands_for_two_concepts() -> None:
+    """A module's name says the one thing it holds: ``kinds.py`` in three packages meant three things."""
+    repeated = repeated_module_names(sorted(PACKAGE_DIR.rglob("*.py")))
+    assert not repeated, f"module names used in more than one package (name each by what it holds): {repeated}"
+
+
+def test_the_name_checker_finds_a_repeated_name() -> None:
+    root = PACKAGE_DIR
+    paths = [root / "a" / "state.py", root / "b" / "state.py", root / "a" / "__init__.py", root / "b" / "__init__.py",
+             root / "c" / "plan.py"]
+    assert repeated_module_names(paths) == {"state.py": ["procpipe/a", "procpipe/b"]}
 
 
 #: A module longer than this is worth a look in review: does it hold two concepts? It is a warning,
@@ -583,11 +401,3 @@ def test_long_modules_are_reported_for_review() -> None:
     found = long_modules()
     if found:
         warnings.warn(f"modules over {REVIEW_LINES} lines, to look at in review: {found}", UserWarning, stacklevel=1)
-
-
-if __name__ == "__main__":  # pragma: no cover - a quick look at the graph
-    graph = import_graph(read_modules())
-    for source, targets in sorted(graph.items()):
-        print(source, "->", ", ".join(sorted(targets)))
-    for component in strongly_connected(graph):
-        print("circle:", " -> ".join(edge.source for edge in a_circle(graph, component)))

@@ -448,7 +448,7 @@ def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
 # --------------------------------------------------------------------------- a round's writes and deliveries
 def _stream(batches: int, pending: bool) -> Any:
     from procpipe._engine.epochs import Stream
-    from procpipe._plan.index import IndexPlan
+    from procpipe._sources.indexed.index_plan import IndexPlan
 
     plan = [[i] for i in range(batches)]
     stream = Stream(0, SimpleNamespace(plan_class=IndexPlan, batches=lambda n: plan), 0, 1, True, plan)

@@ -1,7 +1,7 @@
 """Docstrings and comments name files and modules that exist (they are the code map's footnotes).
 
 A file moves, and the docstrings that say where to look go stale (``worker.py`` after the
-move to ``_worker/process.py``, ``plans.Loaded`` after ``_plan/base.py``): this reads every
+move to ``_worker/process.py``, ``plans.Loaded`` after ``_sources/epoch_plan.py``): this reads every
 module of the package and checks each ``name.py`` / ``folder/name.py`` it mentions, and each
 ````module.Name```` whose module is one of procpipe's (or, capitalised, any importable one).
 """

@@ -1,4 +1,4 @@
-"""The source kind, resolved once (procpipe/_consumer/kinds.py), and the one per-sample pipeline
+"""The source kind, resolved once (procpipe/_sources/resolve.py), and the one per-sample pipeline
 (procpipe/_worker/stages.py) that indexed sources and streams share. All with ``workers=0``:
 what is checked is which objects the Loader holds and what each sample goes through."""
 
@@ -11,11 +11,14 @@ import pytest
 
 import procpipe
 from procpipe.config import LoaderConfig
-from procpipe._consumer.inline import IndexNames, RecordNames
-from procpipe._consumer.kinds import (IndexedKind, Mixing, MixKind, MixStreamKind, StreamKind, plan_options,
-                                      resolve_kind)
-from procpipe._plan.index import IndexPlan
-from procpipe._streaming import ShardPlan
+from procpipe._sources.indexed.index_kind import IndexedKind
+from procpipe._sources.indexed.index_order import Sampler
+from procpipe._sources.indexed.index_plan import IndexPlan
+from procpipe._sources.mix.mix_kind import Mixing, MixKind, MixStreamKind
+from procpipe._sources.resolve import kind_of, resolve_kind
+from procpipe._sources.sample_names import IndexNames, RecordNames
+from procpipe._sources.stream.stream_kind import StreamKind
+from procpipe._sources.stream import ShardPlan
 from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
@@ -61,24 +64,42 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     assert set(kind.settings()) >= {"batch_size", "shuffle", "seed", "drop_last", "shard", "reshuffle"}
 
 
-def test_every_plan_option_comes_from_the_loaders_configuration() -> None:
-    """The plans are built from ``loader.config``'s groups (``plan_options``), not from a list of
-    the Loader's arguments copied by hand: each keyword a stream plan takes is filled, with the
-    value the Loader was given."""
-    from procpipe._mix.mixing import MixStreamPlan
-    from procpipe._streaming import StreamPlan
+def test_every_order_option_comes_from_the_loaders_configuration_groups() -> None:
+    """The orders are built from ``loader.config``'s groups themselves (``StreamPlan.of``,
+    ``Sampler.of``), not from a list of the Loader's arguments copied by hand: each keyword a stream
+    order takes is filled, with the value the Loader was given."""
+    from procpipe._sources.mix.mix_shards import MixStreamPlan
+    from procpipe._sources.stream import StreamPlan
 
     given = {"batch_size": 3, "shuffle": True, "seed": 7, "drop_last": True, "reshuffle": False, "shard": (1, 2),
              "shuffle_buffer": 5, "even_ranks": True, "on_error": "skip", "max_skipped": 4, "speculate": 2.0}
-    options = plan_options(config(**given))
+    groups = config(**given)
+    options: dict = {}
+
+    class Recorded(StreamPlan):
+        def __init__(self, source, **keywords):  # noqa: D107 - records what .of() passes
+            options.update(keywords)
+
+    Recorded.of(shards(), groups.batching, groups.stages, groups.faults)
     for plan in (StreamPlan, MixStreamPlan):
         keywords = {name for name, p in inspect.signature(plan).parameters.items()
                     if p.kind is p.KEYWORD_ONLY or (p.default is not p.empty and name != "source")}
         assert keywords <= set(options), f"{plan.__name__} takes {sorted(keywords - set(options))}, not filled"
     for name, value in given.items():
         assert options[name] == value, name
-    kind = resolve_kind(shards(), config(**given))
+    kind = resolve_kind(shards(), groups)
     assert kind.plan.batch_size == 3 and kind.plan.shard == (1, 2)  # type: ignore[attr-defined]
+    indexed = config(**{k: given[k] for k in ("batch_size", "shuffle", "seed", "drop_last", "reshuffle", "shard")})
+    assert Sampler.of(10, indexed.batching) == Sampler(10, 3, True, 7, True, (1, 2), False)
+
+
+def test_the_kind_is_chosen_in_one_place() -> None:
+    """``kind_of``: the one type test; each kind then builds itself from the groups (``of``)."""
+    assert kind_of(list(range(3)), config().batching) is IndexedKind
+    assert kind_of(shards(), config().batching) is StreamKind
+    assert kind_of(procpipe.Mix([[1], [2]], [1, 1]), config().batching) is MixKind
+    assert kind_of(procpipe.Mix([shards(), shards()], [1, 1]), config().batching) is MixStreamKind
+    assert kind_of(list(range(3)), config(batches=lambda epoch: [[0]]).batching).__name__ == "ExplicitKind"
 
 
 def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:

@@ -87,7 +87,7 @@ def test_the_top_of_the_package_is_the_public_modules_and_packages() -> None:
     assert modules == ["__init__.py", "config.py", "errors.py", "loader.py"], modules
     assert not [p for p in PACKAGE.rglob("torch_*.py")], "torch code belongs in procpipe/torch/"
     mixture = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*mix*.py"))
-    assert all(m.startswith("_mix/") for m in mixture), mixture
+    assert all(m.startswith("_sources/mix/") for m in mixture), mixture
 
 
 def where_table() -> list[tuple[str, list[str]]]:

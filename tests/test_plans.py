@@ -16,12 +16,12 @@ import json
 import numpy as np
 import pytest
 
-from procpipe._plan.index import IndexPlan
-from procpipe._plan.base import EMPTY, EpochPlan, Failure, Loaded
+from procpipe._sources.indexed.index_plan import IndexPlan
+from procpipe._sources.epoch_plan import EMPTY, EpochPlan, Failure, Loaded
 from procpipe._worker.produce import produce
 from procpipe._core.rng import SampleScope
-from procpipe._plan.sampler import Sampler
-from procpipe._streaming import Shards, StreamPlan
+from procpipe._sources.indexed.index_order import Sampler
+from procpipe._sources.stream import Shards, StreamPlan
 from procpipe._worker.process import WorkerSpec
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)

@@ -15,7 +15,7 @@ from test_streaming import ALL, SHARDS, gated_open, open_shard, pad_collate, sum
 
 from procpipe import Loader, Shards
 from procpipe._engine.epochs import Epoch
-from procpipe._streaming import ShardPlan
+from procpipe._sources.stream import ShardPlan
 
 
 def make(workers, cycle_length=3, block_length=4, shards=SHARDS, open_fn=open_shard, fn=None, **kwargs):

@@ -13,7 +13,7 @@ from conftest import is_ring_view
 
 import procpipe
 from procpipe import Loader, Shards
-from procpipe._streaming import Interleave
+from procpipe._sources.stream import Interleave
 
 # (shard id, records): uneven, empty, shorter than a block, exact multiples of 4 and of 3.
 SHARDS = [(0, 5), (1, 0), (2, 13), (3, 8), (4, 3), (5, 16), (6, 1), (7, 12), (8, 9)]
@@ -114,7 +114,7 @@ def test_ordered_output_does_not_depend_on_workers():
         assert ids(other) == ids(runs[0])
         for a, b in zip(runs[0], other, strict=True):
             np.testing.assert_array_equal(a["noise"], b["noise"])
-    shard_order = procpipe._streaming.StreamPlan(
+    shard_order = procpipe._sources.stream.StreamPlan(
         Shards(SHARDS, open_shard), batch_size=4, shuffle=True, seed=7, drop_last=False).batches(0)
     assert ids(runs[0]) == reference_interleave([SHARDS[i] for i in shard_order], 3, 3)
 

@@ -2,7 +2,7 @@
 
 ``Loader.__init__`` is three steps: the configuration (``LoaderConfig.from_arguments``,
 ``config.py``: every argument checked), the source's kind (``resolve_kind``,
-``_consumer/kinds.py``: its plan of epochs, its workers' reader), then ``assemble`` (here), which
+``_sources/resolve.py``: its plan of epochs, its workers' reader), then ``assemble`` (here), which
 hands each part the slice of the configuration it needs:
 
 - the device stage (``device=``: torch is imported only then, and the device is checked
@@ -30,6 +30,7 @@ from .._core.stats import EpochCounters, snapshot
 from .._engine.coordinator import Coordinator
 from .._engine.pool import WorkerLink
 from .._engine.start import start_engine
+from .._sources.resolve import SourceKind
 from .._worker.fork_safety import why_not_safe
 from .._worker.process import WorkerSpec
 from .._worker.start_method import resolve as resolve_start_method
@@ -37,7 +38,6 @@ from .._worker.stream_cache import open_loader_cache
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
 from .iteration_context import IterationContext, LoaderIterator
-from .kinds import SourceKind
 from .nodes import Node
 from .shutdown import close_engine, watch_exit
 
@@ -111,7 +111,7 @@ class LoaderParts:
 
 
 def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
-    """The parts of a Loader over a source of ``kind`` (_consumer/kinds.py: its plan of epochs, and
+    """The parts of a Loader over a source of ``kind`` (_sources/resolve.py: its plan of epochs, and
     the source and reader its workers use).
 
     Workers are started here; on failure nothing is left behind (``start_engine``).

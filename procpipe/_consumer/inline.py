@@ -11,57 +11,26 @@ budget and a batch's error are those of workers, for any kind, with no code per 
 here: like torchdata's nodes, inline and parallel are one node behind one plan.
 
 The one thing a kind decides here is how a message names a sample and a task
-(``SampleNames``: an indexed sample by its index, a stream's record by ``(shard, record)``),
-chosen by ``_consumer/kinds.py``.
+(``SampleNames``, ``_sources/sample_names.py``: an indexed sample by its index, a stream's record by
+``(shard, record)``), chosen with the source's kind.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from .._core.notes import add_note
 from .._core.reassembly import ResumePoint
 from .._core.rng import SampleScope
 from .._core.stats import array_bytes
-from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Job, Stream
-from .._plan.base import loaded
+from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Stream
+from .._sources.epoch_plan import loaded
+from .._sources.sample_names import IndexNames, SampleNames
 from .._worker.produce import produce
 from ..errors import summarize_indices
 from .iteration_context import IterationContext, LoaderIterator
-
-
-class SampleNames(Protocol):
-    """How messages name a source kind's samples and tasks (``workers=0``'s notes and skip logs)."""
-
-    def sample(self, key: Any, job: Job) -> str:
-        """A sample ``on_error="skip"`` left out: ``key`` (an index, or a record's key) of task ``job``."""
-        ...
-
-    def task(self, job: Job, loading: Any) -> str:
-        """Where an error was raised: task ``job``, while loading sample ``loading`` (None: after, collating)."""
-        ...
-
-
-class IndexNames:
-    """An indexed source's samples are named by their index, a task by its batch's indices."""
-
-    def sample(self, key: Any, job: Job) -> str:
-        return f"index {key} (batch {job.seq})"
-
-    def task(self, job: Job, loading: Any) -> str:
-        return f"loading index {loading}" if loading is not None else f"collating {summarize_indices(job.payload)}"
-
-
-class RecordNames:
-    """A stream's records are named by ``(shard, record)``, a task by its block."""
-
-    def sample(self, key: Any, job: Job) -> str:
-        return f"record {key[1]} of shard {key[0]} ({job.payload})"
-
-    def task(self, job: Job, loading: Any) -> str:
-        return f"loading {job.payload}"
 
 
 class InlineDriver(LoaderIterator):
@@ -256,4 +225,4 @@ def _failed(exc: BaseException) -> str:
     return f"collating it failed: {_describe(exc)}"
 
 
-__all__ = ["IndexNames", "InlineDriver", "RecordNames", "SampleNames"]
+__all__ = ["InlineDriver"]

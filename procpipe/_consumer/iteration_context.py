@@ -9,7 +9,7 @@ along as the consumer enters later epochs, and the counters ``loader.stats()`` s
 ``LoaderIterator`` is what the Loader asks of an iterator in return (``owns_epoch``,
 ``cancel``, ``running``...), and the part of it the two share: each is a source node
 (procpipe/_consumer/nodes.py), whose ``get_state()`` is where its consumer stands (a position,
-procpipe/_consumer/state.py) and whose ``reset(state)`` restarts it there.
+procpipe/_sources/saved_state.py) and whose ``reset(state)`` restarts it there.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._engine.epochs import iteration_over
+from .._sources.saved_state import decode_position, encode_position, start_position
 from .nodes import Node
-from .state import decode_position, encode_position, start_position
 
 if TYPE_CHECKING:
     from .._core.reassembly import ResumePoint
@@ -207,8 +207,8 @@ class LoaderIterator(Node):
 class IterationContext:
     """Everything an epoch iterator needs from its Loader, built once by the Loader.
 
-    ``sampler``: the batches of each epoch (``sampler.Sampler``, ``sampler.ExplicitBatches``,
-    or ``_streaming.StreamPlan``); ``spec``: what the workers run (also used in the calling
+    ``sampler``: the batches of each epoch (``index_order.Sampler``, ``index_order.ExplicitBatches``,
+    or ``_sources.stream.StreamPlan``); ``spec``: what the workers run (also used in the calling
     process with ``workers=0``); ``coordinator``: None with ``workers=0``; ``epochs``: the
     epochs one iteration spans (None: endless).
     """

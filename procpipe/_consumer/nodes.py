@@ -6,7 +6,7 @@ none), and:
 
 - ``next(node)`` returns its next item, or raises ``StopIteration`` at its end;
 - ``get_state()`` says where its consumer stands, as a small JSON-serializable dict: a
-  *position* (procpipe/_consumer/state.py: ``epoch``, what was returned of it and of later
+  *position* (procpipe/_sources/saved_state.py: ``epoch``, what was returned of it and of later
   epochs, ``until``), so that a fresh node of the same kind, ``reset(state)``, yields
   exactly the items not returned yet (and, ordered, in the same order);
 - ``reset(initial_state=None)`` restarts the node there (``None``: from the start: where

@@ -1,7 +1,7 @@
 """The argument checks every module shares, so that the same mistake reads the same everywhere.
 
 A leaf module (it imports nothing from procpipe): ``validate`` (Loader's arguments),
-``resume`` (saved states), ``autotune`` (``AutoWorkers``) and ``_streaming`` (``Shards``,
+``resume`` (saved states), ``autotune`` (``AutoWorkers``) and ``_sources.stream`` (``Shards``,
 stream states) all use it.
 """
 

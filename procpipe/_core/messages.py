@@ -7,7 +7,7 @@ a plain tuple), so the wire stays cheap (wire.py).
 
 Coordinator -> worker:
 
-- ``Task``: load ``payload`` (a list of indices, or a ``procpipe._streaming.Block``) of
+- ``Task``: load ``payload`` (a list of indices, or a ``procpipe._sources.stream.Block``) of
   epoch ``epoch`` into slot ``slot`` of ring ``ring_id`` (``slot = -1``: no slot, the
   arrays come back in the reply);
 - ``MapRing``: ring ``ring_id``'s shared memory (``nbytes``), whose descriptor comes with
@@ -41,7 +41,7 @@ class Task(NamedTuple):
 
     id: int
     epoch: int
-    payload: Any  # list[int], or a procpipe._streaming.Block
+    payload: Any  # list[int], or a procpipe._sources.stream.Block
     ring_id: int
     slot: int  # -1: no slot, reply inline
     slot_bytes: int

@@ -44,7 +44,7 @@ import numpy.random
 # Distinct spawn-key prefixes keep the shuffle stream and the per-sample streams apart.
 _SHUFFLE_KEY = 0
 _SAMPLE_KEY = 1
-_BUFFER_KEY = 3  # streaming sources' shuffle buffer (procpipe._streaming)
+_BUFFER_KEY = 3  # streaming sources' shuffle buffer (procpipe._sources.stream)
 _BATCH_KEY = 4  # batch_rng(), inside batch_fn
 _DEVICE_KEY = 5  # batch_rng(), inside device_fn (keyed by the batch's position in its epoch)
 
@@ -135,7 +135,7 @@ def _restore_global_states(saved: tuple[Any, Any, Any, Any]) -> None:
 
 def _generator(seed: int, kind: int, epoch: int, index: int | tuple[int, ...] | None = None) -> np.random.Generator:
     """The generator of ``(seed, kind, epoch[, index])``; ``index`` is an int, or a streaming
-    source's ``(shard, record)`` key (``procpipe._streaming.RecordKey``)."""
+    source's ``(shard, record)`` key (``procpipe._sources.stream.RecordKey``)."""
     if index is None:
         key: tuple[int, ...] = (kind, epoch)
     elif isinstance(index, tuple):

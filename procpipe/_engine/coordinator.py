@@ -375,7 +375,7 @@ class Coordinator:
         return link
 
     def _flush(self, worker: WorkerLink) -> None:
-        """Send what ``_worker``'s channel takes now; while some is left, the selector watches for room."""
+        """Send what ``worker``'s channel takes now; while some is left, the selector watches for room."""
         waiting = not worker.flush()
         if waiting and not worker.writing:
             self._selector.register(worker.write_fd(), selectors.EVENT_WRITE, (self._flush, worker))
@@ -512,7 +512,7 @@ class Coordinator:
         self._start_replacement(worker)
 
     def _start_replacement(self, worker: WorkerLink) -> None:
-        """Start ``_worker``'s replacement. A pool that cannot (a remote pool past its budget of
+        """Start ``worker``'s replacement. A pool that cannot (a remote pool past its budget of
         lost nodes) leaves it dead: the others go on with its work, and the next epoch tries
         again; only when no worker is left does the error end the iteration."""
         try:

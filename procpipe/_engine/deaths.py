@@ -49,7 +49,7 @@ class Death:
 def settle(
     worker: WorkerLink, lost: list[Attempt], release: Callable[[int], None], restarts_used: int, max_restarts: int
 ) -> Death:
-    """Account ``lost`` (the attempts ``_worker`` held when it died) and decide what next.
+    """Account ``lost`` (the attempts ``worker`` held when it died) and decide what next.
 
     Each lost attempt leaves its job; a job finished elsewhere, of a finished epoch, or
     still running elsewhere (speculation) gives its slot back (``release``); any other

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from .._core.messages import BatchDone, BatchFailed, Reply, SamplesSkipped, WorkerFatal, WorkerReady
 from .._core.rings import round_slot_bytes
 from .._core.stats import array_bytes
-from .._plan.base import EMPTY, Failure, loaded
+from .._sources.epoch_plan import EMPTY, Failure, loaded
 from .autotune import ring_workers
 from .faults import rebuild_error, skip_or_fail
 from .pool import Watchdog, WorkerLink, WorkerPool

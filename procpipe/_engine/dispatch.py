@@ -1,7 +1,7 @@
 """``Dispatcher``: which task goes to which worker, into which ring slot; the task table.
 
 One dispatch round (``round``) sends what may go now, for any source kind: the open
-epochs' plans offer tasks, best first (_plan/base.py); each goes to a worker (its lane's,
+epochs' plans offer tasks, best first (_sources/epoch_plan.py); each goes to a worker (its lane's,
 or the least loaded; roster.py) with a ring slot (rings.py). The stream opens the next
 epoch once the open ones have nothing new, so workers go on across the boundary.
 
@@ -145,7 +145,7 @@ class Dispatcher:
         return None, held_back
 
     def send(self, worker: WorkerLink, job: Job, slot: int) -> None:
-        """Send ``job`` to ``_worker`` as a new attempt (in the task table), into ring slot
+        """Send ``job`` to ``worker`` as a new attempt (in the task table), into ring slot
         ``slot`` (from ``RingSet.take``; -1: none)."""
         rings = self.rings
         ring = rings.current

@@ -1,8 +1,8 @@
 """Epochs and streams: what the coordinator and the consumer share about an iteration's batches.
 
 One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or endless
-(``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (_plan/base.py:
-``IndexPlan`` for indexed sources, ``_streaming.ShardPlan`` for shards), which says which
+(``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (_sources/epoch_plan.py:
+``IndexPlan`` for indexed sources, ``_sources.stream.ShardPlan`` for shards), which says which
 tasks the epoch holds and what their results become; the ``Epoch`` itself is the same for
 every kind. Each task sent is a ``Job``, and each time a job is sent to a worker is an
 ``Attempt`` (attempts.py: normally one; more when a worker dies, straggles or times out,
@@ -34,7 +34,7 @@ from .._core.notes import add_note
 from .._core.reassembly import ResumePoint
 from .._core.skips import SkipBudget
 from .._core.stats import EpochCounters
-from .._plan.base import EMPTY, EpochPlan, Failure, Offer, Work
+from .._sources.epoch_plan import EMPTY, EpochPlan, Failure, Offer, Work
 
 __all__ = ["EMPTY", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
 
@@ -88,7 +88,7 @@ class Job:
 
     @property
     def payload(self) -> Any:
-        """What the worker reads: a list of indices, or a ``_streaming.Block`` (both iterate
+        """What the worker reads: a list of indices, or a ``_sources.stream.Block`` (both iterate
         the keys of the samples they may hold, which messages about a lost task name)."""
         return self.work.payload
 
@@ -99,7 +99,7 @@ class Job:
 
 class Epoch:
     """One pass over the data within a ``Stream``, for any source kind: the engine's side of
-    an ``EpochPlan`` (_plan/base.py), which says which tasks the epoch holds and what their
+    an ``EpochPlan`` (_sources/epoch_plan.py), which says which tasks the epoch holds and what their
     results become. This class keeps what is the same for every kind: the jobs sent and
     their ring slots, the counters, the skip budget, the tasks to run again, and handing
     the plan's batches to the stream's queue.
@@ -155,7 +155,7 @@ class Epoch:
         return self.plan.offers(per_lane)
 
     def take(self, offer: Offer, worker: int) -> Job:
-        """``offer`` is sent to worker ``_worker``: its job (a retry keeps its job and slot)."""
+        """``offer`` is sent to worker ``worker``: its job (a retry keeps its job and slot)."""
         work = self.plan.take(offer, worker)
         if offer.retry is None:
             job = self.jobs[work.key] = Job(self, work)
@@ -167,7 +167,7 @@ class Epoch:
         return self.jobs[work.key]
 
     def moved(self, job: Job, worker: int) -> None:
-        """``job`` was sent to ``_worker`` as well (speculation): its lane goes there (``EpochPlan.moved``)."""
+        """``job`` was sent to ``worker`` as well (speculation): its lane goes there (``EpochPlan.moved``)."""
         self.plan.moved(job.work, worker)
 
     def lost(self, job: Job) -> None:
@@ -183,7 +183,7 @@ class Epoch:
 
     # ---- results
     def result(self, job: Job, result: Any) -> None:
-        """``job``'s result: ``base.Loaded`` (_plan/base.py) (its batch), ``EMPTY`` (every sample skipped) or a
+        """``job``'s result: ``epoch_plan.Loaded`` (_sources/epoch_plan.py) (its batch), ``EMPTY`` (every sample skipped) or a
         ``Failure``; the batches the plan hands out for it go to the stream's queue, in order."""
         if self.jobs.pop(job.work.key, None) is None or self.finished:
             return
@@ -289,7 +289,7 @@ class Stream:
         self.wait_s = 0.0  # seconds the consumer waited in next() (consumer thread; autotune reads it)
         self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
         self.last: Epoch | None = None  # the epoch opened last
-        # The source kind's per-epoch plan, named by its sampler (_plan/base.py BatchPlan.plan_class).
+        # The source kind's per-epoch plan, named by its sampler (_sources/epoch_plan.py BatchPlan.plan_class).
         self.plan_class: PlanClass = sampler.plan_class
         self.first = self._epoch(start, first_batches, done)
         self.opened[start] = self.first

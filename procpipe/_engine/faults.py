@@ -24,7 +24,7 @@ import psutil
 from .._core.messages import ErrorInfo
 from .._core.notes import add_note
 from .._core.skips import SkipBudget
-from .._plan.base import Failure
+from .._sources.epoch_plan import Failure
 from ..errors import RemoteTraceback, WorkerError, summarize_indices
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from .._core.stats import WorkerCounters
 from .pool import WorkerLink, WorkerPool
 
 if TYPE_CHECKING:
-    from .._plan.base import Offer
+    from .._sources.epoch_plan import Offer
     from .epochs import Epoch
 
 
@@ -31,7 +31,7 @@ class WorkerState(enum.Enum):
 
 
 def state_of(worker: WorkerLink) -> WorkerState:
-    """``_worker``'s state, from its flags."""
+    """``worker``'s state, from its flags."""
     if worker.dead or worker.killed_for is not None or worker.fatal is not None:
         return WorkerState.DEAD
     if worker.retiring:
@@ -75,7 +75,7 @@ class Roster:
         return max(live, key=lambda w: w.index)
 
     def retire(self, worker: WorkerLink) -> None:
-        """``_worker`` gets no more tasks, and is told to stop once idle."""
+        """``worker`` gets no more tasks, and is told to stop once idle."""
         worker.retiring = True
         self.n_workers -= 1
         worker.stop_if_idle()

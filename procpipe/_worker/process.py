@@ -84,7 +84,7 @@ class WorkerSpec:
     cache: Any = None  # a procpipe._worker.cache.Cache: fn's output per index, computed once
     seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
     # How a task is read and the cache laid out: the source kind's reader (_worker/reader.py), resolved
-    # once by the Loader (_consumer/kinds.py); left out, the source is an indexed one.
+    # once by the Loader (_sources/resolve.py); left out, the source is an indexed one.
     reader: SourceReader = None  # type: ignore[assignment]  # (set in __post_init__)
 
     def __post_init__(self) -> None:

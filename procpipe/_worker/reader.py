@@ -1,13 +1,13 @@
 """The worker side of a source kind: how a task is read, and how the cache is laid out for it.
 
-A Loader resolves its source's kind once (``procpipe._consumer.kinds``) and puts the kind's
+A Loader resolves its source's kind once (``procpipe._sources.resolve``) and puts the kind's
 *reader* in the ``WorkerSpec`` it ships to every worker (``spec.reader``), so that nothing in
 a worker asks again which kind of source it holds. Two readers exist:
 
 - ``IndexedReader`` (here): an indexed dataset (``len`` and ``source[i]``), a ``procpipe.Mix``
   of them, or a torch map-style ``Dataset``: a task is a list of indices
   (``produce.produce_indices``), the cache has one entry per index.
-- the configured ``procpipe.Shards`` itself (``_streaming/shards.py``; the torch facade's
+- the configured ``procpipe.Shards`` itself (``_sources/stream/shards.py``; the torch facade's
   ``IterableDataset`` replicas are one): a task is a ``Block`` of a shard, the cache is keyed by
   ``(shard, record)``: laid out for every record (``lengths`` known), else growing as records
   arrive (``stream_cache.py``).

@@ -46,8 +46,8 @@ nodes), `errors`.
 
 from __future__ import annotations
 
+from ..errors import NodeLostError, ObjectStoreError
 from .backend import Backend
-from .errors import NodeLostError, ObjectStoreError
-from .pool import RayPool
+from .ray_pool import RayPool
 
 __all__ = ["Backend", "NodeLostError", "ObjectStoreError", "RayPool"]

@@ -1,6 +1,6 @@
 """The ``Agent``: a Ray actor on one node, running procpipe's local worker pool and a ring there.
 
-The trainer's ``RayPool`` (pool.py) calls ``run(lane, generation, seq, task)`` concurrently
+The trainer's ``RayPool`` (ray_pool.py) calls ``run(lane, generation, seq, task)`` concurrently
 (a threaded actor); each lane is one local worker process, serving its calls one at a time in
 the order the trainer sent them. The batch is written into a slot of the agent's own ring
 (_core/rings.py's ``RingSet``, the coordinator's too: grown when a batch outgrows its slot) and sent back inline,

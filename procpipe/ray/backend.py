@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import EngineConfig
-from . import nodes
+from . import cluster
 from .options import BackendOptions
-from .pool import RayPool
+from .ray_pool import RayPool
 
 
 @dataclass(frozen=True)
@@ -47,5 +47,5 @@ class Backend(BackendOptions):
                 "procpipe.ray: the dataset holds shared memory of this process (a cache or replica snapshots "
                 "made here), which cannot travel to other nodes; pass it without, and let each node make its own"
             )
-        nodes.connect(self.address)
+        cluster.connect(self.address)
         return RayPool(self, data, config.workers // self.nodes, dict(config.worker_env), cache, segments.directory)

@@ -1,4 +1,4 @@
-"""The options of ``procpipe.ray.Backend``, validated once: what the pool (pool.py) reads.
+"""The options of ``procpipe.ray.Backend``, validated once: what the pool (ray_pool.py) reads.
 
 Kept apart from ``Backend`` (backend.py), which adds the factory of the pool: the pool
 needs the options, the backend needs the pool, and neither module imports the other's importer.

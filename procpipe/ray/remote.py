@@ -1,5 +1,5 @@
 """The trainer's side of the agents: an agent as the pool tracks it (``AgentSlot``) and a
-lane of it as the coordinator sees it (``RemoteWorker``, a pool.py ``WorkerLink``).
+lane of it as the coordinator sees it (``RemoteWorker``, an _engine/pool.py ``WorkerLink``).
 
 Tasks go out as actor calls at once (the pool's ``submit``); replies come back on Ray's
 callback thread (``deliver``), which wakes the coordinator through a wake pipe.

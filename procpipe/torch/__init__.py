@@ -19,7 +19,7 @@ prefetch -> consumer): at both ends, in modules by job:
 - ``procpipe.torch.sampling``: a map-style dataset in the workers (``TorchSource``: torch's
   per-worker set-up, samples into numpy, tensors viewed, not copied) and each epoch's
   batches from the torch sampler (``SamplerBatches``);
-- ``procpipe.torch.collate``: samples and ``collate_fn`` results on the wire (a custom
+- ``procpipe.torch.tensor_batches``: samples and ``collate_fn`` results on the wire (a custom
   ``collate_fn``'s result pickled *without* its tensors and arrays, which go through the
   ring), rebuilt in the consumer as zero-copy tensor views, whatever object holds them;
 - ``procpipe.torch.epoch``: the epoch iterator, fed by ``procpipe.torch.device``'s stage

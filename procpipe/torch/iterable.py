@@ -71,7 +71,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .._core.notes import add_note
-from .._streaming import Block, Shards
+from .._sources.stream import Block, Shards
 from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 from .worker_setup import become_torch_worker

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import torch.utils.data as _tud
 
 from ..loader import Loader
-from .collate import PackingCollate, from_default, pack, unpack, unpack_convert
 from .iterable import Replicas, ReplicaSpec, in_process, sharding_init
 from .sampling import (
     BULK,
@@ -40,6 +39,7 @@ from .sampling import (
 )
 from .snapshots import is_stateful
 from .state import FacadeState
+from .tensor_batches import PackingCollate, from_default, pack, unpack, unpack_convert
 
 __all__ = ["Batching", "DatasetKind", "IterableStyle", "MapStyle", "TorchArguments", "dataset_kind"]
 

@@ -2,7 +2,7 @@
 
 - ``TorchSource`` wraps the dataset for the core, in the worker: torch's per-worker set-up
   (``get_worker_info()``, seeds, ``worker_init_fn``) once per process, each sample turned
-  into what its collate mode needs (``procpipe.torch.collate``).
+  into what its collate mode needs (``procpipe.torch.tensor_batches``).
 - ``SamplerBatches`` is the core's ``batches=``: one epoch of the torch (batch) sampler,
   drawn in the training process, including ``batch_size=None``'s lists of indices
   (bulk loading: ``BulkFetch`` calls ``dataset[list]`` once per item).
@@ -21,9 +21,9 @@ import torch.utils.data as _tud
 from .._core.rng import reseed_current_sample
 from .._worker.identity import worker_index
 from .._worker.produce import collate_privately
-from .collate import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire, unpack
 from .draws import PullStates
 from .snapshots import Tagged
+from .tensor_batches import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire, unpack
 from .worker_setup import become_torch_worker
 
 __all__ = [

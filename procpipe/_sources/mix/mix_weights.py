@@ -3,7 +3,7 @@
 Why apart: a mixture's epoch order is drawn from its sources' lengths, its nesting, each
 mixture's ``stop_on_empty`` and the weights in force for the epoch, which a saved state does
 not all hold (it holds the structure it is checked against, and the weights: ``mix_weights``).
-So ``combine_states`` (``_consumer/elastic.py``) only merges what the ranks said: their positions
+So ``combine_states`` (``_sources/combine.py``) only merges what the ranks said: their positions
 (indexed) or their stream progress (streams), and the weights of the combined epoch, which
 every rank must agree on. The loader that loads the result has the mixture: it draws the
 epoch's order again with those weights (``saved_order``), which gives back every old rank's
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._consumer.state import MIX_WEIGHTS
+from ..saved_state import MIX_WEIGHTS
 
 __all__ = ["merged_weights", "saved_order"]
 

@@ -1,13 +1,13 @@
 """What a ``procpipe.Mix`` of streams becomes: a ``MixStreamPlan``, a ``StreamPlan`` over the
-shards of every source (_consumer/kinds.py picks it; a ``Mix`` of indexed sources is planned by
-_mix/mix.py's ``MixSampler``).
+shards of every source (_sources/resolve.py picks it; a ``Mix`` of indexed sources is planned by
+_sources/mix/mixture.py's ``MixSampler``).
 
 A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
 space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
 ``len(Shards)`` is its number of shards), so ``Mix.order`` gives the order in which an
 epoch opens shards, each drawn from source ``k`` with probability ``weights[k]``. Everything
 else is the stream's as it is: ``cycle_length`` shards open at once, read block by block in
-tf.data's interleave (``_streaming.order.Interleave``), resume through ``StreamProgress``
+tf.data's interleave (``_sources.stream.interleave.Interleave``), resume through ``StreamProgress``
 (whose epoch order is the mixed one, rebuilt from the weights the state pins). So the cost
 is per open shard (``cycle_length``), not per source.
 """
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._streaming import Shards, StreamPlan
-from .mix import Mix, MixSampler
-from .virtual import EpochShards, IndexSlices, leaf_streams
+from ..stream import Shards, StreamPlan
+from .index_slices import EpochShards, IndexSlices, leaf_streams
+from .mixture import Mix, MixSampler
 
 
 class OpenMixed:
@@ -44,7 +44,7 @@ def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
 
 def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: bool = True) -> Shards:
     """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order
-    (an indexed source among them: the slices of its epoch order, ``_mix/virtual.py``, read
+    (an indexed source among them: the slices of its epoch order, ``_sources/mix/index_slices.py``, read
     with the loader's ``seed``, ``shuffle`` and ``reshuffle``)."""
     streams = leaf_streams(mix, seed, shuffle, reshuffle)
     sliced = any(isinstance(stream.open_fn, IndexSlices) for stream in streams)

@@ -21,7 +21,7 @@ collation, leases, the coordinator's loop, worker-death recovery):
   open (the replacement of a dead worker) opens it again and skips the records before
   the block. Re-running a block is therefore safe as long as ``open_fn`` yields the same
   records every time, which is what makes worker deaths and ``task_timeout`` work here.
-- ``ShardPlan`` is the per-epoch plan (``procpipe._plan.base.EpochPlan``) of a stream, where an
+- ``ShardPlan`` is the per-epoch plan (``procpipe._sources.epoch_plan.EpochPlan``) of a stream, where an
   indexed source has an ``IndexPlan`` (a fixed list of batches): it opens shards as others
   end (at most ``cycle_length`` at once), offers their blocks, each in its shard's lane
   (the engine sends it to the worker reading that shard), and turns results into what the
@@ -53,22 +53,22 @@ collation, leases, the coordinator's loop, worker-death recovery):
 
 Modules, in the order a block meets them on the data path:
 
-- ``plan.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,
+- ``shard_order.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,
   block layout, each epoch's shard order); ``workers=0`` is the Loader's one inline
   driver (procpipe/_consumer/inline.py), for every source kind.
 - ``shard_plan.py``: an epoch's plan (``ShardPlan``, ``BlockWork``): opening shards,
   offering blocks by lane, turning results into batches; pure (no processes).
 - ``shards.py``: the source (``Shards``), a record's identity (``RecordKey``), the task
   (``Block``), and reading a block in any process (``Shards.produce_block``, ``_Reader``).
-- ``order.py``: the order blocks are used in (``Interleave``) and what the consumer has
+- ``interleave.py``: the order blocks are used in (``Interleave``) and what the consumer has
   received of an epoch (``StreamProgress``).
-- ``batching.py``: blocks into batches in the loader's process, and the shuffle buffer
+- ``block_batching.py``: blocks into batches in the loader's process, and the shuffle buffer
   (``Output``).
 """
 
 from .blocks import Block, RecordKey
-from .order import Interleave, StreamProgress
-from .plan import StreamPlan
+from .interleave import Interleave, StreamProgress
+from .shard_order import StreamPlan
 from .shard_plan import ShardPlan
 from .shards import Shards
 

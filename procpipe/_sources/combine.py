@@ -1,4 +1,4 @@
-"""Elastic resume: ``combine_states`` (every rank's state into one), and loading the result.
+"""Elastic resume: ``combine_states``, every rank's state into one (loading the result: ``combined_load.py``).
 
 Why: a run saved by ``world_size`` ranks (each ``Loader(shard=(rank, world_size))`` saving its
 own ``state_dict()``) is often resumed on another number of machines. ``combine_states``
@@ -23,7 +23,7 @@ uninterrupted run with the new world size.
   loads the result keeps the part about the shards of its own order for that epoch: each
   shard belongs to exactly one new rank, which skips what was received.
 - **Mixtures** (``procpipe.Mix``): as above, but an epoch's order is the mixture's, which
-  the states cannot rebuild (``_mix/elastic.py``): the combined state keeps the ranks' positions
+  the states cannot rebuild (``_sources/mix/mix_weights.py``): the combined state keeps the ranks' positions
   (indexed) or their raw stream progress (``"ranks"``), with the weights of the epoch, and the
   loader that loads it draws the order again with them before turning those into indices or
   shard progress.
@@ -37,50 +37,28 @@ Limits, said in errors: every rank of the old run must be given once, all at the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
-
-from .._mix import elastic as elastic_mix
-from .._plan.sampler import GivenOrders, epoch_order
-from .._streaming.order import StreamProgress
-from .state import (
+from .combined_load import POSITION_KEYS, RANKS, WORLD_SIZE
+from .epoch_order import epoch_order
+from .mix import mix_weights as elastic_mix
+from .saved_state import (
     AHEAD,
     COMBINED,
     DONE,
     DONE_BELOW,
     EPOCH,
     MIX,
-    MIX_WEIGHTS,
     SHARD,
     STREAM,
     UNTIL,
     VERSION,
     VERSION_KEY,
 )
+from .stream.interleave import merged_progress
 
-#: Keys of a combined state's ``COMBINED`` entry: the old ranks' entries (an indexed source's
-#: positions, a mixture of streams' raw progress), and the old world size.
-RANKS = "ranks"
-WORLD_SIZE = "world_size"
-
-# Keys of a saved state that say where it stands, not which loader saved it.
-# (A Mix's ``mix_weights`` name epochs too: merged apart, elastic_mix.merged_weights.)
-_POSITION_KEYS = (
-    VERSION_KEY,
-    EPOCH,
-    DONE_BELOW,
-    DONE,
-    AHEAD,
-    UNTIL,
-    STREAM,
-    COMBINED,
-    SHARD,
-    MIX_WEIGHTS,
-)
-
-__all__ = ["CombinedLoad", "combine_states", "saved_base"]
+__all__ = ["combine_states"]
 
 
 def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -109,7 +87,7 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             f"{', '.join(sorted(untils))}); they must come from one run"
         )
     first = next(state for state in states if state[EPOCH] == epoch)
-    settings = {key: value for key, value in first.items() if key not in _POSITION_KEYS}
+    settings = {key: value for key, value in first.items() if key not in POSITION_KEYS}
     out = {
         VERSION_KEY: VERSION,
         EPOCH: epoch,
@@ -126,7 +104,7 @@ def combine_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[STREAM] = None
             out[COMBINED] = {WORLD_SIZE: len(states), RANKS: entries}
         else:
-            out[STREAM] = _merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
+            out[STREAM] = merged_progress(entries, functools.partial(_shard_order, settings, epoch), settings)
             out[COMBINED] = {WORLD_SIZE: len(states)}
     else:
         out.update(done_below=0, done=[])
@@ -177,7 +155,7 @@ def _checked(states: Any) -> list[dict[str, Any]]:
             "procpipe.combine_states: the states mix an indexable source and a streaming source "
             "(procpipe.Shards); they must come from one run"
         )
-    settings = [{k: v for k, v in state.items() if k not in _POSITION_KEYS} for state in states]
+    settings = [{k: v for k, v in state.items() if k not in POSITION_KEYS} for state in states]
     for i, other in enumerate(settings[1:], 1):
         if other != settings[0]:
             diff = sorted(k for k in set(other) | set(settings[0]) if other.get(k) != settings[0].get(k))
@@ -215,46 +193,6 @@ def _rank_entry(state: dict[str, Any], epoch: int, base: dict | None) -> dict[st
     return entry
 
 
-def _full_order(settings: dict[str, Any], epoch: int) -> np.ndarray:
-    return epoch_order(
-        settings["length"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), None
-    )
-
-
-def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, Any]) -> np.ndarray:
-    """A mask over the source's indices: those some old rank of ``combined`` returned in the
-    epoch whose order (unsharded) is ``full``."""
-    length, step = settings["length"], settings["batch_size"] or 1
-    mask = np.zeros(length, dtype=bool)
-    padded: np.ndarray | None = None  # the epoch's order padded for the old world size: rank r's part is [r::world]
-    remaining: dict[int, np.ndarray] = {}  # id of a base -> the order it left (every rank resumed from one base)
-    for entry in combined[RANKS]:
-        rank, world = entry[SHARD]
-        inner = entry.get(COMBINED)
-        if inner is not None:
-            if id(inner) not in remaining:
-                before = _delivered(settings, full, inner)
-                mask |= before
-                remaining[id(inner)] = _remaining(full, before)
-            order = remaining[id(inner)][rank::world]
-        else:
-            if padded is None:  # (Sampler's and MixSampler's padding: to a multiple of world)
-                padded = np.resize(full, -(-len(full) // world) * world)
-            order = padded[rank::world]
-        below = entry[DONE_BELOW]
-        if below is None:  # a rank past the epoch: every batch of its part (drop_last: not the partial one)
-            below = len(order) // step if settings["drop_last"] else -(-len(order) // step)
-        mask[order[: below * step]] = True
-        for position in entry[DONE]:
-            mask[order[position * step : (position + 1) * step]] = True
-    return mask
-
-
-def _remaining(full: np.ndarray, delivered: np.ndarray) -> np.ndarray:
-    """The epoch's order ``full`` (unsharded) less the indices ``delivered``."""
-    return full[~delivered[full]]
-
-
 # ---------------------------------------------------------------------- Shards
 def _stream_entries(states: list[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
     """Each old rank's part of ``epoch``: its shard, whether it was past the epoch (every shard of
@@ -278,106 +216,3 @@ def _shard_order(settings: dict[str, Any], epoch: int, rank: int, world: int) ->
     return epoch_order(
         settings["shards"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), (rank, world)
     ).tolist()
-
-
-def _merged_progress(
-    entries: list[dict[str, Any]], order_of: Callable[[int, int], list[int]], settings: dict[str, Any]
-) -> dict[str, Any]:
-    """Every rank's progress (``_stream_entries``) in shard terms (no cursor), merged;
-    ``order_of(rank, world)``: the shards of that rank's order in the epoch."""
-    complete: set[int] = set()
-    received: list[list[int]] = []
-    for entry in entries:
-        order = order_of(*entry[SHARD])
-        if entry["past"]:
-            complete.update(order)  # past the epoch: every shard of it read
-            continue
-        if entry[STREAM] is None:
-            continue
-        progress = StreamProgress(
-            order, settings["cycle_length"], settings["block_length"], False, entry[STREAM]
-        ).state()  # (a cursor unfolded into complete / received)
-        complete.update(progress["complete"])
-        received.extend(progress["received"])
-    received.sort()
-    merged: list[list[int]] = []
-    for shard, start, stop in received:
-        if shard in complete:
-            continue
-        if merged and merged[-1][0] == shard and start <= merged[-1][2]:
-            merged[-1][2] = max(merged[-1][2], stop)
-        else:
-            merged.append([shard, start, stop])
-    return {"cursor": None, "complete": sorted(complete), "received": merged}
-
-
-# ---------------------------------------------------------------------- loading and saving
-class CombinedLoad:
-    """A state holding ``"combined"`` being made into this loader's own, whose plan is ``plan``:
-    its shard checked (a state saved in an epoch resumed from a combined state belongs to that
-    rank), ``out`` the state as this rank's (``"combined"`` dropped), and the steps a source kind
-    (``_consumer/kinds.py``: its ``elastic_state``) takes with it: for an indexed source, the
-    resumed epoch's order given to the sampler (``give``); for a ``Shards`` source, the progress
-    about the shards of this rank's order (``keep_progress``). The result is checked as usual."""
-
-    def __init__(self, state: dict[str, Any], plan: Any) -> None:
-        mine = getattr(plan, "shard", None)
-        saved = state.get(SHARD)
-        if saved is not None and (mine is None or list(mine) != list(saved)):
-            raise ValueError(
-                f"this state was saved by rank {saved[0]} of {saved[1]} in an epoch resumed from "
-                f"procpipe.combine_states, but this loader has shard={mine!r}; resume it with shard="
-                f"({saved[0]}, {saved[1]}), or combine it with the other ranks' states first"
-            )
-        self.state = state
-        self.epoch = cast(int, state.get(EPOCH))  # (checked with the rest of the result, as usual)
-        self.out = {key: value for key, value in state.items() if key != COMBINED}
-        self.out[SHARD] = None if mine is None else list(mine)
-        #: the saved settings (not where the state stands)
-        self.settings = {key: value for key, value in state.items() if key not in _POSITION_KEYS}
-        rank, world = mine if mine is not None else (0, 1)
-        self.rank: int = rank
-        self.world: int = world
-
-    def same_settings(self, mine: dict[str, Any]) -> bool:
-        """The settings an epoch's order is drawn from (``mine``: the loader's, by key) are those saved
-        (if not, the load's usual checks name the one that differs)."""
-        return all(self.settings.get(key, True if key == "reshuffle" else None) == value for key, value in mine.items())
-
-    def full_order(self) -> np.ndarray:
-        """An indexed source's order of the resumed epoch, before sharding, from the saved settings."""
-        return _full_order(self.settings, self.epoch)
-
-    def give(self, full: np.ndarray, given: GivenOrders) -> None:
-        """Give ``given`` this rank's part of the resumed epoch (whose order before sharding is
-        ``full``) less what the old ranks delivered."""
-        combined = self.state[COMBINED]
-        rank_order = _remaining(full, _delivered(self.settings, full, combined))[self.rank :: self.world]
-        given.give(self.epoch, rank_order, combined)
-
-    def ranks_progress(self, full: list[int]) -> Any:
-        """A stream's progress of the resumed epoch: the old ranks' raw progress (a mixture's
-        ``"ranks"``) merged against ``full``, the epoch's shards before sharding; else the one saved."""
-        combined = self.state[COMBINED]
-        if isinstance(combined, dict) and RANKS in combined:
-            return _merged_progress(combined[RANKS], lambda r, w: full[r::w], self.settings)
-        return self.state.get(STREAM)
-
-    def keep_progress(self, progress: Any, order: set[int]) -> None:
-        """Keep of ``progress`` (a stream's, merged) what is about the shards of ``order``, this rank's."""
-        if progress is not None and isinstance(progress, dict):
-            self.out[STREAM] = {
-                "cursor": None,
-                "complete": [s for s in progress.get("complete", []) if s in order],
-                "received": [
-                    entry
-                    for entry in progress.get("received", [])
-                    if isinstance(entry, list) and entry and entry[0] in order
-                ],
-            }
-
-
-def saved_base(given: GivenOrders | None, epoch: int) -> dict[str, Any]:
-    """What a state saved in ``epoch`` adds: the combined state it resumed from, if the epoch is one."""
-    base = None if given is None else given.base(epoch)
-    return {} if base is None else {COMBINED: base}

@@ -1,8 +1,8 @@
-"""``RayPool``: pool.py's ``WorkerPool`` over Ray agents (agent.py), one per node.
+"""``RayPool``: _engine/pool.py's ``WorkerPool`` over Ray agents (agent.py), one per node.
 
 ``nodes`` agents of ``workers`` lanes each: the coordinator's worker ``i`` is lane
 ``i % workers`` of agent ``i // workers``. The pool starts the agents on live nodes
-(nodes.py), sends each lane's tasks as actor calls (replies reach the lane's
+(cluster.py), sends each lane's tasks as actor calls (replies reach the lane's
 ``RemoteWorker``, remote.py, from Ray's callback thread), replaces a lost agent when one of
 its lanes is started again (at most ``max_node_restarts`` times), and ends them all on
 ``stop``. Its monitor thread (monitor.py) pings the agents and declares the silent ones lost.
@@ -20,9 +20,9 @@ import ray
 from .._core.messages import BatchFailed, ErrorInfo, Task, WorkerReady
 from .._core.stats import WorkerCounters
 from .._engine.pool import WorkerLink, WorkerPool
-from . import nodes
+from ..errors import NodeLostError, ObjectStoreError
+from . import cluster
 from .agent import Agent
-from .errors import NodeLostError, ObjectStoreError
 from .monitor import CALL_TIMEOUT_S, START_FAILED, Monitor
 from .options import BackendOptions
 from .remote import AgentSlot, RemoteWorker, kill_agent
@@ -65,9 +65,9 @@ class RayPool(WorkerPool):
         self.closed = False
         self.monitor = Monitor(self)  # (its thread starts once the agents are ready)
         self._actor = ray.remote(Agent).options  # (a class per pool: ray.remote wraps it)
-        self.store_bytes = nodes.local_object_store()  # read here: admit() runs on the coordinator thread
-        try:  # on live nodes, distinct ones where there are enough (nodes.py)
-            live = iter(nodes.live_nodes(self._needs()))
+        self.store_bytes = cluster.local_object_store()  # read here: admit() runs on the coordinator thread
+        try:  # on live nodes, distinct ones where there are enough (cluster.py)
+            live = iter(cluster.live_nodes(self._needs()))
             for number in range(backend.nodes):
                 self.agents[number] = self._start_agent(number, target=next(live, None))
             self._wait_ready([a for a in self.agents if a is not None])
@@ -97,7 +97,7 @@ class RayPool(WorkerPool):
         }  # agents on different nodes where they fit
         if lost_on:
             used = {a.node_id for a in self.agents if a is not None and a.alive} | {lost_on}
-            target = nodes.spare_node(self.monitor.node_table, self._needs(), used)
+            target = cluster.spare_node(self.monitor.node_table, self._needs(), used)
         if target is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -147,7 +147,7 @@ class RayPool(WorkerPool):
         kill_agent(agent.handle)
         tried.add(agent.target or "")
         used = {a.node_id for a in self.agents if a is not None and a.ready} | tried
-        target = next(iter(nodes.live_nodes(self._needs(), exclude=used)), None)
+        target = next(iter(cluster.live_nodes(self._needs(), exclude=used)), None)
         self._event("replacing", agent.number, f"it died before it answered: {exc}"[:200])
         again = self.agents[agent.number] = self._start_agent(agent.number, target=target)
         return again

@@ -1,11 +1,11 @@
-"""The plan of one epoch of a streaming source: ``ShardPlan`` (``_plan.base.EpochPlan``'s contract).
+"""The plan of one epoch of a streaming source: ``ShardPlan`` (``_sources.epoch_plan.EpochPlan``'s contract).
 
 Where it sits in the data path: the ``Stream`` of an iteration (procpipe/_engine/epochs.py)
-makes one per epoch, named by ``StreamPlan`` (plan.py) as its ``plan_class``; the
+makes one per epoch, named by ``StreamPlan`` (shard_order.py) as its ``plan_class``; the
 engine's ``Epoch`` drives it like any plan. It opens shards (at most ``cycle_length`` at
 once), offers their ``Block`` tasks (shards.py), each in the lane of its shard so that
 the worker reading the shard gets it; results are put in the interleave's order when
-ordered (``Interleave``, order.py), turned into batches (``Output``, batching.py) and
+ordered (``Interleave``, interleave.py), turned into batches (``Output``, block_batching.py) and
 handed out, each with the record ranges it covers, which are added to the epoch's
 ``StreamProgress`` as the consumer takes the batch (``taken``). With ``workers=0``
 the Loader's inline driver (procpipe/_consumer/inline.py) drives the same plan in the consumer's thread.
@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .._core.reassembly import Progress
-from .._plan.base import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
-from .batching import Output
+from ..._core.reassembly import Progress
+from ..epoch_plan import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
+from .block_batching import Output
 from .blocks import Block, split_block_layout
-from .order import StreamProgress
+from .interleave import StreamProgress
 
 _NO_RECORDS: list[tuple[int, int, int]] = []  # the coverage of a batch not recorded (never modified)
 
@@ -196,7 +196,7 @@ class ShardPlan(EpochPlan):
         return True
 
     def moved(self, work: Work, worker: int) -> None:
-        """The shard's reader is now ``_worker`` (a speculative attempt at one of its blocks):
+        """The shard's reader is now ``worker`` (a speculative attempt at one of its blocks):
         its later blocks follow, rather than waiting behind the straggler's stalled block."""
         cast(BlockWork, work).shard.worker = worker  # the work this plan's take() made
 

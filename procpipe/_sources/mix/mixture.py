@@ -6,7 +6,7 @@ an epoch is drawn from source ``k`` with probability ``weights[k]``, determinist
 dataset* whose index space is the concatenation of its sources' (index ``g`` is element
 ``g - offsets[k]`` of source ``k``), so workers, the cache, ``sample_rng()``, sharding and
 resume see ordinary indices. Only the *order* of an epoch is special: ``MixSampler`` (where a
-``_plan.sampler.Sampler`` would be) builds it as an interleaving of each source's own order
+``_sources.epoch_order.Sampler`` would be) builds it as an interleaving of each source's own order
 (a permutation from ``(seed, epoch)`` and the sources' lengths with ``shuffle=True``, else ``0, 1, ...``), the
 choice of the source of each element drawn from the weights in force for that epoch.
 
@@ -26,8 +26,8 @@ sources. Memory: a few arrays of the epoch's length while it is planned, then it
 
 A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
 number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
-(``_mix/mixing.py`` builds the stream plan around it); an indexed source beside streams counts
-as its number of slices (``_mix/kinds.py``).
+(``_sources/mix/mix_shards.py`` builds the stream plan around it); an indexed source beside streams counts
+as its number of slices (``_sources/mix/slice_sizes.py``).
 
 Weights may follow a schedule (a callable ``epoch -> weights``, or ``Mix.set_weights``);
 the weights used for each epoch are recorded here, saved in ``Loader.state_dict()``
@@ -41,14 +41,18 @@ import bisect
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._plan.index import IndexPlan
-from .._plan.sampler import GivenOrders, epoch_order
-from .._streaming.shards import Shards
-from .kinds import indexed_shard_size, virtual_shards
+from ..epoch_order import GivenOrders, epoch_order
+from ..indexed.index_order import order_options
+from ..indexed.index_plan import IndexPlan
+from ..stream.shards import Shards
+from .slice_sizes import indexed_shard_size, virtual_shards
+
+if TYPE_CHECKING:
+    from ...config import Batching
 
 _MIX_KEY = 0x4D6978  # spawn-key prefix of every mixture stream ("Mix"), apart from core.rng's keys
 _DRAW, _PERMUTE = 0, 1
@@ -76,9 +80,9 @@ class Mix:
         sources: indexed datasets (``len`` + ``__getitem__``), or mixtures (nested: a ``Mix``
             among the sources is read in its own mixed order); or streams (``procpipe.Shards``,
             or mixtures of them), whose **shards** are drawn by weight
-            (``procpipe._mix.mixing``), then read in the stream's interleave. Indexed datasets
+            (``procpipe._sources.mix.mix_shards``), then read in the stream's interleave. Indexed datasets
             and streams together make a stream: each indexed dataset is read as shards of
-            ``shard_size`` elements of its epoch order (``_mix.kinds``).
+            ``shard_size`` elements of its epoch order (``_sources.mix.slice_sizes``).
         weights: one number >= 0 per source (any scale: they are normalised), or a callable
             ``epoch -> weights`` (a schedule, called in the calling process when an epoch is
             planned). A source with weight 0 is left out of that epoch.
@@ -115,7 +119,7 @@ class Mix:
         check_mix_weights(weights, len(sources))
         self.sources: list[Any] = sources
         # streams: an index is a shard, and an epoch an order of shards (an indexed source among
-        # them is read as shards of shard_size elements: _mix/kinds.py)
+        # them is read as shards of shard_size elements: _sources/mix/slice_sizes.py)
         self.streaming = any(is_stream(s) for s in sources)
         self.shard_size = indexed_shard_size(sources, shard_size, is_stream, _leaves_of)
         self.stop_on_empty = bool(stop_on_empty)
@@ -289,7 +293,7 @@ def _arrivals(
 
 
 class MixSampler:
-    """The batches of each epoch of a ``Mix`` (where ``_plan.sampler.Sampler`` would be).
+    """The batches of each epoch of a ``Mix`` (where ``_sources.epoch_order.Sampler`` would be).
 
     Same settings and sharding as ``Sampler`` (``shard``: this rank's part of the epoch's
     order, padded by repetition to a multiple of ``world_size``), with the order from
@@ -299,7 +303,12 @@ class MixSampler:
     epochs it names (``pin``).
     """
 
-    plan_class = IndexPlan  # each epoch: a fixed list of batches (_plan/index.py)
+    plan_class = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
+
+    @classmethod
+    def of(cls, length: int, batching: Batching, mix: Mix) -> MixSampler:
+        """A mixture's order of ``length`` samples, from a Loader's batching group (config.py)."""
+        return cls(length, **order_options(batching), mix=mix)
 
     def __init__(
         self,
@@ -323,7 +332,7 @@ class MixSampler:
         self.reshuffle = reshuffle
         self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
         self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
-        self.given = GivenOrders()  # epochs whose order a combined state gives (Sampler.given; _consumer/elastic.py)
+        self.given = GivenOrders()  # epochs whose order a combined state gives (Sampler.given; _sources/combine.py)
 
     @property
     def step(self) -> int:
@@ -347,7 +356,7 @@ class MixSampler:
 
     @property
     def mixing(self) -> MixSampler:
-        """What keeps the weights of each epoch (_consumer/state.py asks every sampler for one): itself."""
+        """What keeps the weights of each epoch (_sources/saved_state.py asks every sampler for one): itself."""
         return self
 
     def mixed_order(self, epoch: int, record: bool = True) -> np.ndarray:
@@ -381,7 +390,7 @@ class MixSampler:
         count = len(order) // step if self.drop_last else -(-len(order) // step)
         return [order[i * step : (i + 1) * step] for i in range(count)]
 
-    # ---- the state (_consumer/state.py)
+    # ---- the state (_sources/saved_state.py)
     def settings(self) -> dict[str, Any]:
         """What a saved state must match, beyond ``Sampler``'s settings."""
         return {"mix": {"lengths": self.mix.structure(), "stop_on_empty": self.mix.stop_on_empty}}
@@ -468,7 +477,7 @@ def _leaves_of(source: Any) -> list[Any]:
 
 
 def is_stream(source: Any) -> bool:
-    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Loader's source: _consumer/kinds.py)."""
+    """``source`` is a ``procpipe.Shards`` or a mixture of them (a Loader's source: _sources/resolve.py)."""
     return (isinstance(source, Mix) and source.streaming) or isinstance(source, Shards)
 
 

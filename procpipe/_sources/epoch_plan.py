@@ -2,8 +2,8 @@
 processes, no threads, no ring, no engine.
 
 A source kind gives, for each epoch, an ``EpochPlan``: an indexed source (``len`` +
-``__getitem__``) an ``IndexPlan`` (_plan/index.py: a fixed list of batches of indices), a
-stream (``procpipe.Shards``) a ``ShardPlan`` (_streaming/shard_plan.py: blocks of shards,
+``__getitem__``) an ``IndexPlan`` (_sources/indexed/index_plan.py: a fixed list of batches of indices), a
+stream (``procpipe.Shards``) a ``ShardPlan`` (_sources/stream/shard_plan.py: blocks of shards,
 interleaved, whose number is learnt as the shards end). The engine's ``Epoch``
 (epochs.py) holds one and drives it the same way for both, from the coordinator thread
 (workers) or from the consumer's (``workers=0``)::
@@ -19,7 +19,7 @@ interleaved, whose number is learnt as the shards end). The engine's ``Epoch``
     plan.state()                what the consumer has had, as ``Loader.state_dict`` saves it
 
 A ``Work`` is a task as the plan sees it: its key (dispatch order, and with the epoch
-number the seed of its samples), its payload (a list of indices, or a ``_streaming.Block``;
+number the seed of its samples), its payload (a list of indices, or a ``_sources.stream.Block``;
 both iterate the keys of the samples they may hold) and its lane: tasks of one lane
 (a shard read sequentially) go to the worker that holds the lane, the plan remembering
 which (``Offer.worker``); lane None is any worker. The engine never looks inside a
@@ -68,7 +68,7 @@ class Work:
 class Offer(NamedTuple):
     """A task the plan would send now (``EpochPlan.offers``), best first.
 
-    ``_worker``: the index of the worker holding its lane (None: any, or the least loaded
+    ``worker``: the index of the worker holding its lane (None: any, or the least loaded
     for a lane not held yet). ``urgent``: the epoch waits for it (the ordered interleave's
     next block): it goes past the bound on batches in flight, and through the pipe when no
     ring slot is free, so the order never deadlocks. ``retry``: a task whose worker died,
@@ -137,7 +137,7 @@ class EpochPlan:
         raise NotImplementedError
 
     def take(self, offer: Offer, worker: int) -> Work:
-        """``offer`` goes to worker ``_worker``: its ``Work`` (the lane is now that worker's)."""
+        """``offer`` goes to worker ``worker``: its ``Work`` (the lane is now that worker's)."""
         raise NotImplementedError
 
     def lost(self, work: Work) -> bool:
@@ -153,7 +153,7 @@ class EpochPlan:
         whose tasks have lanes of their own (shards read sequentially) keeps them: nothing."""
 
     def moved(self, work: Work, worker: int) -> None:
-        """``work`` runs on worker ``_worker`` too (speculation: the worker holding its lane
+        """``work`` runs on worker ``worker`` too (speculation: the worker holding its lane
         straggles): the lane's later tasks go there, not to the straggler. No lanes: nothing."""
 
     def held(self) -> int:

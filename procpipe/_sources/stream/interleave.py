@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
+
+from ..saved_state import SHARD, STREAM
 
 _PENDING_SPANS = 16384  # record ranges the consumer's StreamProgress gathers before it merges them
 _SHARD_SHIFT = 40  # merging ranges, record r of shard s is at (s << 40) + r (shards of up to 2**40 records)
@@ -230,6 +233,37 @@ class StreamProgress:
                 self.received.pop(shard, None)
             elif open_positions[position]:
                 self.received.setdefault(shard, _Ranges()).add(0, open_positions[position] * self.block_length)
+
+
+def merged_progress(
+    entries: list[dict[str, Any]], order_of: Callable[[int, int], list[int]], settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Every rank's progress (``combine.py``'s ``_stream_entries``) in shard terms (no cursor), merged;
+    ``order_of(rank, world)``: the shards of that rank's order in the epoch."""
+    complete: set[int] = set()
+    received: list[list[int]] = []
+    for entry in entries:
+        order = order_of(*entry[SHARD])
+        if entry["past"]:
+            complete.update(order)  # past the epoch: every shard of it read
+            continue
+        if entry[STREAM] is None:
+            continue
+        progress = StreamProgress(
+            order, settings["cycle_length"], settings["block_length"], False, entry[STREAM]
+        ).state()  # (a cursor unfolded into complete / received)
+        complete.update(progress["complete"])
+        received.extend(progress["received"])
+    received.sort()
+    merged: list[list[int]] = []
+    for shard, start, stop in received:
+        if shard in complete:
+            continue
+        if merged and merged[-1][0] == shard and start <= merged[-1][2]:
+            merged[-1][2] = max(merged[-1][2], stop)
+        else:
+            merged.append([shard, start, stop])
+    return {"cursor": None, "complete": sorted(complete), "received": merged}
 
 
 class _Ranges:

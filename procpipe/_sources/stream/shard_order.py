@@ -12,14 +12,19 @@ drives the same stream and epochs in the calling thread, reading each block ther
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from .._core.checks import check_int, is_count
-from .._plan.sampler import epoch_order
-from .batching import BatchingConfig
+from ..._core.checks import check_int, is_count
+from ..epoch_order import epoch_order
+from .block_batching import BatchingConfig
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
 from .shards import CHUNKS, RECORDS, STACK, Shards
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from ...config import Batching, Faults, Stages
 
 
 class StreamPlan:
@@ -32,6 +37,31 @@ class StreamPlan:
     """
 
     plan_class = ShardPlan
+
+    @classmethod
+    def of(cls, source: Any, batching: Batching, stages: Stages, faults: Faults) -> Self:
+        """The order of ``source``'s shards, from a Loader's configuration groups (config.py): the
+        batching group's order settings, and what a stream's blocks need of the stages
+        (``collate_fn``, ``batch_fn``, ``cache``) and the faults (``on_error``, ``max_skipped``,
+        ``speculate``)."""
+        return cls(
+            source,
+            batch_size=batching.batch_size,
+            shuffle=batching.shuffle,
+            seed=batching.seed,
+            drop_last=batching.drop_last,
+            reshuffle=batching.reshuffle,
+            shard=batching.shard,
+            shuffle_buffer=batching.shuffle_buffer,
+            batches=batching.batches,
+            even_ranks=batching.even_ranks,
+            collate_fn=stages.collate_fn,
+            batch_fn=stages.batch_fn,
+            cache=stages.cache,
+            on_error=faults.on_error,
+            max_skipped=faults.max_skipped,
+            speculate=faults.speculate,
+        )
 
     def __init__(
         self,

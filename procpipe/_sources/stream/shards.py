@@ -2,16 +2,16 @@
 ``RecordKey``, are in blocks.py).
 
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
-``StreamPlan`` (plan.py) keeps a configured copy (``Shards.configured``: the block length
+``StreamPlan`` (shard_order.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
-shipped to every worker and is the workers' reader (_worker/reader.py: _consumer/kinds.py puts it in
+shipped to every worker and is the workers' reader (_worker/reader.py: _sources/resolve.py puts it in
 ``WorkerSpec.reader``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
 in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
 block to ``Shards.produce_block``, which reads its records from the shard's iterator
 (``_Reader``, kept open between blocks: shard affinity), runs each through the one per-sample
 pipeline (_worker/stages.py: the cache or ``fn``, ``augment``, skip on error) under its sample
 scope (seeded from its ``RecordKey``), and collates them into the task's ring slot. Turning
-blocks into batches is batching.py's, in the loader's process.
+blocks into batches is block_batching.py's, in the loader's process.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
-from .._core import collate
-from .._core.checks import check_int, is_count
-from .._core.collate import INLINE
-from .._core.notes import add_note
-from .._core.rng import SampleScope
-from .._worker.produce import Produced, collate_privately, run_batch_fn
-from .._worker.reader import GROWING, PER_RECORD, first_record_cached, first_scope
-from .._worker.stages import SKIPPED, run_sample
-from ..errors import ShardLengthError
+from ..._core import collate
+from ..._core.checks import check_int, is_count
+from ..._core.collate import INLINE
+from ..._core.notes import add_note
+from ..._core.rng import SampleScope
+from ..._worker.produce import Produced, collate_privately, run_batch_fn
+from ..._worker.reader import GROWING, PER_RECORD, first_record_cached, first_scope
+from ..._worker.stages import SKIPPED, run_sample
+from ...errors import ShardLengthError
 from .blocks import Block, BlockRead, RecordKey, block_layout
 
 if TYPE_CHECKING:

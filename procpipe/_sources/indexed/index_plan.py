@@ -1,10 +1,10 @@
 """The plan of one epoch of an indexed source (``len`` + ``__getitem__``): ``IndexPlan``.
 
-The epoch is a fixed list of batches of indices (sampler.py); each batch is one task,
+The epoch is a fixed list of batches of indices (index_order.py); each batch is one task,
 keyed by its position. Results pass through the epoch's reassembly (reassembly.py:
 ``Ordered`` or ``Sloppy``), which hands each position out once. What the consumer has had
 is a set of positions (``Progress``); a resumed epoch leaves those out. The contract is
-``_plan.base.EpochPlan``'s.
+``_sources.epoch_plan.EpochPlan``'s.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from .._core import collate
-from .._core.reassembly import Ordered, Progress, Sloppy
-from .base import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
+from ..._core import collate
+from ..._core.reassembly import Ordered, Progress, Sloppy
+from ..epoch_plan import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 

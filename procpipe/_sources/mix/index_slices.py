@@ -1,8 +1,8 @@
 """Reading an indexed dataset as shards, in a mixture with streams (``Mix([dataset, Shards(...)])``).
 
-Why: a mixture holding a stream is a stream (``_mix/mixing.py``: one ``Shards`` of every
+Why: a mixture holding a stream is a stream (``_sources/mix/mix_shards.py``: one ``Shards`` of every
 source's shards, opened in the mixed order), so an indexed dataset in it must be shards too.
-Its shard ``v`` (of ``_mix.kinds.virtual_shards``) is the slice ``v * size .. (v + 1) *
+Its shard ``v`` (of ``_sources.mix.slice_sizes.virtual_shards``) is the slice ``v * size .. (v + 1) *
 size - 1`` of the dataset's **epoch order**: a permutation from ``(seed, epoch)`` and the
 source's position with ``shuffle=True`` (``epoch`` 0's every epoch with ``reshuffle=False``),
 else ``0, 1, ...``. So its elements are shuffled across the whole dataset each epoch, not only
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .._streaming import Shards
-from .kinds import virtual_shards
-from .mix import Mix, is_stream
+from ..stream import Shards
+from .mixture import Mix, is_stream
+from .slice_sizes import virtual_shards
 
 _SLICES_KEY = 0x4D6958  # spawn-key prefix of the slices' permutations ("MiX"), apart from Mix's own keys
 _reading = threading.local()  # .epoch: the epoch of the block this thread is reading

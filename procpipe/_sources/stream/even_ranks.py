@@ -19,7 +19,7 @@ resume; with ``reshuffle`` the shards move between ranks every epoch, so differe
 are left out each epoch.
 
 Pure: no process, thread or clock. ``RankLimits`` is computed once per epoch by the
-``StreamPlan`` (plan.py); ``ShardPlan`` cuts its blocks with ``block_length_at``.
+``StreamPlan`` (shard_order.py); ``ShardPlan`` cuts its blocks with ``block_length_at``.
 """
 
 from __future__ import annotations

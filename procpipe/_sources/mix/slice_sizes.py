@@ -4,13 +4,13 @@ Why: a ``procpipe.Mix`` of streams (``procpipe.Shards``) mixes **shards**, drawn
 then read in the stream's interleave. An indexed dataset (``len`` + ``__getitem__``) given
 beside streams is therefore read as a stream too: its epoch order (a permutation from
 ``(seed, epoch)`` with ``shuffle=True``, else ``0, 1, ...``) cut into contiguous slices of
-``shard_size`` elements, each slice one shard of the mixture (``_mix/virtual.py`` reads
+``shard_size`` elements, each slice one shard of the mixture (``_sources/mix/index_slices.py`` reads
 them). Its weight is then per shard, as every stream's: so that a weight means the same for
 every source, a slice is by default as large as the streams' mean shard (from their
 ``lengths=``); without those record counts the size cannot be known, and ``shard_size=``
 must say it.
 
-This module holds only the arithmetic (pure: the plan layer); the mixture (``_mix/mix.py``)
+This module holds only the arithmetic (pure: the plan layer); the mixture (``_sources/mix/mixture.py``)
 asks it how long each source is in its index space.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._core.checks import check_int
+from ..._core.checks import check_int
 
 __all__ = ["indexed_shard_size", "virtual_shards"]
 

@@ -1,11 +1,7 @@
-"""Which indices each batch of an epoch holds.
-
-The order depends only on ``(seed, epoch)``; batches are consecutive slices of it. This
-is the single source of truth for both the worker path and the ``workers=0`` path.
-
-Anything with ``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for
-``Sampler``: ``ExplicitBatches`` wraps a caller's ``batches=`` callable (used by
-``procpipe.torch.DataLoader`` to follow a torch sampler).
+"""Which indices each batch of an indexed source's epoch holds: ``Sampler`` (the loader's own
+order: shuffled, sharded, batched) and ``ExplicitBatches`` (the caller's ``batches=`` callable,
+used by ``procpipe.torch.DataLoader`` to follow a torch sampler). Anything with
+``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for a ``Sampler``.
 """
 
 from __future__ import annotations
@@ -13,68 +9,30 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from .._core.rng import shuffle_rng
-from .index import IndexPlan
+from ..epoch_order import GivenOrders, epoch_order
+from .index_plan import IndexPlan
+
+if TYPE_CHECKING:
+    from ...config import Batching
 
 
-def epoch_order(
-    n: int,
-    epoch: int,
-    shuffle: bool,
-    seed: int,
-    reshuffle: bool,
-    shard: tuple[int, int] | None,
-    pad_to: int | None = None,
-) -> np.ndarray:
-    """The one definition of an epoch's order, for samples (``Sampler``) and for shards
-    (``_streaming.StreamPlan``): ``range(n)``, permuted from ``(seed, epoch)`` (epoch 0's
-    permutation every epoch without ``reshuffle``), then this rank's part with
-    ``shard=(rank, world)``: positions ``rank, rank + world, ...``, after padding the order
-    to ``pad_to`` by repeating its first entries (``DistributedSampler``'s equal lengths)."""
-    order = shuffle_rng(seed, epoch if reshuffle else 0).permutation(n) if shuffle else np.arange(n)
-    if shard is not None:
-        rank, world = shard
-        if pad_to is not None:
-            order = np.resize(order, pad_to)  # resize pads by repeating
-        order = order[rank::world]
-    return order
+class DrawnOrder(Protocol):
+    """An indexed order drawn from settings, which a combined state can give an epoch's order
+    (``given``): a ``Sampler``, or a mixture's ``MixSampler``."""
 
+    @property
+    def given(self) -> GivenOrders: ...
 
-class GivenOrders:
-    """The epoch whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
-    installs in a ``Sampler`` or ``MixSampler`` (_consumer/elastic.py): the indices no rank of the saved
-    run had delivered, this rank's part of them, and the combined state it came from (``base``,
-    kept for the states this loader saves in that epoch). One epoch at most."""
+    @property
+    def plan_class(self) -> type[IndexPlan]: ...
 
-    __slots__ = ("_base", "_epoch", "_order")
+    def batches(self, epoch: int) -> list[list[int]]: ...
 
-    def __init__(self) -> None:
-        self._epoch: int | None = None
-        self._order: np.ndarray | None = None
-        self._base: Any = None
-
-    def give(self, epoch: int, order: np.ndarray, base: Any) -> None:
-        """``epoch``'s order is ``order`` (from the combined state ``base``), in place of any given before."""
-        self._epoch, self._order, self._base = epoch, order, base
-
-    def forget(self) -> None:
-        """A plain state is loaded: every epoch's order is drawn again."""
-        self._epoch, self._order, self._base = None, None, None
-
-    def order(self, epoch: int) -> np.ndarray | None:
-        """The order given for ``epoch``, or None (drawn as usual)."""
-        return self._order if epoch == self._epoch else None
-
-    def base(self, epoch: int) -> Any:
-        """The combined state ``epoch``'s order came from, or None."""
-        return self._base if epoch == self._epoch else None
-
-    def __repr__(self) -> str:
-        return f"GivenOrders(epoch={self._epoch})"
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +51,7 @@ class Sampler:
     from ``procpipe.combine_states`` is loaded).
     """
 
-    plan_class: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (_plan/index.py)
+    plan_class: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (index_plan.py)
 
     length: int
     batch_size: int | None
@@ -103,6 +61,11 @@ class Sampler:
     shard: tuple[int, int] | None = None
     reshuffle: bool = True
     given: GivenOrders = field(default_factory=GivenOrders, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, length: int, batching: Batching) -> Sampler:
+        """The order of ``length`` samples, from a Loader's batching group (config.py)."""
+        return cls(length, **order_options(batching))
 
     @property
     def step(self) -> int:
@@ -165,7 +128,7 @@ class ExplicitBatches:
     length so a bad index fails here, with the culprit named, not in a worker.
     """
 
-    plan_class = IndexPlan  # each epoch: a fixed list of batches (_plan/index.py)
+    plan_class = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
 
     def __init__(self, fn: Callable[[int], Any], length: int, unbatched: bool) -> None:
         self.fn = fn
@@ -205,3 +168,19 @@ class ExplicitBatches:
                     )
             out.append(indices)
         return out
+
+
+def order_options(batching: Batching) -> dict[str, Any]:
+    """What an indexed order takes of a Loader's batching group: ``Sampler.of``, ``MixSampler.of``."""
+    shard = batching.shard
+    return {
+        "batch_size": batching.batch_size,
+        "shuffle": bool(batching.shuffle),
+        "seed": int(batching.seed),
+        "drop_last": bool(batching.drop_last),
+        "shard": None if shard is None else (shard[0], shard[1]),
+        "reshuffle": bool(batching.reshuffle),
+    }
+
+
+__all__ = ["DrawnOrder", "ExplicitBatches", "Sampler", "order_options"]

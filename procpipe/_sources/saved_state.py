@@ -17,7 +17,7 @@ settings        the plan's settings a resume must match (``SourceKind.settings``
                 ``batch_size``, ``shuffle``, ``seed``, ``drop_last``, ``shard``, ``reshuffle``, a
                 stream's and a mixture's own)
 ``mix``         a ``procpipe.Mix``: its structure; ``mix_weights``: ``[epoch, weights]`` entries
-``combined``    a state made by ``procpipe.combine_states`` (``_consumer/elastic.py``)
+``combined``    a state made by ``procpipe.combine_states`` (``_sources/combine.py``)
 ==============  ======================================================================================
 
 The keys are the constants below, and the two shapes of a position the ``TypedDict`` classes
@@ -28,7 +28,7 @@ A *position* is the part that says where a consumer stands: what every consumer-
 (``procpipe._consumer.nodes``) returns from ``get_state()`` and takes back in ``reset()``. One
 encoder and one decoder (``encode_position``, ``decode_position``), so the format is written once.
 A sampler that checks its own progress states (``check_progress``: the ``StreamPlan`` of a
-``procpipe.Shards`` source) is a streaming one; this module does not import ``_streaming`` (whose
+``procpipe.Shards`` source) is a streaming one; this module does not import ``_sources.stream`` (whose
 ``workers=0`` node uses it). ``save_state`` wraps a position with the version and the settings;
 ``load_state`` checks a saved state against this loader's source kind (``kinds.py``: same kind of
 source, same data, same settings) and for corruption, and returns the ``Resume`` the next
@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .._core.checks import is_count
 from .._core.reassembly import Progress, ResumePoint
@@ -94,38 +94,6 @@ def ended_epoch(position: dict[str, Any], epoch: int, batches: int) -> IndexPosi
     return {**position, EPOCH: epoch, DONE_BELOW: batches, DONE: [], AHEAD: [], UNTIL: epoch + 1}  # type: ignore[typeddict-item]
 
 
-class SourceKind(Protocol):
-    """What saving and loading a state ask of a Loader's source kind (``kinds.py``: each kind answers
-    with its own methods, so this module tests no flag of a kind)."""
-
-    plan: Any  # the sampler (a Sampler, StreamPlan, MixSampler, ...)
-
-    def settings(self) -> dict[str, Any]:
-        """What a saved state must match."""
-        ...
-
-    def saved_extras(self, position: dict[str, Any]) -> dict[str, Any]:
-        """What a state saved at ``position`` holds beyond it and the settings (a combined
-        state's base, a mixture's ``mix_weights``)."""
-        ...
-
-    def check_saved_kind(self, state: dict[str, Any]) -> None:
-        """Raise ``ValueError`` (``other_source_kind``, ``other_mixture_kind``) for a state of another kind."""
-        ...
-
-    def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A state holding ``COMBINED`` made this loader's own (``_consumer/elastic.py``)."""
-        ...
-
-    def forget_combined(self) -> None:
-        """A state not combined is loaded: drop what an earlier combined state gave."""
-        ...
-
-    def resume(self, state: dict[str, Any]) -> Resume:
-        """The position ``state`` resumes (``decode_position``, a mixture's weights pinned first)."""
-        ...
-
-
 def other_source_kind(saved: str, reads: str) -> ValueError:
     """The error of a state saved by a loader over ``saved`` (a kind of source, described) loaded
     by one that reads ``reads``."""
@@ -145,7 +113,7 @@ def other_mixture_kind(saved_mix: bool) -> ValueError:
     )
 
 
-_STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
+STATE_DEFAULTS = {"reshuffle": True, "even_ranks": False}  # for states saved before the key existed
 
 LOADER_EPOCHS = "loader"  # a state without "until": the next iteration spans the loader's own ``epochs``
 
@@ -283,30 +251,3 @@ def _stream_ahead_entry(sampler: Any, epoch: int, rest: list) -> dict:
     if len(rest) != 1 or rest[0] is None:
         raise ValueError(f"corrupt procpipe Loader state: ahead entry for epoch {epoch}: {rest!r:.200}")
     return sampler.check_progress(rest[0], epoch)
-
-
-def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
-    """``Loader.state_dict()``: ``position`` (``encode_position``'s dict) with the settings and what
-    the kind adds (``saved_extras``: for a ``procpipe.Mix``, the weights of the epochs the position
-    names, ``mix_weights``)."""
-    return {VERSION_KEY: VERSION, **position, **kind.settings(), **kind.saved_extras(position)}
-
-
-def load_state(state: Any, kind: SourceKind) -> Resume:
-    """``Loader.load_state_dict(state)``'s checks: the state, checked against ``kind`` (the kind of
-    source it was saved over, and the settings of its plan)."""
-    if not isinstance(state, dict) or state.get(VERSION_KEY) != VERSION:
-        raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
-    kind.check_saved_kind(state)
-    if COMBINED in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
-        state = kind.elastic_state(state)
-    else:
-        kind.forget_combined()
-    settings = kind.settings()
-    for key, mine in settings.items():
-        if state.get(key, _STATE_DEFAULTS.get(key)) != mine:
-            raise ValueError(
-                f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
-                f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
-            )
-    return kind.resume(state)

@@ -4,7 +4,7 @@ Where it sits in the data path: each ``ShardPlan`` (shard_plan.py) has an ``Outp
 which it hands the blocks the coordinator received from the workers, in the order they
 are used (the interleave's when ordered). ``Output`` cuts and joins them into what the
 consumer gets, each item with the record ranges it covers (for ``StreamProgress``,
-order.py), which go into the stream's queue. A batch inside one block is a zero-copy
+interleave.py), which go into the stream's queue. A batch inside one block is a zero-copy
 view of its ring slot; one spanning blocks is joined here (``_join``); the shuffle
 buffer copies its records out of their slots (``_own``).
 """
@@ -19,11 +19,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._core import collate
-from .._core.collate import ARRAY, DICT, INLINE, SEQ
-from .._core.rng import buffer_rng
-from .._worker.produce import collate_privately
-from ..errors import CollateError
+from ..._core import collate
+from ..._core.collate import ARRAY, DICT, INLINE, SEQ
+from ..._core.rng import buffer_rng
+from ..._worker.produce import collate_privately
+from ...errors import CollateError
 from .blocks import Block, RecordKey
 from .shards import CHUNKS, STACK
 
@@ -265,7 +265,7 @@ def _join(pieces: list[tuple[list, Any, int, int]], path: tuple) -> list:
 def _join_tensors(values: list, path: tuple) -> Any:
     """Stacked torch tensors of several blocks as one tensor (joined through numpy views,
     as collation stacks them: dtypes numpy lacks travel as same-width integers)."""
-    from .._core.tensors import numpy_tensor, tensor_numpy
+    from ..._core.tensors import numpy_tensor, tensor_numpy
 
     arrays = [tensor_numpy(v) for v in values]
     kinds = {(v.dtype, v.shape[1:]) for v in values}

@@ -1,0 +1,148 @@
+"""The contract every source kind answers (``SourceKind``): what a Loader knows of its source
+once its kind is resolved (``resolve.py``), and the questions each kind answers for itself.
+
+A kind is an order (``plan``: ``batches(epoch)``, ``len``, the ``plan_class`` of its epochs), the
+workers' side (``reader``: how a task is produced, the cache's layout), how messages name its
+samples (``names``) and the saved state's answers: its ``settings``, what it saves beyond the
+position, whether a state is of this kind, a combined state made its own and the position a state
+resumes. The kinds, each in its package: ``indexed/index_kind.py`` (``IndexedKind``,
+``ExplicitKind``), ``stream/stream_kind.py`` (``StreamKind``), ``mix/mix_kind.py`` (``MixKind``,
+``MixStreamKind``). Like Grain's random-access and streaming datasets under one state protocol, or
+torchdata's nodes, the rest of the code holds this protocol and never tests a source's type.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .._worker.reader import SourceReader
+from .epoch_plan import BatchPlan
+from .sample_names import SampleNames
+from .saved_state import (
+    COMBINED,
+    MIX,
+    SHARD,
+    STATE_DEFAULTS,
+    STREAM,
+    VERSION,
+    VERSION_KEY,
+    Resume,
+    decode_position,
+    other_mixture_kind,
+    other_source_kind,
+)
+
+if TYPE_CHECKING:
+    from ..config import LoaderConfig
+
+
+class SourceKind:
+    """What a Loader knows of its source once its kind is resolved (``resolve_kind``), and what
+    each kind answers for itself: the saved state's settings and extras, whether a saved state is
+    of this kind, a combined state (``procpipe.combine_states``) made this loader's own, and the
+    position a state resumes. ``_sources/saved_state.py`` asks these methods (its ``SourceKind``
+    protocol), so a new kind is one new class here, not a flag tested in the state's code.
+
+    This base class is an indexed source whose epochs are not drawn from settings it can redraw:
+    ``IndexedKind`` (a ``Sampler``), ``ExplicitKind`` (``batches=...``) and ``MixKind`` refine it.
+
+    Attributes:
+        plan: the epochs' plan (``batches(epoch)``, ``len()``, ``plan_class``): the sampler.
+        source: what the workers read (a stream's configured copy of its ``Shards``).
+        reader: the worker side (``spec.reader``): how a task is produced, the cache's layout.
+        names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
+    """
+
+    #: how a message names this kind of source
+    described: ClassVar[str] = "an indexable source"
+    #: whether an epoch with no batch is worth a warning when the loader is made (an indexed
+    #: source with the loader's own order: its length is known, and nothing else may fill it)
+    warns_when_empty: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, source: Any, config: LoaderConfig) -> SourceKind:
+        """This kind for ``source``, its order built from the loader's configuration groups
+        (the batching group and, for a stream, the stages and faults groups)."""
+        raise NotImplementedError
+
+    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, names: SampleNames) -> None:
+        self.plan = plan
+        self.source = source
+        self.reader = reader
+        self.names = names
+
+    # ---- saving (_sources/saved_state.py save_state)
+    def settings(self) -> dict[str, Any]:
+        """The plan's settings a saved state must match to be resumed (_sources/saved_state.py)."""
+        plan: Any = self.plan
+        shard = getattr(plan, "shard", None)
+        return {
+            "length": plan.length,
+            "batch_size": getattr(plan, "batch_size", None),
+            "shuffle": getattr(plan, "shuffle", False),
+            "seed": getattr(plan, "seed", None),
+            "drop_last": getattr(plan, "drop_last", False),
+            SHARD: None if shard is None else list(shard),
+            "reshuffle": getattr(plan, "reshuffle", True),
+        }
+
+    def saved_extras(self, position: dict[str, Any]) -> dict[str, Any]:
+        """What a state saved at ``position`` holds beyond the position and the settings."""
+        return {}
+
+    # ---- loading (_sources/saved_state.py load_state)
+    def check_saved_kind(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``state`` was saved by a loader over another kind of source:
+        first its positions (records of a stream, or batch positions), then a mixture or not."""
+        self.check_positions_kind(state)
+        self.check_mixture_kind(state)
+
+    def check_positions_kind(self, state: dict[str, Any]) -> None:
+        if STREAM in state:
+            raise other_source_kind("a streaming source (procpipe.Shards)", self.described)
+
+    def check_mixture_kind(self, state: dict[str, Any]) -> None:
+        if MIX in state:
+            raise other_mixture_kind(saved_mix=True)
+
+    def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state holding ``combined`` (``procpipe.combine_states``) made into this loader's own
+        (``_sources/combine.py``); the result is checked as usual."""
+        raise NotImplementedError
+
+    def forget_combined(self) -> None:
+        """A state not combined is loaded: drop the order an earlier combined state gave."""
+
+    def resume(self, state: dict[str, Any]) -> Resume:
+        """The position ``state`` (checked: kind, settings) resumes."""
+        return decode_position(state, self.plan)
+
+
+def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
+    """``Loader.state_dict()``: ``position`` (``encode_position``'s dict) with the settings and what
+    the kind adds (``saved_extras``: for a ``procpipe.Mix``, the weights of the epochs the position
+    names, ``mix_weights``)."""
+    return {VERSION_KEY: VERSION, **position, **kind.settings(), **kind.saved_extras(position)}
+
+
+def load_state(state: Any, kind: SourceKind) -> Resume:
+    """``Loader.load_state_dict(state)``'s checks: the state, checked against ``kind`` (the kind of
+    source it was saved over, and the settings of its plan)."""
+    if not isinstance(state, dict) or state.get(VERSION_KEY) != VERSION:
+        raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
+    kind.check_saved_kind(state)
+    if COMBINED in state:  # from procpipe.combine_states (or saved in an epoch resumed from one)
+        state = kind.elastic_state(state)
+    else:
+        kind.forget_combined()
+    settings = kind.settings()
+    for key, mine in settings.items():
+        if state.get(key, STATE_DEFAULTS.get(key)) != mine:
+            raise ValueError(
+                f"this state was saved by a loader with {key}={state.get(key)!r}, but this loader has "
+                f"{key}={mine!r}; resuming needs the same data and settings ({', '.join(settings)})."
+            )
+    return kind.resume(state)
+
+
+__all__ = ["SourceKind", "load_state", "save_state"]

@@ -1,0 +1,50 @@
+"""The kind of a stream: ``procpipe.Shards`` (the torch facade's ``IterableDataset`` replicas are
+one), read in blocks of records by lane (``ShardPlan``); a record is named by ``(shard, record)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .. import combined_load
+from ..sample_names import RecordNames
+from ..saved_state import STREAM, other_source_kind
+from ..source_kind import SourceKind
+from .shard_order import StreamPlan
+
+if TYPE_CHECKING:
+    from ...config import LoaderConfig
+
+
+class StreamKind(SourceKind):
+    """A stream: ``Shards`` (the torch facade's ``IterableDataset`` replicas are one)."""
+
+    described = "a streaming source (procpipe.Shards)"
+
+    @classmethod
+    def of(cls, source: Any, config: LoaderConfig) -> StreamKind:
+        return cls(StreamPlan.of(source, config.batching, config.stages, config.faults))
+
+    def __init__(self, plan: StreamPlan) -> None:
+        # (the configured Shards reads its own blocks: it is the workers' source and reader both)
+        super().__init__(plan, plan.source, plan.source, RecordNames())
+
+    def settings(self) -> dict[str, Any]:
+        return self.plan.settings()  # type: ignore[attr-defined]  # (a StreamPlan)
+
+    def check_positions_kind(self, state: dict[str, Any]) -> None:
+        if STREAM not in state:
+            raise other_source_kind("an indexable source", self.described)
+
+    def order_settings(self) -> dict[str, Any]:
+        """The settings an epoch's order of shards is drawn from."""
+        mine = self.settings()
+        return {key: mine[key] for key in ("shuffle", "seed", "reshuffle", "shards", "cycle_length", "block_length")}
+
+    def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        load = combined_load.CombinedLoad(state, self.plan)
+        load.keep_progress(state.get(STREAM), set(self.plan.batches(load.epoch)))
+        return load.out
+
+
+__all__ = ["StreamKind"]
