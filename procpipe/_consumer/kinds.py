@@ -39,7 +39,8 @@ from .._mix.mixing import MixStreamPlan
 from .._plan.base import BatchPlan
 from .._plan.sampler import ExplicitBatches, GivenOrders, Sampler
 from .._streaming import Shards, StreamPlan
-from .._worker.reader import IndexedReader, SourceReader
+from .._worker.reader import IndexedReader
+from .._worker.worker_spec import Producer
 from . import elastic
 from .inline import IndexNames, RecordNames, SampleNames
 from .state import AHEAD, EPOCH, MIX, SHARD, STREAM, Resume, decode_position, other_mixture_kind, other_source_kind
@@ -61,14 +62,14 @@ class SourceKind:
     Attributes:
         plan: the epochs' plan (``batches(epoch)``, ``len()``, ``plan_class``): the sampler.
         source: what the workers read (a stream's configured copy of its ``Shards``).
-        reader: the worker side (``spec.reader``): how a task is produced, the cache's layout.
+        reader: the worker side (``spec.producer``): how a task is produced, the cache's layout.
         names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
     """
 
     #: how a message names this kind of source
     described = "an indexable source"
 
-    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, names: SampleNames) -> None:
+    def __init__(self, plan: BatchPlan, source: Any, reader: Producer, names: SampleNames) -> None:
         self.plan = plan
         self.source = source
         self.reader = reader

@@ -42,7 +42,7 @@ import os
 import weakref
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from .._core.rng import no_sample_rng
 from .._core.shm import Segments, SharedFd, check_capacity, close_fd, map_fd, open_new_file, remove_file
 from ..config import CACHE_IN_MEMORY
 from ..errors import CacheError
+
+if TYPE_CHECKING:
+    from .worker_spec import WorkerSpec
 
 MEMORY = CACHE_IN_MEMORY  # cache="memory" (checked with the other arguments: config.py)
 ALIGN = 64
@@ -413,6 +416,13 @@ class Cache:
         self.put(index, sample)
         return self.get(index)
 
+    def shard_end(self, shard: int) -> int | None:
+        """None: this cache is laid out for every record up front (a stream's ``lengths``), it stores no shard end."""
+        return None
+
+    def set_end(self, shard: int, records: int) -> None:
+        """Nothing to store: the shards' ends are known (``lengths``); only a growing cache keeps them."""
+
     def info(self) -> dict[str, Any]:
         """``Loader.cache_info()``: a damaged file is reported (``error``; ``filled`` None), never raised."""
         try:
@@ -473,7 +483,7 @@ def release_storage(storage: Storage, pid: int) -> None:
             remove_file(storage.path)  # (and the reaper forgets it)
 
 
-def open_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Cache | None:
+def open_cache(spec: WorkerSpec, cache: Any, segments: Segments, workers: bool) -> Cache | None:
     """Create the cache of a loader: run the cached stage once here, to lay the file out.
 
     ``segments``: the loader's shared memory; ``workers``: whether worker processes will use it
@@ -482,7 +492,7 @@ def open_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Cach
     """
     if not wanted(cache):
         return None
-    reader = spec.reader  # the source kind's: an index per sample, or per (shard, record) of a stream
+    reader = spec.producer  # the source kind's: an index per sample, or per (shard, record) of a stream
     length = reader.cache_length()
     if length == 0:
         return None

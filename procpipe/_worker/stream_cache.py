@@ -48,7 +48,8 @@ from .._core.shm import Segments, remove_file
 from ..errors import CacheError, SharedMemoryError
 from . import cache as indexed
 from .cache import Layout, Storage
-from .reader import GROWING, first_record_cached
+from .reader import first_record_cached
+from .worker_spec import GROWING, SampleCache, WorkerSpec
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
 LINK = 64  # bytes before a chunk's slots: [next chunk: u64][pad]
@@ -63,11 +64,11 @@ NO_RNG = (
 )
 
 
-def open_loader_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Any:
+def open_loader_cache(spec: WorkerSpec, cache: Any, segments: Segments, workers: bool) -> SampleCache | None:
     """The cache of a loader (None: none): this growing cache for a stream without
     ``lengths`` (its reader's ``cache_kind``: _worker/reader.py), cache.py's otherwise (see
     ``cache.open_cache`` for the arguments)."""
-    if not indexed.wanted(cache) or spec.reader.cache_kind != GROWING:
+    if not indexed.wanted(cache) or spec.producer.cache_kind != GROWING:
         return indexed.open_cache(spec, cache, segments, workers)
     return open_stream_cache(spec, cache, segments, workers)
 
@@ -313,7 +314,7 @@ class StreamCache:
         }
 
 
-def open_stream_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> StreamCache | None:
+def open_stream_cache(spec: WorkerSpec, cache: Any, segments: Segments, workers: bool) -> StreamCache | None:
     """Create the growing cache of a stream: its first record is read and run through ``fn``
     here, to lay the slots out (as cache.py does); None if every shard is empty. ``segments``,
     ``workers``: as ``cache.open_cache``'s."""
@@ -339,7 +340,7 @@ def open_stream_cache(spec: Any, cache: Any, segments: Segments, workers: bool) 
     return result
 
 
-def _first_record(spec: Any) -> tuple[Any, Any] | None:
+def _first_record(spec: WorkerSpec) -> tuple[Any, Any] | None:
     """``(key, fn(record))`` of the stream's first record, computed here with a worker's epoch-0 seeding."""
     scope = SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
     found = spec.source.first_record(scope)
