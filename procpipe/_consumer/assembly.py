@@ -31,9 +31,9 @@ from .._core.stats import EpochCounters, snapshot
 from .._engine.coordinator import Coordinator
 from .._engine.pool import WorkerLink
 from .._engine.start import start_engine
+from .._worker.cache import open_cache
 from .._worker.fork_safety import why_not_safe
 from .._worker.start_method import resolve as resolve_start_method
-from .._worker.stream_cache import open_loader_cache
 from .._worker.worker_spec import WorkerSpec
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
@@ -132,7 +132,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     segments = Segments(memory.shm_dir)  # the loader's shared memory: its ring, and its cache unless in a directory
     if execution.backend is None:  # (a remote backend's agents each open their own cache, on their node)
         try:
-            spec = spec.with_cache(open_loader_cache(spec, cache, segments, workers=engine is not None))
+            spec = spec.with_cache(open_cache(spec, cache, segments, workers=engine is not None))
         except BaseException:
             segments.remove_all()
             raise

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._core.shm import Segments, proc_address
-from .._worker.cache import prefix_of
+from .._worker.cache_file import prefix_of
 from .._worker.spec_shipping import ship
 from .._worker.start_method import context as start_context
 from .._worker.worker_spec import WorkerSpec

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._core.notes import add_note
 from .._core.rng import SAMPLE, SampleScope, no_sample_rng
-from .cache import NO_RNG
+from .cache_file import NO_RNG
 from .produce import produce_indices
 from .worker_spec import PER_INDEX, CacheKind, Produced, WorkerSpec
 
