@@ -134,11 +134,11 @@ class Shards:
     # ------------------------------------------------------------------ reading (any process)
     @property
     def cache_kind(self) -> CacheKind:
-        """The reader's cache layout (_worker/reader.py): per record, or growing without ``lengths``."""
+        """The producer's cache layout (_worker/worker_spec.py ``Producer``): per record, or growing (no lengths)."""
         return GROWING if self.lengths is None else PER_RECORD
 
     def produce(self, spec: WorkerSpec, scope: SampleScope, epoch: int, task: Any, *args: Any) -> Produced:
-        """The reader's task (_worker/reader.py): a ``Block``, read by ``produce_block``."""
+        """The producer's task (_worker/worker_spec.py ``Producer``): a ``Block``, read by ``produce_block``."""
         return self.produce_block(spec, scope, epoch, task, *args)
 
     def produce_block(
