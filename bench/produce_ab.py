@@ -30,14 +30,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import sys, time, numpy as np
-from procpipe._worker.process import WorkerSpec
 from procpipe._worker.produce import produce
 from procpipe._core.rng import SampleScope
 name = sys.argv[1]
 source = list(range(4096)) if name == "tiny64" else [np.full(16, i, np.float32) for i in range(4096)]
 fn = None if name == "tiny64" else (lambda x: x * 2)
 augment = None if name in ("tiny64", "fnonly64") else (lambda x: x + 1)
-spec = WorkerSpec(source, fn, None, True, 0, skip=name == "skip64", augment=augment, seed_globals=None)
+try:
+    from procpipe._worker.worker_spec import WorkerSpec
+    from procpipe._worker.reader import IndexedReader
+    producer = {"producer": IndexedReader(source)}
+except ImportError:  # an older tree: WorkerSpec in process.py, an indexed reader by default
+    from procpipe._worker.process import WorkerSpec
+    producer = {}
+spec = WorkerSpec(source=source, fn=fn, collate_fn=None, batched=True, seed=0, skip=name == "skip64",
+                  augment=augment, seed_globals=None, **producer)
 scope = SampleScope(0, seed_globals=None)
 buffer = bytearray(1 << 20)
 batches = [list(range(i, i + 64)) for i in range(0, 4096, 64)]

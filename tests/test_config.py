@@ -21,8 +21,8 @@ from procpipe import AutoWorkers, Loader
 from procpipe.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
 from procpipe.config import Batching, Device, Faults, Memory, Stages
 from procpipe.config import EngineConfig
-from procpipe._worker.process import WorkerSpec
 from procpipe._worker.reader import IndexedReader
+from procpipe._worker.worker_spec import WorkerSpec
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
@@ -226,7 +226,7 @@ def test_the_worker_spec_is_made_from_the_groups():
     unbatched = LoaderConfig.from_arguments(batch_size=None, seed_globals=False)
     spec = WorkerSpec.of(range(4), IndexedReader(range(4)), unbatched.stages, unbatched.batching, unbatched.faults)
     assert not spec.batched and not spec.skip and spec.seed_globals is None
-    assert isinstance(spec.reader, IndexedReader)
+    assert isinstance(spec.producer, IndexedReader)
 
 
 def test_a_cache_directory_is_checked_by_the_stages_group(tmp_path):

@@ -17,9 +17,10 @@ from procpipe._sources.indexed.index_plan import IndexPlan
 from procpipe._sources.mix.mix_kind import Mixing, MixKind, MixStreamKind
 from procpipe._sources.resolve import kind_of, resolve_kind
 from procpipe._sources.sample_names import IndexNames, RecordNames
-from procpipe._sources.stream.stream_kind import StreamKind
 from procpipe._sources.stream import ShardPlan
-from procpipe._worker.reader import GROWING, PER_INDEX, PER_RECORD, IndexedReader
+from procpipe._sources.stream.stream_kind import StreamKind
+from procpipe._worker.reader import IndexedReader
+from procpipe._worker.worker_spec import GROWING, PER_INDEX, PER_RECORD
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
@@ -203,11 +204,12 @@ def test_the_fn_only_loop_gives_what_run_sample_gives(case) -> None:
     (``fn_only``): the samples, the random draws, the error for a None and an exception raised
     by ``fn`` (and the index the scope names when it fails) are those of ``run_sample`` per index."""
     from procpipe._core.rng import SampleScope
-    from procpipe._worker.process import WorkerSpec
     from procpipe._worker.stages import SKIPPED, fn_only, run_indices, run_sample
+    from procpipe._worker.worker_spec import WorkerSpec
 
     fn, collate_fn, batched = _fn_case(case)
-    spec = WorkerSpec(list(range(6)), fn, collate_fn, batched, seed=5)
+    spec = WorkerSpec(source=list(range(6)), producer=IndexedReader(list(range(6))), fn=fn, collate_fn=collate_fn,
+                      batched=batched, seed=5)
     indices = [5, 1, 0, 3, 4, 2]
 
     def each(scope):

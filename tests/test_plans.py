@@ -22,7 +22,8 @@ from procpipe._worker.produce import produce
 from procpipe._core.rng import SampleScope
 from procpipe._sources.indexed.index_order import Sampler
 from procpipe._sources.stream import Shards, StreamPlan
-from procpipe._worker.process import WorkerSpec
+from procpipe._worker.reader import IndexedReader
+from procpipe._worker.worker_spec import WorkerSpec
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
 
@@ -51,7 +52,8 @@ class Kind:
             self.config = StreamPlan(shards, batch_size=4, shuffle=True, seed=3, drop_last=False)
             self.source = self.config.source
             self.plan_class = self.config.plan_class
-        self.spec = WorkerSpec(self.source, None, None, True, 0, reader=None if name == "indexed" else self.source)
+        producer = IndexedReader(self.source) if name == "indexed" else self.source
+        self.spec = WorkerSpec(source=self.source, producer=producer, fn=None, collate_fn=None, batched=True, seed=0)
         self.scope = SampleScope(0)
 
     def plan(self, state=None) -> EpochPlan:

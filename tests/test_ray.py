@@ -145,6 +145,30 @@ def test_same_batches_as_workers_0_over_two_epochs(cluster, kind, ordered, shm_d
     assert our_shm_files() == files_before
 
 
+def plain(i):
+    """``sample`` without its draws: what a cached stage may be (deterministic)."""
+    return {"x": np.full(3, i, np.float32), "i": i}
+
+
+@pytest.mark.parametrize("kind", ["indexed", "shards"])
+def test_each_agent_opens_its_own_cache(cluster, kind):
+    """``cache=``: each agent opens its cache on its node (cache.py ``open_cache``, before its pool;
+    a stream without lengths: the growing one), none in this process; the batches are workers=0's."""
+    files_before = our_shm_files()
+    source = range(N) if kind == "indexed" else Shards(SHARDS, open_shard, cycle_length=2, block_length=4)
+    fn = plain if kind == "indexed" else record
+    with Loader(source, fn, batch_size=4, seed=3, epochs=2, cache=True, workers=0) as local:
+        expected = as_lists(local)
+    with Loader(source, fn, batch_size=4, seed=3, epochs=2, cache=True, workers=1,
+                backend=procpipe.ray.Backend(nodes=2)) as loader:
+        prefixes, procs = agent_processes(loader)
+        got = as_lists(loader)
+        assert loader.cache_info() is None  # (the caches are the agents', on their nodes)
+    assert got == expected
+    assert_agents_cleaned(prefixes, procs)
+    assert our_shm_files() == files_before
+
+
 # --------------------------------------------------------------------------- faults
 class DieOnce:
     """``sample``, except that the worker loading index ``at`` dies the first time (a marker file)."""

@@ -213,7 +213,7 @@ def _open_records(shard):
 
 
 def test_a_record_that_does_not_match_the_first_is_refused_as_the_indexed_cache_refuses_a_sample():
-    """The growing cache matches each record against the first one's layout (cache.py's ``Layout``,
+    """The growing cache matches each record against the first one's layout (cache_file.py's ``Layout``,
     shared with the indexed cache): the error names the record, the leaf, both shapes and the fix."""
     with Loader(Shards([0], _open_records), _varying_record, batch_size=3, workers=0, cache=True) as loader:
         with pytest.raises(CacheError) as info:

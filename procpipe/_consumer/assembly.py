@@ -7,7 +7,8 @@ hands each part the slice of the configuration it needs:
 
 - the device stage (``device=``: torch is imported only then, and the device is checked
   before any worker starts);
-- the worker spec (``WorkerSpec.of``: the stage functions, the seed, the fault mode);
+- the worker spec (``WorkerSpec.of``: the stage functions, the seed, the fault mode), and its
+  cache (``with_cache``), opened in the loader's shared memory (``Segments``);
 - the start method, resolved once (its restarted workers start the same way);
 - the engine (``engine_config``: workers, ring, faults) with its workers, or with
   ``workers=0`` the cache in this process;
@@ -30,11 +31,11 @@ from .._core.stats import EpochCounters, snapshot
 from .._engine.coordinator import Coordinator
 from .._engine.pool import WorkerLink
 from .._engine.start import start_engine
-from .._sources.resolve import SourceKind
+from .._sources.source_kind import SourceKind
+from .._worker.cache import open_cache
 from .._worker.fork_safety import why_not_safe
-from .._worker.process import WorkerSpec
 from .._worker.start_method import resolve as resolve_start_method
-from .._worker.stream_cache import open_loader_cache
+from .._worker.worker_spec import WorkerSpec
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
 from .iteration_context import IterationContext, LoaderIterator
@@ -114,7 +115,9 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     """The parts of a Loader over a source of ``kind`` (_sources/resolve.py: its plan of epochs, and
     the source and reader its workers use).
 
-    Workers are started here; on failure nothing is left behind (``start_engine``).
+    The spec is made once (``WorkerSpec.of``), its cache opened once (``with_cache``) in the
+    loader's shared memory; workers are started here; on failure nothing is left behind
+    (``start_engine``).
     """
     device_stage = None if config.device.device is None else make_device_stage(config)
     spec = WorkerSpec.of(kind.source, kind.reader, config.stages, config.batching, config.faults)
@@ -123,18 +126,25 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     starts_here = execution.has_workers and execution.backend is None
     # (its warning points at the user's Loader(...) line: above this, Loader.__init__)
     start_method = resolve_start_method(execution.start_method, warn=starts_here, stacklevel=5)
-    coordinator = None
+    engine = None
     if execution.has_workers:
         engine = engine_config(config, start_method, 0 if device_stage is None else device_stage.slots_held)
+    segments = Segments(memory.shm_dir)  # the loader's shared memory: its ring, and its cache unless in a directory
+    if execution.backend is None:  # (a remote backend's agents each open their own cache, on their node)
         try:
-            coordinator = start_engine(engine, spec, cache, memory.shm_dir, execution.backend)  # sets spec.cache
+            spec = spec.with_cache(open_cache(spec, cache, segments, workers=engine is not None))
+        except BaseException:
+            segments.remove_all()
+            raise
+    coordinator = None
+    if engine is not None:
+        try:
+            coordinator = start_engine(engine, spec, cache, segments, execution.backend)
         except ShippingError as exc:
             why = why_not_safe() if execution.start_method == "auto" and start_method != "fork" else None
             if why is None:
                 raise
             raise exc.reworded(why_not_forked=why) from None
-    else:
-        spec.cache = open_loader_cache(spec, cache, Segments(memory.shm_dir), workers=False)
     context = IterationContext(
         sampler=kind.plan,
         spec=spec,

@@ -190,7 +190,7 @@ class InlineDriver(LoaderIterator):
     def _stop(self) -> None:
         self._done = True
         self._stream.finish()
-        self._spec.reader.close_readers()
+        self._spec.producer.close_readers()
 
     @property
     def consumed(self) -> int:
@@ -214,7 +214,7 @@ class InlineDriver(LoaderIterator):
 
     def __del__(self) -> None:
         if not getattr(self, "_done", True):
-            self._spec.reader.close_readers()
+            self._spec.producer.close_readers()
 
 
 def _describe(exc: BaseException) -> str:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .._core.stats import EpochCounters
     from .._engine.coordinator import Coordinator
     from .._engine.epochs import Stream
-    from .._worker.process import WorkerSpec
+    from .._worker.worker_spec import WorkerSpec
 
 
 class Standing:

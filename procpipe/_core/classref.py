@@ -7,7 +7,7 @@ that pickle cannot find by ``module.__qualname__``:
 - a class made by a factory inside another class: ``class Outer: Row = namedtuple("Row", ...)``
   gives ``Row.__qualname__ == "Row"``, but ``Row`` lives at ``Outer.Row``;
 - a class the worker received *by value*: the loader ships the classes of ``__main__``
-  that way (cloudpickle: _worker/process.py ``dump_spec``), and a worker started by the
+  that way (cloudpickle: _worker/spec_shipping.py ``dump_spec``), and a worker started by the
   zygote, a forkserver or spawn does not import the main script (start_method.py), so its
   ``__main__`` has no such class at all.
 

@@ -183,7 +183,7 @@ class Epoch:
 
     # ---- results
     def result(self, job: Job, result: Any) -> None:
-        """``job``'s result: ``epoch_plan.Loaded`` (_sources/epoch_plan.py) (its batch), ``EMPTY`` (every sample skipped) or a
+        """``job``'s result: ``epoch_plan.Loaded`` (its batch), ``EMPTY`` (every sample skipped) or a
         ``Failure``; the batches the plan hands out for it go to the stream's queue, in order."""
         if self.jobs.pop(job.work.key, None) is None or self.finished:
             return

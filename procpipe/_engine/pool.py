@@ -38,7 +38,9 @@ from .._core.messages import STOP, BatchDone, BatchFailed, MapRing, Reply, Sampl
 from .._core.rings import Ring
 from .._core.shm import Segments, SharedFd, close_fd, map_fd
 from .._core.stats import WorkerCounters
-from .._worker.process import ABANDON_SIGNAL, STARTING, STATUS_STRIDE, ShippedSpec, WorkerSpec, worker_main
+from .._worker.process import ABANDON_SIGNAL, STARTING, STATUS_STRIDE, worker_main
+from .._worker.spec_shipping import ShippedSpec
+from .._worker.worker_spec import WorkerSpec
 from .replies import unreadable_reply
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._worker.reader import SourceReader
+from .._worker.worker_spec import Producer
 from .epoch_plan import BatchPlan
 from .sample_names import SampleNames
 from .saved_state import (
@@ -49,7 +49,7 @@ class SourceKind:
     Attributes:
         plan: the epochs' plan (``batches(epoch)``, ``len()``, ``plan_class``): the sampler.
         source: what the workers read (a stream's configured copy of its ``Shards``).
-        reader: the worker side (``spec.reader``): how a task is produced, the cache's layout.
+        reader: the worker side (``spec.producer``): how a task is produced, the cache's layout.
         names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
     """
 
@@ -65,7 +65,7 @@ class SourceKind:
         (the batching group and, for a stream, the stages and faults groups)."""
         raise NotImplementedError
 
-    def __init__(self, plan: BatchPlan, source: Any, reader: SourceReader, names: SampleNames) -> None:
+    def __init__(self, plan: BatchPlan, source: Any, reader: Producer, names: SampleNames) -> None:
         self.plan = plan
         self.source = source
         self.reader = reader

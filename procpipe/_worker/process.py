@@ -20,22 +20,16 @@ far as the user's code (its process failed while starting, e.g. importing the ma
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import select
 import signal
-import sys
 import threading
 import time
 import traceback
-import types
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import cloudpickle
 import dill
 
 from .._core import collate, wire
@@ -52,12 +46,12 @@ from .._core.messages import (
 )
 from .._core.rings import WorkerRings
 from .._core.rng import SampleScope
-from .._core.shm import SharedFd, close_fd, map_fd, receiving, shipping
-from ..config import Batching, Faults, Stages
+from .._core.shm import SharedFd, close_fd, map_fd
 from .identity import enter_worker
 from .produce import made_in, produce
-from .reader import IndexedReader, SourceReader
+from .spec_shipping import ShippedSpec, load_spec
 from .start_method import leave_forkserver
+from .worker_spec import WorkerSpec
 
 _IDLE_CHECK_S = 0.25  # how often an idle worker checks that its parent is still alive
 _EXIT_GRACE_S = 1.0  # after its parent died, how long a worker busy in user code gets to exit
@@ -67,123 +61,6 @@ STARTING = -2  # the task id in a worker's status words until its process has st
 # the index they load before every sample, would each take the line from the other's core.
 STATUS_STRIDE = 64
 ABANDON_SIGNAL = signal.SIGUSR1  # from a closing loader: leave the task at hand and those queued, exit now
-
-
-@dataclass
-class WorkerSpec:
-    """Everything a worker needs, shipped once per worker (a ``ShippedSpec`` for non-fork starts)."""
-
-    source: Any
-    fn: Callable | None
-    collate_fn: Callable | None
-    batched: bool
-    seed: int
-    skip: bool = False  # on_error="skip": leave a failing sample out instead of failing the batch
-    batch_fn: Callable | None = None  # batch_fn(batch) -> batch, after collation (produce.py)
-    augment: Callable | None = None  # augment(sample) -> sample, every epoch, after fn or the cache
-    cache: Any = None  # a procpipe._worker.cache.Cache: fn's output per index, computed once
-    seed_globals: str | None = "task"  # seed random/np.random/torch per task or sample (rng.seeding_mode)
-    # How a task is read and the cache laid out: the source kind's reader (_worker/reader.py), resolved
-    # once by the Loader (_sources/resolve.py); left out, the source is an indexed one.
-    reader: SourceReader = None  # type: ignore[assignment]  # (set in __post_init__)
-
-    def __post_init__(self) -> None:
-        if self.reader is None:
-            self.reader = IndexedReader(self.source)
-
-    @classmethod
-    def of(cls, source: Any, reader: SourceReader, stages: Stages, batching: Batching, faults: Faults) -> WorkerSpec:
-        """The spec of a Loader over ``source`` (read by ``reader``, its kind's: _worker/reader.py)
-        from the groups of its configuration (config.py)."""
-        return cls(
-            source=source,
-            reader=reader,
-            fn=stages.fn,
-            collate_fn=stages.collate_fn,
-            batched=batching.batch_size is not None,
-            seed=int(batching.seed),
-            skip=faults.skip,
-            batch_fn=stages.batch_fn,
-            augment=stages.augment,
-            seed_globals=stages.seeding,
-        )
-
-
-class _SpecPickler(dill.Pickler):
-    """dill, except that importable modules are always pickled by reference (the fallback of
-    ``dump_spec``).
-
-    dill pickles a module that is not under site-packages or the stdlib (an editable
-    install such as procpipe itself, or the user's own helper module) *with its whole
-    ``__dict__``*, so a lambda or ``__main__`` function that merely references
-    ``procpipe`` or ``mylib`` fails (thread locals, locks) or clobbers the worker's copy.
-    """
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if (
-            isinstance(obj, types.ModuleType)
-            and id(obj) not in self.memo
-            and obj.__name__ != "__main__"
-            and sys.modules.get(obj.__name__) is obj
-        ):
-            self.framer.commit_frame()
-            self.save_reduce(dill._dill._import_module, (obj.__name__,), obj=obj)
-            return
-        super().save(obj, save_persistent_id)
-
-
-class ShippedSpec(NamedTuple):
-    """A ``WorkerSpec`` as a worker that is not forked receives it: the pickle, in a sealed
-    segment of shared memory, and the descriptors pickled inside it (shm.py ``shipping``),
-    both passed as the worker process's arguments."""
-
-    data: SharedFd
-    nbytes: int
-    fds: list[SharedFd]
-
-
-def dump_spec(spec: WorkerSpec) -> tuple[bytes, list[SharedFd]]:
-    """``spec`` pickled for workers that do not inherit it (every start method but ``"fork"``),
-    and the shared-memory descriptors it holds (a cache's), which travel beside the pickle.
-
-    cloudpickle first: it pickles what an importable module defines by reference (the worker
-    imports the module) and what the main script or a notebook defines (``__main__``), or a
-    function body, by value, as the script runs it: a class with its whole hierarchy of
-    ``__main__`` bases, ``typing.Generic`` bases and their ``TypeVar``s (torch's ``Dataset`` is
-    ``Generic[T_co]``), dataclasses, enums, closures, lambdas in class attributes. A worker started
-    by the zygote, a forkserver or spawn never imports the main script (start_method.py), so these
-    by-value copies are all it has of them. dill is the fallback for the objects cloudpickle refuses
-    and dill can pickle (a ``threading.Lock``, an open file); the error raised when both refuse is
-    cloudpickle's, which names the object.
-    """
-    with shipping() as fds:
-        data = dump_value(spec)
-    return data, fds
-
-
-def dump_value(value: Any) -> bytes:
-    """``value`` pickled as ``dump_spec`` pickles the spec: cloudpickle, else dill."""
-    try:
-        return cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as refused:  # noqa: BLE001 - cloudpickle refuses: dill may not (a lock, an open file)
-        try:
-            buffer = io.BytesIO()
-            _SpecPickler(buffer, protocol=dill.HIGHEST_PROTOCOL, recurse=True).dump(value)
-        except Exception:  # noqa: BLE001 - both refuse: cloudpickle's error says why (the caller words it)
-            raise refused from None
-        return buffer.getvalue()
-
-
-def _load_spec(spec: WorkerSpec | ShippedSpec) -> WorkerSpec:
-    if isinstance(spec, WorkerSpec):
-        return spec
-    mapped = map_fd(spec.data.fd, spec.nbytes, populate=False, writable=False)
-    close_fd(spec.data.fd)
-    try:
-        with receiving(spec.fds):
-            return dill.loads(mapped)
-    finally:
-        mapped.close()
 
 
 class _ParentWatch:
@@ -321,7 +198,7 @@ def worker_main(
     ).start()
     try:
         try:
-            loaded = _load_spec(spec)
+            loaded = load_spec(spec)
         except BaseException:  # noqa: BLE001 - the user's spec failing to load, however: the parent is told why
             wire.send(conn, WorkerFatal(traceback.format_exc()))
             return

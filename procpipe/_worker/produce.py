@@ -1,8 +1,8 @@
 """Producing one task: the user's Python for each sample, then collation.
 
 ``produce`` is what a worker (and ``workers=0``, the calling process) runs per task, so both
-give identical results; it hands the task to the source kind's reader (``spec.reader``,
-reader.py), resolved once by the Loader: ``produce_indices`` here for a list of indices, or
+give identical results; it hands the task to the source kind's reader (``spec.producer``,
+worker_spec.py ``Producer``), resolved once by the Loader: ``produce_indices`` here for a list of indices, or
 ``Shards.produce_block`` for a stream's block. Both run each sample through the one
 per-sample pipeline (stages.py ``run_sample``). What to do with a failing sample is the
 pipeline's: with ``spec.skip`` the sample is left out and reported in ``Produced.skipped``;
@@ -25,14 +25,14 @@ it, the batch is collated privately (new arrays), transformed, then packed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .._core import collate
 from .._core.notes import add_note
 from .._core.rng import BatchScope, SampleScope, no_sample_rng
 from ..errors import summarize_indices
 from .stages import run_indices
+from .worker_spec import Produced, WorkerSpec
 
 _NO_SAMPLE_RNG_IN_BATCH_FN = (
     "procpipe.sample_rng() was called inside batch_fn, which works on a whole batch, not one sample: "
@@ -41,19 +41,8 @@ _NO_SAMPLE_RNG_IN_BATCH_FN = (
 )
 
 
-@dataclass
-class Produced:
-    layout: list | None  # None: every sample was skipped
-    nbytes: int
-    in_slot: bool
-    # The indices in the batch; a streaming source's block (``Shards.produce_block``): its records'
-    # ``RecordKey``s (tuples). Sequence: read only, and covariant (a ``list[RecordKey]`` fits).
-    kept: Sequence[int | tuple[int, int]]
-    skipped: Sequence[tuple[int | tuple[int, int], Exception]]  # (index or key, exception) left out (spec.skip)
-
-
 def produce(
-    spec: Any,
+    spec: WorkerSpec,
     scope: SampleScope,
     epoch: int,
     task: Any,
@@ -62,15 +51,15 @@ def produce(
     status: Any | None = None,
 ) -> Produced:
     """Produce one task into ``buffer`` (a ring slot of ``capacity`` bytes; inline where it
-    does not fit), as the source kind's reader does it (``spec.reader``, _worker/reader.py): a
+    does not fit), as the source kind's reader does it (``spec.producer``, worker_spec.py ``Producer``): a
     list of indices (``produce_indices``), or a stream's ``Block`` (``Shards.produce_block``).
     ``status``, if given, receives the index being loaded (``status[1]``), so the coordinator
     can name a stuck sample."""
-    return spec.reader.produce(spec, scope, epoch, task, buffer, capacity, status)
+    return spec.producer.produce(spec, scope, epoch, task, buffer, capacity, status)
 
 
 def produce_indices(
-    spec: Any,
+    spec: WorkerSpec,
     scope: SampleScope,
     epoch: int,
     indices: list[int],
@@ -99,13 +88,13 @@ def produce_indices(
             spec, epoch, indices[0], collate_privately(spec.collate_fn, samples, kept), summarize_indices(indices)
         )
     else:
-        batch = spec.collate_fn(samples)
+        batch = cast("Callable[[list[Any]], Any]", spec.collate_fn)(samples)  # (one of the two is set: above)
     scope.leave()
     layout, nbytes, in_slot = collate.layout_value(batch, buffer, capacity)
     return Produced(layout, nbytes, in_slot, kept, skipped)
 
 
-def made_in(spec: Any) -> str:
+def made_in(spec: WorkerSpec) -> str:
     """Where a sample is made, as collation errors name the place to fix it: the ``fn`` of a
     Loader that has one, else the dataset's ``__getitem__`` (procpipe.torch.DataLoader's case)."""
     return "fn" if spec.fn is not None else "the dataset's __getitem__"
@@ -120,13 +109,13 @@ def collate_privately(collate_fn: Callable[[list], Any] | None, samples: list, k
     return collate.build(collate.layout_batch(samples, keys, None, 0)[0], None)
 
 
-def run_batch_fn(spec: Any, epoch: int, first: Any, batch: Any, what: str) -> Any:
+def run_batch_fn(spec: WorkerSpec, epoch: int, first: Any, batch: Any, what: str) -> Any:
     """``batch_fn(batch)`` with ``batch_rng()`` seeded from ``(seed, epoch, first)`` and
     ``sample_rng()`` refused; an exception gets a note naming the batch (``what``: its
     indices, or a streaming source's records)."""
     try:
         with no_sample_rng(_NO_SAMPLE_RNG_IN_BATCH_FN, BatchScope(spec.seed, epoch, first)):
-            return spec.batch_fn(batch)
+            return cast("Callable[[Any], Any]", spec.batch_fn)(batch)  # (called only where there is one)
     except Exception as exc:
         add_note(exc, f"procpipe: raised by batch_fn on the batch of {what} (epoch {epoch}).")
         raise

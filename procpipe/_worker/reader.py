@@ -1,8 +1,8 @@
 """The worker side of a source kind: how a task is read, and how the cache is laid out for it.
 
 A Loader resolves its source's kind once (``procpipe._sources.resolve``) and puts the kind's
-*reader* in the ``WorkerSpec`` it ships to every worker (``spec.reader``), so that nothing in
-a worker asks again which kind of source it holds. Two readers exist:
+*reader* in the ``WorkerSpec`` it ships to every worker (``spec.producer``: worker_spec.py
+``Producer``), so that nothing in a worker asks again which kind of source it holds. Two readers exist:
 
 - ``IndexedReader`` (here): an indexed dataset (``len`` and ``source[i]``), a ``procpipe.Mix``
   of them, or a torch map-style ``Dataset``: a task is a list of indices
@@ -14,64 +14,39 @@ a worker asks again which kind of source it holds. Two readers exist:
 
 Both run each sample through the one per-sample pipeline (``stages.run_sample``). This is the
 idea of Grain's ``RandomAccessDataSource`` beside its iterator datasets: the engine holds a
-protocol, never a type test.
+protocol (worker_spec.py ``Producer``), never a type test.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from .._core.notes import add_note
 from .._core.rng import SAMPLE, SampleScope, no_sample_rng
-from .cache import NO_RNG
-from .produce import Produced, produce_indices
-
-#: ``SourceReader.cache_kind``: how ``cache=...`` lays its file out for the source.
-PER_INDEX = "per index"  # one entry per index (cache.py)
-PER_RECORD = "per record"  # one per record of a stream whose lengths are known (cache.py, ``Shards.cache_index``)
-GROWING = "growing"  # a stream without lengths: chunks appended as records arrive (stream_cache.py)
+from .cache_file import NO_RNG
+from .produce import produce_indices
+from .worker_spec import PER_INDEX, CacheKind, Produced, WorkerSpec
 
 _FIRST_SAMPLE_TRIES = 16  # with on_error="skip": indices tried in the parent to size the cache
-
-
-class SourceReader(Protocol):
-    """What a worker (or ``workers=0``) asks of the source kind it reads."""
-
-    @property
-    def cache_kind(self) -> str:
-        """``PER_INDEX``, ``PER_RECORD`` or ``GROWING``: the layout of ``cache=...``'s file."""
-        ...
-
-    def produce(
-        self, spec: Any, scope: SampleScope, epoch: int, task: Any, buffer: Any, capacity: int, status: Any = None
-    ) -> Produced:
-        """One task (a list of indices, or a stream's ``Block``) into ``buffer`` (``produce.produce``)."""
-        ...
-
-    def cache_length(self) -> int:
-        """The entries of the cache (indices, or records of every shard)."""
-        ...
-
-    def first_cached(self, spec: Any) -> tuple[Any, Any]:
-        """``(cache index, fn's output)`` of the first sample, computed in the calling process to
-        lay the cache out."""
-        ...
-
-    def close_readers(self) -> None:
-        """Close what this process holds open to read tasks (``workers=0``: when an iteration ends)."""
-        ...
 
 
 class IndexedReader:
     """The reader of an indexed source: tasks are lists of indices, read with ``source[i]``."""
 
-    cache_kind = PER_INDEX
+    cache_kind: CacheKind = PER_INDEX
 
     def __init__(self, source: Any) -> None:
         self.source = source
 
     def produce(
-        self, spec: Any, scope: SampleScope, epoch: int, task: Any, buffer: Any, capacity: int, status: Any = None
+        self,
+        spec: WorkerSpec,
+        scope: SampleScope,
+        epoch: int,
+        task: Any,
+        buffer: Any,
+        capacity: int,
+        status: Any = None,
     ) -> Produced:
         return produce_indices(spec, scope, epoch, task, buffer, capacity, status)
 
@@ -81,7 +56,7 @@ class IndexedReader:
     def close_readers(self) -> None:
         """Nothing to close: an indexed source is read with ``source[i]``."""
 
-    def first_cached(self, spec: Any) -> tuple[int, Any]:
+    def first_cached(self, spec: WorkerSpec) -> tuple[int, Any]:
         """The first index whose cached stage succeeds (``on_error="skip"``: among the first 16)."""
         scope = first_scope(spec)
         error: Exception | None = None
@@ -109,14 +84,14 @@ class IndexedReader:
         raise error
 
 
-def first_scope(spec: Any) -> SampleScope:
+def first_scope(spec: WorkerSpec) -> SampleScope:
     """The scope the first sample is computed in: the global generators seeded as a worker
     seeds a cached stage for epoch 0 (from its sample's own seed: ``SampleScope.own_seed``),
     and the caller's states put back after."""
     return SampleScope(spec.seed, seed_globals=SAMPLE if spec.seed_globals else None, restore_globals=True)
 
 
-def first_record_cached(spec: Any, scope: SampleScope, found: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+def first_record_cached(spec: WorkerSpec, scope: SampleScope, found: tuple[Any, Any, Any]) -> tuple[Any, Any]:
     """A stream's ``first_cached``: ``found`` is ``(cache index, key, record)`` of its first
     record (``Shards.first_record``, read in ``scope``, a ``first_scope(spec)``); returns the
     index and ``fn`` of the record."""

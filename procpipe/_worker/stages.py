@@ -27,17 +27,20 @@ cost of a 64-int task; ``tests/test_kinds.py`` checks both give the same samples
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._core.notes import add_note
 from .._core.rng import SampleScope
+
+if TYPE_CHECKING:
+    from .worker_spec import WorkerSpec
 
 #: ``run_sample``'s result for a sample ``on_error="skip"`` left out (its exception is in ``skipped``).
 SKIPPED: Any = object()
 
 
 def run_sample(
-    spec: Any,
+    spec: WorkerSpec,
     scope: SampleScope,
     index: Any,
     source: Any,
@@ -84,7 +87,12 @@ def run_sample(
 
 
 def run_indices(
-    spec: Any, scope: SampleScope, epoch: int, indices: list[int], status: Any, skipped: list[tuple[Any, Exception]]
+    spec: WorkerSpec,
+    scope: SampleScope,
+    epoch: int,
+    indices: list[int],
+    status: Any,
+    skipped: list[tuple[Any, Exception]],
 ) -> tuple[list[Any], list[int]]:
     """Each of an indexed task's ``indices`` through the stages, in its sample scope:
     ``(samples, the indices kept)``; ``status[1]`` (if given) names the index being loaded."""
@@ -104,7 +112,9 @@ def run_indices(
     return samples, kept
 
 
-def fn_only(spec: Any, scope: SampleScope, epoch: int, indices: list[int], source: Any, status: Any) -> list[Any]:
+def fn_only(
+    spec: WorkerSpec, scope: SampleScope, epoch: int, indices: list[int], source: Any, status: Any
+) -> list[Any]:
     """``run_sample`` for each index where ``fn`` is the only stage: ``fn(source[i])``, a None
     refused, an exception propagated as it is (module doc)."""
     fn = spec.fn
@@ -120,7 +130,7 @@ def fn_only(spec: Any, scope: SampleScope, epoch: int, indices: list[int], sourc
     return samples
 
 
-def returned_none(spec: Any, key: Any) -> str:
+def returned_none(spec: WorkerSpec, key: Any) -> str:
     """The error for a sample that is ``None``: which stage returned nothing."""
     stage = "augment" if spec.augment is not None else "fn" if spec.fn is not None else "the source's __getitem__"
     return (

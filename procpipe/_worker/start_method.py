@@ -17,7 +17,7 @@ With ``"forkserver"`` and ``"spawn"``, multiprocess makes every new process impo
 main script again (as ``__mp_main__``) before it runs anything: a second or more when
 the script imports torch, and the cause of the classic failure of a script without an
 ``if __name__ == "__main__":`` guard. procpipe's workers do not need it: the dataset and
-the functions are shipped by cloudpickle (``process.dump_spec``), which serializes what the
+the functions are shipped by cloudpickle (``spec_shipping.dump_spec``), which serializes what the
 main script defines by value. ``context`` returns contexts whose processes start without importing it.
 """
 

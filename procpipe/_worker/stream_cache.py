@@ -11,7 +11,7 @@ loader and all its workers, made of
 - **chunks** of ``chunk`` record slots of one shard, appended at the end of the file when a
   record of a shard needs one. A chunk starts with the offset of the shard's next chunk
   (a chain per shard); a slot is ``[filled byte][CRC-32][fields...]``, the fields laid out
-  by cache.py's ``Layout`` of the first record (typed arrays and numbers, as in cache.py), which
+  by cache_file.py's ``Layout`` of the first record (typed arrays and numbers, as in cache.py), which
   also matches each later record against it and builds a stored one back.
 
 Concurrent writers: any worker may read any shard (a block can run twice: a restart after
@@ -28,8 +28,9 @@ Integrity: every read checks the file's size is the table plus whole chunks, tha
 points at a chunk inside the file, the filled byte, and the CRC-32 of the record's key
 ``(shard, record)`` and stored bytes, so a changed, truncated or re-linked file raises
 ``CacheError`` naming the file, never silently wrong data. Where it lives, its lifetime and
-naming are cache.py's (``create_storage``): in the loader's shared memory (never shrinking:
+naming are cache.py's (cache_file.py ``create_storage``): in the loader's shared memory (never shrinking:
 sealed), or a file in the ``cache=`` directory, reached through one descriptor by every process.
+It is made by ``StreamCache.create``, which cache.py's ``open_cache`` (the one opening) calls.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ import numpy as np
 from .._core.rng import SampleScope, no_sample_rng
 from .._core.shm import Segments, remove_file
 from ..errors import CacheError, SharedMemoryError
-from . import cache as indexed
-from .cache import Layout, Storage
-from .reader import GROWING, first_record_cached
+from .cache_file import Layout, Storage, create_storage, directory_of, release_storage
+from .reader import first_record_cached
+from .worker_spec import WorkerSpec
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
 LINK = 64  # bytes before a chunk's slots: [next chunk: u64][pad]
@@ -61,15 +62,6 @@ NO_RNG = (
     "stored once per record and reused in every epoch, so it must be deterministic. Move random "
     "augmentation into augment=..., which runs every epoch on the cached record and may use sample_rng()."
 )
-
-
-def open_loader_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> Any:
-    """The cache of a loader (None: none): this growing cache for a stream without
-    ``lengths`` (its reader's ``cache_kind``: _worker/reader.py), cache.py's otherwise (see
-    ``cache.open_cache`` for the arguments)."""
-    if not indexed.wanted(cache) or spec.reader.cache_kind != GROWING:
-        return indexed.open_cache(spec, cache, segments, workers)
-    return open_stream_cache(spec, cache, segments, workers)
 
 
 class StreamCache:
@@ -312,34 +304,34 @@ class StreamCache:
             "error": error,
         }
 
+    @classmethod
+    def create(cls, spec: WorkerSpec, cache: Any, segments: Segments, workers: bool) -> StreamCache | None:
+        """Create the growing cache of a stream: its first record is read and run through ``fn``
+        here, to lay the slots out (as cache.py's ``Cache.create`` does); None if every shard is
+        empty. The arguments: as cache.py ``open_cache``'s, which calls this."""
+        source = spec.source
+        found = _first_record(spec)
+        if found is None:
+            return None
+        key, first = found
+        layout = Layout.of(first)
+        table_bytes = cls.table_bytes_for(len(source))
+        what = "the stream cache (growing as records arrive)"
+        fixes = "pass cache='/a/directory/on/disk', or cache=False"
+        storage = create_storage(cache, segments, table_bytes, what, fixes, growing=True)
+        result = cls(storage, len(source), layout.skeleton, layout.fields, directory_of(cache))
+        result._finalizer = weakref.finalize(result, release_storage, storage, os.getpid())
+        try:
+            if not workers and storage.path is not None:
+                remove_file(storage.path)  # workers=0: only this process uses it, through its descriptor
+            result.put(key, first)
+        except BaseException:
+            result.close()
+            raise
+        return result
 
-def open_stream_cache(spec: Any, cache: Any, segments: Segments, workers: bool) -> StreamCache | None:
-    """Create the growing cache of a stream: its first record is read and run through ``fn``
-    here, to lay the slots out (as cache.py does); None if every shard is empty. ``segments``,
-    ``workers``: as ``cache.open_cache``'s."""
-    source = spec.source
-    found = _first_record(spec)
-    if found is None:
-        return None
-    key, first = found
-    layout = Layout.of(first)
-    table_bytes = StreamCache.table_bytes_for(len(source))
-    what = "the stream cache (growing as records arrive)"
-    fixes = "pass cache='/a/directory/on/disk', or cache=False"
-    storage = indexed.create_storage(cache, segments, table_bytes, what, fixes, growing=True)
-    result = StreamCache(storage, len(source), layout.skeleton, layout.fields, indexed.directory_of(cache))
-    result._finalizer = weakref.finalize(result, indexed.release_storage, storage, os.getpid())
-    try:
-        if not workers and storage.path is not None:
-            remove_file(storage.path)  # workers=0: only this process uses it, through its descriptor
-        result.put(key, first)
-    except BaseException:
-        result.close()
-        raise
-    return result
 
-
-def _first_record(spec: Any) -> tuple[Any, Any] | None:
+def _first_record(spec: WorkerSpec) -> tuple[Any, Any] | None:
     """``(key, fn(record))`` of the stream's first record, computed here with a worker's epoch-0 seeding."""
     scope = SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
     found = spec.source.first_record(scope)

@@ -29,7 +29,7 @@ choosing the backend (``KERAS_BACKEND`` must be set before Keras is first import
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 from keras import ops, tree
@@ -44,8 +44,11 @@ except ImportError:  # pragma: no cover - older Keras: the PyDataset protocol al
 
 __all__ = ["KerasDataset", "dataset"]
 
+#: ``element_spec=``: a nest (dict, tuple, namedtuple) of ``tf.TypeSpec``, as ``procpipe.tf`` takes it.
+ElementSpec: TypeAlias = Any
 
-def dataset(loader: Any, *, element_spec: Any = None) -> KerasDataset:
+
+def dataset(loader: Any, *, element_spec: ElementSpec = None) -> KerasDataset:
     """Wrap ``loader`` (a ``procpipe.Loader`` or ``procpipe.torch.DataLoader``) for Keras.
 
     ``element_spec`` matters on the TensorFlow backend only (``procpipe.tf.dataset``'s
@@ -105,7 +108,7 @@ class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassin
     form one continuous stream of loader epochs.
     """
 
-    def __init__(self, loader: Any, element_spec: Any = None) -> None:
+    def __init__(self, loader: Any, element_spec: ElementSpec = None) -> None:
         if not (hasattr(loader, "__iter__") and hasattr(loader, "__len__")):
             raise TypeError(
                 f"procpipe.keras.dataset needs a loader with __iter__ and __len__, got {type(loader).__name__}"

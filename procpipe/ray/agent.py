@@ -58,10 +58,12 @@ class Agent:
 
         from .._core.shm import Segments
         from .._engine.start import local_pool
+        from .._worker.cache import open_cache
         from ..config import EngineConfig
 
         self.segments = Segments(shm_dir)
         spec = dill.loads(spec_bytes)
+        spec = spec.with_cache(open_cache(spec, cache, self.segments, workers=True))  # this node's own
         config = EngineConfig(workers=workers, start_method=start_method, worker_env=env)  # (what local_pool reads)
         self.pool = local_pool(config, spec, cache, self.segments, own_session=True)
         self.start_timeout = start_timeout

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
 from . import cluster
 from .options import BackendOptions
 from .ray_pool import RayPool
+
+if TYPE_CHECKING:
+    from .._worker.worker_spec import WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,10 @@ class Backend(BackendOptions):
         """The workers the coordinator sees: ``workers`` per agent."""
         return self.nodes * workers
 
-    def pool(self, spec: Any, config: EngineConfig, segments: Any, cache: Any) -> RayPool:
+    def pool(self, spec: WorkerSpec, config: EngineConfig, segments: Any, cache: Any) -> RayPool:
         """The engine's pool (start.py calls this): connects to the cluster and starts the agents,
         each with its share of the engine's workers and their environment."""
-        from .._worker.process import dump_spec
+        from .._worker.spec_shipping import dump_spec
 
         data, fds = dump_spec(spec)
         if fds:  # (a descriptor of this process's shared memory means nothing on another node)

@@ -61,7 +61,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import tensorflow as tf
@@ -77,11 +77,16 @@ ALIGN = 64  # bytes: TensorFlow adopts a numpy buffer aligned to this without co
 #: 4 copied 4.
 VIEWS = 4
 
+#: ``element_spec=``: a nest (dict, tuple, namedtuple) of ``tf.TypeSpec`` (``tf.TensorSpec`` leaves).
+ElementSpec: TypeAlias = Any
+
 _STRING_KINDS = ("U", "S")
 _NUMBER_TYPES = (bool, int, float, complex, np.generic)
 
 
-def dataset(loader: Any, *, element_spec: Any = None, views: int = VIEWS, autotune: bool = False) -> tf.data.Dataset:
+def dataset(
+    loader: Any, *, element_spec: ElementSpec = None, views: int = VIEWS, autotune: bool = False
+) -> tf.data.Dataset:
     """``loader`` as a ``tf.data.Dataset``: each pass over it is one ``iter(loader)``.
 
     Args:
@@ -288,7 +293,7 @@ class _Node:
         self.children = children
 
 
-def _compile(spec: Any, path: tuple) -> Any:
+def _compile(spec: ElementSpec, path: tuple) -> Any:
     if isinstance(spec, tf.TensorSpec):
         return _Leaf(path, spec)
     if isinstance(spec, Mapping):

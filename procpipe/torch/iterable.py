@@ -79,6 +79,8 @@ from .worker_setup import become_torch_worker
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
+    from .._worker.worker_spec import WorkerSpec
+
 __all__ = [
     "BatchFetcher",
     "RaisedInReplica",
@@ -411,7 +413,7 @@ class Replicas(Shards):
     def worker_for(self, shard: int) -> int | None:
         return shard
 
-    def produce_block(self, spec: Any, scope: Any, epoch: int, block: Block, *args: Any, **kwargs: Any) -> Any:
+    def produce_block(self, spec: WorkerSpec, scope: Any, epoch: int, block: Block, *args: Any, **kwargs: Any) -> Any:
         self._epoch = epoch  # (open needs it: an IterDataPipe's shared seed is per epoch)
         return super().produce_block(spec, scope, epoch, block, *args, **kwargs)
 

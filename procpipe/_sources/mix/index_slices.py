@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..stream import Shards
 from .mixture import Mix, is_stream
 from .slice_sizes import virtual_shards
+
+if TYPE_CHECKING:
+    from ..._worker.worker_spec import WorkerSpec
 
 _SLICES_KEY = 0x4D6958  # spawn-key prefix of the slices' permutations ("MiX"), apart from Mix's own keys
 _reading = threading.local()  # .epoch: the epoch of the block this thread is reading
@@ -90,7 +93,7 @@ class EpochShards(Shards):
     """The combined ``Shards`` of a mixture holding an indexed source: says the epoch of each
     block to the slices (``IndexSlices``) while it is read, and refuses ``cache=``."""
 
-    def produce_block(self, spec: Any, scope: Any, epoch: int, block: Any, *args: Any, **kwargs: Any) -> Any:
+    def produce_block(self, spec: WorkerSpec, scope: Any, epoch: int, block: Any, *args: Any, **kwargs: Any) -> Any:
         previous = getattr(_reading, "epoch", None)
         _reading.epoch = epoch
         try:

@@ -4,8 +4,8 @@
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
 ``StreamPlan`` (shard_order.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
-shipped to every worker and is the workers' reader (_worker/reader.py: _sources/resolve.py puts it in
-``WorkerSpec.reader``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
+shipped to every worker and is the workers' producer (its kind, stream_kind.py, puts it in
+``WorkerSpec.producer``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
 in the worker (or in the calling process with ``workers=0``) ``produce.produce`` hands a
 block to ``Shards.produce_block``, which reads its records from the shard's iterator
 (``_Reader``, kept open between blocks: shard affinity), runs each through the one per-sample
@@ -27,14 +27,17 @@ from ..._core.checks import check_int, is_count
 from ..._core.collate import INLINE
 from ..._core.notes import add_note
 from ..._core.rng import SampleScope
-from ..._worker.produce import Produced, collate_privately, run_batch_fn
-from ..._worker.reader import GROWING, PER_RECORD, first_record_cached, first_scope
+from ..._worker.produce import collate_privately, run_batch_fn
+from ..._worker.reader import first_record_cached, first_scope
 from ..._worker.stages import SKIPPED, run_sample
+from ..._worker.worker_spec import GROWING, PER_RECORD, CacheKind, Produced, WorkerSpec
 from ...errors import ShardLengthError
 from .blocks import Block, BlockRead, RecordKey, block_layout
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
+
+    from ..._worker.worker_spec import SampleCache
 
 # How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
@@ -130,17 +133,17 @@ class Shards:
 
     # ------------------------------------------------------------------ reading (any process)
     @property
-    def cache_kind(self) -> str:
-        """The reader's cache layout (_worker/reader.py): per record, or growing without ``lengths``."""
+    def cache_kind(self) -> CacheKind:
+        """The producer's cache layout (_worker/worker_spec.py ``Producer``): per record, or growing (no lengths)."""
         return GROWING if self.lengths is None else PER_RECORD
 
-    def produce(self, spec: Any, scope: SampleScope, epoch: int, task: Any, *args: Any) -> Produced:
-        """The reader's task (_worker/reader.py): a ``Block``, read by ``produce_block``."""
+    def produce(self, spec: WorkerSpec, scope: SampleScope, epoch: int, task: Any, *args: Any) -> Produced:
+        """The producer's task (_worker/worker_spec.py ``Producer``): a ``Block``, read by ``produce_block``."""
         return self.produce_block(spec, scope, epoch, task, *args)
 
     def produce_block(
         self,
-        spec: Any,
+        spec: WorkerSpec,
         scope: SampleScope,
         epoch: int,
         block: Block,
@@ -189,7 +192,7 @@ class Shards:
         return Produced(block_layout(BlockRead(read, len(samples), failed), layout), nbytes, in_slot, keys, skipped)
 
     def _read(
-        self, spec: Any, scope: SampleScope, epoch: int, block: Block, status: Any | None, skipped: list
+        self, spec: WorkerSpec, scope: SampleScope, epoch: int, block: Block, status: Any | None, skipped: list
     ) -> tuple[list[RecordKey], list[Any], int]:
         """Read ``block`` from its shard's iterator and run the stages on each record kept:
         ``(keys, samples, records read)``. With ``cache=...``, ``fn``'s output is taken
@@ -220,19 +223,19 @@ class Shards:
         finally:
             self._keep(epoch, block.shard, reader)
         if reader.done and self.lengths is None and cache is not None:
-            spec.cache.set_end(block.shard, reader.position)  # (a growing cache: where the shard ends)
+            cache.set_end(block.shard, reader.position)  # (a growing cache: where the shard ends)
         scope.leave()
         if status is not None:
             status[1] = -1
         return keys, samples, max(0, reader.position - block.first)
 
     def _from_cache(
-        self, spec: Any, scope: SampleScope, epoch: int, block: Block, skipped: list
+        self, spec: WorkerSpec, scope: SampleScope, epoch: int, block: Block, skipped: list
     ) -> tuple[list[RecordKey], list[Any], int] | None:
         """``block`` entirely from the cache, without reading its shard (the lengths, a
         promise checked when the cache was filled, say where the shard ends); None if one
         of its records is not cached yet (the block is then read)."""
-        cache = spec.cache
+        cache = cast("SampleCache", spec.cache)  # (called with a cache only)
         known = self.lengths[block.shard] if self.lengths is not None else cache.shard_end(block.shard)
         end = block.first + block.length if known is None else min(block.first + block.length, known)
         keys: list[RecordKey] = []
@@ -278,7 +281,7 @@ class Shards:
                 self._offsets.append(self._offsets[-1] + n)
         return self._offsets[key[0]] + key[1]
 
-    def first_cached(self, spec: Any) -> tuple[Any, Any]:
+    def first_cached(self, spec: WorkerSpec) -> tuple[Any, Any]:
         """The reader's first cached sample (_worker/reader.py): ``fn`` of the first record."""
         scope = first_scope(spec)
         return first_record_cached(spec, scope, cast("tuple[Any, Any, Any]", self.first_record(scope)))
@@ -314,7 +317,7 @@ class Shards:
             return None
         raise ValueError("cache=...: every shard is empty (lengths are all 0), there is nothing to cache")
 
-    def _chunk(self, spec: Any, scope: SampleScope, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
+    def _chunk(self, spec: WorkerSpec, scope: SampleScope, epoch: int, samples: list, keys: list[RecordKey]) -> Any:
         """One batch of a block (``CHUNKS``): ``collate_fn`` (or the default collation) on
         ``samples``, then ``batch_fn`` if there is one, its ``batch_rng()`` and the global
         generators (``scope.collating``) seeded from the chunk's first record."""
