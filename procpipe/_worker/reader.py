@@ -56,6 +56,10 @@ class IndexedReader:
     def close_readers(self) -> None:
         """Nothing to close: an indexed source is read with ``source[i]``."""
 
+    def first_keyed(self, spec: WorkerSpec) -> tuple[Any, Any] | None:
+        """An indexed source's cache is laid out per index (``first_cached``), never grown."""
+        raise TypeError("an indexed source's cache is laid out per index (first_cached), not grown")
+
     def first_cached(self, spec: WorkerSpec) -> tuple[int, Any]:
         """The first index whose cached stage succeeds (``on_error="skip"``: among the first 16)."""
         scope = first_scope(spec)

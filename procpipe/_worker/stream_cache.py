@@ -44,11 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from .._core.rng import SampleScope, no_sample_rng
+from .._core.rng import no_sample_rng
 from .._core.shm import Segments, remove_file
 from ..errors import CacheError, SharedMemoryError
 from .cache_file import Layout, Storage, create_storage, directory_of, release_storage
-from .reader import first_record_cached
 from .worker_spec import WorkerSpec
 
 ENTRY = 32  # bytes per shard in the table: [first chunk: u64][end + 1: u64][crc of end: u32][pad]
@@ -310,7 +309,7 @@ class StreamCache:
         here, to lay the slots out (as cache.py's ``Cache.create`` does); None if every shard is
         empty. The arguments: as cache.py ``open_cache``'s, which calls this."""
         source = spec.source
-        found = _first_record(spec)
+        found = spec.producer.first_keyed(spec)  # (the same first record an indexed cache lays out by)
         if found is None:
             return None
         key, first = found
@@ -330,12 +329,3 @@ class StreamCache:
             raise
         return result
 
-
-def _first_record(spec: WorkerSpec) -> tuple[Any, Any] | None:
-    """``(key, fn(record))`` of the stream's first record, computed here with a worker's epoch-0 seeding."""
-    scope = SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
-    found = spec.source.first_record(scope)
-    if found is None:
-        return None
-    _, sample = first_record_cached(spec, scope, found)  # (the same first record an indexed cache lays out by)
-    return found[1], sample

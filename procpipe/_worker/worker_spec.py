@@ -77,6 +77,12 @@ class Producer(Protocol):
         lay the cache out."""
         ...
 
+    def first_keyed(self, spec: WorkerSpec) -> tuple[Any, Any] | None:
+        """A growing cache's first entry (``cache_kind`` ``GROWING``: a stream without lengths):
+        ``(record key, fn's output)`` of its first record, computed in the calling process with a
+        worker's epoch-0 seeding; None if every shard is empty. Other producers raise ``TypeError``."""
+        ...
+
     def close_readers(self) -> None:
         """Close what this process holds open to read tasks (``workers=0``: when an iteration ends)."""
         ...

@@ -286,6 +286,17 @@ class Shards:
         scope = first_scope(spec)
         return first_record_cached(spec, scope, cast("tuple[Any, Any, Any]", self.first_record(scope)))
 
+    def first_keyed(self, spec: WorkerSpec) -> tuple[RecordKey, Any] | None:
+        """A growing cache's first entry (stream_cache.py ``StreamCache.create``): ``(key, fn(record))``
+        of the stream's first record, computed here with a worker's epoch-0 seeding; None if every
+        shard is empty."""
+        scope = SampleScope(spec.seed, seed_globals=spec.seed_globals, restore_globals=True)
+        found = self.first_record(scope)
+        if found is None:
+            return None
+        _, sample = first_record_cached(spec, scope, found)
+        return found[1], sample
+
     def first_record(self, scope: SampleScope) -> tuple[Any, RecordKey, Any] | None:
         """``(cache index, key, record)`` of the first record of the first non-empty shard, read here
         (the calling process lays the cache out from ``fn`` of it); None if every shard is empty (no lengths)."""
