@@ -17,8 +17,8 @@ side by side mean anything):
   streams' shard), against the one ``Shards`` of the streams' figure holding all of them:
   what reading an indexed dataset as slices costs over streaming the same elements.
 - **epoch planning**: the seconds to compute one epoch's order in the calling process (what
-  ``iter(loader)`` does before the first batch is dispatched): ``Sampler.batches`` of a
-  plain shuffled source against ``MixSampler.batches``, for ``--sources`` sources and the
+  ``iter(loader)`` does before the first batch is dispatched): ``IndexOrder.batches`` of a
+  plain shuffled source against ``MixOrder.batches``, for ``--sources`` sources and the
   same total of elements.
 
     PYTHONPATH=. python bench/mix.py                      # defaults: 8 sources, 192 000 elements
@@ -34,8 +34,8 @@ import time
 import numpy as np
 
 import procpipe
-from procpipe._sources.indexed.index_order import Sampler
-from procpipe._sources.mix.mixture import MixSampler
+from procpipe._sources.indexed.index_order import IndexOrder
+from procpipe._sources.mix.mixture import MixOrder
 
 WARMUP_BATCHES = 50
 
@@ -142,8 +142,8 @@ def main() -> None:
     )
 
     plans: dict[str, list[float]] = {"plain": [], "mix": []}
-    plain_sampler = Sampler(len(plain), 64, True, 1, False)
-    mix_sampler = MixSampler(len(mix), 64, True, 1, False, mix=mix)
+    plain_sampler = IndexOrder(len(plain), 64, True, 1, False)
+    mix_sampler = MixOrder(len(mix), 64, True, 1, False, mix=mix)
     for rep in range(args.reps):
         order = ("plain", "mix") if rep % 2 == 0 else ("mix", "plain")
         for name in order:

@@ -38,8 +38,8 @@ fn = None if name == "tiny64" else (lambda x: x * 2)
 augment = None if name in ("tiny64", "fnonly64") else (lambda x: x + 1)
 try:
     from procpipe._worker.worker_spec import WorkerSpec
-    from procpipe._worker.reader import IndexedReader
-    producer = {"producer": IndexedReader(source)}
+    from procpipe._worker.index_producer import IndexProducer
+    producer = {"producer": IndexProducer(source)}
 except ImportError:  # an older tree: WorkerSpec in process.py, an indexed reader by default
     from procpipe._worker.process import WorkerSpec
     producer = {}

@@ -6,9 +6,9 @@ makes its parts from the configuration (assembly.py: the worker spec, the engine
 workers, once) and hands each iteration to an epoch iterator (_consumer/epoch_iterator.py),
 the object the consumer calls ``next()`` on. Iterating it once is one epoch (or ``epochs=N``, or endless
 with ``epochs=None``); workers persist between iterations. With ``workers=0`` everything runs
-in the calling process through the same sampler, sample scope and collation, so results are
+in the calling process through the same order, sample scope and collation, so results are
 identical. The iterator is a chain of nodes (nodes.py: the epoch iterator, then the device
-stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the sampler's
+stage with ``device=``); ``state_dict`` is the root node's ``get_state()`` with the order's
 settings, and ``load_state_dict`` checks one and leaves it for the next ``iter()`` (state.py).
 """
 
@@ -24,7 +24,7 @@ from ._consumer.iteration_context import LoaderIterator
 from ._consumer.nodes import Node
 from ._core.reassembly import ResumePoint
 from ._engine.commands import ReserveSlots
-from ._sources.epoch_plan import BatchPlan
+from ._sources.epoch_plan import Order
 from ._sources.resolve import resolve_kind
 from ._sources.saved_state import encode_position, start_position
 from ._sources.source_kind import load_state, save_state
@@ -48,7 +48,7 @@ class Loader:
             affinity and cgroup quota, less what the training step uses, or more when
             workers wait on I/O, and by memory; auto-tuned loaders on one node share its
             CPUs); ``stats()["autotune"]`` shows its trace. See docs/guide/autotuning.md.
-        ordered: ``True`` yields batches in sampler order; ``False`` yields them as they
+        ordered: ``True`` yields batches in order order; ``False`` yields them as they
             finish ("sloppy"), so a slow batch does not hold back the others.
         prefetch: ready batches kept ahead of the consumer.
         shuffle: ``True`` draws the order of each epoch as a permutation from ``(seed, epoch)``.
@@ -85,7 +85,7 @@ class Loader:
             ``drop_last`` must then stay off). Each inner list is one batch, any size;
             with ``batch_size=None`` every list must hold one index. A ``len()`` on the
             callable, if it has one, is the loader's ``len()``. ``procpipe.torch.DataLoader``
-            uses it to follow a torch sampler.
+            uses it to follow a torch order.
         shard: ``(rank, world_size)`` for data-parallel training: each rank gets a disjoint,
             equal-length part of every epoch's order, like ``DistributedSampler``: the
             order is padded by repeating its first indices up to a multiple of
@@ -251,7 +251,7 @@ class Loader:
         )
         # Which kind of source this is, asked once (_sources/resolve.py): its plan, the reader, workers=0's driver
         self._kind = kind = resolve_kind(source, config)
-        self._sampler: BatchPlan = kind.plan
+        self._order: Order = kind.order
         self._parts = assemble(config, kind)  # workers start here
         self._coordinator, self._context = self._parts.coordinator, self._parts.context
         self._resume: dict[str, Any] | None = None  # from load_state_dict: the position the next iter() starts at
@@ -263,7 +263,7 @@ class Loader:
     # ------------------------------------------------------------------ public API
     def __len__(self) -> int:
         """Batches per epoch."""
-        return len(self._sampler)
+        return len(self._order)
 
     def __iter__(self) -> Iterator[Any]:
         """Start the next epoch, or ``epochs`` epochs (ending an unfinished previous iteration), and iterate."""
@@ -292,7 +292,7 @@ class Loader:
         self._standing.epoch += 1
         resume, self._resume = self._resume, None
         if resume is None or resume["epoch"] != epoch:
-            resume = start_position(self._sampler, epoch, self._context.default_until(epoch))
+            resume = start_position(self._order, epoch, self._context.default_until(epoch))
         if self._coordinator is None:
             it: LoaderIterator = InlineDriver(self._context, resume, self._kind.names)
         else:
@@ -331,7 +331,7 @@ class Loader:
         returned beyond that, out of order), ``until`` (the epoch the resumed iteration
         stops before, ``None``: never; with ``epochs=N`` the interrupted iteration's end),
         ``ahead`` (``[epoch, done_below, done]`` for later epochs of which batches were
-        already returned: ``ordered=False`` across an epoch boundary), plus the sampler's
+        already returned: ``ordered=False`` across an epoch boundary), plus the order's
         settings, checked on load.
 
         For a streaming source (``procpipe.Shards``) what was returned is counted in
@@ -353,7 +353,7 @@ class Loader:
         elif active is not None and root is not None and active.owns_epoch():
             position = root.get_state()
         else:
-            position = start_position(self._sampler, epoch, self._context.default_until(epoch))
+            position = start_position(self._order, epoch, self._context.default_until(epoch))
         return save_state(self._kind, position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -369,7 +369,7 @@ class Loader:
         self._active = self._root = None
         self._standing.epoch = resume.epoch
         self._resume = encode_position(
-            self._sampler,
+            self._order,
             ResumePoint(
                 resume.epoch, resume.done, resume.ahead, resume.until_or(self._context.default_until(resume.epoch))
             ),

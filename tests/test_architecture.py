@@ -287,13 +287,13 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
 
 # --------------------------------------------------------------------------- 3. the source kind, asked once
 #: Where "which kind of source is this?" is answered: ``_sources.resolve`` resolves a Loader's source once
-#: (its plan, reader, inline driver, saved-state check); ``worker.reader`` is its worker side.
-KIND_MODULES = ("_sources.resolve", "_worker.reader")
+#: (its plan, reader, inline driver, saved-state check); ``_worker.index_producer`` is its worker side.
+KIND_MODULES = ("_sources.resolve", "_worker.index_producer")
 #: The classes whose ``isinstance`` asks a source's (or its plan's, or its task's) kind.
-KIND_CLASSES = {"Shards", "StreamPlan", "MixStreamPlan", "Mix", "MixSampler", "Sampler", "ExplicitBatches",
+KIND_CLASSES = {"Shards", "ShardOrder", "MixShardOrder", "Mix", "MixOrder", "IndexOrder", "CallerOrder",
                 "Block", "RecordKey"}
 #: Attributes whose presence (``hasattr``/``getattr`` with a constant name) tells one kind from another.
-KIND_ATTRIBUTES = {"produce_block", "plan_class", "mixing", "check_progress", "streaming", "cache_kind"}
+KIND_ATTRIBUTES = {"produce_block", "epoch_plan", "mixing", "check_progress", "streaming", "cache_kind"}
 #: The other modules that may still test a kind (at most 3), and why.
 KIND_TESTS_ALLOWED: dict[str, str] = {
     "_sources.mix.mixture": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
@@ -348,12 +348,12 @@ def test_the_kind_checker_finds_every_kind_test() -> None:
         "procpipe._sources.resolve": "isinstance(source, Shards)\n",
         "procpipe._sources.mix.mixture": "isinstance(source, Mix)\n",
         "procpipe.loader": ("isinstance(source, (Shards, Mix))\nhasattr(source, 'produce_block')\n"
-                            "getattr(sampler, 'plan_class', None)\ntype(indices) is not list\n"
+                            "getattr(sampler, 'epoch_plan', None)\ntype(indices) is not list\n"
                             "isinstance(x, dict)\ntype(x) is tuple\ngetattr(x, 'name', None)\n"),
     })
     lines = [line.split(": ", 1)[1] for line in kind_test_report(modules)]
     assert lines == ["isinstance(source, (Shards, Mix))", "hasattr(source, 'produce_block')",
-                     "getattr(sampler, 'plan_class', None)", "type(indices) is not list"], lines
+                     "getattr(sampler, 'epoch_plan', None)", "type(indices) is not list"], lines
 
 
 # --------------------------------------------------------------------------- 4. one name, one concept

@@ -21,7 +21,7 @@ from procpipe import AutoWorkers, Loader
 from procpipe.config import ARGUMENT_GROUPS, DEFAULT_WORKER_ENV, Execution, LoaderConfig, engine_config
 from procpipe.config import Batching, Device, Faults, Memory, Stages
 from procpipe.config import EngineConfig
-from procpipe._worker.reader import IndexedReader
+from procpipe._worker.index_producer import IndexProducer
 from procpipe._worker.worker_spec import WorkerSpec
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
@@ -220,13 +220,13 @@ def test_the_worker_spec_is_made_from_the_groups():
     config = LoaderConfig.from_arguments(
         fn=double, batch_fn=double, augment=double, seed=7, on_error="skip", seed_globals="sample"
     )
-    spec = WorkerSpec.of(range(4), IndexedReader(range(4)), config.stages, config.batching, config.faults)
+    spec = WorkerSpec.of(range(4), IndexProducer(range(4)), config.stages, config.batching, config.faults)
     assert (spec.fn, spec.batch_fn, spec.augment, spec.collate_fn) == (double, double, double, None)
     assert spec.batched and spec.seed == 7 and spec.skip and spec.seed_globals == "sample"
     unbatched = LoaderConfig.from_arguments(batch_size=None, seed_globals=False)
-    spec = WorkerSpec.of(range(4), IndexedReader(range(4)), unbatched.stages, unbatched.batching, unbatched.faults)
+    spec = WorkerSpec.of(range(4), IndexProducer(range(4)), unbatched.stages, unbatched.batching, unbatched.faults)
     assert not spec.batched and not spec.skip and spec.seed_globals is None
-    assert isinstance(spec.producer, IndexedReader)
+    assert isinstance(spec.producer, IndexProducer)
 
 
 def test_a_cache_directory_is_checked_by_the_stages_group(tmp_path):

@@ -21,7 +21,7 @@ from procpipe._core.messages import Task
 from procpipe._core.shm import Segments
 from procpipe._core.stats import EpochCounters, WorkerCounters
 from procpipe._core.wakeup import WakePipe
-from procpipe._engine.commands import CancelStream, CloseEngine, StartStream, checked
+from procpipe._engine.commands import CancelIteration, CloseEngine, StartIteration, checked
 from procpipe._engine.deaths import Next, settle
 from procpipe._engine.dispatch import Dispatcher, needs_copy
 from procpipe._engine.epochs import Job
@@ -140,11 +140,11 @@ def test_wake_pipe_wakes_select_once_starved_and_ignores_a_wake_after_close():
 
 @pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_commands_are_typed_and_a_name_is_refused():
-    typed = StartStream(object())  # type: ignore[arg-type]
-    assert checked(typed) is typed and isinstance(checked(CancelStream(1)), CancelStream)
+    typed = StartIteration(object())  # type: ignore[arg-type]
+    assert checked(typed) is typed and isinstance(checked(CancelIteration(1)), CancelIteration)
     assert isinstance(checked(CloseEngine()), CloseEngine)
     for wrong in ("close", ("cancel", 3), None):
-        with pytest.raises(TypeError, match=r"StartStream, CancelStream, ReserveSlots or CloseEngine.*not "):
+        with pytest.raises(TypeError, match=r"StartIteration, CancelIteration, ReserveSlots or CloseEngine.*not "):
             checked(wrong)
 
 
@@ -434,12 +434,12 @@ def test_a_worker_that_ended_while_its_exit_descriptor_stayed_silent_is_replaced
 def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
     coordinator = loop_coordinator(tmp_path, PipePool(expect=1), workers=1)
     try:
-        with pytest.raises(TypeError, match=r"a StartStream, CancelStream, ReserveSlots or CloseEngine"):
+        with pytest.raises(TypeError, match=r"a StartIteration, CancelIteration, ReserveSlots or CloseEngine"):
             coordinator.submit("close")  # type: ignore[arg-type]  # (the older spelling, accepted until now)
         with pytest.raises(TypeError):
             coordinator.submit("cancel", 0)  # type: ignore[call-arg]
         assert coordinator.is_alive()  # neither was queued
-        coordinator.submit(CancelStream(0))  # (no stream of generation 0: nothing to cancel)
+        coordinator.submit(CancelIteration(0))  # (no stream of generation 0: nothing to cancel)
     finally:
         coordinator.close()
     assert not coordinator.is_alive()
@@ -447,11 +447,11 @@ def test_the_coordinator_refuses_a_command_given_by_name(tmp_path):
 
 # --------------------------------------------------------------------------- a round's writes and deliveries
 def _stream(batches: int, pending: bool) -> Any:
-    from procpipe._engine.epochs import Stream
+    from procpipe._engine.epochs import Iteration
     from procpipe._sources.indexed.index_plan import IndexPlan
 
     plan = [[i] for i in range(batches)]
-    stream = Stream(0, SimpleNamespace(plan_class=IndexPlan, batches=lambda n: plan), 0, 1, True, plan)
+    stream = Iteration(0, SimpleNamespace(epoch_plan=IndexPlan, batches=lambda n: plan), 0, 1, True, plan)
     if pending:
         stream.pending = []  # (as the coordinator's streams are)
     stream.open(stream.first)
@@ -474,7 +474,7 @@ def test_a_round_writes_each_workers_tasks_at_once_after_queuing_them_all():
 
 @pytest.mark.unit  # starts no process (tests/conftest.py)
 def test_a_coordinator_stream_holds_a_rounds_items_until_published_and_abandon_drops_them():
-    from procpipe._engine.epochs import EndOfStream
+    from procpipe._engine.epochs import EndOfIteration
 
     stream = _stream(4, pending=True)
     stream.fail(RuntimeError("boom"))
@@ -484,7 +484,7 @@ def test_a_coordinator_stream_holds_a_rounds_items_until_published_and_abandon_d
     stream = _stream(4, pending=True)
     stream.fail(RuntimeError("boom"))
     stream.abandon()  # the consumer is gone: what was held back goes too
-    assert stream.out.get_nowait() is EndOfStream and stream.out.empty() and not stream.pending
+    assert stream.out.get_nowait() is EndOfIteration and stream.out.empty() and not stream.pending
     direct = _stream(4, pending=False)  # (workers=0's streams: straight into the queue)
     direct.fail(RuntimeError("boom"))
     assert not direct.out.empty()

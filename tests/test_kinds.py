@@ -12,14 +12,14 @@ import pytest
 import procpipe
 from procpipe.config import LoaderConfig
 from procpipe._sources.indexed.index_kind import IndexedKind
-from procpipe._sources.indexed.index_order import Sampler
+from procpipe._sources.indexed.index_order import IndexOrder
 from procpipe._sources.indexed.index_plan import IndexPlan
 from procpipe._sources.mix.mix_kind import Mixing, MixKind, MixStreamKind
 from procpipe._sources.resolve import kind_of, resolve_kind
 from procpipe._sources.sample_names import IndexNames, RecordNames
 from procpipe._sources.stream import ShardPlan
 from procpipe._sources.stream.stream_kind import StreamKind
-from procpipe._worker.reader import IndexedReader
+from procpipe._worker.index_producer import IndexProducer
 from procpipe._worker.worker_spec import GROWING, PER_INDEX, PER_RECORD
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
@@ -53,45 +53,45 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     assert type(kind) is {"indexed": IndexedKind, "mix": MixKind, "shards": StreamKind,
                           "mix of shards": MixStreamKind, "growing": StreamKind}[name]
     assert isinstance(kind, StreamKind) is streaming
-    assert kind.plan.plan_class is (ShardPlan if streaming else IndexPlan)
+    assert kind.order.epoch_plan is (ShardPlan if streaming else IndexPlan)
     assert isinstance(kind.names, RecordNames if streaming else IndexNames)
     assert isinstance(kind, Mixing) is name.startswith("mix")
     if streaming:  # the configured copy of the Shards reads its own blocks
-        assert kind.reader is kind.source is kind.plan.source  # type: ignore[attr-defined]
-        assert kind.reader.cache_kind == (GROWING if name == "growing" else PER_RECORD)
+        assert kind.producer is kind.source is kind.order.source  # type: ignore[attr-defined]
+        assert kind.producer.cache_kind == (GROWING if name == "growing" else PER_RECORD)
     else:
-        assert isinstance(kind.reader, IndexedReader) and kind.source is source
-        assert kind.reader.cache_kind == PER_INDEX
+        assert isinstance(kind.producer, IndexProducer) and kind.source is source
+        assert kind.producer.cache_kind == PER_INDEX
     assert set(kind.settings()) >= {"batch_size", "shuffle", "seed", "drop_last", "shard", "reshuffle"}
 
 
 def test_every_order_option_comes_from_the_loaders_configuration_groups() -> None:
-    """The orders are built from ``loader.config``'s groups themselves (``StreamPlan.of``,
-    ``Sampler.of``), not from a list of the Loader's arguments copied by hand: each keyword a stream
+    """The orders are built from ``loader.config``'s groups themselves (``ShardOrder.of``,
+    ``IndexOrder.of``), not from a list of the Loader's arguments copied by hand: each keyword a stream
     order takes is filled, with the value the Loader was given."""
-    from procpipe._sources.mix.mix_shards import MixStreamPlan
-    from procpipe._sources.stream import StreamPlan
+    from procpipe._sources.mix.mix_shards import MixShardOrder
+    from procpipe._sources.stream import ShardOrder
 
     given = {"batch_size": 3, "shuffle": True, "seed": 7, "drop_last": True, "reshuffle": False, "shard": (1, 2),
              "shuffle_buffer": 5, "even_ranks": True, "on_error": "skip", "max_skipped": 4, "speculate": 2.0}
     groups = config(**given)
     options: dict = {}
 
-    class Recorded(StreamPlan):
+    class Recorded(ShardOrder):
         def __init__(self, source, **keywords):  # noqa: D107 - records what .of() passes
             options.update(keywords)
 
     Recorded.of(shards(), groups.batching, groups.stages, groups.faults)
-    for plan in (StreamPlan, MixStreamPlan):
+    for plan in (ShardOrder, MixShardOrder):
         keywords = {name for name, p in inspect.signature(plan).parameters.items()
                     if p.kind is p.KEYWORD_ONLY or (p.default is not p.empty and name != "source")}
         assert keywords <= set(options), f"{plan.__name__} takes {sorted(keywords - set(options))}, not filled"
     for name, value in given.items():
         assert options[name] == value, name
     kind = resolve_kind(shards(), groups)
-    assert kind.plan.batch_size == 3 and kind.plan.shard == (1, 2)  # type: ignore[attr-defined]
+    assert kind.order.batch_size == 3 and kind.order.shard == (1, 2)  # type: ignore[attr-defined]
     indexed = config(**{k: given[k] for k in ("batch_size", "shuffle", "seed", "drop_last", "reshuffle", "shard")})
-    assert Sampler.of(10, indexed.batching) == Sampler(10, 3, True, 7, True, (1, 2), False)
+    assert IndexOrder.of(10, indexed.batching) == IndexOrder(10, 3, True, 7, True, (1, 2), False)
 
 
 def test_the_kind_is_chosen_in_one_place() -> None:
@@ -100,7 +100,7 @@ def test_the_kind_is_chosen_in_one_place() -> None:
     assert kind_of(shards(), config().batching) is StreamKind
     assert kind_of(procpipe.Mix([[1], [2]], [1, 1]), config().batching) is MixKind
     assert kind_of(procpipe.Mix([shards(), shards()], [1, 1]), config().batching) is MixStreamKind
-    assert kind_of(list(range(3)), config(batches=lambda epoch: [[0]]).batching).__name__ == "ExplicitKind"
+    assert kind_of(list(range(3)), config(batches=lambda epoch: [[0]]).batching).__name__ == "CallerKind"
 
 
 def test_a_source_of_no_kind_is_refused_naming_what_it_lacks() -> None:
@@ -138,7 +138,7 @@ def test_each_kind_refuses_a_state_saved_over_another_kind() -> None:
 
 
 def test_a_combined_state_is_refused_by_a_loader_over_the_callers_batches() -> None:
-    """``ExplicitKind``: a combined state (``procpipe.combine_states``) cannot split ``batches=`` anew."""
+    """``CallerKind``: a combined state (``procpipe.combine_states``) cannot split ``batches=`` anew."""
     combined = procpipe.combine_states([_state(list(range(8)))])
     batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
     with procpipe.Loader(list(range(8)), batches=lambda epoch: batches, workers=0) as loader:
@@ -208,7 +208,7 @@ def test_the_fn_only_loop_gives_what_run_sample_gives(case) -> None:
     from procpipe._worker.worker_spec import WorkerSpec
 
     fn, collate_fn, batched = _fn_case(case)
-    spec = WorkerSpec(source=list(range(6)), producer=IndexedReader(list(range(6))), fn=fn, collate_fn=collate_fn,
+    spec = WorkerSpec(source=list(range(6)), producer=IndexProducer(list(range(6))), fn=fn, collate_fn=collate_fn,
                       batched=batched, seed=5)
     indices = [5, 1, 0, 3, 4, 2]
 

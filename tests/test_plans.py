@@ -20,9 +20,9 @@ from procpipe._sources.indexed.index_plan import IndexPlan
 from procpipe._sources.epoch_plan import EMPTY, EpochPlan, Failure, Loaded
 from procpipe._worker.produce import produce
 from procpipe._core.rng import SampleScope
-from procpipe._sources.indexed.index_order import Sampler
-from procpipe._sources.stream import Shards, StreamPlan
-from procpipe._worker.reader import IndexedReader
+from procpipe._sources.indexed.index_order import IndexOrder
+from procpipe._sources.stream import Shards, ShardOrder
+from procpipe._worker.index_producer import IndexProducer
 from procpipe._worker.worker_spec import WorkerSpec
 
 pytestmark = pytest.mark.unit  # starts no process: `python -m pytest -m unit` (tests/conftest.py)
@@ -44,20 +44,20 @@ class Kind:
         self.ordered = ordered
         if name == "indexed":
             self.source = np.arange(23, dtype=np.int64)
-            self.config = Sampler(len(self.source), batch_size=4, shuffle=True, seed=3, drop_last=False)
-            self.plan_class = IndexPlan
+            self.config = IndexOrder(len(self.source), batch_size=4, shuffle=True, seed=3, drop_last=False)
+            self.epoch_plan = IndexPlan
         else:
             shards = Shards([(0, 7), (100, 5), (200, 9), (300, 0), (400, 4)], open_shard, cycle_length=2,
                             block_length=3)
-            self.config = StreamPlan(shards, batch_size=4, shuffle=True, seed=3, drop_last=False)
+            self.config = ShardOrder(shards, batch_size=4, shuffle=True, seed=3, drop_last=False)
             self.source = self.config.source
-            self.plan_class = self.config.plan_class
-        producer = IndexedReader(self.source) if name == "indexed" else self.source
+            self.epoch_plan = self.config.epoch_plan
+        producer = IndexProducer(self.source) if name == "indexed" else self.source
         self.spec = WorkerSpec(source=self.source, producer=producer, fn=None, collate_fn=None, batched=True, seed=0)
         self.scope = SampleScope(0)
 
     def plan(self, state=None) -> EpochPlan:
-        return self.plan_class(self.config, 0, self.config.batches(0), self.ordered, state)
+        return self.epoch_plan(self.config, 0, self.config.batches(0), self.ordered, state)
 
     def run(self, work):
         produced = produce(self.spec, self.scope, 0, work.payload, None, 0)
@@ -152,7 +152,7 @@ def test_a_plan_rebuilt_from_its_state_delivers_exactly_the_rest(name, ordered, 
 
 def test_an_empty_epoch_is_complete_at_once():
     kind = Kind("shards", True)
-    plan = kind.plan_class(kind.config, 0, [], True, None)
+    plan = kind.epoch_plan(kind.config, 0, [], True, None)
     assert plan.complete and plan.exhausted and not plan.offers(PER_LANE)
     index = IndexPlan(None, 0, [], False)
     assert index.complete and index.exhausted and not index.offers(PER_LANE)

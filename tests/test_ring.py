@@ -164,7 +164,7 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
     from procpipe._core.rings import WorkerRings
     from procpipe._core.shm import PAGE
     from procpipe._worker.process import _ParentWatch, _serve
-    from procpipe._worker.reader import IndexedReader
+    from procpipe._worker.index_producer import IndexProducer
     from procpipe._worker.worker_spec import WorkerSpec
 
     memory = procpipe._core.shm.Segments()
@@ -177,7 +177,7 @@ def test_a_worker_unmaps_the_old_ring_after_a_failed_batch(no_gc, skip):
         wire.send(ours, message, sent)
     for fd in fds:
         os.close(fd)  # (the worker holds its own copies now)
-    spec = WorkerSpec(source=range(8), producer=IndexedReader(range(8)), fn=fails_on_5, collate_fn=None, batched=True,
+    spec = WorkerSpec(source=range(8), producer=IndexProducer(range(8)), fn=fails_on_5, collate_fn=None, batched=True,
                       seed=0, seed_globals=None, skip=skip)
     rings = WorkerRings()
     _serve(theirs, spec, rings, _ParentWatch(os.getpid(), psutil.Process().create_time()), [-1, -1])

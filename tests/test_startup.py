@@ -21,7 +21,7 @@ from conftest import run_python
 
 import procpipe
 from procpipe._worker import fork_safety, start_method, zygote
-from procpipe._worker.reader import IndexedReader
+from procpipe._worker.index_producer import IndexProducer
 from procpipe._worker.spec_shipping import dump_spec, preload_list, referenced_modules
 from procpipe._worker.worker_spec import WorkerSpec
 
@@ -157,7 +157,7 @@ def test_the_slow_start_warning_is_given_once_with_the_reason_and_the_fix(monkey
 
 
 def test_the_forkserver_preloads_what_the_spec_references_in_import_order():
-    spec = WorkerSpec(source=np.arange(4), producer=IndexedReader(np.arange(4)),
+    spec = WorkerSpec(source=np.arange(4), producer=IndexProducer(np.arange(4)),
                       fn=lambda x: json.dumps(int(x)),  # by value: its globals too
                       collate_fn=None, batched=True, seed=0)
     data, _ = dump_spec(spec)

@@ -114,7 +114,7 @@ def test_ordered_output_does_not_depend_on_workers():
         assert ids(other) == ids(runs[0])
         for a, b in zip(runs[0], other, strict=True):
             np.testing.assert_array_equal(a["noise"], b["noise"])
-    shard_order = procpipe._sources.stream.StreamPlan(
+    shard_order = procpipe._sources.stream.ShardOrder(
         Shards(SHARDS, open_shard), batch_size=4, shuffle=True, seed=7, drop_last=False).batches(0)
     assert ids(runs[0]) == reference_interleave([SHARDS[i] for i in shard_order], 3, 3)
 

@@ -120,7 +120,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
     (``start_engine``).
     """
     device_stage = None if config.device.device is None else make_device_stage(config)
-    spec = WorkerSpec.of(kind.source, kind.reader, config.stages, config.batching, config.faults)
+    spec = WorkerSpec.of(kind.source, kind.producer, config.stages, config.batching, config.faults)
     execution, memory, cache = config.execution, config.memory, config.stages.cache
     # once: its restarted workers start the same way (a slower start is said once, if workers start here)
     starts_here = execution.has_workers and execution.backend is None
@@ -146,7 +146,7 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
                 raise
             raise exc.reworded(why_not_forked=why) from None
     context = IterationContext(
-        sampler=kind.plan,
+        order=kind.order,
         spec=spec,
         ordered=bool(execution.ordered),
         with_epoch=config.batching.with_epoch,

@@ -2,11 +2,11 @@
 
 Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly ->
 **epoch iterator** -> prefetch/device stage (``Loader(device=...)``, torch/device.py) ->
-consumer. With workers, ``EpochIterator`` reads the batches of a ``Stream`` (epochs.py)
+consumer. With workers, ``EpochIterator`` reads the batches of a ``Iteration`` (epochs.py)
 from the one queue the coordinator thread fills through each epoch's reassembly (in
 order or as they finish) and tells the coordinator of each batch the consumer took.
 With ``workers=0`` the Loader uses ``inline.InlineDriver`` instead, which drives the same
-``Stream`` and epochs in the calling thread, so the results are identical.
+``Iteration`` and epochs in the calling thread, so the results are identical.
 
 Both are given what they need by the Loader (an ``iteration_context.IterationContext``, built
 once), keep where the loader stands current (``iteration_context.Standing``: ``loader.epoch`` and
@@ -24,8 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from .._core.reassembly import ResumePoint
-from .._engine.commands import CancelStream, StartStream
-from .._engine.epochs import EndOfStream, Epoch, EpochEnd, Failure, Stream
+from .._engine.commands import CancelIteration, StartIteration
+from .._engine.epochs import EndOfIteration, Epoch, EpochEnd, Failure, Iteration
 from .iteration_context import IterationContext, LoaderIterator
 
 if TYPE_CHECKING:
@@ -36,12 +36,12 @@ _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinat
 
 
 class EpochIterator(LoaderIterator):
-    """One ``iter(loader)`` with workers: the epochs of a ``Stream``, read from its one queue.
+    """One ``iter(loader)`` with workers: the epochs of a ``Iteration``, read from its one queue.
 
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
 
     Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
-    last batch, ``EndOfStream`` the stream's. ``number`` is the latest epoch the consumer
+    last batch, ``EndOfIteration`` the stream's. ``number`` is the latest epoch the consumer
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
@@ -55,13 +55,13 @@ class EpochIterator(LoaderIterator):
 
     def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
         context = self._context
-        stream = Stream(
+        stream = Iteration(
             next(_generations),
-            context.sampler,
+            context.order,
             number,
             until,
             context.ordered,
-            context.sampler.batches(number),
+            context.order.batches(number),
             done,
             ahead,
             rotation=context.rotation,
@@ -70,12 +70,12 @@ class EpochIterator(LoaderIterator):
         self._low = number
         self._ended: set[int] = set()  # epochs at or above _low whose EpochEnd the consumer has seen
         self._begin(stream, number)  # (the consumer is in the stream's first epoch)
-        self._coordinator.submit(StartStream(stream))
+        self._coordinator.submit(StartIteration(stream))
 
     def _halt(self) -> None:
         if not self._done:
             self._done = True
-            self._coordinator.submit(CancelStream(self._stream.gen))
+            self._coordinator.submit(CancelIteration(self._stream.gen))
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -116,7 +116,7 @@ class EpochIterator(LoaderIterator):
             self._epoch.counters.wait_s += now - started
             stream.wait_s += now - started
             self._done = True
-            if item is EndOfStream:
+            if item is EndOfIteration:
                 self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
                 # Cancelled (iter() or close() from another thread or a signal handler) while
                 # this next() waited: the iteration ended early, so it must say so.
@@ -160,7 +160,7 @@ class EpochIterator(LoaderIterator):
                         return Failure(RuntimeError("procpipe's coordinator thread has stopped; the loader was closed"))
 
     def _point(self) -> ResumePoint | None:
-        """See ``Stream.resume_point``: from the oldest epoch the consumer is not past."""
+        """See ``Iteration.resume_point``: from the oldest epoch the consumer is not past."""
         if self._complete:
             return None
         return self._stream.resume_point(self._low)
@@ -173,12 +173,12 @@ class EpochIterator(LoaderIterator):
         if not self._done:
             self._cancelled = why  # before _done: a next() in another thread that sees _done sees why
             self._done = True
-            self._coordinator.submit(CancelStream(self._stream.gen))
-            self._stream.out.put(EndOfStream)  # wakes a reader blocked in another thread (device stage)
+            self._coordinator.submit(CancelIteration(self._stream.gen))
+            self._stream.out.put(EndOfIteration)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
             try:
-                self._coordinator.submit(CancelStream(self._stream.gen))
+                self._coordinator.submit(CancelIteration(self._stream.gen))
             except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass

@@ -25,7 +25,7 @@ from .._core.notes import add_note
 from .._core.reassembly import ResumePoint
 from .._core.rng import SampleScope
 from .._core.stats import array_bytes
-from .._engine.epochs import EMPTY, EndOfStream, Epoch, EpochEnd, Failure, Stream
+from .._engine.epochs import EMPTY, EndOfIteration, Epoch, EpochEnd, Failure, Iteration
 from .._sources.epoch_plan import loaded
 from .._sources.sample_names import IndexNames, SampleNames
 from .._worker.produce import produce
@@ -35,7 +35,7 @@ from .iteration_context import IterationContext, LoaderIterator
 
 class InlineDriver(LoaderIterator):
     """The ``workers=0`` source node (procpipe/_consumer/nodes.py) of any source kind: the engine's
-    ``Stream`` and epochs, driven in the calling thread.
+    ``Iteration`` and epochs, driven in the calling thread.
 
     The stream is ordered: the output is that of workers in the deterministic order (whatever
     ``ordered``). ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()``
@@ -58,8 +58,8 @@ class InlineDriver(LoaderIterator):
         self.reset(initial_state)
 
     def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
-        plan = self._context.sampler
-        stream = Stream(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        plan = self._context.order
+        stream = Iteration(-1, plan, number, until, True, plan.batches(number), done, ahead)
         if self._spec.skip:  # on_error="skip": each epoch's budget, as the coordinator sets it
             max_skipped = self._context.max_skipped
 
@@ -114,7 +114,7 @@ class InlineDriver(LoaderIterator):
                 item.epoch.counters.ended = time.perf_counter()
                 continue
             self._stop()
-            if item is EndOfStream:
+            if item is EndOfIteration:
                 self._complete = True
                 self._set_epoch(self._next_start())
                 raise StopIteration
@@ -197,7 +197,7 @@ class InlineDriver(LoaderIterator):
         return self._epoch.consumed
 
     def _point(self) -> ResumePoint | None:
-        """``Stream.resume_point``: the epochs come in order, so the oldest one the consumer is not
+        """``Iteration.resume_point``: the epochs come in order, so the oldest one the consumer is not
         past is the one it is in."""
         if self._complete:
             return None

@@ -1,6 +1,6 @@
 """What an epoch iterator is given by its Loader, so that it never reads the Loader's insides.
 
-The Loader builds one ``IterationContext`` when it is created (frozen: the sampler or
+The Loader builds one ``IterationContext`` when it is created (frozen: the order or
 stream plan, the worker spec, the delivery settings, the coordinator) and hands it to
 every iterator it makes (``epoch_iterator.EpochIterator``, and ``inline.InlineDriver`` for
 ``workers=0``). The one thing an iterator changes in its Loader is where
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .._core.reassembly import ResumePoint
     from .._core.stats import EpochCounters
     from .._engine.coordinator import Coordinator
-    from .._engine.epochs import Stream
+    from .._engine.epochs import Iteration
     from .._worker.worker_spec import WorkerSpec
 
 
@@ -91,8 +91,8 @@ class LoaderIterator(Node):
         context = self._context
         if initial_state is None:
             epoch = self._standing.epoch
-            initial_state = start_position(context.sampler, epoch, context.default_until(epoch))
-        resume = decode_position(initial_state, context.sampler)
+            initial_state = start_position(context.order, epoch, context.default_until(epoch))
+        resume = decode_position(initial_state, context.order)
         self._halt()
         self._epoch_set = None  # this iteration decides where the loader stands, as a new iter() does
         self._start(resume.epoch, resume.done, resume.until_or(context.default_until(resume.epoch)), resume.ahead)
@@ -101,12 +101,12 @@ class LoaderIterator(Node):
         """Where the consumer stands, to resume exactly there (the position ``Loader.state_dict``
         saves). Once every batch was returned: the start of the next iteration (the epoch after
         this one's last, spanning the loader's ``epochs``), as the Loader's next ``iter()``."""
-        sampler = self._context.sampler
+        order = self._context.order
         point = self._point()
         if point is None:
             start = self._next_start()
-            return start_position(sampler, start, self._context.default_until(start))
-        return encode_position(sampler, point)
+            return start_position(order, start, self._context.default_until(start))
+        return encode_position(order, point)
 
     def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
         """Begin the iteration at epoch ``number`` (``done``, ``ahead``: what was returned already,
@@ -126,7 +126,7 @@ class LoaderIterator(Node):
         """The epoch the next iteration starts at, once every batch of this one was returned."""
         raise NotImplementedError
 
-    def _begin(self, stream: Stream, number: int) -> None:
+    def _begin(self, stream: Iteration, number: int) -> None:
         """What every ``_start`` does once its ``stream`` is made: the consumer is in its first
         epoch (``number``), nothing has ended, been cancelled or failed yet, ``stats()`` shows
         that epoch's counters and ``loader.epoch`` moves past it."""
@@ -207,13 +207,13 @@ class LoaderIterator(Node):
 class IterationContext:
     """Everything an epoch iterator needs from its Loader, built once by the Loader.
 
-    ``sampler``: the batches of each epoch (``index_order.Sampler``, ``index_order.ExplicitBatches``,
-    or ``_sources.stream.StreamPlan``); ``spec``: what the workers run (also used in the calling
+    ``order``: the batches of each epoch (``index_order.IndexOrder``, ``index_order.CallerOrder``,
+    or ``_sources.stream.ShardOrder``); ``spec``: what the workers run (also used in the calling
     process with ``workers=0``); ``coordinator``: None with ``workers=0``; ``epochs``: the
     epochs one iteration spans (None: endless).
     """
 
-    sampler: Any
+    order: Any
     spec: WorkerSpec
     ordered: bool
     with_epoch: bool

@@ -10,19 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .epochs import Stream
+    from .epochs import Iteration
 
 
-class StartStream:
+class StartIteration:
     """Start ``stream`` (a new ``iter(loader)``); any stream in progress is abandoned."""
 
     __slots__ = ("stream",)
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: Iteration) -> None:
         self.stream = stream
 
 
-class CancelStream:
+class CancelIteration:
     """Abandon the stream of generation ``gen``, if it is still the one in progress."""
 
     __slots__ = ("gen",)
@@ -48,9 +48,9 @@ class CloseEngine:
     __slots__ = ()
 
 
-Command = StartStream | CancelStream | ReserveSlots | CloseEngine
+Command = StartIteration | CancelIteration | ReserveSlots | CloseEngine
 
-_COMMANDS = (StartStream, CancelStream, ReserveSlots, CloseEngine)
+_COMMANDS = (StartIteration, CancelIteration, ReserveSlots, CloseEngine)
 
 
 def checked(command: object) -> Command:
@@ -59,7 +59,7 @@ def checked(command: object) -> Command:
     if isinstance(command, _COMMANDS):
         return command
     raise TypeError(
-        f"procpipe: a coordinator command is a StartStream, CancelStream, ReserveSlots or CloseEngine "
+        f"procpipe: a coordinator command is a StartIteration, CancelIteration, ReserveSlots or CloseEngine "
         f"(procpipe._engine.commands), not {type(command).__name__} {command!r}; "
-        "e.g. submit(CancelStream(stream.gen)) instead of submit('cancel', stream.gen)"
+        "e.g. submit(CancelIteration(stream.gen)) instead of submit('cancel', stream.gen)"
     )

@@ -1,7 +1,7 @@
 """The coordinator: a background thread in the consumer's process that drives the workers.
 
 The data path, top to bottom: the consumer's ``iter(loader)`` (loader.py; its epoch
-iterator, _consumer/epoch_iterator.py) hands a ``Stream`` of epochs and their batches (epochs.py) to
+iterator, _consumer/epoch_iterator.py) hands a ``Iteration`` of epochs and their batches (epochs.py) to
 this thread, which sends each batch to a worker process (started by pool.py; _worker/process.py
 runs in it). The worker writes the collated batch into a ring slot (shm.py, collate.py) and
 replies with its layout; here the reply becomes a batch of views of that slot, which the
@@ -63,11 +63,11 @@ from .._worker import fork_safety
 from ..config import EngineConfig
 from ..errors import TaskTimeoutError, WorkerError
 from .autotune import Meter, Tuner, cpu_count, memory_room
-from .commands import CancelStream, CloseEngine, Command, ReserveSlots, StartStream, checked
+from .commands import CancelIteration, CloseEngine, Command, ReserveSlots, StartIteration, checked
 from .deaths import Next, settle
 from .delivery import SMALL_BATCH_BYTES, TASKS_PER_WORKER_SMALL, Delivery
 from .dispatch import TIMEOUT_ATTEMPTS, Dispatcher
-from .epochs import Epoch, Stream
+from .epochs import Epoch, Iteration
 from .faults import death_message, startup_message, timeout_message
 from .pool import Watchdog, WorkerLink, WorkerPool
 from .roster import Roster
@@ -120,7 +120,7 @@ class Coordinator:
                     node_dir = node_directory()
                     sweep_once(node_dir)
                 self._node = NodeShare(node_dir, cpus)
-        self.stream: Stream | None = None
+        self.stream: Iteration | None = None
         self._watchdog = Watchdog(config.faults.speculate, config.faults.task_timeout)
         self._watching = config.faults.speculate is not None or config.faults.task_timeout is not None
         self._selector = selectors.DefaultSelector()
@@ -188,7 +188,7 @@ class Coordinator:
 
     # ---------------------------------------------------------------- consumer side
     def submit(self, command: Command) -> None:
-        """Queue a command (commands.py: ``StartStream``, ``CancelStream``, ``ReserveSlots``, ``CloseEngine``) for
+        """Queue a command (commands.py: ``StartIteration``, ``CancelIteration``, ``ReserveSlots``, ``CloseEngine``) for
         the coordinator thread and wake it; anything else is a ``TypeError``."""
         self._commands.append(checked(command))
         self._wakeup.wake()
@@ -196,7 +196,7 @@ class Coordinator:
     def wake(self) -> None:
         self._wakeup.wake()
 
-    def consumed_one(self, stream: Stream, epoch: Epoch, seq: int) -> None:
+    def consumed_one(self, stream: Iteration, epoch: Epoch, seq: int) -> None:
         epoch.mark_consumed(seq)
         stream.consumed += 1
         wakeup = self._wakeup
@@ -264,9 +264,9 @@ class Coordinator:
         commands = self._commands
         while commands:
             command = commands.popleft()
-            if isinstance(command, StartStream):
+            if isinstance(command, StartIteration):
                 self._start_stream(command.stream)
-            elif isinstance(command, CancelStream):
+            elif isinstance(command, CancelIteration):
                 if self.stream is not None and self.stream.gen == command.gen:
                     self.stream.abandon()
             elif isinstance(command, ReserveSlots):
@@ -307,7 +307,7 @@ class Coordinator:
         registered = selector.get_map()
         stream = self.stream
         if stream is not None and stream.pending:
-            stream.publish()  # the round's batches, now that its tasks are sent (Stream.publish)
+            stream.publish()  # the round's batches, now that its tasks are sent (Iteration.publish)
         for key, _ in selector.select(wait):
             if registered.get(key.fd) is not key:
                 continue  # unregistered by an earlier callback of this round (its worker died)
@@ -339,7 +339,7 @@ class Coordinator:
                 on_exit(link)
 
     # ---------------------------------------------------------------- streams and epochs
-    def _start_stream(self, stream: Stream) -> None:
+    def _start_stream(self, stream: Iteration) -> None:
         if self.stream is not None:
             self.stream.abandon()
         self.stream = stream

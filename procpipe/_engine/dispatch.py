@@ -27,7 +27,7 @@ from .pool import WorkerLink
 from .roster import Roster
 
 if TYPE_CHECKING:
-    from .epochs import Epoch, Job, Stream
+    from .epochs import Epoch, Iteration, Job
 
 _new_tuple = tuple.__new__  # a Task without NamedTuple's argument handling (one per batch)
 TIMEOUT_ATTEMPTS = 2  # attempts a batch may have at once, or time out on before the epoch fails
@@ -80,7 +80,7 @@ class Dispatcher:
         self.max_outstanding = self.prefetch + roster.tasks_per_worker * roster.n_workers
 
     # ---------------------------------------------------------------- the round
-    def round(self, stream: Stream) -> bool:
+    def round(self, stream: Iteration) -> bool:
         """Send what may go now; True when something was held back (for want of a slot, a
         worker or consumption): a freed slot should then wake the coordinator."""
         # Tasks in flight and batches not taken yet, counted once: only this thread adds to it

@@ -1,6 +1,6 @@
 """Epochs and streams: what the coordinator and the consumer share about an iteration's batches.
 
-One ``iter(loader)`` is a ``Stream``: one epoch (the default), N epochs or endless
+One ``iter(loader)`` is a ``Iteration``: one epoch (the default), N epochs or endless
 (``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (_sources/epoch_plan.py:
 ``IndexPlan`` for indexed sources, ``_sources.stream.ShardPlan`` for shards), which says which
 tasks the epoch holds and what their results become; the ``Epoch`` itself is the same for
@@ -16,7 +16,7 @@ The stream opens the next epoch as soon as every task of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
 plan, counters and progress, and all of them feed one queue, tagged with their
 epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch,
-``EndOfStream`` after the stream, and a ``Failure`` that ends it. A batch whose user code
+``EndOfIteration`` after the stream, and a ``Failure`` that ends it. A batch whose user code
 raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
 the iteration goes on with the next batch (as torch's DataLoader does).
 """
@@ -36,14 +36,14 @@ from .._core.skips import SkipBudget
 from .._core.stats import EpochCounters
 from .._sources.epoch_plan import EMPTY, EpochPlan, Failure, Offer, Work
 
-__all__ = ["EMPTY", "EndOfStream", "Epoch", "EpochEnd", "Failure", "Job", "Stream", "iteration_over"]
+__all__ = ["EMPTY", "EndOfIteration", "Epoch", "EpochEnd", "Failure", "Iteration", "Job", "iteration_over"]
 
 
-class PlanClass(Protocol):
+class EpochPlanClass(Protocol):
     """A source kind's ``EpochPlan`` class: built once per epoch (``EpochPlan`` declares no
     constructor; ``IndexPlan`` and ``ShardPlan`` share this one)."""
 
-    def __call__(self, sampler: Any, number: int, batches: Any, ordered: bool, resumed: Any, /) -> EpochPlan: ...
+    def __call__(self, order: Any, number: int, batches: Any, ordered: bool, resumed: Any, /) -> EpochPlan: ...
 
     def unopened_state(self, resumed: Any) -> Any: ...
 
@@ -55,7 +55,7 @@ def iteration_over(cancelled: str | None) -> NoReturn:
     raise StopIteration
 
 
-class EndOfStream:
+class EndOfIteration:
     """Queue marker: the iteration is over: every batch of every epoch of the stream has been delivered."""
 
 
@@ -98,7 +98,7 @@ class Job:
 
 
 class Epoch:
-    """One pass over the data within a ``Stream``, for any source kind: the engine's side of
+    """One pass over the data within a ``Iteration``, for any source kind: the engine's side of
     an ``EpochPlan`` (_sources/epoch_plan.py), which says which tasks the epoch holds and what their
     results become. This class keeps what is the same for every kind: the jobs sent and
     their ring slots, the counters, the skip budget, the tasks to run again, and handing
@@ -110,11 +110,11 @@ class Epoch:
     ``consumer_progress`` / ``all_consumed`` (``Loader.state_dict``).
     """
 
-    def __init__(self, gen: int, number: int, plan: EpochPlan, batches: Any, stream: Stream) -> None:
+    def __init__(self, gen: int, number: int, plan: EpochPlan, batches: Any, stream: Iteration) -> None:
         self.gen = gen  # the stream's id (unique per iteration), distinct from the epoch number
         self.number = number
         self.plan = plan
-        self.batches = batches  # what the sampler gave: batches of indices, or a stream's shard order
+        self.batches = batches  # what the order gave: batches of indices, or a stream's shard order
         self.stream = stream
         self.counters = EpochCounters(epoch=number)
         self.jobs: dict[int, Job] = {}  # by key: sent, no result used yet
@@ -237,7 +237,7 @@ class Epoch:
         return self.plan.all_taken()
 
 
-class Stream:
+class Iteration:
     """What one ``iter(loader)`` asked for: epochs ``start, start + 1, ...`` before ``until``
     (``None``: forever), as one continuous series of jobs.
 
@@ -245,7 +245,7 @@ class Stream:
     dispatched (``fresh``), so workers go on across the boundary instead of draining.
     Every epoch keeps its own reassembly, counters and progress; their batches go into
     one queue, ``out``, as ``(epoch, position, batch)`` tuples, each epoch followed by an
-    ``EpochEnd`` marker and the stream by ``EndOfStream``. An ordered stream holds a later
+    ``EpochEnd`` marker and the stream by ``EndOfIteration``. An ordered stream holds a later
     epoch's items back until every earlier epoch is out (order by epoch, then position);
     a sloppy one does not. A ``Failure`` ends the stream (in order, when ordered).
 
@@ -258,7 +258,7 @@ class Stream:
     def __init__(
         self,
         gen: int,
-        sampler: Any,
+        order: Any,
         start: int,
         until: int | None,
         ordered: bool,
@@ -269,7 +269,7 @@ class Stream:
     ) -> None:
         self.gen = gen
         self.rotation = rotation  # assign="round_robin": batch k of an epoch to worker k % rotation
-        self.sampler = sampler
+        self.order = order
         self.start = start
         self.until = until
         self.ordered = ordered
@@ -289,13 +289,13 @@ class Stream:
         self.wait_s = 0.0  # seconds the consumer waited in next() (consumer thread; autotune reads it)
         self.on_open: Callable[[Epoch], None] | None = None  # the coordinator's per-epoch set-up
         self.last: Epoch | None = None  # the epoch opened last
-        # The source kind's per-epoch plan, named by its sampler (_sources/epoch_plan.py BatchPlan.plan_class).
-        self.plan_class: PlanClass = sampler.plan_class
+        # The source kind's per-epoch plan, named by its order (_sources/epoch_plan.py Order.epoch_plan).
+        self.epoch_plan: EpochPlanClass = order.epoch_plan
         self.first = self._epoch(start, first_batches, done)
         self.opened[start] = self.first
 
     def _epoch(self, number: int, batches: Any, done: Any) -> Epoch:
-        plan = self.plan_class(self.sampler, number, batches, self.ordered, done)
+        plan = self.epoch_plan(self.order, number, batches, self.ordered, done)
         if self.rotation:
             plan.rotate(self.rotation)
         return Epoch(self.gen, number, plan, batches, self)
@@ -332,8 +332,8 @@ class Stream:
             number = self.next_number
             self.next_number += 1
             try:
-                batches = self.sampler.batches(number)
-            except Exception as exc:  # noqa: BLE001 - the user's sampler can raise anything: it fails the epoch
+                batches = self.order.batches(number)
+            except Exception as exc:  # noqa: BLE001 - the user's order can raise anything: it fails the epoch
                 add_note(exc, f"procpipe: raised while computing the batches of epoch {number}")
                 failed = self._epoch(number, [], None)
                 self.epochs.append(failed)
@@ -360,7 +360,7 @@ class Stream:
             epoch = opened.get(n)
             if epoch is not None:
                 return epoch.consumer_progress(), epoch.all_consumed()
-            return self.plan_class.unopened_state(self.resumed_ahead.get(n)), False
+            return self.epoch_plan.unopened_state(self.resumed_ahead.get(n)), False
 
         until = self.until
         done, complete = progress(low)
@@ -440,7 +440,7 @@ class Stream:
     def _maybe_end(self) -> None:
         if not self.finished and not self.epochs and self.exhausted:
             self.finished = True
-            self._enqueue(EndOfStream)
+            self._enqueue(EndOfIteration)
 
     def fail_at(self, epoch: Epoch, failure: Failure) -> None:
         """``epoch`` failed: raise in the consumer once the epochs before it are out (ordered)."""
@@ -473,7 +473,7 @@ class Stream:
         Queued items reference their epoch, which references this stream, which holds the
         queue: a cycle that would keep those batches, and their ring slots, alive until the
         cyclic garbage collector runs. Dropping them returns the slots now. A reader still
-        blocked on the queue (a device stage thread) gets ``EndOfStream``.
+        blocked on the queue (a device stage thread) gets ``EndOfIteration``.
         """
         self.finish()
         if self.pending:
@@ -483,4 +483,4 @@ class Stream:
                 self.out.get_nowait()
             except queue.Empty:
                 break
-        self.out.put(EndOfStream)
+        self.out.put(EndOfIteration)

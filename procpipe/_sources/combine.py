@@ -14,7 +14,7 @@ uninterrupted run with the new world size.
   ``"combined"``. A loader that loads it computes the epoch's order less what was
   delivered (``remaining``), and takes its part ``rank, rank + world_size, ...``, without
   padding (padding would deliver some twice), as the order of that epoch only
-  (``Sampler.given``). So in the resumed epoch ranks may differ by one batch; later
+  (``IndexOrder.given``). So in the resumed epoch ranks may differ by one batch; later
   epochs are padded as usual. A state saved during that epoch keeps the base, so states
   can be combined again (and again) before the epoch ends.
 - **Shards.** A stream's progress is kept in records of shards named by their index in
@@ -212,7 +212,7 @@ def _stream_entries(states: list[dict[str, Any]], epoch: int) -> list[dict[str, 
 
 
 def _shard_order(settings: dict[str, Any], epoch: int, rank: int, world: int) -> list[int]:
-    """A ``Shards`` source's shards of ``epoch`` for rank ``rank`` of ``world`` (``StreamPlan.batches``)."""
+    """A ``Shards`` source's shards of ``epoch`` for rank ``rank`` of ``world`` (``ShardOrder.batches``)."""
     return epoch_order(
         settings["shards"], epoch, settings["shuffle"], settings["seed"], settings.get("reshuffle", True), (rank, world)
     ).tolist()

@@ -70,7 +70,7 @@ def _delivered(settings: dict[str, Any], full: np.ndarray, combined: dict[str, A
                 remaining[id(inner)] = _remaining(full, before)
             order = remaining[id(inner)][rank::world]
         else:
-            if padded is None:  # (Sampler's and MixSampler's padding: to a multiple of world)
+            if padded is None:  # (IndexOrder's and MixOrder's padding: to a multiple of world)
                 padded = np.resize(full, -(-len(full) // world) * world)
             order = padded[rank::world]
         below = entry[DONE_BELOW]
@@ -88,15 +88,15 @@ def _remaining(full: np.ndarray, delivered: np.ndarray) -> np.ndarray:
 
 
 class CombinedLoad:
-    """A state holding ``"combined"`` being made into this loader's own, whose plan is ``plan``:
+    """A state holding ``"combined"`` being made into this loader's own, whose order is ``order``:
     its shard checked (a state saved in an epoch resumed from a combined state belongs to that
     rank), ``out`` the state as this rank's (``"combined"`` dropped), and the steps a source kind
     (``_sources/resolve.py``: its ``elastic_state``) takes with it: for an indexed source, the
-    resumed epoch's order given to the sampler (``give``); for a ``Shards`` source, the progress
+    resumed epoch's order given to the order (``give``); for a ``Shards`` source, the progress
     about the shards of this rank's order (``keep_progress``). The result is checked as usual."""
 
-    def __init__(self, state: dict[str, Any], plan: Any) -> None:
-        mine = getattr(plan, "shard", None)
+    def __init__(self, state: dict[str, Any], order: Any) -> None:
+        mine = getattr(order, "shard", None)
         saved = state.get(SHARD)
         if saved is not None and (mine is None or list(mine) != list(saved)):
             raise ValueError(

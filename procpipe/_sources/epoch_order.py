@@ -22,8 +22,8 @@ def epoch_order(
     shard: tuple[int, int] | None,
     pad_to: int | None = None,
 ) -> np.ndarray:
-    """The one definition of an epoch's order, for samples (``Sampler``) and for shards
-    (``_sources.stream.StreamPlan``): ``range(n)``, permuted from ``(seed, epoch)`` (epoch 0's
+    """The one definition of an epoch's order, for samples (``IndexOrder``) and for shards
+    (``_sources.stream.ShardOrder``): ``range(n)``, permuted from ``(seed, epoch)`` (epoch 0's
     permutation every epoch without ``reshuffle``), then this rank's part with
     ``shard=(rank, world)``: positions ``rank, rank + world, ...``, after padding the order
     to ``pad_to`` by repeating its first entries (``DistributedSampler``'s equal lengths)."""
@@ -38,7 +38,7 @@ def epoch_order(
 
 class GivenOrders:
     """The epoch whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
-    installs in a ``Sampler`` or ``MixSampler`` (_sources/combine.py): the indices no rank of the saved
+    installs in a ``IndexOrder`` or ``MixOrder`` (_sources/combine.py): the indices no rank of the saved
     run had delivered, this rank's part of them, and the combined state it came from (``base``,
     kept for the states this loader saves in that epoch). One epoch at most."""
 

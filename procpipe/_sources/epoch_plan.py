@@ -206,15 +206,15 @@ class EpochPlan:
         raise NotImplementedError
 
 
-class BatchPlan(Protocol):
-    """What a Loader holds for its source, whatever its kind (``Sampler``, ``MixSampler``,
-    ``ExplicitBatches``, ``StreamPlan``): the batches of each epoch (lists of indices; for a
+class Order(Protocol):
+    """What a Loader holds for its source, whatever its kind (``IndexOrder``, ``MixOrder``,
+    ``CallerOrder``, ``ShardOrder``): the batches of each epoch (lists of indices; for a
     stream, the order its shards are read in), and how many there are (``TypeError`` where
-    that is not known in advance). ``plan_class``: the ``EpochPlan`` of its epochs (``IndexPlan``,
-    or a stream's ``ShardPlan``), which the engine's ``Stream`` builds each epoch with."""
+    that is not known in advance). ``epoch_plan``: the ``EpochPlan`` of its epochs (``IndexPlan``,
+    or a stream's ``ShardPlan``), which the engine's ``Iteration`` builds each epoch with."""
 
     @property
-    def plan_class(self) -> Any: ...
+    def epoch_plan(self) -> Any: ...
 
     def __len__(self) -> int: ...
 

@@ -3,18 +3,18 @@
 ``Loader(source, ...)`` accepts four kinds of source, which differ in how an epoch is
 ordered, what a task is, how a position is counted and how the cache is laid out:
 
-| source | kind | plan (order per epoch) | task (the worker's reader) | samples named (``names``) |
+| source | kind | order (order per epoch) | task (the worker's reader) | samples named (``names``) |
 |---|---|---|---|---|
-| indexed (``len``, ``[i]``) | ``IndexedKind`` | ``Sampler`` | indices (``IndexedReader``) | ``IndexNames`` |
-| indexed, ``batches=...`` | ``ExplicitKind`` | ``ExplicitBatches`` | indices (``IndexedReader``) | ``IndexNames`` |
-| ``Mix`` of indexed datasets | ``MixKind`` | ``MixSampler`` | indices (``IndexedReader``) | ``IndexNames`` |
-| ``Shards`` (torch replicas too) | ``StreamKind`` | ``StreamPlan`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
-| ``Mix`` with a stream | ``MixStreamKind`` | ``MixStreamPlan`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
+| indexed (``len``, ``[i]``) | ``IndexedKind`` | ``IndexOrder`` | indices (``IndexProducer``) | ``IndexNames`` |
+| indexed, ``batches=...`` | ``CallerKind`` | ``CallerOrder`` | indices (``IndexProducer``) | ``IndexNames`` |
+| ``Mix`` of indexed datasets | ``MixKind`` | ``MixOrder`` | indices (``IndexProducer``) | ``IndexNames`` |
+| ``Shards`` (torch replicas too) | ``StreamKind`` | ``ShardOrder`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
+| ``Mix`` with a stream | ``MixStreamKind`` | ``MixShardOrder`` | a ``Block`` (the ``Shards``) | ``RecordNames`` |
 
 ``resolve_kind`` asks "which kind is this?" once, here, and returns a ``SourceKind`` that
-answers every later question: the plan (its ``batches(epoch)``, ``len``; its
-``plan_class`` is the per-epoch ``EpochPlan`` the engine builds), the source and the
-``reader`` the workers get (_worker/reader.py: the producer of a task and the cache's
+answers every later question: the order (its ``batches(epoch)``, ``len``; its
+``epoch_plan`` is the per-epoch ``EpochPlan`` the engine builds), the source and the
+``reader`` the workers get (_worker/index_producer.py: the producer of a task and the cache's
 layout), how messages name its samples (``names``: ``workers=0``'s one driver,
 ``_consumer/inline.py``, serves every kind), and the saved state (``_sources/saved_state.py``'s
 ``SourceKind`` protocol): what a state must match (``settings``) and holds beyond the position
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .indexed.index_kind import ExplicitKind, IndexedKind
+from .indexed.index_kind import CallerKind, IndexedKind
 from .mix.mix_kind import MixKind, MixStreamKind
 from .mix.mixture import Mix
 from .source_kind import SourceKind
@@ -49,7 +49,7 @@ def kind_of(source: Any, batching: Batching) -> type[SourceKind]:
         return StreamKind
     if isinstance(source, Mix):
         return MixStreamKind if source.streaming else MixKind
-    return IndexedKind if batching.batches is None else ExplicitKind
+    return IndexedKind if batching.batches is None else CallerKind
 
 
 def resolve_kind(source: Any, config: LoaderConfig) -> SourceKind:
@@ -57,7 +57,7 @@ def resolve_kind(source: Any, config: LoaderConfig) -> SourceKind:
     checked, config.py); raises ``TypeError``/``ValueError`` for a source no kind accepts,
     or an option its kind does not support."""
     kind = kind_of(source, config.batching).of(source, config)
-    if kind.warns_when_empty and not len(kind.plan):
+    if kind.warns_when_empty and not len(kind.order):
         b = config.batching
         warn_no_batches(len(source), b.batch_size, bool(b.drop_last))
     return kind

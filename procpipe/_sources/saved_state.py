@@ -27,7 +27,7 @@ state through them, not by raw strings.
 A *position* is the part that says where a consumer stands: what every consumer-side node
 (``procpipe._consumer.nodes``) returns from ``get_state()`` and takes back in ``reset()``. One
 encoder and one decoder (``encode_position``, ``decode_position``), so the format is written once.
-A sampler that checks its own progress states (``check_progress``: the ``StreamPlan`` of a
+A order that checks its own progress states (``check_progress``: the ``ShardOrder`` of a
 ``procpipe.Shards`` source) is a streaming one; this module does not import ``_sources.stream`` (whose
 ``workers=0`` node uses it). ``save_state`` wraps a position with the version and the settings;
 ``load_state`` checks a saved state against this loader's source kind (``kinds.py``: same kind of
@@ -137,15 +137,15 @@ class Resume(tuple):
         return default if self.until is LOADER_EPOCHS else self.until
 
 
-def is_streaming(sampler: Any) -> bool:
-    """``sampler`` plans a streaming source (its epochs' progress is a ``StreamProgress`` state)."""
-    return callable(getattr(sampler, "check_progress", None))
+def is_streaming(order: Any) -> bool:
+    """``order`` plans a streaming source (its epochs' progress is a ``StreamProgress`` state)."""
+    return callable(getattr(order, "check_progress", None))
 
 
-def encode_position(sampler: Any, point: ResumePoint) -> dict[str, Any]:
+def encode_position(order: Any, point: ResumePoint) -> dict[str, Any]:
     """``point`` (what was returned, in the form ``Epoch.consumer_progress()`` gives) as a plain dict."""
     epoch, done, ahead, until = point
-    if is_streaming(sampler):
+    if is_streaming(order):
         progress = {STREAM: done, AHEAD: [[n, p] for n, p in sorted(ahead.items())]}
     else:
         done = _as_progress(done)
@@ -163,14 +163,14 @@ def _as_progress(done: Any) -> Progress:
     return done if isinstance(done, Progress) else Progress(done or ())
 
 
-def start_position(sampler: Any, epoch: int, until: int | None) -> dict[str, Any]:
+def start_position(order: Any, epoch: int, until: int | None) -> dict[str, Any]:
     """The position of an iteration that starts at ``epoch`` and has returned nothing yet."""
-    empty = None if is_streaming(sampler) else Progress()
-    return encode_position(sampler, ResumePoint(epoch, empty, {}, until))
+    empty = None if is_streaming(order) else Progress()
+    return encode_position(order, ResumePoint(epoch, empty, {}, until))
 
 
-def decode_position(state: Any, sampler: Any) -> Resume:
-    """A position (``encode_position``'s dict, or a whole saved state), checked against ``sampler``;
+def decode_position(state: Any, order: Any) -> Resume:
+    """A position (``encode_position``'s dict, or a whole saved state), checked against ``order``;
     raises ``ValueError`` naming what is corrupt."""
     if not isinstance(state, dict):
         # (a corrupt saved state is a ValueError whatever is wrong with it: callers catch ValueError)
@@ -180,25 +180,25 @@ def decode_position(state: Any, sampler: Any) -> Resume:
     epoch = state.get(EPOCH)
     if not is_count(epoch, 0):
         raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
-    if is_streaming(sampler):
-        done = sampler.check_progress(state.get(STREAM), epoch)
-        until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, sampler))
+    if is_streaming(order):
+        done = order.check_progress(state.get(STREAM), epoch)
+        until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, order))
     else:
 
         def progress(number: int, rest: list) -> frozenset:
-            return _index_progress(_batch_count(sampler, number), number, rest)
+            return _index_progress(_batch_count(order, number), number, rest)
 
         done = progress(epoch, [state.get(DONE_BELOW), state.get(DONE)])
         until, ahead = _until_and_ahead(state, epoch, progress)
     return Resume(epoch, done, until, ahead)
 
 
-def _batch_count(sampler: Any, epoch: int) -> int | None:
-    """Batches in ``epoch``, if the sampler knows (a ``batches=`` callable without ``__len__`` does not;
-    a ``Sampler`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
-    per_epoch = getattr(sampler, "epoch_batches", None)
+def _batch_count(order: Any, epoch: int) -> int | None:
+    """Batches in ``epoch``, if the order knows (a ``batches=`` callable without ``__len__`` does not;
+    a ``IndexOrder`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
+    per_epoch = getattr(order, "epoch_batches", None)
     try:
-        return per_epoch(epoch) if per_epoch is not None else len(sampler)
+        return per_epoch(epoch) if per_epoch is not None else len(order)
     except TypeError:
         return None
 
@@ -246,8 +246,8 @@ def _index_progress(count: int | None, epoch: int, rest: list) -> frozenset:
     return frozenset(itertools.chain(range(below), beyond))
 
 
-def _stream_ahead_entry(sampler: Any, epoch: int, rest: list) -> dict:
+def _stream_ahead_entry(order: Any, epoch: int, rest: list) -> dict:
     """``[stream]`` of an ``ahead`` entry of a streaming source's state, checked."""
     if len(rest) != 1 or rest[0] is None:
         raise ValueError(f"corrupt procpipe Loader state: ahead entry for epoch {epoch}: {rest!r:.200}")
-    return sampler.check_progress(rest[0], epoch)
+    return order.check_progress(rest[0], epoch)

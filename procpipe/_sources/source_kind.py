@@ -1,12 +1,12 @@
 """The contract every source kind answers (``SourceKind``): what a Loader knows of its source
 once its kind is resolved (``resolve.py``), and the questions each kind answers for itself.
 
-A kind is an order (``plan``: ``batches(epoch)``, ``len``, the ``plan_class`` of its epochs), the
-workers' side (``reader``: how a task is produced, the cache's layout), how messages name its
+A kind is an order (``order``: ``batches(epoch)``, ``len``, the ``epoch_plan`` of its epochs), the
+workers' side (``producer``: how a task is produced, the cache's layout), how messages name its
 samples (``names``) and the saved state's answers: its ``settings``, what it saves beyond the
 position, whether a state is of this kind, a combined state made its own and the position a state
 resumes. The kinds, each in its package: ``indexed/index_kind.py`` (``IndexedKind``,
-``ExplicitKind``), ``stream/stream_kind.py`` (``StreamKind``), ``mix/mix_kind.py`` (``MixKind``,
+``CallerKind``), ``stream/stream_kind.py`` (``StreamKind``), ``mix/mix_kind.py`` (``MixKind``,
 ``MixStreamKind``). Like Grain's random-access and streaming datasets under one state protocol, or
 torchdata's nodes, the rest of the code holds this protocol and never tests a source's type.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._worker.worker_spec import Producer
-from .epoch_plan import BatchPlan
+from .epoch_plan import Order
 from .sample_names import SampleNames
 from .saved_state import (
     COMBINED,
@@ -44,12 +44,12 @@ class SourceKind:
     protocol), so a new kind is one new class here, not a flag tested in the state's code.
 
     This base class is an indexed source whose epochs are not drawn from settings it can redraw:
-    ``IndexedKind`` (a ``Sampler``), ``ExplicitKind`` (``batches=...``) and ``MixKind`` refine it.
+    ``IndexedKind`` (a ``IndexOrder``), ``CallerKind`` (``batches=...``) and ``MixKind`` refine it.
 
     Attributes:
-        plan: the epochs' plan (``batches(epoch)``, ``len()``, ``plan_class``): the sampler.
+        order: the epochs' order (``batches(epoch)``, ``len()``, ``epoch_plan``): the order.
         source: what the workers read (a stream's configured copy of its ``Shards``).
-        reader: the worker side (``spec.producer``): how a task is produced, the cache's layout.
+        producer: the worker side (``spec.producer``): how a task is produced, the cache's layout.
         names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
     """
 
@@ -65,25 +65,25 @@ class SourceKind:
         (the batching group and, for a stream, the stages and faults groups)."""
         raise NotImplementedError
 
-    def __init__(self, plan: BatchPlan, source: Any, reader: Producer, names: SampleNames) -> None:
-        self.plan = plan
+    def __init__(self, order: Order, source: Any, producer: Producer, names: SampleNames) -> None:
+        self.order = order
         self.source = source
-        self.reader = reader
+        self.producer = producer
         self.names = names
 
     # ---- saving (_sources/saved_state.py save_state)
     def settings(self) -> dict[str, Any]:
-        """The plan's settings a saved state must match to be resumed (_sources/saved_state.py)."""
-        plan: Any = self.plan
-        shard = getattr(plan, "shard", None)
+        """The order's settings a saved state must match to be resumed (_sources/saved_state.py)."""
+        order: Any = self.order
+        shard = getattr(order, "shard", None)
         return {
-            "length": plan.length,
-            "batch_size": getattr(plan, "batch_size", None),
-            "shuffle": getattr(plan, "shuffle", False),
-            "seed": getattr(plan, "seed", None),
-            "drop_last": getattr(plan, "drop_last", False),
+            "length": order.length,
+            "batch_size": getattr(order, "batch_size", None),
+            "shuffle": getattr(order, "shuffle", False),
+            "seed": getattr(order, "seed", None),
+            "drop_last": getattr(order, "drop_last", False),
             SHARD: None if shard is None else list(shard),
-            "reshuffle": getattr(plan, "reshuffle", True),
+            "reshuffle": getattr(order, "reshuffle", True),
         }
 
     def saved_extras(self, position: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ class SourceKind:
 
     def resume(self, state: dict[str, Any]) -> Resume:
         """The position ``state`` (checked: kind, settings) resumes."""
-        return decode_position(state, self.plan)
+        return decode_position(state, self.order)
 
 
 def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def save_state(kind: SourceKind, position: dict[str, Any]) -> dict[str, Any]:
 
 def load_state(state: Any, kind: SourceKind) -> Resume:
     """``Loader.load_state_dict(state)``'s checks: the state, checked against ``kind`` (the kind of
-    source it was saved over, and the settings of its plan)."""
+    source it was saved over, and the settings of its order)."""
     if not isinstance(state, dict) or state.get(VERSION_KEY) != VERSION:
         raise ValueError(f"not a procpipe Loader state (from Loader.state_dict(), version 1): {state!r:.200}")
     kind.check_saved_kind(state)

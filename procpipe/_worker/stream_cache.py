@@ -328,4 +328,3 @@ class StreamCache:
             result.close()
             raise
         return result
-

@@ -6,7 +6,7 @@ every worker (spec_shipping.py; with ``"fork"`` it is inherited). Nothing change
 frozen. Its parts are typed by what a worker asks of them:
 
 - ``Producer``: the source kind's worker side (``spec.producer``), resolved once by the Loader
-  (_sources/resolve.py): how a task is produced (a list of indices: reader.py ``IndexedReader``; a
+  (_sources/resolve.py): how a task is produced (a list of indices: index_producer.py ``IndexProducer``; a
   stream's ``Block``: the configured ``Shards``) and how ``cache=...`` is laid out for it
   (``cache_kind``: ``PER_INDEX``, ``PER_RECORD`` or ``GROWING``);
 - ``SampleCache``: ``fn``'s output kept once per index or record (cache.py ``Cache``, or a

@@ -1,7 +1,7 @@
-"""Which indices each batch of an indexed source's epoch holds: ``Sampler`` (the loader's own
-order: shuffled, sharded, batched) and ``ExplicitBatches`` (the caller's ``batches=`` callable,
+"""Which indices each batch of an indexed source's epoch holds: ``IndexOrder`` (the loader's own
+order: shuffled, sharded, batched) and ``CallerOrder`` (the caller's ``batches=`` callable,
 used by ``procpipe.torch.DataLoader`` to follow a torch sampler). Anything with
-``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for a ``Sampler``.
+``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for a ``IndexOrder``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 
 class DrawnOrder(Protocol):
     """An indexed order drawn from settings, which a combined state can give an epoch's order
-    (``given``): a ``Sampler``, or a mixture's ``MixSampler``."""
+    (``given``): a ``IndexOrder``, or a mixture's ``MixOrder``."""
 
     @property
     def given(self) -> GivenOrders: ...
 
     @property
-    def plan_class(self) -> type[IndexPlan]: ...
+    def epoch_plan(self) -> type[IndexPlan]: ...
 
     def batches(self, epoch: int) -> list[list[int]]: ...
 
@@ -36,7 +36,7 @@ class DrawnOrder(Protocol):
 
 
 @dataclass(frozen=True)
-class Sampler:
+class IndexOrder:
     """Splits ``range(length)`` into the batches of each epoch.
 
     ``batch_size=None`` means one sample per batch (yielded unbatched).
@@ -51,7 +51,7 @@ class Sampler:
     from ``procpipe.combine_states`` is loaded).
     """
 
-    plan_class: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (index_plan.py)
+    epoch_plan: ClassVar[type[IndexPlan]] = IndexPlan  # each epoch: a fixed list of batches (index_plan.py)
 
     length: int
     batch_size: int | None
@@ -63,7 +63,7 @@ class Sampler:
     given: GivenOrders = field(default_factory=GivenOrders, compare=False, repr=False)
 
     @classmethod
-    def of(cls, length: int, batching: Batching) -> Sampler:
+    def of(cls, length: int, batching: Batching) -> IndexOrder:
         """The order of ``length`` samples, from a Loader's batching group (config.py)."""
         return cls(length, **order_options(batching))
 
@@ -120,7 +120,7 @@ def _index(value: Any) -> int:
     return operator.index(value)
 
 
-class ExplicitBatches:
+class CallerOrder:
     """The batches of each epoch come from the caller: ``batches(epoch) -> list of index lists``.
 
     Called once per epoch in the consumer's process. Indices may be any integer type
@@ -128,7 +128,7 @@ class ExplicitBatches:
     length so a bad index fails here, with the culprit named, not in a worker.
     """
 
-    plan_class = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
+    epoch_plan = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
 
     def __init__(self, fn: Callable[[int], Any], length: int, unbatched: bool) -> None:
         self.fn = fn
@@ -171,7 +171,7 @@ class ExplicitBatches:
 
 
 def order_options(batching: Batching) -> dict[str, Any]:
-    """What an indexed order takes of a Loader's batching group: ``Sampler.of``, ``MixSampler.of``."""
+    """What an indexed order takes of a Loader's batching group: ``IndexOrder.of``, ``MixOrder.of``."""
     shard = batching.shard
     return {
         "batch_size": batching.batch_size,
@@ -183,4 +183,4 @@ def order_options(batching: Batching) -> dict[str, Any]:
     }
 
 
-__all__ = ["DrawnOrder", "ExplicitBatches", "Sampler", "order_options"]
+__all__ = ["CallerOrder", "DrawnOrder", "IndexOrder", "order_options"]

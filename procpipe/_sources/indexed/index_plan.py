@@ -26,7 +26,7 @@ class IndexPlan(EpochPlan):
     skips_tasks = True  # on_error="skip" may leave out a batch whose collation failed
 
     def __init__(
-        self, sampler: Any, number: int, batches: list[list[int]], ordered: bool, done: Any = frozenset()
+        self, order: Any, number: int, batches: list[list[int]], ordered: bool, done: Any = frozenset()
     ) -> None:
         self.batches = batches
         self.ordered = ordered

@@ -15,8 +15,8 @@ from ..saved_state import AHEAD, COMBINED, EPOCH, MIX, STREAM, Resume, other_mix
 from ..stream.interleave import merged_progress
 from ..stream.stream_kind import StreamKind
 from . import mix_weights
-from .mix_shards import MixStreamPlan
-from .mixture import MixSampler
+from .mix_shards import MixShardOrder
+from .mixture import MixOrder
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 class Mixing:
     """What a ``procpipe.Mix`` adds to its kind (``MixKind``, ``MixStreamKind``): the weights each
     epoch used, saved with a state (``mix_weights``) and pinned when one is loaded (``mixing``: its
-    ``MixSampler``)."""
+    ``MixOrder``)."""
 
-    mixing: MixSampler
+    mixing: MixOrder
 
     def saved_extras(self, position: dict[str, Any]) -> dict[str, Any]:
         epochs = [position[EPOCH], *(entry[0] for entry in position.get(AHEAD, []))]
@@ -54,7 +54,7 @@ class Mixing:
 
 
 class MixKind(Mixing, IndexedKind):
-    """A ``procpipe.Mix`` of indexed sources (a ``MixSampler``): its order is drawn again from the
+    """A ``procpipe.Mix`` of indexed sources (a ``MixOrder``): its order is drawn again from the
     weights a combined state saved (``_sources/mix/mix_weights.py``)."""
 
     @classmethod
@@ -65,11 +65,11 @@ class MixKind(Mixing, IndexedKind):
                 "a procpipe.Mix draws each epoch's order from its weights, but this Loader was also "
                 "given batches=..., which would replace it: leave batches= out to mix by weight"
             )
-        return cls(MixSampler.of(indexed_length(source, b), b, mix=source), source)
+        return cls(MixOrder.of(indexed_length(source, b), b, mix=source), source)
 
-    def __init__(self, plan: MixSampler, source: Any) -> None:
-        super().__init__(plan, source)
-        self.mixing = plan.mixing
+    def __init__(self, order: MixOrder, source: Any) -> None:
+        super().__init__(order, source)
+        self.mixing = order.mixing
 
     def settings(self) -> dict[str, Any]:
         return {**super().settings(), **self.mixing.settings()}
@@ -79,19 +79,19 @@ class MixKind(Mixing, IndexedKind):
 
 
 class MixStreamKind(Mixing, StreamKind):
-    """A ``procpipe.Mix`` holding a stream (``MixStreamPlan``): its shards' order is drawn again
+    """A ``procpipe.Mix`` holding a stream (``MixShardOrder``): its shards' order is drawn again
     from the weights a combined state saved, and the ranks' progress merged against it."""
 
     @classmethod
     def of(cls, source: Any, config: LoaderConfig) -> MixStreamKind:
-        return cls(MixStreamPlan.of(source, config.batching, config.stages, config.faults))
+        return cls(MixShardOrder.of(source, config.batching, config.stages, config.faults))
 
-    def __init__(self, plan: MixStreamPlan) -> None:
-        super().__init__(plan)
-        self.mixing = plan.mixing
+    def __init__(self, order: MixShardOrder) -> None:
+        super().__init__(order)
+        self.mixing = order.mixing
 
     def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        load = combined_load.CombinedLoad(state, self.plan)
+        load = combined_load.CombinedLoad(state, self.order)
         if not load.same_settings(self.order_settings()):
             return load.out  # (the usual checks name the setting that differs)
         full = mix_weights.saved_order(self.mixing, state, load.epoch).tolist()

@@ -1,6 +1,6 @@
-"""What a ``procpipe.Mix`` of streams becomes: a ``MixStreamPlan``, a ``StreamPlan`` over the
+"""What a ``procpipe.Mix`` of streams becomes: a ``MixShardOrder``, a ``ShardOrder`` over the
 shards of every source (_sources/resolve.py picks it; a ``Mix`` of indexed sources is planned by
-_sources/mix/mixture.py's ``MixSampler``).
+_sources/mix/mixture.py's ``MixOrder``).
 
 A mixture of streams (``procpipe.Shards``, or mixtures of them) mixes **shards**: its index
 space is the concatenation of its sources' shard lists (``Mix.offsets`` count shards, since
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..stream import Shards, StreamPlan
+from ..stream import ShardOrder, Shards
 from .index_slices import EpochShards, IndexSlices, leaf_streams
-from .mixture import Mix, MixSampler
+from .mixture import Mix, MixOrder
 
 
 class OpenMixed:
@@ -70,8 +70,8 @@ def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: b
     return combined
 
 
-class MixStreamPlan(StreamPlan):
-    """A ``StreamPlan`` whose epochs open shards in a mixture's order (``MixSampler.mixed_order``
+class MixShardOrder(ShardOrder):
+    """A ``ShardOrder`` whose epochs open shards in a mixture's order (``MixOrder.mixed_order``
     over the shards), then ``shard=(rank, world)``: positions ``rank, rank + world, ...`` of it,
     as for any stream. ``mixing`` keeps each epoch's weights (saved in, and pinned by, states)."""
 
@@ -80,7 +80,7 @@ class MixStreamPlan(StreamPlan):
         shards = combined_shards(mix, seed, shuffle, reshuffle)
         super().__init__(shards, **options)
         shard = None if self.shard is None else (self.shard[0], self.shard[1])
-        self.mixing = MixSampler(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
+        self.mixing = MixOrder(len(mix), None, self.shuffle, self.seed, False, shard, self.reshuffle, mix=mix)
 
     def batches(self, epoch: int) -> list[int]:
         """The shards of ``epoch`` (indices into the combined shards), in the order they are opened."""

@@ -58,7 +58,7 @@ def merged_weights(states: list[dict[str, Any]], epoch: int) -> dict[str, Any]:
 
 def saved_order(mixing: Any, state: dict[str, Any], epoch: int) -> np.ndarray:
     """``epoch``'s order before sharding, drawn by this loader's mixture (``mixing``: its
-    ``MixSampler``) with the weights ``state`` saved for that epoch (checked by ``pin``, put back
+    ``MixOrder``) with the weights ``state`` saved for that epoch (checked by ``pin``, put back
     after: the load pins them again once every other check has passed)."""
     previous = mixing.pin(state)
     try:

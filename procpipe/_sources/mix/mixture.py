@@ -1,12 +1,12 @@
-"""Weighted mixtures of indexed sources: ``procpipe.Mix`` and its sampler, ``MixSampler``.
+"""Weighted mixtures of indexed sources: ``procpipe.Mix`` and its sampler, ``MixOrder``.
 
 ``Mix(sources, weights)`` is tf.data's ``sample_from_datasets`` for procpipe: each element of
 an epoch is drawn from source ``k`` with probability ``weights[k]``, deterministically from
 ``(seed, epoch)``. A mixture of indexed sources is itself an indexed source: a *virtual
 dataset* whose index space is the concatenation of its sources' (index ``g`` is element
 ``g - offsets[k]`` of source ``k``), so workers, the cache, ``sample_rng()``, sharding and
-resume see ordinary indices. Only the *order* of an epoch is special: ``MixSampler`` (where a
-``_sources.epoch_order.Sampler`` would be) builds it as an interleaving of each source's own order
+resume see ordinary indices. Only the *order* of an epoch is special: ``MixOrder`` (where a
+``indexed.index_order.IndexOrder`` would be) builds it as an interleaving of each source's own order
 (a permutation from ``(seed, epoch)`` and the sources' lengths with ``shuffle=True``, else ``0, 1, ...``), the
 choice of the source of each element drawn from the weights in force for that epoch.
 
@@ -22,7 +22,7 @@ by time. The next arrival among the sources still arriving is from ``k`` with pr
 ``stop_on_empty`` each source gets one arrival more, its "empty" draw, and the epoch ends
 before the first of those. One exponential per element and one sort, whatever the number of
 sources. Memory: a few arrays of the epoch's length while it is planned, then its order
-(one int64 per element, as ``Sampler``'s); no array per source survives.
+(one int64 per element, as ``IndexOrder``'s); no array per source survives.
 
 A mixture of streams (``procpipe.Shards``) has shards for elements: ``len(Shards)`` is its
 number of shards, so the same ``Mix.order`` gives the order an epoch opens shards in
@@ -292,10 +292,10 @@ def _arrivals(
     return counts, np.argsort(times, kind="stable")
 
 
-class MixSampler:
-    """The batches of each epoch of a ``Mix`` (where ``_sources.epoch_order.Sampler`` would be).
+class MixOrder:
+    """The batches of each epoch of a ``Mix`` (where ``indexed.index_order.IndexOrder`` would be).
 
-    Same settings and sharding as ``Sampler`` (``shard``: this rank's part of the epoch's
+    Same settings and sharding as ``IndexOrder`` (``shard``: this rank's part of the epoch's
     order, padded by repetition to a multiple of ``world_size``), with the order from
     ``Mix.order``. ``len()`` is an upper bound, exact with ``stop_on_empty=False`` and every
     weight > 0: the batches of an epoch holding every element of every source. The weights
@@ -303,10 +303,10 @@ class MixSampler:
     epochs it names (``pin``).
     """
 
-    plan_class = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
+    epoch_plan = IndexPlan  # each epoch: a fixed list of batches (_sources/indexed/index_plan.py)
 
     @classmethod
-    def of(cls, length: int, batching: Batching, mix: Mix) -> MixSampler:
+    def of(cls, length: int, batching: Batching, mix: Mix) -> MixOrder:
         """A mixture's order of ``length`` samples, from a Loader's batching group (config.py)."""
         return cls(length, **order_options(batching), mix=mix)
 
@@ -332,7 +332,7 @@ class MixSampler:
         self.reshuffle = reshuffle
         self._used: dict[int, list[list[float]]] = {}  # epoch -> the weights it was planned with
         self._pinned: dict[int, list[list[float]]] = {}  # epoch -> weights from a loaded state
-        self.given = GivenOrders()  # epochs whose order a combined state gives (Sampler.given; _sources/combine.py)
+        self.given = GivenOrders()  # epochs whose order a combined state gives (IndexOrder.given; _sources/combine.py)
 
     @property
     def step(self) -> int:
@@ -355,7 +355,7 @@ class MixSampler:
         return [node.weights_for(epoch) for node in self.mix.nodes()]
 
     @property
-    def mixing(self) -> MixSampler:
+    def mixing(self) -> MixOrder:
         """What keeps the weights of each epoch (_sources/saved_state.py asks every sampler for one): itself."""
         return self
 
@@ -377,7 +377,7 @@ class MixSampler:
         order = self.mixed_order(epoch)
         if self.shard is None or not len(order):
             return order
-        # Sampler's sharding (plan.sampler.epoch_order) of this epoch's order: padded, then every world-th.
+        # IndexOrder's sharding (plan.sampler.epoch_order) of this epoch's order: padded, then every world-th.
         world = self.shard[1]
         return order[
             epoch_order(len(order), epoch, False, self.seed, True, self.shard, pad_to=-(-len(order) // world) * world)
@@ -392,7 +392,7 @@ class MixSampler:
 
     # ---- the state (_sources/saved_state.py)
     def settings(self) -> dict[str, Any]:
-        """What a saved state must match, beyond ``Sampler``'s settings."""
+        """What a saved state must match, beyond ``IndexOrder``'s settings."""
         return {"mix": {"lengths": self.mix.structure(), "stop_on_empty": self.mix.stop_on_empty}}
 
     def save_weights(self, epochs: list[int]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ collation, leases, the coordinator's loop, worker-death recovery):
 
 Modules, in the order a block meets them on the data path:
 
-- ``shard_order.py``: what the Loader uses: ``StreamPlan`` (where a Sampler would be: checks,
+- ``shard_order.py``: what the Loader uses: ``ShardOrder`` (where a IndexOrder would be: checks,
   block layout, each epoch's shard order); ``workers=0`` is the Loader's one inline
   driver (procpipe/_consumer/inline.py), for every source kind.
 - ``shard_plan.py``: an epoch's plan (``ShardPlan``, ``BlockWork``): opening shards,
@@ -68,8 +68,8 @@ Modules, in the order a block meets them on the data path:
 
 from .blocks import Block, RecordKey
 from .interleave import Interleave, StreamProgress
-from .shard_order import StreamPlan
+from .shard_order import ShardOrder
 from .shard_plan import ShardPlan
 from .shards import Shards
 
-__all__ = ["Block", "Interleave", "RecordKey", "ShardPlan", "Shards", "StreamPlan", "StreamProgress"]
+__all__ = ["Block", "Interleave", "RecordKey", "ShardOrder", "ShardPlan", "Shards", "StreamProgress"]

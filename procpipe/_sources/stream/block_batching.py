@@ -30,7 +30,7 @@ from .shards import CHUNKS, STACK
 
 @dataclass(frozen=True)
 class BatchingConfig:
-    """The settings ``Output`` batches with, fixed for a loader (``StreamPlan.batching`` builds
+    """The settings ``Output`` batches with, fixed for a loader (``ShardOrder.batching`` builds
     it once; a plain record of settings, so batching needs nothing from the plan above it)."""
 
     mode: str  # shards.STACK, CHUNKS or RECORDS

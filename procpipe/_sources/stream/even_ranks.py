@@ -19,7 +19,7 @@ resume; with ``reshuffle`` the shards move between ranks every epoch, so differe
 are left out each epoch.
 
 Pure: no process, thread or clock. ``RankLimits`` is computed once per epoch by the
-``StreamPlan`` (shard_order.py); ``ShardPlan`` cuts its blocks with ``block_length_at``.
+``ShardOrder`` (shard_order.py); ``ShardPlan`` cuts its blocks with ``block_length_at``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RankLimits:
 
 
 def even_ranks_unsupported(even_ranks: bool, shards: object) -> list:
-    """``(bad, what)`` pairs for ``StreamPlan``'s checks of ``even_ranks=True``."""
+    """``(bad, what)`` pairs for ``ShardOrder``'s checks of ``even_ranks=True``."""
     if not even_ranks:
         return []
     return [

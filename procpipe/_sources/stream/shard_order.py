@@ -1,10 +1,10 @@
-"""What the Loader uses for a streaming source: ``StreamPlan``.
+"""What the Loader uses for a streaming source: ``ShardOrder``.
 
 Where it sits in the data path: when its source is a ``Shards`` (shards.py), the Loader
-(procpipe/loader.py) builds a ``StreamPlan`` where it would build a Sampler. The plan
+(procpipe/loader.py) builds a ``ShardOrder`` where it would build a IndexOrder. The plan
 checks what streaming does not support, decides how workers lay out blocks, gives each
 epoch's shard order, and names ``ShardPlan`` (shard_plan.py) as the plan of the epochs
-the ``Stream`` (procpipe/_engine/epochs.py) opens; with workers the coordinator then drives
+the ``Iteration`` (procpipe/_engine/epochs.py) opens; with workers the coordinator then drives
 those epochs like any other. With ``workers=0`` the Loader's one inline driver (procpipe/_consumer/inline.py)
 drives the same stream and epochs in the calling thread, reading each block there.
 """
@@ -27,16 +27,16 @@ if TYPE_CHECKING:
     from ...config import Batching, Faults, Stages
 
 
-class StreamPlan:
-    """What a Loader needs for a ``Shards`` source; it stands where the Sampler would.
+class ShardOrder:
+    """What a Loader needs for a ``Shards`` source; it stands where the IndexOrder would.
 
     Checks what streaming does not support and decides how blocks are laid out.
-    ``batches(epoch)`` is the epoch's shard order (the ``Stream`` builds each epoch from it,
-    with ``plan_class``); ``source`` is the configured copy of the Shards that the workers
+    ``batches(epoch)`` is the epoch's shard order (the ``Iteration`` builds each epoch from it,
+    with ``epoch_plan``); ``source`` is the configured copy of the Shards that the workers
     (or ``workers=0``) read from.
     """
 
-    plan_class = ShardPlan
+    epoch_plan = ShardPlan
 
     @classmethod
     def of(cls, source: Any, batching: Batching, stages: Stages, faults: Faults) -> Self:

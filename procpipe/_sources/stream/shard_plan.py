@@ -1,7 +1,7 @@
 """The plan of one epoch of a streaming source: ``ShardPlan`` (``_sources.epoch_plan.EpochPlan``'s contract).
 
-Where it sits in the data path: the ``Stream`` of an iteration (procpipe/_engine/epochs.py)
-makes one per epoch, named by ``StreamPlan`` (shard_order.py) as its ``plan_class``; the
+Where it sits in the data path: the ``Iteration`` of an iteration (procpipe/_engine/epochs.py)
+makes one per epoch, named by ``ShardOrder`` (shard_order.py) as its ``epoch_plan``; the
 engine's ``Epoch`` drives it like any plan. It opens shards (at most ``cycle_length`` at
 once), offers their ``Block`` tasks (shards.py), each in the lane of its shard so that
 the worker reading the shard gets it; results are put in the interleave's order when
@@ -58,7 +58,7 @@ class BlockWork(Work):
 class ShardPlan(EpochPlan):
     """One epoch of a streaming source: an epoch whose length is discovered as its shards
     end. ``order`` is the shards' order (indices into ``Shards.shards``); ``config`` the
-    ``StreamPlan`` (block length, cycle length, batching, the configured source).
+    ``ShardOrder`` (block length, cycle length, batching, the configured source).
 
     Bounds: at most ``cycle_length`` shards open; a shard has at most ``per_lane`` blocks
     in flight; the engine keeps blocks in flight, blocks waiting for their turn and batches

@@ -2,7 +2,7 @@
 ``RecordKey``, are in blocks.py).
 
 Where it sits in the data path: the user passes a ``Shards`` as the Loader's source;
-``StreamPlan`` (shard_order.py) keeps a configured copy (``Shards.configured``: the block length
+``ShardOrder`` (shard_order.py) keeps a configured copy (``Shards.configured``: the block length
 and how a worker lays a block out, ``STACK``, ``CHUNKS`` or ``RECORDS``), which is
 shipped to every worker and is the workers' producer (its kind, stream_kind.py, puts it in
 ``WorkerSpec.producer``). The coordinator sends each worker ``Block`` tasks (shard_plan.py);
@@ -27,8 +27,8 @@ from ..._core.checks import check_int, is_count
 from ..._core.collate import INLINE
 from ..._core.notes import add_note
 from ..._core.rng import SampleScope
+from ..._worker.index_producer import first_record_cached, first_scope
 from ..._worker.produce import collate_privately, run_batch_fn
-from ..._worker.reader import first_record_cached, first_scope
 from ..._worker.stages import SKIPPED, run_sample
 from ..._worker.worker_spec import GROWING, PER_RECORD, CacheKind, Produced, WorkerSpec
 from ...errors import ShardLengthError
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ..._worker.worker_spec import SampleCache
 
-# How a worker lays out a block (``Shards._config``), chosen by ``StreamPlan``:
+# How a worker lays out a block (``Shards._config``), chosen by ``ShardOrder``:
 STACK = "stack"  # default collation: one stacked batch of the block's records (cut/joined by Output)
 CHUNKS = "chunks"  # collate_fn or batch_fn: the block's records in chunks of batch_size, each chunk a batch
 RECORDS = "records"  # batch_size=None or shuffle_buffer: every record laid out on its own
@@ -282,7 +282,7 @@ class Shards:
         return self._offsets[key[0]] + key[1]
 
     def first_cached(self, spec: WorkerSpec) -> tuple[Any, Any]:
-        """The reader's first cached sample (_worker/reader.py): ``fn`` of the first record."""
+        """The reader's first cached sample (_worker/index_producer.py): ``fn`` of the first record."""
         scope = first_scope(spec)
         return first_record_cached(spec, scope, cast("tuple[Any, Any, Any]", self.first_record(scope)))
 

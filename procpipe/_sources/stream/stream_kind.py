@@ -10,7 +10,7 @@ from .. import combined_load
 from ..sample_names import RecordNames
 from ..saved_state import STREAM, other_source_kind
 from ..source_kind import SourceKind
-from .shard_order import StreamPlan
+from .shard_order import ShardOrder
 
 if TYPE_CHECKING:
     from ...config import LoaderConfig
@@ -23,14 +23,14 @@ class StreamKind(SourceKind):
 
     @classmethod
     def of(cls, source: Any, config: LoaderConfig) -> StreamKind:
-        return cls(StreamPlan.of(source, config.batching, config.stages, config.faults))
+        return cls(ShardOrder.of(source, config.batching, config.stages, config.faults))
 
-    def __init__(self, plan: StreamPlan) -> None:
-        # (the configured Shards reads its own blocks: it is the workers' source and reader both)
-        super().__init__(plan, plan.source, plan.source, RecordNames())
+    def __init__(self, order: ShardOrder) -> None:
+        # (the configured Shards reads its own blocks: it is the workers' source and producer both)
+        super().__init__(order, order.source, order.source, RecordNames())
 
     def settings(self) -> dict[str, Any]:
-        return self.plan.settings()  # type: ignore[attr-defined]  # (a StreamPlan)
+        return self.order.settings()  # type: ignore[attr-defined]  # (a ShardOrder)
 
     def check_positions_kind(self, state: dict[str, Any]) -> None:
         if STREAM not in state:
@@ -42,8 +42,8 @@ class StreamKind(SourceKind):
         return {key: mine[key] for key in ("shuffle", "seed", "reshuffle", "shards", "cycle_length", "block_length")}
 
     def elastic_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        load = combined_load.CombinedLoad(state, self.plan)
-        load.keep_progress(state.get(STREAM), set(self.plan.batches(load.epoch)))
+        load = combined_load.CombinedLoad(state, self.order)
+        load.keep_progress(state.get(STREAM), set(self.order.batches(load.epoch)))
         return load.out
 
 

@@ -4,7 +4,7 @@ A Loader resolves its source's kind once (``procpipe._sources.resolve``) and put
 *reader* in the ``WorkerSpec`` it ships to every worker (``spec.producer``: worker_spec.py
 ``Producer``), so that nothing in a worker asks again which kind of source it holds. Two readers exist:
 
-- ``IndexedReader`` (here): an indexed dataset (``len`` and ``source[i]``), a ``procpipe.Mix``
+- ``IndexProducer`` (here): an indexed dataset (``len`` and ``source[i]``), a ``procpipe.Mix``
   of them, or a torch map-style ``Dataset``: a task is a list of indices
   (``produce.produce_indices``), the cache has one entry per index.
 - the configured ``procpipe.Shards`` itself (``_sources/stream/shards.py``; the torch facade's
@@ -30,7 +30,7 @@ from .worker_spec import PER_INDEX, CacheKind, Produced, WorkerSpec
 _FIRST_SAMPLE_TRIES = 16  # with on_error="skip": indices tried in the parent to size the cache
 
 
-class IndexedReader:
+class IndexProducer:
     """The reader of an indexed source: tasks are lists of indices, read with ``source[i]``."""
 
     cache_kind: CacheKind = PER_INDEX
