@@ -41,7 +41,7 @@ class EpochIterator(LoaderIterator):
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
 
     Items are ``(epoch, position, batch)``; an ``EpochEnd`` marker follows each epoch's
-    last batch, ``EndOfIteration`` the stream's. ``number`` is the latest epoch the consumer
+    last batch, ``EndOfIteration`` the iteration's. ``number`` is the latest epoch the consumer
     has entered (whose counters ``stats()`` shows); ``_low`` the oldest it is not past.
     """
 
@@ -55,7 +55,7 @@ class EpochIterator(LoaderIterator):
 
     def _start(self, number: int, done: frozenset, until: int | None, ahead: dict[int, frozenset]) -> None:
         context = self._context
-        stream = Iteration(
+        iteration = Iteration(
             next(_generations),
             context.order,
             number,
@@ -66,16 +66,16 @@ class EpochIterator(LoaderIterator):
             ahead,
             rotation=context.rotation,
         )
-        self.batch_count = len(stream.first.batches)
+        self.batch_count = len(iteration.first.batches)
         self._low = number
         self._ended: set[int] = set()  # epochs at or above _low whose EpochEnd the consumer has seen
-        self._begin(stream, number)  # (the consumer is in the stream's first epoch)
-        self._coordinator.submit(StartIteration(stream))
+        self._begin(iteration, number)  # (the consumer is in the iteration's first epoch)
+        self._coordinator.submit(StartIteration(iteration))
 
     def _halt(self) -> None:
         if not self._done:
             self._done = True
-            self._coordinator.submit(CancelIteration(self._stream.gen))
+            self._coordinator.submit(CancelIteration(self._iteration.gen))
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -93,7 +93,7 @@ class EpochIterator(LoaderIterator):
     def _next(self) -> Any:
         if self._done:
             self._over()
-        stream = self._stream
+        iteration = self._iteration
         started = time.perf_counter()
         while True:
             item = self._get()
@@ -101,8 +101,8 @@ class EpochIterator(LoaderIterator):
                 epoch, seq, batch = item
                 waited = time.perf_counter() - started
                 epoch.counters.wait_s += waited
-                stream.wait_s += waited
-                self._coordinator.consumed_one(stream, epoch, seq)
+                iteration.wait_s += waited
+                self._coordinator.consumed_one(iteration, epoch, seq)
                 self.position = (epoch.number, seq)  # device_fn's batch_rng() key (torch_device)
                 if epoch.number > self.number:
                     self._enter(epoch)
@@ -114,7 +114,7 @@ class EpochIterator(LoaderIterator):
                 continue
             now = time.perf_counter()
             self._epoch.counters.wait_s += now - started
-            stream.wait_s += now - started
+            iteration.wait_s += now - started
             self._done = True
             if item is EndOfIteration:
                 self._epoch.counters.ended = now  # the consumer's end of the epoch (stats)
@@ -138,17 +138,17 @@ class EpochIterator(LoaderIterator):
     def _epoch_end(self, epoch: Epoch) -> None:
         now = time.perf_counter()
         epoch.counters.ended = now  # the consumer's end of that epoch
-        following = self._stream.opened.get(epoch.number + 1)
+        following = self._iteration.opened.get(epoch.number + 1)
         if following is not None and following.consumed == 0:
             following.counters.started = now  # its time, for stats, starts where this one's ends
         self._ended.add(epoch.number)
         while self._low in self._ended:
             self._ended.discard(self._low)
-            self._stream.opened.pop(self._low, None)
+            self._iteration.opened.pop(self._low, None)
             self._low += 1
 
     def _get(self) -> Any:
-        out = self._stream.out
+        out = self._iteration.out
         while True:
             try:
                 return out.get(timeout=_CONSUMER_POLL_S)
@@ -163,22 +163,22 @@ class EpochIterator(LoaderIterator):
         """See ``Iteration.resume_point``: from the oldest epoch the consumer is not past."""
         if self._complete:
             return None
-        return self._stream.resume_point(self._low)
+        return self._iteration.resume_point(self._low)
 
     def _next_start(self) -> int:
-        stream = self._stream
-        return stream.until if stream.until is not None else stream.next_number
+        iteration = self._iteration
+        return iteration.until if iteration.until is not None else iteration.next_number
 
     def cancel(self, why: str) -> None:
         if not self._done:
             self._cancelled = why  # before _done: a next() in another thread that sees _done sees why
             self._done = True
-            self._coordinator.submit(CancelIteration(self._stream.gen))
-            self._stream.out.put(EndOfIteration)  # wakes a reader blocked in another thread (device stage)
+            self._coordinator.submit(CancelIteration(self._iteration.gen))
+            self._iteration.out.put(EndOfIteration)  # wakes a reader blocked in another thread (device stage)
 
     def __del__(self) -> None:
         if not self._done and self._coordinator is not None:
             try:
-                self._coordinator.submit(CancelIteration(self._stream.gen))
+                self._coordinator.submit(CancelIteration(self._iteration.gen))
             except Exception:  # noqa: BLE001, S110 - interpreter teardown (modules already emptied): nothing to cancel
                 pass

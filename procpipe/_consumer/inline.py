@@ -2,7 +2,7 @@
 
 With workers, the coordinator thread drives each epoch's plan (``_engine/epochs.py``:
 the epoch's ``offers()``, ``take()``, the worker's ``produce``, the epoch's ``result()``) and the
-consumer reads the stream's queue. ``InlineDriver`` does the very same in ``next()``: when
+consumer reads the iteration's queue. ``InlineDriver`` does the very same in ``next()``: when
 the queue is empty it takes the plan's next task, produces it here (``_worker/produce.py``,
 with the same per-sample scope and collation) and hands the result to the epoch; the plan
 turns it into batches in their order (``IndexPlan`` for indexed sources, ``ShardPlan`` for
@@ -37,7 +37,7 @@ class InlineDriver(LoaderIterator):
     """The ``workers=0`` source node (procpipe/_consumer/nodes.py) of any source kind: the engine's
     ``Iteration`` and epochs, driven in the calling thread.
 
-    The stream is ordered: the output is that of workers in the deterministic order (whatever
+    The iteration is ordered: the output is that of workers in the deterministic order (whatever
     ``ordered``). ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()``
     returned last (``device_fn``'s ``batch_rng()`` key), as ``EpochIterator``'s.
     """
@@ -59,17 +59,17 @@ class InlineDriver(LoaderIterator):
 
     def _start(self, number: int, done: Any, until: int | None, ahead: dict[int, Any]) -> None:
         plan = self._context.order
-        stream = Iteration(-1, plan, number, until, True, plan.batches(number), done, ahead)
+        iteration = Iteration(-1, plan, number, until, True, plan.batches(number), done, ahead)
         if self._spec.skip:  # on_error="skip": each epoch's budget, as the coordinator sets it
             max_skipped = self._context.max_skipped
 
             def open_epoch(epoch: Epoch) -> None:
                 epoch.skips = epoch.skip_budget(max_skipped)
 
-            stream.on_open = open_epoch
-        stream.open(stream.first)
+            iteration.on_open = open_epoch
+        iteration.open(iteration.first)
         self._producing: Epoch | None = None  # the epoch whose tasks _load takes
-        self._begin(stream, number)
+        self._begin(iteration, number)
 
     def _halt(self) -> None:
         if not self._done:
@@ -85,9 +85,9 @@ class InlineDriver(LoaderIterator):
     def _next(self) -> Any:
         if self._done:
             self._over()
-        stream = self._stream
+        iteration = self._iteration
         started = time.perf_counter()
-        out = stream.out
+        out = iteration.out
         while True:
             while out.empty():  # (asked, not caught: an exception per batch costs more than the question)
                 if self._cancelled:  # by iter() or close() from another thread or a signal handler
@@ -103,7 +103,7 @@ class InlineDriver(LoaderIterator):
                 epoch, seq, batch = item
                 epoch.counters.wait_s += time.perf_counter() - started
                 epoch.mark_consumed(seq)
-                stream.consumed += 1
+                iteration.consumed += 1
                 self.position = (epoch.number, seq)
                 if epoch is not self._epoch:  # the first batch of the next epoch
                     self._enter(epoch)
@@ -121,22 +121,22 @@ class InlineDriver(LoaderIterator):
             raise self._ending(item.exc)  # a Failure that ends the iteration
 
     def _enter(self, epoch: Epoch) -> None:
-        stream = self._stream
-        for number in [n for n in stream.opened if n < epoch.number]:
-            del stream.opened[number]  # past (resume_point starts at this epoch): let it go
+        iteration = self._iteration
+        for number in [n for n in iteration.opened if n < epoch.number]:
+            del iteration.opened[number]  # past (resume_point starts at this epoch): let it go
         self._epoch, self.number = epoch, epoch.number
         self._standing.counters = epoch.counters
         self._set_epoch(epoch.number + 1)
 
     def _load(self) -> None:
         """Produce the task the open epoch needs next (opening the next epoch when one is done)."""
-        epoch = self._producing  # (most often still the one producing: no need to look through the stream)
+        epoch = self._producing  # (most often still the one producing: no need to look through the iteration)
         if epoch is None or not epoch.fresh:
-            epoch = self._producing = self._stream.fresh()
+            epoch = self._producing = self._iteration.fresh()
         if epoch is None:
-            if self._stream.out.empty():
+            if self._iteration.out.empty():
                 raise RuntimeError("procpipe: internal error: an epoch had nothing left to produce but did not end")
-            return  # (opening the next epoch failed, or ended the stream: the queue says so)
+            return  # (opening the next epoch failed, or ended the iteration: the queue says so)
         offers = epoch.offers(1)
         if not offers:
             raise RuntimeError("procpipe: internal error: an epoch waits for no task but did not end")
@@ -189,7 +189,7 @@ class InlineDriver(LoaderIterator):
 
     def _stop(self) -> None:
         self._done = True
-        self._stream.finish()
+        self._iteration.finish()
         self._spec.producer.close_readers()
 
     @property
@@ -201,11 +201,11 @@ class InlineDriver(LoaderIterator):
         past is the one it is in."""
         if self._complete:
             return None
-        return self._stream.resume_point(self._epoch.number)
+        return self._iteration.resume_point(self._epoch.number)
 
     def _next_start(self) -> int:
-        stream = self._stream
-        return stream.until if stream.until is not None else stream.next_number
+        iteration = self._iteration
+        return iteration.until if iteration.until is not None else iteration.next_number
 
     def cancel(self, why: str) -> None:
         if not self._done:

@@ -1,7 +1,7 @@
 """What an epoch iterator is given by its Loader, so that it never reads the Loader's insides.
 
-The Loader builds one ``IterationContext`` when it is created (frozen: the order or
-stream plan, the worker spec, the delivery settings, the coordinator) and hands it to
+The Loader builds one ``IterationContext`` when it is created (frozen: the source kind's
+order, the worker spec, the delivery settings, the coordinator) and hands it to
 every iterator it makes (``epoch_iterator.EpochIterator``, and ``inline.InlineDriver`` for
 ``workers=0``). The one thing an iterator changes in its Loader is where
 the loader stands (``Standing``): the epoch the next ``iter(loader)`` starts with, moved
@@ -126,15 +126,15 @@ class LoaderIterator(Node):
         """The epoch the next iteration starts at, once every batch of this one was returned."""
         raise NotImplementedError
 
-    def _begin(self, stream: Iteration, number: int) -> None:
-        """What every ``_start`` does once its ``stream`` is made: the consumer is in its first
+    def _begin(self, iteration: Iteration, number: int) -> None:
+        """What every ``_start`` does once its ``iteration`` is made: the consumer is in its first
         epoch (``number``), nothing has ended, been cancelled or failed yet, ``stats()`` shows
         that epoch's counters and ``loader.epoch`` moves past it."""
-        self._stream = stream
-        self._epoch = stream.first
+        self._iteration = iteration
+        self._epoch = iteration.first
         self.number = number
         self._done = False
-        self._complete = False  # every batch of the stream was returned
+        self._complete = False  # every batch of the iteration was returned
         self._cancelled = None
         self._failed: BaseException | None = None  # what ended the iteration, raised by a next() already
         self._told: set[int] = set()  # the threads a next() has told why the iteration ended (_over)

@@ -23,7 +23,7 @@ without one and back. ``Loader.state_dict()`` is the root node's ``get_state()``
 sampler's settings (state.py).
 
 The nodes, from the engine up: the sources (``epoch_iterator.EpochIterator``: batches of the
-workers' stream; ``inline.InlineDriver``: ``workers=0``, every source kind), then, with ``device=``,
+workers' iteration; ``inline.InlineDriver``: ``workers=0``, every source kind), then, with ``device=``,
 ``prefetch.Prefetcher`` (a prefetching thread) or ``prefetch.Mapped`` (a function per
 batch).
 """

@@ -83,22 +83,24 @@ class Meter:
     def __init__(self, auto: AutoWorkers) -> None:
         self.auto = auto
         self.next_at = 0.0  # time.monotonic() at which to call measure() again
-        # the interval's start: (time, stream, consumed, wait_s, busy_s, this process's CPU s)
+        # the interval's start: (time, iteration, consumed, wait_s, busy_s, this process's CPU s)
         self._base: tuple | None = None
         self._held_since: float | None = None  # when an interval was first held for starting workers
         self._cpu_seen: dict[int, tuple[float, float]] = {}  # pid -> (CPU s, run-queue s) when last read
 
-    def measure(self, now: float, stream: Any, workers: list, counters: list, starting: bool = False) -> Sample | None:
+    def measure(
+        self, now: float, iteration: Any, workers: list, counters: list, starting: bool = False
+    ) -> Sample | None:
         """Close the interval if it is long enough and return it; else None.
 
-        ``stream``: the iteration under way (its ``consumed`` and ``wait_s``), None when there
+        ``iteration``: the iteration under way (its ``consumed`` and ``wait_s``), None when there
         is nothing to measure; ``workers``: the running workers (their CPU time); ``counters``:
         every worker's ``WorkerCounters`` (their busy time); ``starting``: a worker is still
         loading (the interval starts again once none is, for at most ``8 x interval``).
         """
         auto = self.auto
         self.next_at = now + auto.interval
-        if stream is None:
+        if iteration is None:
             self._base = None
             return None
         if starting:
@@ -110,26 +112,26 @@ class Meter:
         else:
             self._held_since = None
         base = self._base
-        if base is None or base[1] is not stream:
+        if base is None or base[1] is not iteration:
             self._workers_cpu(workers)
             self._base = (
                 now,
-                stream,
-                stream.consumed,
-                stream.wait_s,
+                iteration,
+                iteration.consumed,
+                iteration.wait_s,
                 sum(c.busy_s for c in counters),
                 time.process_time(),
             )
             return None
         dt = now - base[0]
-        consumed = stream.consumed - base[2]
+        consumed = iteration.consumed - base[2]
         if consumed < auto.min_batches and dt < 8 * auto.interval:
             return None  # too few batches to judge yet: extend the interval
         busy = sum(c.busy_s for c in counters)
         cpu, runq = self._workers_cpu(workers)
-        wait = stream.wait_s
+        wait = iteration.wait_s
         mine = time.process_time()  # every thread of this process: the training step, the coordinator
-        self._base = (now, stream, stream.consumed, wait, busy, mine)
+        self._base = (now, iteration, iteration.consumed, wait, busy, mine)
         return Sample(
             dt,
             consumed / dt,

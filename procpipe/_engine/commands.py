@@ -14,16 +14,16 @@ if TYPE_CHECKING:
 
 
 class StartIteration:
-    """Start ``stream`` (a new ``iter(loader)``); any stream in progress is abandoned."""
+    """Start ``iteration`` (a new ``iter(loader)``); any iteration in progress is abandoned."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("iteration",)
 
-    def __init__(self, stream: Iteration) -> None:
-        self.stream = stream
+    def __init__(self, iteration: Iteration) -> None:
+        self.iteration = iteration
 
 
 class CancelIteration:
-    """Abandon the stream of generation ``gen``, if it is still the one in progress."""
+    """Abandon the iteration of generation ``gen``, if it is still the one in progress."""
 
     __slots__ = ("gen",)
 
@@ -43,7 +43,7 @@ class ReserveSlots:
 
 
 class CloseEngine:
-    """Abandon any stream, stop every worker and remove the shared files, then leave the loop."""
+    """Abandon any iteration, stop every worker and remove the shared files, then leave the loop."""
 
     __slots__ = ()
 
@@ -61,5 +61,5 @@ def checked(command: object) -> Command:
     raise TypeError(
         f"procpipe: a coordinator command is a StartIteration, CancelIteration, ReserveSlots or CloseEngine "
         f"(procpipe._engine.commands), not {type(command).__name__} {command!r}; "
-        "e.g. submit(CancelIteration(stream.gen)) instead of submit('cancel', stream.gen)"
+        "e.g. submit(CancelIteration(iteration.gen)) instead of submit('cancel', iteration.gen)"
     )

@@ -5,7 +5,7 @@ iterator, _consumer/epoch_iterator.py) hands a ``Iteration`` of epochs and their
 this thread, which sends each batch to a worker process (started by pool.py; _worker/process.py
 runs in it). The worker writes the collated batch into a ring slot (shm.py, collate.py) and
 replies with its layout; here the reply becomes a batch of views of that slot, which the
-epoch passes through reassembly (reassembly.py) into the stream's queue the consumer reads.
+epoch passes through reassembly (reassembly.py) into the iteration's queue the consumer reads.
 
 The coordinator is a loop of named steps over parts, each in its own module:
 
@@ -17,7 +17,7 @@ The coordinator is a loop of named steps over parts, each in its own module:
 
 Its loop (``_loop``)::
 
-    apply commands      start a stream, cancel it, close
+    apply commands      start a iteration, cancel it, close
     safe point          nothing in flight is half-handled here (a fork gate parks here)
     watch               stragglers (speculate=...) and stuck workers (task_timeout=...)
     autotune            workers="auto": start or retire workers
@@ -120,7 +120,7 @@ class Coordinator:
                     node_dir = node_directory()
                     sweep_once(node_dir)
                 self._node = NodeShare(node_dir, cpus)
-        self.stream: Iteration | None = None
+        self.iteration: Iteration | None = None
         self._watchdog = Watchdog(config.faults.speculate, config.faults.task_timeout)
         self._watching = config.faults.speculate is not None or config.faults.task_timeout is not None
         self._selector = selectors.DefaultSelector()
@@ -196,9 +196,9 @@ class Coordinator:
     def wake(self) -> None:
         self._wakeup.wake()
 
-    def consumed_one(self, stream: Iteration, epoch: Epoch, seq: int) -> None:
+    def consumed_one(self, iteration: Iteration, epoch: Epoch, seq: int) -> None:
         epoch.mark_consumed(seq)
-        stream.consumed += 1
+        iteration.consumed += 1
         wakeup = self._wakeup
         if wakeup.starved:
             wakeup.wake_if_starved()
@@ -238,8 +238,8 @@ class Coordinator:
             self._broken = exc
             self._fail(exc)
         finally:
-            if self.stream is not None:
-                self.stream.publish()  # what its last round held back
+            if self.iteration is not None:
+                self.iteration.publish()  # what its last round held back
             if self._closing:
                 self._shutdown_workers()
 
@@ -265,16 +265,16 @@ class Coordinator:
         while commands:
             command = commands.popleft()
             if isinstance(command, StartIteration):
-                self._start_stream(command.stream)
+                self._start_iteration(command.iteration)
             elif isinstance(command, CancelIteration):
-                if self.stream is not None and self.stream.gen == command.gen:
-                    self.stream.abandon()
+                if self.iteration is not None and self.iteration.gen == command.gen:
+                    self.iteration.abandon()
             elif isinstance(command, ReserveSlots):
                 self.delivery.reserve(command.slots)
             else:  # CloseEngine
                 self._closing = True
-                if self.stream is not None:
-                    self.stream.abandon()
+                if self.iteration is not None:
+                    self.iteration.abandon()
 
     def _watch(self) -> float:
         """Step: mark stragglers (speculate), kill workers stuck past task_timeout; the wait."""
@@ -291,23 +291,23 @@ class Coordinator:
     def _dispatch(self) -> None:
         """Step: send what may go now (dispatch.py); with nothing sent for want of capacity,
         a freed slot or a consumed batch wakes the loop."""
-        stream = self.stream
+        iteration = self.iteration
         wakeup = self._wakeup
-        if stream is None or stream.finished:
+        if iteration is None or iteration.finished:
             wakeup.starved = False
             return
         wakeup.starved = True  # published before looking, so a release after the look wakes us
         if self._watching:
             self.dispatcher.speculate()
-        wakeup.starved = self.dispatcher.round(stream)
+        wakeup.starved = self.dispatcher.round(iteration)
 
     def _wait_and_handle(self, wait: float) -> None:
         """Step: sleep in select for at most ``wait`` s; handle each reply, death and wake-up."""
         selector = self._selector
         registered = selector.get_map()
-        stream = self.stream
-        if stream is not None and stream.pending:
-            stream.publish()  # the round's batches, now that its tasks are sent (Iteration.publish)
+        iteration = self.iteration
+        if iteration is not None and iteration.pending:
+            iteration.publish()  # the round's batches, now that its tasks are sent (Iteration.publish)
         for key, _ in selector.select(wait):
             if registered.get(key.fd) is not key:
                 continue  # unregistered by an earlier callback of this round (its worker died)
@@ -339,13 +339,13 @@ class Coordinator:
                 on_exit(link)
 
     # ---------------------------------------------------------------- streams and epochs
-    def _start_stream(self, stream: Iteration) -> None:
-        if self.stream is not None:
-            self.stream.abandon()
-        self.stream = stream
-        stream.pending = []  # (published before each wait: _wait_and_handle)
-        stream.on_open = self._on_open
-        stream.open(stream.first)
+    def _start_iteration(self, iteration: Iteration) -> None:
+        if self.iteration is not None:
+            self.iteration.abandon()
+        self.iteration = iteration
+        iteration.pending = []  # (published before each wait: _wait_and_handle)
+        iteration.on_open = self._on_open
+        iteration.open(iteration.first)
         for w in list(self.roster.links):
             if w.dead:  # it died past the previous epoch's budget: a fresh start
                 self._start_replacement(w)
@@ -353,7 +353,7 @@ class Coordinator:
             self._fail(self._broken)
 
     def _on_open(self, epoch: Epoch) -> None:
-        """A stream opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
+        """A iteration opened ``epoch`` (coordinator thread): its per-epoch budgets and baselines."""
         epoch.on_drop = self.rings.release
         if self.config.faults.on_error == "skip":
             epoch.skips = epoch.skip_budget(self.config.faults.max_skipped)
@@ -361,10 +361,10 @@ class Coordinator:
         self._restarts_this_epoch = 0
 
     def _fail(self, exc: BaseException) -> None:
-        stream = self.stream
-        if stream is not None and not stream.finished:
-            stream.fail(exc)
-            stream.publish()  # (now: the coordinator may be on its way out)
+        iteration = self.iteration
+        if iteration is not None and not iteration.finished:
+            iteration.fail(exc)
+            iteration.publish()  # (now: the coordinator may be on its way out)
 
     # ---------------------------------------------------------------- workers
     def _start_worker(self, index: int) -> WorkerLink:
@@ -385,18 +385,18 @@ class Coordinator:
 
     def _tune(self, now: float) -> None:
         """Autotune: close a control interval (if long enough), ask the tuner, follow it."""
-        stream = self.stream
-        if stream is None or stream.finished or self.rings.current is None:
-            stream = None  # between iterations (or before the first batch): nothing to measure
+        iteration = self.iteration
+        if iteration is None or iteration.finished or self.rings.current is None:
+            iteration = None  # between iterations (or before the first batch): nothing to measure
         roster = self.roster
         tuner = self.tuner
         assert tuner is not None
         starting = any(not (w.ready or w.retiring or w.dead) for w in roster.links)
-        sample = self._meter.measure(now, stream, roster.links, roster.counters, starting)  # type: ignore[union-attr]
+        sample = self._meter.measure(now, iteration, roster.links, roster.counters, starting)  # type: ignore[union-attr]
         node = self._node
         if node is not None and (sample is not None or node.due()):
             # the node's CPUs, shared with the other auto-tuned loaders there (never waits for the lock)
-            tuner.cpus = node.update(tuner.want_cpus() if stream is not None else 0.0)
+            tuner.cpus = node.update(tuner.want_cpus() if iteration is not None else 0.0)
             tuner.shared = node.peers > 1
         if sample is None:
             return
@@ -470,9 +470,9 @@ class Coordinator:
             self.roster.remove(worker)
             if not lost:
                 return
-        stream = self.stream
-        if stream is not None:
-            counters = stream.current_counters()
+        iteration = self.iteration
+        if iteration is not None:
+            counters = iteration.current_counters()
             if counters is not None:
                 counters.worker_deaths += 1
         death = settle(

@@ -2,7 +2,7 @@
 
 One dispatch round (``round``) sends what may go now, for any source kind: the open
 epochs' plans offer tasks, best first (_sources/epoch_plan.py); each goes to a worker (its lane's,
-or the least loaded; roster.py) with a ring slot (rings.py). The stream opens the next
+or the least loaded; roster.py) with a ring slot (rings.py). The iteration opens the next
 epoch once the open ones have nothing new, so workers go on across the boundary.
 
 A task sent is an ``Attempt`` (attempts.py) in the task table ``attempts`` (by task id)
@@ -80,19 +80,19 @@ class Dispatcher:
         self.max_outstanding = self.prefetch + roster.tasks_per_worker * roster.n_workers
 
     # ---------------------------------------------------------------- the round
-    def round(self, stream: Iteration) -> bool:
+    def round(self, iteration: Iteration) -> bool:
         """Send what may go now; True when something was held back (for want of a slot, a
         worker or consumption): a freed slot should then wake the coordinator."""
         # Tasks in flight and batches not taken yet, counted once: only this thread adds to it
         # (the consumer may take batches meanwhile, which only makes the count high).
-        outstanding = stream.outstanding()
+        outstanding = iteration.outstanding()
         starved = False
         held_back = False
         unflushed: list[WorkerLink] = []
         self.unflushed = unflushed
-        while not stream.finished:
-            last = stream.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
-            for epoch in list(stream.epochs):
+        while not iteration.finished:
+            last = iteration.fresh()  # opens the next epoch once the open ones have nothing new to dispatch
+            for epoch in list(iteration.epochs):
                 while True:  # the earlier epoch first: its tasks to run again, then its new ones
                     sent, held_back = self.send_one(epoch, outstanding)
                     starved = starved or held_back

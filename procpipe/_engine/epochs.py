@@ -8,15 +8,15 @@ every kind. Each task sent is a ``Job``, and each time a job is sent to a worker
 ``Attempt`` (attempts.py: normally one; more when a worker dies, straggles or times out,
 see coordinator.py). The coordinator thread takes the plans' offers, turns the replies
 into results and hands them to ``Epoch.result``; the plan turns them into batches in
-their order, which go into the stream's queue, ``out``, that the consumer's iterator
-reads (_consumer/epoch_iterator.py). With ``workers=0`` the Loader drives the same kind of stream in
+their order, which go into the iteration's queue, ``out``, that the consumer's iterator
+reads (_consumer/epoch_iterator.py). With ``workers=0`` the Loader drives the same kind of iteration in
 the consumer's thread, for every source kind (_consumer/inline.py ``InlineDriver``).
 
-The stream opens the next epoch as soon as every task of the open ones has been
+The iteration opens the next epoch as soon as every task of the open ones has been
 dispatched, so workers keep working across the epoch boundary; each epoch keeps its own
 plan, counters and progress, and all of them feed one queue, tagged with their
 epoch. Besides batches, the queue carries markers: ``EpochEnd`` after each epoch,
-``EndOfIteration`` after the stream, and a ``Failure`` that ends it. A batch whose user code
+``EndOfIteration`` after the iteration, and a ``Failure`` that ends it. A batch whose user code
 raised is a ``Failure(..., batch_only=True)`` in its place: the consumer raises it and
 the iteration goes on with the next batch (as torch's DataLoader does).
 """
@@ -56,7 +56,7 @@ def iteration_over(cancelled: str | None) -> NoReturn:
 
 
 class EndOfIteration:
-    """Queue marker: the iteration is over: every batch of every epoch of the stream has been delivered."""
+    """Queue marker: the iteration is over: every batch of every epoch of the iteration has been delivered."""
 
 
 @dataclass(eq=False)
@@ -102,7 +102,7 @@ class Epoch:
     an ``EpochPlan`` (_sources/epoch_plan.py), which says which tasks the epoch holds and what their
     results become. This class keeps what is the same for every kind: the jobs sent and
     their ring slots, the counters, the skip budget, the tasks to run again, and handing
-    the plan's batches to the stream's queue.
+    the plan's batches to the iteration's queue.
 
     Threads: the coordinator thread dispatches (``offers``, ``take``), reports results
     (``result``) and losses (``lost``); with ``workers=0`` the inline driver (_consumer/inline.py)
@@ -110,19 +110,19 @@ class Epoch:
     ``consumer_progress`` / ``all_consumed`` (``Loader.state_dict``).
     """
 
-    def __init__(self, gen: int, number: int, plan: EpochPlan, batches: Any, stream: Iteration) -> None:
-        self.gen = gen  # the stream's id (unique per iteration), distinct from the epoch number
+    def __init__(self, gen: int, number: int, plan: EpochPlan, batches: Any, iteration: Iteration) -> None:
+        self.gen = gen  # the iteration's id (unique per iteration), distinct from the epoch number
         self.number = number
         self.plan = plan
         self.batches = batches  # what the order gave: batches of indices, or a stream's shard order
-        self.stream = stream
+        self.iteration = iteration
         self.counters = EpochCounters(epoch=number)
         self.jobs: dict[int, Job] = {}  # by key: sent, no result used yet
         self.redo: deque[Job] = deque()  # lost jobs (their worker died), given back to the plan at dispatch
         self.in_flight = 0  # jobs sent and not answered (those waiting to be re-run included)
         self.issued = 0  # distinct tasks dispatched
         self.consumed = 0  # batches the consumer took (written by the consumer thread)
-        self.delivered = 0  # batches put in the stream's queue
+        self.delivered = 0  # batches put in the iteration's queue
         self.finished = False
         self.skips: SkipBudget | None = None  # on_error="skip": set when the epoch opens
         self.on_drop: Callable[[int], None] | None = None  # returns the slot of a job that will not run
@@ -150,7 +150,7 @@ class Epoch:
         redo = self.redo
         while redo:
             job = redo.popleft()
-            if not self.plan.lost(job.work):  # nothing left to do there (a stream read past a shard's end)
+            if not self.plan.lost(job.work):  # nothing left to do there (a iteration read past a shard's end)
                 self._drop(job)
         return self.plan.offers(per_lane)
 
@@ -161,7 +161,7 @@ class Epoch:
             job = self.jobs[work.key] = Job(self, work)
             self.issued += 1
             self.in_flight += 1
-            self.stream.issued += 1
+            self.iteration.issued += 1
             return job
         self.counters.redispatched_tasks += 1
         return self.jobs[work.key]
@@ -184,17 +184,17 @@ class Epoch:
     # ---- results
     def result(self, job: Job, result: Any) -> None:
         """``job``'s result: ``epoch_plan.Loaded`` (its batch), ``EMPTY`` (every sample skipped) or a
-        ``Failure``; the batches the plan hands out for it go to the stream's queue, in order."""
+        ``Failure``; the batches the plan hands out for it go to the iteration's queue, in order."""
         if self.jobs.pop(job.work.key, None) is None or self.finished:
             return
         self.in_flight -= 1
-        stream, counters = self.stream, self.counters
+        iteration, counters = self.iteration, self.counters
         for position, batch, samples in self.plan.completed(job.work, result):
             if self.finished:
                 return
             if type(batch) is Failure:
                 if not batch.batch_only:  # the epoch ends with it
-                    stream.fail_at(self, batch)
+                    iteration.fail_at(self, batch)
                     self.finish()
                     return
             elif batch is EMPTY:
@@ -203,10 +203,10 @@ class Epoch:
                 counters.batches += 1
                 counters.samples += samples
             self.delivered += 1
-            stream.delivered += 1
-            stream.emit(self, (self, position, batch))
+            iteration.delivered += 1
+            iteration.emit(self, (self, position, batch))
         if not self.finished and self.plan.complete:
-            stream.epoch_done(self)
+            iteration.epoch_done(self)
 
     def finish(self) -> None:
         if self.finished:
@@ -245,11 +245,11 @@ class Iteration:
     dispatched (``fresh``), so workers go on across the boundary instead of draining.
     Every epoch keeps its own reassembly, counters and progress; their batches go into
     one queue, ``out``, as ``(epoch, position, batch)`` tuples, each epoch followed by an
-    ``EpochEnd`` marker and the stream by ``EndOfIteration``. An ordered stream holds a later
+    ``EpochEnd`` marker and the iteration by ``EndOfIteration``. An ordered iteration holds a later
     epoch's items back until every earlier epoch is out (order by epoch, then position);
-    a sloppy one does not. A ``Failure`` ends the stream (in order, when ordered).
+    a sloppy one does not. A ``Failure`` ends the iteration (in order, when ordered).
 
-    Threads: the consumer creates the stream and its first epoch (so that ``batches()``
+    Threads: the consumer creates the iteration and its first epoch (so that ``batches()``
     errors surface in ``iter()``), reads ``out`` and writes ``consumed`` and ``wait_s``;
     the rest is the coordinator thread's. ``opened`` maps an epoch number to its ``Epoch``
     for the consumer (``Loader.state_dict``), which removes the epochs it is past.
@@ -276,7 +276,7 @@ class Iteration:
         self.ahead = dict(ahead or {})  # epoch -> positions already delivered (resume); popped when opened
         self.resumed_ahead = dict(self.ahead)  # the same, kept (resume_point)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
-        # The coordinator's stream: the items of a round wait here until ``publish``, which the
+        # The coordinator's iteration: the items of a round wait here until ``publish``, which the
         # coordinator calls just before it sleeps (None: each item goes into ``out`` at once).
         self.pending: list | None = None
         self.epochs: deque[Epoch] = deque()  # open: not yet finished, or (ordered) not yet all out
@@ -340,7 +340,7 @@ class Iteration:
                 self.fail_at(failed, Failure(exc))
                 return None
             if not batches and self.until is None:
-                self.until = number  # an empty epoch would repeat forever: the stream ends here
+                self.until = number  # an empty epoch would repeat forever: the iteration ends here
                 self._maybe_end()
                 return None
             epoch = self._epoch(number, batches, self.ahead.pop(number, None))
@@ -455,12 +455,12 @@ class Iteration:
             self.epochs.remove(later)
 
     def fail(self, exc: BaseException) -> None:
-        """End the stream now with ``exc`` (a worker error, a timeout, a broken engine)."""
+        """End the iteration now with ``exc`` (a worker error, a timeout, a broken engine)."""
         if not self.finished:
             self._put(Failure(exc))
 
     def finish(self) -> None:
-        """Stop: the stream ended, failed or was cancelled; replies still coming are discarded."""
+        """Stop: the iteration ended, failed or was cancelled; replies still coming are discarded."""
         self.finished = True
         for epoch in self.epochs:
             epoch.finish()
@@ -470,7 +470,7 @@ class Iteration:
     def abandon(self) -> None:
         """The consumer is gone (cancel, a new iteration, close): stop, and drop what is queued.
 
-        Queued items reference their epoch, which references this stream, which holds the
+        Queued items reference their epoch, which references this iteration, which holds the
         queue: a cycle that would keep those batches, and their ring slots, alive until the
         cyclic garbage collector runs. Dropping them returns the slots now. A reader still
         blocked on the queue (a device stage thread) gets ``EndOfIteration``.

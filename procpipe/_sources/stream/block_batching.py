@@ -4,7 +4,7 @@ Where it sits in the data path: each ``ShardPlan`` (shard_plan.py) has an ``Outp
 which it hands the blocks the coordinator received from the workers, in the order they
 are used (the interleave's when ordered). ``Output`` cuts and joins them into what the
 consumer gets, each item with the record ranges it covers (for ``StreamProgress``,
-interleave.py), which go into the stream's queue. A batch inside one block is a zero-copy
+interleave.py), which go into the iteration's queue. A batch inside one block is a zero-copy
 view of its ring slot; one spanning blocks is joined here (``_join``); the shuffle
 buffer copies its records out of their slots (``_own``).
 """
