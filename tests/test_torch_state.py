@@ -408,3 +408,80 @@ def test_a_state_taken_after_the_loop_broke_off(make):
     again = make()
     again.load_state_dict(state)
     assert got + [_plain(b) for b in again] == want
+
+
+# ------------------------------------------------------------------ issue 44: the state's schema
+def _has_keys_of(part: dict, typed: type) -> None:
+    """``part``'s keys are the ``TypedDict``'s: every required one, no other than its optional ones."""
+    required, optional = typed.__required_keys__, typed.__optional_keys__
+    assert required <= part.keys() <= required | optional, (typed.__name__, sorted(part))
+
+
+def _check_schema(state: dict) -> None:
+    """``state`` (a ``state_dict()``) is laid out as ``procpipe.torch.state_schema`` says, part by part."""
+    from procpipe.torch import state_schema as schema
+
+    entry = state[schema.PROCPIPE]
+    _has_keys_of(entry, schema.FacadeEntry)
+    assert entry[schema.VERSION_KEY] == schema.VERSION
+    if schema.DRAW in entry:
+        _has_keys_of(entry[schema.DRAW], schema.Draw)
+    replica_states = [s for _, _, s in entry.get(schema.REPLICAS, {}).values() if s is not None]
+    if schema.IN_PROCESS in entry:
+        replica_states.append(entry[schema.IN_PROCESS])
+    for replica in replica_states:
+        _has_keys_of(replica, schema.ReplicaState)
+        _has_keys_of(replica[schema.FETCHER_STATE], schema.FetcherState)
+    if schema.SNAPSHOT in state:
+        assert state.keys() == {schema.SNAPSHOT, schema.PROCPIPE}
+        _has_keys_of(state[schema.SNAPSHOT], schema.Snapshot)
+        _has_keys_of(state[schema.SNAPSHOT][schema.MAIN_SNAPSHOT], schema.MainSnapshot)
+        workers = state[schema.SNAPSHOT][schema.WORKER_SNAPSHOTS]
+        assert len(workers) == entry[schema.NUM_WORKERS]
+        for key, worker in workers.items():
+            _has_keys_of(worker, schema.WorkerSnapshot)
+            assert key == schema.worker_key(worker[schema.WORKER_ID])
+            assert schema.worker_of_key(key) == worker[schema.WORKER_ID]
+            if worker[schema.FETCHER_STATE] is not None:
+                _has_keys_of(worker[schema.FETCHER_STATE], schema.FetcherState)
+    else:
+        assert state.keys() == {schema.DATASET_STATE, schema.FETCHER_STATE, schema.ITERATOR_FINISHED, schema.PROCPIPE}
+        if state[schema.FETCHER_STATE] is not None:
+            _has_keys_of(state[schema.FETCHER_STATE], schema.FetcherState)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", ["torch_map", "torch_iterable"])
+def test_the_saved_v1_states_are_laid_out_as_the_schema_says(case):
+    """The TypedDicts of ``procpipe.torch.state_schema`` describe the states 0.1.0 saved."""
+    from pathlib import Path
+
+    _check_schema(json.loads((Path(__file__).parent / "data" / "states_v1" / f"{case}.json").read_text())["state"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DataLoader(StatefulNoisy(), batch_size=4, sampler=EpochSampler(22), num_workers=2),
+    lambda: DataLoader(StatefulNoisy(), batch_size=4, shuffle=True, generator=_generator()),
+    lambda: DataLoader(Stream(), batch_size=2, num_workers=2),
+    lambda: DataLoader(Stream(), batch_size=2),
+], ids=["map", "map-inline", "iterable", "iterable-inline"])
+def test_every_state_is_laid_out_as_the_schema_says(make):
+    """Before, during and after an epoch, and loaded back: each part of the state has the keys of its
+    ``TypedDict`` (what mypy checks ``procpipe.torch.state`` against is what it really stores)."""
+    loader = make()
+    states = [loader.state_dict()]
+    it = iter(loader)
+    next(it)
+    states.append(loader.state_dict())
+    for _ in it:
+        pass
+    states.append(loader.state_dict())
+    for state in states:
+        _check_schema(state)
+    again = make()
+    again.load_state_dict(states[1])
+    assert again.state_dict() == states[1]
+    next(iter(again))
+    _check_schema(again.state_dict())
+    loader.close()
+    again.close()

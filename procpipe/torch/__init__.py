@@ -34,7 +34,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import torch
 import torch.utils.data as _tud
@@ -50,6 +50,7 @@ from .kinds import DatasetKind, TorchArguments, dataset_kind
 from .sampling import SamplerBatches
 from .snapshots import is_stateful
 from .state import FacadeState, on_moved, on_value
+from .state_schema import FINISHED, PROCPIPE, SEED
 
 __all__ = ["DataLoader"]
 
@@ -463,18 +464,19 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         """Where the iteration stands, as torchdata's ``StatefulDataLoader.state_dict()``: loaded into
         a DataLoader built the same way, the next ``iter()`` goes on with the next batch (docs:
         docs/guide/pytorch-resume.md; the logic: ``procpipe.torch.state``)."""
-        return self._pp_state.state_dict(self._pp_seed)
+        # (a procpipe.torch.state_schema.SavedState, in torch's type)
+        return cast("dict[str, Any]", self._pp_state.state_dict(self._pp_seed))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict()`` at the next ``iter()`` (the persistent workers, if any, are
         replaced, as torchdata's are); ``ValueError`` for a state of another kind of DataLoader."""
         self._pp_epochs = self._pp_state.load(state_dict)
-        seed = state_dict["procpipe"].get("seed", self._pp_seed)
+        seed = state_dict[PROCPIPE].get(SEED, self._pp_seed)
         if self._pp_loader is not None:
             self._pp_loader.close()
             self._pp_loader = None
         # the next iter() draws as the saved one's successor would (persistent workers: no new seeds)
-        self._pp_iterated = bool(state_dict["procpipe"].get("finished")) and self.persistent_workers
+        self._pp_iterated = bool(state_dict[PROCPIPE].get(FINISHED)) and self.persistent_workers
         if seed != self._pp_seed:  # the per-batch seeds (seed_globals=True) are the saved loader's
             self._pp_seed = self._pp_options["seed"] = seed
 

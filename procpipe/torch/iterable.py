@@ -74,6 +74,7 @@ from .._core.notes import add_note
 from .._sources.stream import Block, Shards
 from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
+from .state_schema import FETCHER_ENDED, FETCHER_STATE, ReplicaState
 from .worker_setup import become_torch_worker
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ class _ReplicaBatches:
         replica: Replicas,
         worker: int,
         init_error: RaisedInReplica | None,
-        start: tuple[int, dict[str, Any]] | None = None,
+        start: tuple[int, ReplicaState] | None = None,
     ) -> None:
         self.replica = replica
         self.worker = worker
@@ -288,7 +289,7 @@ class _ReplicaBatches:
         self.done = False
         self.ended = False  # the ReplicaEnded record was sent
         self.init_error = init_error  # worker_init_fn raised: the first record, then the end
-        self.start_state: dict[str, Any] | None
+        self.start_state: ReplicaState | None
         self.skip_to, self.start_state = start if start is not None else (0, None)
         self.initial: tuple[int, bytes] | None = None  # the snapshot at the epoch's start, sent with record 0
 
@@ -301,7 +302,7 @@ class _ReplicaBatches:
             self.iterator = iter(spec.dataset)
         else:
             self.iterator = restore(spec.dataset, state, iter)
-            if state["fetcher_state"].get("fetcher_ended"):
+            if state[FETCHER_STATE].get(FETCHER_ENDED):
                 if self.skip_to == 0:  # the previous epoch's end, carried over: this epoch's iterator
                     self.iterator = iter(spec.dataset)
                 else:
@@ -397,7 +398,7 @@ class Replicas(Shards):
         self._epoch = spec.first_epoch  # the epoch of the block being read (produce_block)
         self._reopen_at = 0  # reopening(): the record the next open() must resume at
         # this process's replica's last snapshots (the store's): (epoch, position, state)
-        self._snapshots: list[tuple[int, int, dict[str, Any]]] = []
+        self._snapshots: list[tuple[int, int, ReplicaState]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -420,7 +421,7 @@ class Replicas(Shards):
     def reopening(self, block: Block) -> None:
         self._reopen_at = block.first  # open() resumes there, from a snapshot (or refuses)
 
-    def keep_snapshot(self, worker: int, position: int, state: dict[str, Any]) -> None:
+    def keep_snapshot(self, worker: int, position: int, state: ReplicaState) -> None:
         """Write a snapshot of this process's replica to the store (for a replacement process)."""
         store = self.spec.store
         if store is None:
@@ -436,7 +437,7 @@ class Replicas(Shards):
         if store is not None:
             store.write(worker, [*self._snapshots, (self._epoch, 0, None)])
 
-    def _start(self, worker: int) -> tuple[int, dict[str, Any]] | None:
+    def _start(self, worker: int) -> tuple[int, ReplicaState] | None:
         """Where this epoch's replica starts: a snapshot to restore, or None (its start)."""
         first, self._reopen_at = self._reopen_at, 0
         spec = self.spec

@@ -6,10 +6,11 @@ Used by ``procpipe.torch.iterable`` (the replicas, in the workers) and ``procpip
 A replica's *state*, taken in the process that iterates it, is torchdata's
 ``StatefulDataLoader`` worker state: ``dataset_state`` (the dataset's ``state_dict()`` if it
 is ``Stateful`` and not its own iterator) and ``fetcher_state`` (``dataset_iter_state``: the
-iterator's ``state_dict()`` if it is ``Stateful``; ``fetcher_ended``). A *snapshot* is such a
-state with the replica's *position*: how many records (batches, errors, and the end marker)
-it had produced when it was taken. Restoring one is torchdata's order: the dataset's state,
-then a new iterator, then the iterator's state; the records between the snapshot and the
+iterator's ``state_dict()`` if it is ``Stateful``; ``fetcher_ended``): ``ReplicaState`` of
+``procpipe.torch.state_schema``, which holds the keys. A *snapshot* is such a state with the
+replica's *position*: how many records (batches, errors, and the end marker) it had produced
+when it was taken. Restoring one is torchdata's order: the dataset's state, then a new
+iterator, then the iterator's state; the records between the snapshot and the
 position wanted are produced again and dropped (the "fast-forward").
 
 Snapshots travel two ways:
@@ -34,10 +35,11 @@ import pickle
 import secrets
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeGuard
 
 from .._core.shm import SharedFd, close_fd, new_memory
+from .state_schema import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, ReplicaState
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]
 
@@ -57,31 +59,33 @@ def is_stateful(obj: Any) -> TypeGuard[Stateful]:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def capture(dataset: Any, iterator: Any, ended: bool, private: bool = False) -> dict[str, Any]:
+def capture(dataset: Any, iterator: Any, ended: bool, private: bool = False) -> ReplicaState:
     """The replica's state now (``private``: deep-copied, for a state kept in this process)."""
     dataset_state = dataset.state_dict() if is_stateful(dataset) and iterator is not dataset else None
     iter_state = iterator.state_dict() if iterator is not None and is_stateful(iterator) else None
-    state = {
-        "dataset_state": dataset_state,
-        "fetcher_state": {"dataset_iter_state": iter_state, "fetcher_ended": bool(ended)},
+    state: ReplicaState = {
+        DATASET_STATE: dataset_state,
+        FETCHER_STATE: {DATASET_ITER_STATE: iter_state, FETCHER_ENDED: bool(ended)},
     }
     return copy.deepcopy(state) if private else state
 
 
-def has_state(state: dict[str, Any] | None) -> bool:
-    """Whether ``state`` restores anything (else a resume re-reads from the epoch's start)."""
+def has_state(state: Mapping[str, Any] | None) -> bool:
+    """Whether ``state`` (a ``ReplicaState``, maybe loaded) restores anything (else a resume re-reads
+    from the epoch's start)."""
     if not state:
         return False
-    fetcher = state.get("fetcher_state") or {}
-    return state.get("dataset_state") is not None or fetcher.get("dataset_iter_state") is not None
+    fetcher = state.get(FETCHER_STATE) or {}
+    return state.get(DATASET_STATE) is not None or fetcher.get(DATASET_ITER_STATE) is not None
 
 
-def restore(dataset: Any, state: dict[str, Any], open_iter: Callable[[Any], Iterator]) -> Iterator:
-    """A new iterator of ``dataset`` at ``state`` (torchdata's order: dataset, iterator, its state)."""
-    if state.get("dataset_state") is not None and is_stateful(dataset):
-        dataset.load_state_dict(state["dataset_state"])
+def restore(dataset: Any, state: Mapping[str, Any], open_iter: Callable[[Any], Iterator]) -> Iterator:
+    """A new iterator of ``dataset`` at ``state`` (a ``ReplicaState``; torchdata's order: dataset,
+    iterator, its state)."""
+    if state.get(DATASET_STATE) is not None and is_stateful(dataset):
+        dataset.load_state_dict(state[DATASET_STATE])
     iterator = open_iter(dataset)
-    iter_state = (state.get("fetcher_state") or {}).get("dataset_iter_state")
+    iter_state = (state.get(FETCHER_STATE) or {}).get(DATASET_ITER_STATE)
     if iter_state is not None and is_stateful(iterator):
         iterator.load_state_dict(iter_state)
     return iterator
@@ -161,7 +165,7 @@ class SnapshotStore:
         raw = os.pread(fd, self._HEADER.size, 0)
         return self._HEADER.unpack(raw) if len(raw) == self._HEADER.size else (0, 0, 0)
 
-    def read(self, worker: int) -> list[tuple[int, int, dict | None]]:
+    def read(self, worker: int) -> list[tuple[int, int, ReplicaState | None]]:
         """Replica ``_worker``'s snapshots, oldest first (empty if none was written)."""
         fd = self._fd(worker)
         if fd is None:
@@ -177,7 +181,7 @@ class SnapshotStore:
             return []  # (never seen: a header is written whole, after its pickle)
         return pickle.loads(data)
 
-    def write(self, worker: int, snapshots: Sequence[tuple[int, int, dict | None]]) -> None:
+    def write(self, worker: int, snapshots: Sequence[tuple[int, int, ReplicaState | None]]) -> None:
         """Replace replica ``_worker``'s snapshots (the last ``KEEP``)."""
         fd = self._fd(worker)
         if fd is None:  # (released: the DataLoader was closed)
@@ -192,7 +196,7 @@ class SnapshotStore:
         except OSError:  # the DataLoader was closed while this worker ran
             pass
 
-    def best(self, worker: int, epoch: int, position: int) -> tuple[int, dict] | None:
+    def best(self, worker: int, epoch: int, position: int) -> tuple[int, ReplicaState] | None:
         """The latest snapshot of ``_worker``'s replica in ``epoch`` at or before ``position``."""
         found = None
         for e, p, state in self.read(worker):
@@ -202,7 +206,7 @@ class SnapshotStore:
                 found = (p, state)
         return found
 
-    def initial(self, worker: int, epoch: int) -> tuple[bool, dict | None]:
+    def initial(self, worker: int, epoch: int) -> tuple[bool, ReplicaState | None]:
         """Whether replica ``worker`` has started ``epoch`` (opened its iterator, or failed in
         ``worker_init_fn``), and its state then (None: it has none)."""
         for e, p, state in self.read(worker):

@@ -21,7 +21,9 @@ it at fixed points of an iteration (``begin``, ``before_draw``, ``resume_loader`
 The state is laid out as torchdata's (``_snapshot`` / ``_worker_snapshots`` / ``worker_<i>``
 with ``dataset_state`` and ``fetcher_state``; with ``num_workers=0``, ``dataset_state`` and
 ``fetcher_state`` at the top), plus a ``procpipe`` entry holding the rest. It is JSON
-serializable when the user's states are (generator states are base64 text).
+serializable when the user's states are (generator states are base64 text). Every key is a
+constant of ``procpipe.torch.state_schema``, and each part a ``TypedDict`` there (``SavedState``,
+``FacadeEntry``, ``Draw``, ``ReplicaState``...): this module reads and writes through them.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import dill
 import torch
@@ -41,10 +43,53 @@ from .._sources.saved_state import DONE, DONE_BELOW, EPOCH, ended_epoch
 from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
+from .state_schema import (
+    BASE_SEED,
+    DATASET_ITER_STATE,
+    DATASET_STATE,
+    DRAW,
+    FETCHER_ENDED,
+    FETCHER_STATE,
+    FINISHED,
+    GENERATORS,
+    IN_PROCESS,
+    ITERABLE,
+    ITERATOR_FINISHED,
+    LOADER,
+    MAIN_BASE_SEED,
+    MAIN_NUM_WORKERS,
+    MAIN_SNAPSHOT,
+    NUM_WORKERS,
+    PROCPIPE,
+    REPLICAS,
+    SAMPLERS,
+    SAVED,
+    SEED,
+    SHARED_SEED,
+    SNAPSHOT,
+    START_STATE,
+    VERSION,
+    VERSION_KEY,
+    WORKER_ID,
+    WORKER_SNAPSHOTS,
+    WORKER_STATES,
+    YIELDED,
+    Draw,
+    FacadeEntry,
+    FetcherState,
+    LoadedEntry,
+    ReplicaStart,
+    ReplicaState,
+    SavedState,
+    WorkerSnapshot,
+    replica_key,
+    worker_key,
+    worker_of_key,
+)
+from .state_schema import EPOCH as ENTRY_EPOCH  # the facade entry's (EPOCH: the Loader position's)
 
 __all__ = ["FacadeState", "InProcessReplica", "on_moved", "on_value"]
 
-VERSION = 1
 INITIAL_STATE_WAIT_S = 60.0  # state_dict() before a replica's first batch: how long it waits for its start
 
 
@@ -115,9 +160,9 @@ class InProcessReplica:
     """An ``IterableDataset`` iterated in this process (``num_workers=0``): batches as torch's
     fetcher makes them, counted, with its state at any moment (torchdata's single-process state).
 
-    ``start``: a saved ``{"state", "yielded"}`` to resume at: the state restored (torchdata's
-    order), or without one the first ``yielded`` batches made again and dropped; an ended
-    state is carried over (restored, then a new iterator: the epoch after it).
+    ``start``: a saved ``ReplicaStart`` (``{"state", "yielded"}``) to resume at: the state
+    restored (torchdata's order), or without one the first ``yielded`` batches made again and
+    dropped; an ended state is carried over (restored, then a new iterator: the epoch after it).
     """
 
     def __init__(
@@ -126,25 +171,25 @@ class InProcessReplica:
         batch_size: int | None,
         drop_last: bool,
         collate_fn: Callable,
-        start: dict[str, Any] | None,
+        start: ReplicaStart | None,
         carry: bool = False,
     ) -> None:
         self.dataset = dataset
         self.yielded = 0
-        state = None if start is None else start.get("state")
+        state = None if start is None else start.get(START_STATE)
         if start is not None and state is not None and has_state(state):
             self.iterator = restore(dataset, state, iter)
-            ended = bool(state["fetcher_state"].get("fetcher_ended"))
+            ended = bool(state[FETCHER_STATE].get(FETCHER_ENDED))
             if ended and carry:  # the previous epoch's end: this epoch's iterator
                 self.iterator = iter(dataset)
             else:
-                self.yielded = int(start.get("yielded", 0))
+                self.yielded = int(start.get(YIELDED, 0))
         else:
             ended = False
             self.iterator = iter(dataset)
         self.fetcher = BatchFetcher(self.iterator, batch_size, drop_last, collate_fn)
         self.fetcher.ended = ended and not carry
-        skip = 0 if start is None or (state is not None and has_state(state)) else int(start.get("yielded", 0))
+        skip = 0 if start is None or (state is not None and has_state(state)) else int(start.get(YIELDED, 0))
         if skip:
             warnings.warn(
                 f"procpipe.torch.DataLoader: neither the IterableDataset nor its iterator is Stateful: "
@@ -163,7 +208,7 @@ class InProcessReplica:
         self.yielded += 1
         return batch
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> ReplicaState:
         return capture(self.dataset, self.iterator, self.fetcher.ended, private=True)
 
 
@@ -190,13 +235,13 @@ class FacadeState:
         self.snapshot_every = snapshot_every
         self.store: SnapshotStore | None = None
         self.stores: list[SnapshotStore] = []  # the store, for cleanup() (which must not hold this object)
-        self.pending: dict[str, Any] | None = None  # a loaded state, for the next iteration
+        self.pending: LoadedEntry | None = None  # a loaded state's entry, for the next iteration
         self.fresh = False  # nothing iterated since the load: state_dict() gives the loaded state back
         self.epoch = 0  # the epoch of the current (or next) iteration
         self.started = False
         self.done = False  # the current iteration ended (StopIteration)
         self.seeds: tuple[int | None, int | None] = (None, None)  # base_seed, shared_seed
-        self.draws: dict[int, dict[str, Any]] = {}  # epoch -> what its sampler draw depends on
+        self.draws: dict[int, Draw] = {}  # epoch -> what its sampler draw depends on
         # The iteration's procpipe Loader and stage, held weakly: the Loader's coordinator thread reaches
         # this object (through the sampler), so a strong reference would keep the Loader forever.
         self.loader: weakref.ref | None = None
@@ -234,29 +279,29 @@ class FacadeState:
         pending = self.pending
         if (
             pending is not None
-            and pending.get("base_seed") is not None
-            and (pending["epoch"] == epoch or (pending["finished"] and self.persistent and self.num_workers))
+            and (saved_seed := pending.get(BASE_SEED)) is not None
+            and (pending[ENTRY_EPOCH] == epoch or (pending[FINISHED] and self.persistent and self.num_workers))
         ):
-            base_seed, shared_seed = pending["base_seed"], pending.get("shared_seed")  # the saved workers' seeds
+            base_seed, shared_seed = saved_seed, pending.get(SHARED_SEED)  # the saved workers' seeds
         self.epoch, self.started, self.done = epoch, True, False
         self.seeds = (base_seed, shared_seed)
         self.loader = self.stage = self.replica = self.frozen = None
         self.delivered, self.snaps, self.ended = {}, {}, set()
         self.returned = 0
-        if pending is not None and pending["epoch"] == epoch and not pending["finished"]:
-            self.returned = _batches_returned(pending.get("loader"))
+        if pending is not None and pending[ENTRY_EPOCH] == epoch and not pending[FINISHED]:
+            self.returned = _batches_returned(pending.get(LOADER))
         if not self.iterable:
             if self._resumes_workers(epoch):
-                self.worker_snaps = dict(pending["worker_states"]) if pending is not None else {}
+                self.worker_snaps = dict(pending[WORKER_STATES]) if pending is not None else {}
             elif not self.persistent:
                 self.worker_snaps = {}  # fresh workers: their initial states
-        if pending is not None and pending["epoch"] == epoch:
-            for key, (delivered, position, state) in (pending.get("replicas") or {}).items():
+        if pending is not None and pending[ENTRY_EPOCH] == epoch:
+            for key, (delivered, position, state) in (pending.get(REPLICAS) or {}).items():
                 worker = int(key)
                 self.delivered[worker] = delivered
                 if state is not None:
                     self.snaps[worker] = (position, state)
-                if state is not None and state.get("fetcher_state", {}).get("fetcher_ended") and position > 0:
+                if state is not None and state.get(FETCHER_STATE, {}).get(FETCHER_ENDED) and position > 0:
                     self.ended.add(worker)
         self.fresh = False
         for old in [e for e in self.draws if e < epoch]:
@@ -268,34 +313,34 @@ class FacadeState:
         what the original draw depended on; then remember it (for a state taken in this epoch)."""
         pending, epoch = self.pending, self.epoch
         generators = generators_of(index_sampler, self.generator)
-        if pending is not None and pending["epoch"] == epoch and pending.get("draw") is not None:
-            draw = pending["draw"]
+        if pending is not None and pending[ENTRY_EPOCH] == epoch and pending.get(DRAW) is not None:
+            draw = pending[DRAW]
             # (strict=False: the draw was saved by a DataLoader built the same way; zip's shortest wins)
-            for g, text in zip(generators, draw["generators"], strict=False):
+            for g, text in zip(generators, draw[GENERATORS], strict=False):
                 g.set_state(_decode_rng(text))
-            for obj, state in zip(_samplers(index_sampler), draw["samplers"], strict=False):
+            for obj, state in zip(_samplers(index_sampler), draw[SAMPLERS], strict=False):
                 obj.load_state_dict(copy.deepcopy(state))
         self.draws[epoch] = {
-            "generators": [_encode_rng(g) for g in generators],
-            "samplers": [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
+            GENERATORS: [_encode_rng(g) for g in generators],
+            SAMPLERS: [copy.deepcopy(obj.state_dict()) for obj in _samplers(index_sampler)],
         }
 
     def _resumes_workers(self, epoch: int) -> bool:
         """Whether epoch ``epoch``'s workers start from a loaded state's worker snapshots: those of its
         own epoch, or with persistent workers the epoch after a finished one (the same workers went on)."""
         pending = self.pending
-        if pending is None or not pending.get("worker_states"):
+        if pending is None or not pending.get(WORKER_STATES):
             return False
-        if pending["finished"]:
-            return self.persistent and pending["epoch"] + 1 == epoch
-        return pending["epoch"] == epoch
+        if pending[FINISHED]:
+            return self.persistent and pending[ENTRY_EPOCH] + 1 == epoch
+        return pending[ENTRY_EPOCH] == epoch
 
     def worker_states(self, epoch: int) -> dict[int, bytes]:
         """The map-style workers' dataset states for a new loader starting at ``epoch`` (``TorchSource``)."""
         if not self._resumes_workers(epoch):
             return {}
         assert self.pending is not None
-        states = self.pending["worker_states"]
+        states = self.pending[WORKER_STATES]
         return {
             w: dill.dumps(state, protocol=dill.HIGHEST_PROTOCOL)
             for w, state in states.items()
@@ -312,13 +357,14 @@ class FacadeState:
         pending = self.pending
         if pending is None:
             return options
-        for key, (_delivered, position, state) in (pending.get("replicas") or {}).items():
+        for key, (_delivered, position, state) in (pending.get(REPLICAS) or {}).items():
             if state is not None:
-                start = pending["epoch"] if not pending["finished"] else pending["epoch"] + 1
-                self.store.write(int(key), [(start, 0 if pending["finished"] else position, _decoded(state))])
-        if not pending["finished"]:
-            options["resume_epoch"] = pending["epoch"]
-            options["resume_positions"] = {int(k): v[0] for k, v in (pending.get("replicas") or {}).items()}
+                start = pending[ENTRY_EPOCH] if not pending[FINISHED] else pending[ENTRY_EPOCH] + 1
+                self.store.write(int(key), [(start, 0 if pending[FINISHED] else position, _decoded(state))])
+        if not pending[FINISHED]:
+            options["resume_epoch"] = pending[ENTRY_EPOCH]
+            # (v[0]: the records of the replica returned, "delivered")
+            options["resume_positions"] = {int(k): v[0] for k, v in (pending.get(REPLICAS) or {}).items()}
         return options
 
     def resume_loader(self, loader: Any, stage: Any) -> None:
@@ -326,8 +372,8 @@ class FacadeState:
         self.loader, self.stage = weakref.ref(loader), None
         self.batches = 0 if self.iterable else len(loader)  # (a stream's Loader has no len())
         pending = self.pending
-        if pending is not None and pending["epoch"] == self.epoch and pending.get("loader") is not None:
-            loader.load_state_dict(pending["loader"])
+        if pending is not None and pending[ENTRY_EPOCH] == self.epoch and pending.get(LOADER) is not None:
+            loader.load_state_dict(pending[LOADER])
 
     def set_stage(self, stage: Any) -> None:
         self.stage = None if stage is None else weakref.ref(stage)
@@ -356,13 +402,13 @@ class FacadeState:
     ) -> InProcessReplica:
         """The iteration's ``IterableDataset`` in this process (``num_workers=0``), resumed if loaded so."""
         pending = self.pending
-        start = None
-        if pending is not None and pending["epoch"] == self.epoch:
-            start = {"state": pending.get("in_process"), "yielded": pending.get("yielded", 0)}
-        elif pending is not None and pending["finished"] and pending["epoch"] + 1 == self.epoch:
-            start = {"state": pending.get("in_process"), "yielded": 0}
+        start: ReplicaStart | None = None
+        if pending is not None and pending[ENTRY_EPOCH] == self.epoch:
+            start = {START_STATE: pending.get(IN_PROCESS), YIELDED: pending.get(YIELDED, 0)}
+        elif pending is not None and pending[FINISHED] and pending[ENTRY_EPOCH] + 1 == self.epoch:
+            start = {START_STATE: pending.get(IN_PROCESS), YIELDED: 0}
         self.replica = InProcessReplica(
-            dataset, batch_size, drop_last, collate_fn, start, carry=pending is not None and pending["finished"]
+            dataset, batch_size, drop_last, collate_fn, start, carry=pending is not None and pending[FINISHED]
         )
         return self.replica
 
@@ -370,14 +416,14 @@ class FacadeState:
         """The iteration is set up: a loaded state has been used."""
         if (
             self.pending is not None
-            and self.pending["finished"] is False
-            and self.pending["epoch"] == self.epoch
+            and self.pending[FINISHED] is False
+            and self.pending[ENTRY_EPOCH] == self.epoch
             and self.num_workers == 0
             and not self.iterable
-            and self.pending.get("dataset_state") is not None
+            and self.pending.get(DATASET_STATE) is not None
             and is_stateful(self.dataset)
         ):
-            self.dataset.load_state_dict(copy.deepcopy(self.pending["dataset_state"]))
+            self.dataset.load_state_dict(copy.deepcopy(self.pending[DATASET_STATE]))
         self.pending = None
 
     def received(self, record: Any) -> Any:
@@ -401,83 +447,93 @@ class FacadeState:
         self.done = True
 
     # ---------------------------------------------------------------- saving and loading
-    def _ended_state(self) -> dict[str, Any]:
+    def _ended_state(self) -> SavedState:
         done, self.done = self.done, True
         try:
             return self.state_dict(self.seed)
         finally:
             self.done = done
 
-    def state_dict(self, seed: int) -> dict[str, Any]:
-        """The state (see the module docstring)."""
+    def state_dict(self, seed: int) -> SavedState:
+        """The state (see the module docstring; its keys and types: ``procpipe.torch.state_schema``)."""
         if self.fresh and self.pending is not None:
-            return copy.deepcopy(self.pending["saved"])
+            return copy.deepcopy(self.pending[SAVED])
         self.seed = seed
         finished = self.started and self.done
-        mine: dict[str, Any] = {
-            "version": VERSION,
-            "epoch": self.epoch,
-            "finished": finished,
-            "seed": seed,
-            "num_workers": self.num_workers,
-            "iterable": self.iterable,
-            "base_seed": self.seeds[0],
-            "shared_seed": self.seeds[1],
+        mine: FacadeEntry = {
+            VERSION_KEY: VERSION,
+            ENTRY_EPOCH: self.epoch,
+            FINISHED: finished,
+            SEED: seed,
+            NUM_WORKERS: self.num_workers,
+            ITERABLE: self.iterable,
+            BASE_SEED: self.seeds[0],
+            SHARED_SEED: self.seeds[1],
         }
         if finished or not self.started:  # the next epoch draws from the generator as it is now
-            mine["generators"] = [_encode_rng(g) for g in generators_of(self.index_sampler, self.generator)]
-            mine["samplers"] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
+            mine[GENERATORS] = [_encode_rng(g) for g in generators_of(self.index_sampler, self.generator)]
+            mine[SAMPLERS] = [copy.deepcopy(obj.state_dict()) for obj in _samplers(self.index_sampler)]
         elif self.started and (loader_state := self._position()) is not None:
             if loader_state.get(EPOCH, self.epoch) > self.epoch:  # every batch returned, not yet StopIteration
                 if self.iterable:  # resumed as an ended epoch (the empty rest of this one is not replayed)
                     return self._ended_state()
                 loader_state = dict(ended_epoch(loader_state, self.epoch, self.batches))
-            mine["loader"] = loader_state
+            mine[LOADER] = loader_state
         if not self.iterable and not finished and self.epoch in self.draws:
-            mine["draw"] = self.draws[self.epoch]
-        state: dict[str, Any] = {}
+            mine[DRAW] = self.draws[self.epoch]
+        state: SavedState = {}
         if self.num_workers == 0:
-            dataset_state, fetcher_state = None, None
+            dataset_state: Any = None
+            fetcher_state: FetcherState | None = None
             if self.iterable and self.replica is not None:
                 full = self.replica.state()
-                dataset_state, fetcher_state = full["dataset_state"], full["fetcher_state"]
-                mine["in_process"] = copy.deepcopy(full)
-                mine["yielded"] = self.replica.yielded
+                dataset_state, fetcher_state = full[DATASET_STATE], full[FETCHER_STATE]
+                mine[IN_PROCESS] = copy.deepcopy(full)
+                mine[YIELDED] = self.replica.yielded
             elif not self.iterable and is_stateful(self.dataset):
                 dataset_state = copy.deepcopy(self.dataset.state_dict())
-            state = {"dataset_state": dataset_state, "fetcher_state": fetcher_state, "_iterator_finished": finished}
+            state = {
+                DATASET_STATE: dataset_state,
+                FETCHER_STATE: fetcher_state,
+                ITERATOR_FINISHED: finished,
+            }
         else:
             if self.iterable and self.started and not finished:
                 self._await_initial_states()
-            workers: dict[str, Any] = {}
-            replicas: dict[str, Any] = {}
+            workers: dict[str, WorkerSnapshot] = {}
+            replicas: dict[str, list[Any]] = {}
             for w in range(self.num_workers):
-                snapshot: dict[str, Any] = {"worker_id": w, "dataset_state": None, "fetcher_state": None}
+                snapshot: WorkerSnapshot = {
+                    WORKER_ID: w,
+                    DATASET_STATE: None,
+                    FETCHER_STATE: None,
+                }
                 if not self.iterable and self.worker_snaps.get(w) is not None:
-                    snapshot["dataset_state"] = _decoded(self.worker_snaps[w])
+                    snapshot[DATASET_STATE] = _decoded(self.worker_snaps[w])
                 if self.iterable:
                     position, saved = self.snaps.get(w, (0, None))
-                    decoded = _decoded(saved) if saved is not None else None
+                    decoded = _decoded(saved) if saved is not None else None  # a ReplicaState, or None
                     if decoded is not None:
                         snapshot.update(decoded)
                     else:
-                        snapshot["fetcher_state"] = {"dataset_iter_state": None, "fetcher_ended": False}
-                    snapshot["fetcher_state"]["fetcher_ended"] = w in self.ended
-                    replicas[str(w)] = [self.delivered.get(w, 0), position, decoded]
-                workers[f"worker_{w}"] = snapshot
+                        snapshot[FETCHER_STATE] = {DATASET_ITER_STATE: None, FETCHER_ENDED: False}
+                    # (set just above: a replica's state has a fetcher state)
+                    cast(FetcherState, snapshot[FETCHER_STATE])[FETCHER_ENDED] = w in self.ended
+                    replicas[replica_key(w)] = [self.delivered.get(w, 0), position, decoded]
+                workers[worker_key(w)] = snapshot
             if self.iterable:
-                mine["replicas"] = replicas
+                mine[REPLICAS] = replicas
             state = {
-                "_snapshot": {
-                    "_worker_snapshots": workers,
-                    "_main_snapshot": {
-                        "_num_workers": self.num_workers,
-                        "_base_seed": self.seeds[0],
-                        "_iterator_finished": finished,
+                SNAPSHOT: {
+                    WORKER_SNAPSHOTS: workers,
+                    MAIN_SNAPSHOT: {
+                        MAIN_NUM_WORKERS: self.num_workers,
+                        MAIN_BASE_SEED: self.seeds[0],
+                        ITERATOR_FINISHED: finished,
                     },
                 }
             }
-        state["procpipe"] = mine
+        state[PROCPIPE] = mine
         return state
 
     def _await_initial_states(self) -> None:
@@ -506,50 +562,51 @@ class FacadeState:
 
     def load(self, state: Any) -> int:
         """Check a saved state and keep it for the next iteration; returns that iteration's epoch."""
-        mine = state.get("procpipe") if isinstance(state, dict) else None
-        if not isinstance(mine, dict) or mine.get("version") != VERSION:
+        mine = state.get(PROCPIPE) if isinstance(state, dict) else None
+        if not isinstance(mine, dict) or mine.get(VERSION_KEY) != VERSION:
             raise ValueError(
                 f"not a procpipe.torch.DataLoader state (from DataLoader.state_dict()): {str(state)[:200]}"
             )
-        if bool(mine.get("iterable")) != self.iterable:
+        if bool(mine.get(ITERABLE)) != self.iterable:
             kinds = ("a map-style dataset", "an IterableDataset")
             raise ValueError(
-                f"this state was saved by a DataLoader over {kinds[bool(mine.get('iterable'))]}, but this "
+                f"this state was saved by a DataLoader over {kinds[bool(mine.get(ITERABLE))]}, but this "
                 f"one reads {kinds[self.iterable]}; resume with a DataLoader built the same way"
             )
-        if self.iterable and mine.get("num_workers") != self.num_workers:
+        if self.iterable and mine.get(NUM_WORKERS) != self.num_workers:
             raise ValueError(
-                f"this state was saved by a DataLoader with num_workers={mine.get('num_workers')}, but this one has "
-                f"num_workers={self.num_workers}: an IterableDataset has one replica per worker, each with its own "
+                f"this state was saved by a DataLoader with num_workers={mine.get(NUM_WORKERS)}, but this one "
+                f"has num_workers={self.num_workers}: an IterableDataset has one replica per worker, each with its own "
                 "state, so it resumes with the same num_workers (a map-style dataset resumes with any)"
             )
-        pending = copy.deepcopy(mine)
-        pending["saved"] = copy.deepcopy(state)
+        # (checked as far as a resume needs; the rest is trusted to be a state_dict()'s, of this version)
+        pending = cast(LoadedEntry, copy.deepcopy(mine))
+        pending[SAVED] = copy.deepcopy(state)
         if self.num_workers == 0 and not self.iterable:
-            pending["dataset_state"] = state.get("dataset_state")
+            pending[DATASET_STATE] = state.get(DATASET_STATE)
         if not self.iterable:  # the workers' dataset states (torchdata's worker snapshots)
-            workers = (state.get("_snapshot") or {}).get("_worker_snapshots") or {}
-            pending["worker_states"] = {
-                int(key.split("_")[-1]): copy.deepcopy(snap.get("dataset_state"))
+            workers = (state.get(SNAPSHOT) or {}).get(WORKER_SNAPSHOTS) or {}
+            pending[WORKER_STATES] = {
+                worker_of_key(key): copy.deepcopy(snap.get(DATASET_STATE))
                 for key, snap in workers.items()
-                if isinstance(snap, dict) and snap.get("dataset_state") is not None
+                if isinstance(snap, dict) and snap.get(DATASET_STATE) is not None
             }
-        if pending["finished"] or pending.get("generators") is not None:  # before the next epoch's draws
-            if pending.get("dataset_state") is not None and is_stateful(self.dataset):
-                self.dataset.load_state_dict(copy.deepcopy(pending["dataset_state"]))
+        if pending[FINISHED] or pending.get(GENERATORS) is not None:  # before the next epoch's draws
+            if pending.get(DATASET_STATE) is not None and is_stateful(self.dataset):
+                self.dataset.load_state_dict(copy.deepcopy(pending[DATASET_STATE]))
             # (strict=False: a state without these lists, or of a DataLoader built otherwise, restores what matches)
             for g, text in zip(
-                generators_of(self.index_sampler, self.generator), pending.get("generators") or (), strict=False
+                generators_of(self.index_sampler, self.generator), pending.get(GENERATORS) or (), strict=False
             ):
                 g.set_state(_decode_rng(text))
-            for obj, saved in zip(_samplers(self.index_sampler), pending.get("samplers") or (), strict=False):
+            for obj, saved in zip(_samplers(self.index_sampler), pending.get(SAMPLERS) or (), strict=False):
                 obj.load_state_dict(copy.deepcopy(saved))
             if not (self.persistent or self.num_workers == 0):
-                pending["replicas"] = {}  # fresh replicas each epoch: nothing carries over
+                pending[REPLICAS] = {}  # fresh replicas each epoch: nothing carries over
         self.pending = pending
         self.fresh = True
         self.started = False
-        return pending["epoch"] + 1 if pending["finished"] else pending["epoch"]
+        return pending[ENTRY_EPOCH] + 1 if pending[FINISHED] else pending[ENTRY_EPOCH]
 
     def close(self) -> None:
         """Release the snapshots' shared memory."""
