@@ -30,15 +30,10 @@ import numpy as np
 
 from ..errors import CollateError, summarize_indices
 from . import classref
-
-ARRAY, INLINE, DICT, SEQ = 0, 1, 2, 3
-ALIGN = 64  # every array starts on a cache line
+from .shm import ALIGN
+from .tree import ARRAY, DICT, INLINE, SEQ, path_str, seq_type
 
 _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
-
-
-def _path_str(path: tuple) -> str:
-    return "sample" + "".join(f"[{p!r}]" for p in path)
 
 
 def tensor_type() -> type | None:
@@ -85,7 +80,7 @@ class _Planner:
                         else "a mapping with keys " + str(sorted(map(str, v.keys())))
                     )
                     raise CollateError(
-                        f"cannot collate {_path_str(path)}: index {indices[0]} is a mapping with keys "
+                        f"cannot collate {path_str(path)}: index {indices[0]} is a mapping with keys "
                         f"{sorted(map(str, keys))} but index {i} is {got}. "
                         "Every sample must have the same structure; pass collate_fn=... to combine them yourself."
                     )
@@ -94,13 +89,13 @@ class _Planner:
             for v, i in zip(values, indices, strict=False):
                 if not isinstance(v, (tuple, list)) or len(v) != len(first):
                     raise CollateError(
-                        f"cannot collate {_path_str(path)}: index {indices[0]} is a {type(first).__name__} "
+                        f"cannot collate {path_str(path)}: index {indices[0]} is a {type(first).__name__} "
                         f"of length {len(first)} but index {i} is {_describe(v)}"
                         f"{' of length ' + str(len(v)) if isinstance(v, (tuple, list)) else ''}. "
                         "Pass collate_fn=... to combine samples of different structure."
                     )
             columns = [self.stack([v[j] for v in values], path + (j,), indices) for j in range(len(first))]
-            return [SEQ, _seq_type(first), columns]
+            return [SEQ, seq_type(first), columns]
         if isinstance(first, np.ndarray):
             return self._stack_arrays(values, path, indices)
         if isinstance(first, _NUMBER_TYPES) and not isinstance(first, (str, bytes)):
@@ -118,7 +113,7 @@ class _Planner:
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, tensor):
                 raise CollateError(
-                    f"cannot collate {_path_str(path)}: index {indices[0]} is a torch tensor but index {i} is "
+                    f"cannot collate {path_str(path)}: index {indices[0]} is a torch tensor but index {i} is "
                     f"{_describe(v)}. Make the field the same type in every sample, or pass collate_fn=...."
                 )
             array, dtype = tensor_numpy(v)
@@ -126,7 +121,7 @@ class _Planner:
             dtypes.add(dtype_name(dtype))
         if len(dtypes) > 1:
             raise CollateError(
-                f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: the tensors have "
+                f"cannot stack {path_str(path)} for {summarize_indices(indices)}: the tensors have "
                 f"different dtypes ({sorted(dtypes)}); cast them in {self.made_in}."
             )
         node = self._stack_arrays(arrays, path, indices)
@@ -137,14 +132,14 @@ class _Planner:
         first = values[0]
         if first.dtype.hasobject:
             raise CollateError(
-                f"cannot collate {_path_str(path)}: index {indices[0]} is an array of dtype object, "
+                f"cannot collate {path_str(path)}: index {indices[0]} is an array of dtype object, "
                 "which cannot be placed in shared memory. Convert it to a numeric or fixed-width dtype "
                 f"in {self.made_in}, or pass collate_fn=... to build the batch yourself."
             )
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, np.ndarray) or v.shape != first.shape or v.dtype != first.dtype:
                 raise CollateError(
-                    f"cannot stack {_path_str(path)} for {summarize_indices(indices)}: index {indices[0]} is an "
+                    f"cannot stack {path_str(path)} for {summarize_indices(indices)}: index {indices[0]} is an "
                     f"{_describe(first)} but index {i} is "
                     f"{'an ' + _describe(v) if isinstance(v, np.ndarray) else 'a ' + _describe(v)}. "
                     "Samples must have equal shapes and dtypes to be stacked; pass collate_fn=... "
@@ -167,7 +162,7 @@ class _Planner:
         for v, i in zip(values, indices, strict=False):
             if not isinstance(v, _NUMBER_TYPES):
                 raise CollateError(
-                    f"cannot collate {_path_str(path)}: index {indices[0]} is a number "
+                    f"cannot collate {path_str(path)}: index {indices[0]} is a number "
                     f"({_describe(values[0])}) but index {i} is {_describe(v)}. "
                     "Make the field the same type in every sample, or pass collate_fn=...."
                 )
@@ -180,7 +175,7 @@ class _Planner:
             keys = tuple(value.keys())
             return [DICT, keys, [self.pack(value[k]) for k in keys]]
         if isinstance(value, (tuple, list)):
-            return [SEQ, _seq_type(value), [self.pack(v) for v in value]]
+            return [SEQ, seq_type(value), [self.pack(v) for v in value]]
         tensor = tensor_type()
         if tensor is not None and isinstance(value, tensor):
             from .tensors import dtype_name, tensor_numpy
@@ -230,10 +225,6 @@ def _dtype_token(dtype: np.dtype) -> str | np.dtype:
     return token if dtype.names is None and dtype.subdtype is None and not dtype.metadata else dtype
 
 
-def _seq_type(value: Any) -> type:
-    return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
-
-
 def layout_batch(
     samples: list, indices: Sequence[object], buffer: Any | None, capacity: int, made_in: str = "fn"
 ) -> tuple[list, int, bool]:
@@ -253,7 +244,7 @@ def layout_value(value: Any, buffer: Any | None, capacity: int) -> tuple[list, i
 
 def find_inline(node: list, refuses: Any, path: tuple = ()) -> tuple[tuple, int | None, Any] | None:
     """The first value carried inline in a layout that ``refuses(value)`` (e.g. cannot be pickled),
-    as ``(path, position, value)``: its place in the sample (``_path_str``), and its sample's
+    as ``(path, position, value)``: its place in the sample (``tree.path_str``), and its sample's
     position in the batch (None for a value of an already-built batch); None if there is none."""
     kind = node[0]
     if kind == ARRAY:
@@ -276,7 +267,7 @@ def find_inline(node: list, refuses: Any, path: tuple = ()) -> tuple[tuple, int 
 
 def describe_path(path: tuple, root: str = "sample") -> str:
     """A place in a sample (or a batch: ``root``), as errors name it: ``sample['image']``, ``sample[0]``."""
-    return root + _path_str(path).removeprefix("sample")
+    return root + path_str(path).removeprefix("sample")
 
 
 def find_value(tree: Any, wanted: Callable[[Any], bool], path: tuple = ()) -> tuple[tuple, Any] | None:

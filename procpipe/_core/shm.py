@@ -51,6 +51,16 @@ from . import reaper
 from .memory_budget import format_bytes, memory_budget
 from .stale_files import sweep_once
 
+#: Every array procpipe lays out in shared memory (a ring slot, the cache, Records) starts on a
+#: multiple of this: a cache line, and the alignment numpy, torch and TensorFlow adopt without a copy.
+ALIGN = 64
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``."""
+    return -(-n // ALIGN) * ALIGN
+
+
 PAGE = mmap.PAGESIZE
 MEMORY_RESERVE = 0.10  # the share of the memory budget a new segment leaves for everything else
 RING_FIXES = (

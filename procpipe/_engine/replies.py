@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import dill
 
-from .._core import collate, wire
+from .._core import tree, wire
 from .._core.messages import BatchDone, BatchFailed, ErrorInfo
 from .._core.notes import add_note
 
@@ -66,12 +66,12 @@ def _position(node: Any, samples: int) -> int | None:
     """Position of the first sample of ``samples`` with an unreadable object in the layout ``node``."""
     if not isinstance(node, list) or not node:
         return None
-    if node[0] == collate.INLINE:
+    if node[0] == tree.INLINE:
         value = node[1]
         if isinstance(value, list) and len(value) == samples:
             return next((p for p, v in enumerate(value) if _contains_unreadable(v)), None)
         return None
-    if node[0] in (collate.DICT, collate.SEQ) and len(node) == 3:
+    if node[0] in (tree.DICT, tree.SEQ) and len(node) == 3:
         for child in node[2]:
             found = _position(child, samples)
             if found is not None:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from .._core.rng import no_sample_rng
-from .._core.shm import Segments, map_fd, remove_file
+from .._core.shm import Segments, aligned, map_fd, remove_file
 from ..errors import CacheError
 from .cache_file import NO_RNG, Field, Layout, Storage, create_storage, directory_of, release_storage, wanted
 from .stream_cache import StreamCache
@@ -58,12 +58,6 @@ from .worker_spec import GROWING
 
 if TYPE_CHECKING:
     from .worker_spec import SampleCache, WorkerSpec
-
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class Cache:
@@ -258,14 +252,14 @@ class Cache:
         index, first = reader.first_cached(spec)
         layout = Layout.of(first)
         fields = layout.fields
-        offset = _align(length)  # the filled bytes
+        offset = aligned(length)  # the filled bytes
         crc_offset = None
         in_memory = directory_of(cache) is None
         if not in_memory:  # a file on disk: per-sample checksums catch changed bytes
-            crc_offset, offset = offset, offset + _align(4 * length)
+            crc_offset, offset = offset, offset + aligned(4 * length)
         for field in fields:
             field.offset = offset
-            offset += _align(length * field.itemsize)
+            offset += aligned(length * field.itemsize)
         nbytes = max(offset, 1)
         what = f"the sample cache ({length} samples x {layout.sample_bytes} bytes)"
         fixes = (

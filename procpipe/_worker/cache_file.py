@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._core.shm import Segments, SharedFd, check_capacity, close_fd, open_new_file, remove_file
+from .._core.tree import DICT, LEAF, SEQ, path_str, seq_type
 from ..config import CACHE_IN_MEMORY
 from ..errors import CacheError
 
@@ -32,9 +33,6 @@ NO_RNG = (
     "epoch, so it must be deterministic. Move random augmentation into augment=..., which runs every "
     "epoch on top of the cached sample and may use sample_rng()."
 )
-# The skeleton of a ``Layout``: [DICT, keys, children] a mapping, [SEQ, type, children] a sequence,
-# [LEAF, field] a leaf.
-DICT, SEQ, LEAF = 0, 1, 2
 # Python number types and the dtype they are stored as (restored as the Python type).
 _PY_NUMBERS = {
     bool: np.dtype(np.bool_),
@@ -42,14 +40,6 @@ _PY_NUMBERS = {
     float: np.dtype(np.float64),
     complex: np.dtype(np.complex128),
 }
-
-
-def _path_str(path: tuple) -> str:
-    return "sample" + "".join(f"[{p!r}]" for p in path)
-
-
-def _seq_type(value: Any) -> type:
-    return type(value) if type(value) in (tuple, list) or hasattr(value, "_fields") else list
 
 
 class Field:
@@ -111,18 +101,18 @@ class Layout:
                 keys = tuple(value.keys())
                 return [DICT, keys, [walk(value[k], path + (k,)) for k in keys]]
             if isinstance(value, (tuple, list)):
-                return [SEQ, _seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
+                return [SEQ, seq_type(value), [walk(v, path + (j,)) for j, v in enumerate(value)]]
             if isinstance(value, np.ndarray) and not value.dtype.hasobject:
                 fields.append(Field("array", value.dtype, value.shape, path))
             elif type(value) in _PY_NUMBERS:
                 if type(value) is int and not -(2**63) <= value < 2**63:
-                    raise CacheError(f"cache=... cannot store {_path_str(path)} = {value}: it does not fit in int64")
+                    raise CacheError(f"cache=... cannot store {path_str(path)} = {value}: it does not fit in int64")
                 fields.append(Field(type(value).__name__, _PY_NUMBERS[type(value)], (), path))
             elif isinstance(value, (np.number, np.bool_)):
                 fields.append(Field("scalar", value.dtype, (), path))
             else:
                 raise CacheError(
-                    f"cache=... stores arrays and numbers only, but {_path_str(path)} is {_describe(value)}. "
+                    f"cache=... stores arrays and numbers only, but {path_str(path)} is {_describe(value)}. "
                     "Return only numpy arrays, numbers and dicts/tuples/lists of them from the cached stage (fn), "
                     "e.g. encode labels as ints; add str/bytes/object fields in augment=... (uncached), or pass "
                     "cache=False."
@@ -145,7 +135,7 @@ class Layout:
 
         def mismatch(path: tuple, expected: str, got: str) -> CacheError:
             return CacheError(
-                f"cache=...: {_path_str(path)} of {item} is {got}, but the cache was laid out from the first "
+                f"cache=...: {path_str(path)} of {item} is {got}, but the cache was laid out from the first "
                 f"{unit}, where it is {expected}. {rule} must have the same structure, dtypes and shapes: make "
                 "fn return fixed-shape arrays (resize, crop or pad in fn), or pass cache=False."
             )

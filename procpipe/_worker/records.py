@@ -36,13 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._core.shm import new_memory, open_new_file, open_proc_address, proc_address, seal_writes
+from .._core.shm import aligned, new_memory, open_new_file, open_proc_address, proc_address, seal_writes
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
 MAGIC = b"PPRECS01"
-_ALIGN = 64
 _TEXT = ("str", "bytes")
 _NUMBERS = (int, float, np.integer, np.floating)
 _BOOLS = (bool, np.bool_)
@@ -215,7 +214,7 @@ class _Store:
             raise ValueError(f"not a procpipe.Records file: {where[-1]}")
         (header_len,) = struct.unpack_from("<Q", mm, 8)
         self.header = header = json.loads(mm[16 : 16 + header_len])
-        base = _align(16 + header_len)
+        base = aligned(16 + header_len)
         self.token, self.kind, self.length = header["token"], header["kind"], header["length"]
         self.names = [c["name"] for c in header["columns"]]
         self.arrays: list[np.ndarray | None] = []
@@ -352,16 +351,16 @@ def _pack(items: Iterable[Any]) -> tuple[bytes, list[tuple[int, Any]], int]:
             entry["offsets"] = pos
             chunks.append((pos, array))
             text.append((array, entry))
-            pos = _align(pos + array.nbytes)
+            pos = aligned(pos + array.nbytes)
             payload = data
         entry["offset"] = pos
         chunks.append((pos, payload))
-        pos = _align(pos + (payload.nbytes if isinstance(payload, np.ndarray) else len(payload)))
+        pos = aligned(pos + (payload.nbytes if isinstance(payload, np.ndarray) else len(payload)))
         columns.append(entry)
     header = json.dumps(
         {"version": 1, "token": secrets.token_hex(8), "kind": kind, "length": len(items), "columns": columns}
     ).encode()
-    base = _align(16 + len(header))
+    base = aligned(16 + len(header))
     for offsets, entry in text:  # offsets into the text become absolute file positions
         np.add(offsets, base + entry["offset"], out=offsets)  # in place: the arrays in `chunks` are these
     return MAGIC + struct.pack("<Q", len(header)) + header, [(base + p, a) for p, a in chunks], base + pos
@@ -435,10 +434,6 @@ def _offsets(lengths: Iterable[int], n: int) -> np.ndarray:
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(np.fromiter(lengths, np.int64, n), out=offsets[1:])
     return offsets
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def _write(fd: int, header: bytes, parts: list[tuple[int, Any]]) -> None:

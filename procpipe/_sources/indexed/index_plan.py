@@ -15,6 +15,7 @@ from typing import Any
 
 from ..._core import collate
 from ..._core.reassembly import Ordered, Progress, Sloppy
+from ..._core.shm import ALIGN
 from ..epoch_plan import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
@@ -88,7 +89,7 @@ class IndexPlan(EpochPlan):
         full = max(map(len, self.batches), default=samples)
         if samples <= 0 or samples >= full:
             return nbytes
-        return -(-nbytes * full // samples) + collate.ALIGN * collate.count_arrays(layout)
+        return -(-nbytes * full // samples) + ALIGN * collate.count_arrays(layout)
 
     def completed(self, work: Work, result: Any) -> list[Ready]:
         if type(result) is Loaded:

@@ -20,8 +20,8 @@ from typing import Any, cast
 import numpy as np
 
 from ..._core import collate
-from ..._core.collate import ARRAY, DICT, INLINE, SEQ
 from ..._core.rng import buffer_rng
+from ..._core.tree import ARRAY, DICT, INLINE, SEQ
 from ..._worker.produce import collate_privately
 from ...errors import CollateError
 from .blocks import Block, RecordKey

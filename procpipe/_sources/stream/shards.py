@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..._core import collate
 from ..._core.checks import check_int, is_count
-from ..._core.collate import INLINE
 from ..._core.notes import add_note
 from ..._core.rng import SampleScope
+from ..._core.tree import INLINE
 from ..._worker.index_producer import first_record_cached, first_scope
 from ..._worker.produce import collate_privately, run_batch_fn
 from ..._worker.stages import SKIPPED, run_sample
