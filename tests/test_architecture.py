@@ -4,7 +4,9 @@ Three rules, each reporting every offender at once (and ``test_plans_are_pure``:
 per-epoch plans import no process, thread or clock API;
 ``test_long_modules_are_reported_for_review``: a warning, not a failure, for a module over 800
 lines; and ``test_the_source_kind_is_tested_in_at_most_3_places``: "which kind of source is this?" is
-answered once, by ``_consumer/kinds.py``):
+answered once, by ``_consumer/kinds.py``; and ``test_adapters_use_only_the_public_api_and_the_extension_module``:
+the adapters and ``procpipe.bench`` import, of procpipe, only its public modules, ``procpipe._ext`` and
+each other):
 
 1. **No import circles.** Every import of a procpipe module counts: top-level, inside a
    function, and under ``if TYPE_CHECKING:`` (a circle that exists only for type hints is
@@ -48,9 +50,11 @@ top-level public modules are listed by name:
 - ``consumer`` (``_consumer/``, ``loader``): what the user's loop touches: ``Loader``, the
   consumer-side nodes (its iterators), the saved state and resume, and the streaming plan and
   mixture positions the Loader drives; ``procpipe`` (the package) exports ``Loader``.
-- ``adapters``: built on the public API and never imported by it: the torch package (its
-  facade and ``Loader(device=...)``'s stage, loaded by name), Keras, tf.data, the bench tools,
-  Ray, the readers (``readers.*``: open_fn for Shards over files and URLs).
+  ``_ext``, the extension module, re-exports what the adapters use of every layer below, so it
+  sits at the top of this one.
+- ``adapters``: built on the public API (and ``_ext``) and never imported by it: the torch package
+  (its facade and ``Loader(device=...)``'s stage, found through the device-stage registry), Keras,
+  tf.data, the bench tools, Ray, the readers (``readers.*``: open_fn for Shards over files and URLs).
 
 A module listed here but absent from the tree is ignored, so that modules can be added in
 one branch and listed in another.
@@ -78,7 +82,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "_streaming.shard_plan", "_streaming.even_ranks", "_mix", "_mix.mix", "_mix.kinds"),
     "engine": ("_engine.*",),
     "consumer": ("_consumer.*", "_mix.mixing", "_mix.virtual", "_mix.elastic", "_streaming.plan", "_streaming", "loader",
-                 "procpipe"),
+                 "procpipe", "_ext"),
     "adapters": ("torch", "torch.*", "keras", "keras.*", "tf", "tf.*", "jax", "jax.*", "bench.*", "ray", "ray.*",
                  "readers.*"),
 }
@@ -488,6 +492,69 @@ def test_the_checker_finds_private_reads_across_modules() -> None:
                      "loader._spec  (_spec belongs to procpipe.own, procpipe.owner)"], report
     assert all(line.strip().startswith("procpipe/reader.py:") for line in report), report
 
+
+
+# --------------------------------------------------------------------------- 5. the adapters' door
+#: The adapters and the bench tools (issue 44): built on the public API and on ``procpipe._ext``, the
+#: extension module, never on another internal module (``ray`` is engine code on a cluster: not here).
+ADAPTER_PACKAGES = ("torch", "jax", "tf", "keras", "readers", "bench")
+#: What an adapter may import of procpipe: the public modules, the extension module, the adapters.
+ADAPTER_MAY_IMPORT = ("procpipe", "config", "errors", "loader", "_ext", "ray", *ADAPTER_PACKAGES)
+_IMPORTERS = {"import_module", "__import__"}
+
+
+def adapter_report(modules: dict[str, Module]) -> list[str]:
+    """``file:line: module imports target`` for each internal import of an adapter: every ``import``
+    (top-level, in a function, under ``TYPE_CHECKING``) and each ``import_module("procpipe._x")``."""
+    known = set(modules)
+
+    def allowed(short: str) -> bool:
+        return short in ADAPTER_MAY_IMPORT or short.split(".")[0] in ADAPTER_PACKAGES
+
+    report = []
+    for _name, module in sorted(modules.items()):
+        if module.short.split(".")[0] not in ADAPTER_PACKAGES:
+            continue
+        for node, target, _ in imports_of(module, known):
+            short = modules[target].short
+            if not allowed(short):
+                report.append(f"  {where(module, node)}: {module.short} imports {short}")
+        for node in ast.walk(module.tree):
+            if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str) and node.args[0].value.startswith(PACKAGE + ".")
+                    and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _IMPORTERS):
+                short = node.args[0].value[len(PACKAGE) + 1:]
+                if not allowed(short):
+                    report.append(f"  {where(module, node)}: {module.short} imports {short} (by name)")
+    return list(dict.fromkeys(report))  # once per line and module (``from x import a, b`` is one import)
+
+
+def test_adapters_use_only_the_public_api_and_the_extension_module() -> None:
+    report = adapter_report(read_modules())
+    if report:
+        pytest.fail("an adapter (or procpipe.bench) imports an internal module other than procpipe._ext (add what "
+                    "it needs to procpipe/_ext.py and import it from there):\n" + "\n".join(report), pytrace=False)
+
+
+def test_the_adapter_checker_finds_every_internal_import() -> None:
+    modules = _modules_of({
+        "procpipe": "from ._core.rng import sample_rng\n",
+        "procpipe._ext": "from ._core.rng import sample_rng\n",
+        "procpipe._core": "",
+        "procpipe._core.rng": "",
+        "procpipe._engine": "",
+        "procpipe._engine.policy": "",
+        "procpipe.loader": "",
+        "procpipe.torch": ("from .._ext import sample_rng\nfrom .. import Shards\nfrom ..loader import Loader\n"
+                           "from . import device\nfrom .._core.rng import sample_rng\n"),
+        "procpipe.torch.device": ("def f():\n    from .._engine import policy\n"
+                                  "def g():\n    import importlib\n    importlib.import_module('procpipe._core.rng')\n"
+                                  "    importlib.import_module('procpipe.loader')\n"),
+        "procpipe.bench": "if TYPE_CHECKING:\n    import procpipe._core.rng\n",
+    })
+    lines = sorted(line.split(": ", 1)[1] for line in adapter_report(modules))
+    assert lines == ["bench imports _core.rng", "torch imports _core.rng", "torch.device imports _core.rng (by name)",
+                     "torch.device imports _engine.policy"], lines
 
 
 # --------------------------------------------------------------------------- 4. the source kind, asked once

@@ -35,7 +35,7 @@ import numpy as np
 from keras import ops, tree
 from keras.utils import PyDataset
 
-from .._consumer.state import returned_nothing
+from .._ext import returned_nothing
 
 try:  # Keras >= 3.x accepts a DataAdapter instance as `x`: exact epoch boundaries
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter as _DataAdapter

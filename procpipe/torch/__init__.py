@@ -1,8 +1,8 @@
 """PyTorch adapter: a drop-in ``DataLoader`` (needs ``torch``).
 
 ``import procpipe`` never imports this package; it is loaded by ``import procpipe.torch``, or by the
-first ``Loader(device=...)``, whose stage is ``procpipe.torch.device`` (loaded by name:
-``procpipe._consumer.assembly.DEVICE_STAGE_MODULE``).
+first ``Loader(device=...)``, whose stage is ``procpipe.torch.device``'s (the device-stage registry's
+``"torch"`` stage: ``procpipe._ext.register_device_stage``).
 
 - ``procpipe.torch.DataLoader``: ``torch.utils.data.DataLoader`` with procpipe's engine.
   Same arguments, same meaning, same batches in the same order; switch by changing one
@@ -39,7 +39,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 import torch.utils.data as _tud
 
-from .._worker.start_method import spoken_as
+from .._ext import spoken_as
 from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader

@@ -16,8 +16,12 @@ Both nodes pass the epoch iterator's state through (``Prefetcher`` keeps it with
 its thread takes ahead and reports that of the batch it returned last), so
 ``Loader.state_dict()`` never counts the batches the stage holds as returned.
 
-``import procpipe`` never imports this module: ``procpipe.loader`` loads it only when a
-``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread (``Stage``, this
+``import procpipe`` never imports this module. ``device_stage`` is the factory of the device-stage
+registry's ``"torch"`` stage (``procpipe._ext.register_device_stage``): this module registers it when
+imported, and pyproject.toml declares it as the entry point ``torch`` of the group
+``procpipe.device_stages``, which the first ``Loader(device=...)`` loads.
+
+``procpipe.torch.DataLoader`` uses the same thread (``Stage``, this
 module's name for ``Prefetcher``) for its ``device=``, ``pin_memory=True`` and ``timeout``.
 """
 
@@ -28,8 +32,7 @@ from typing import Any
 
 import torch
 
-from .._consumer.nodes import Node
-from .._consumer.prefetch import Prefetcher
+from .._ext import Node, Prefetcher, register_device_stage
 from .convert import cpu_stage, to_torch
 from .cuda_transfer import CudaTransfer
 
@@ -107,3 +110,6 @@ def device_stage(
 ) -> DeviceStage:
     """For ``Loader(device=...)``: validate ``device`` and return ``stage(epoch_iterator)``."""
     return DeviceStage(resolve_device(device), prefetch, device_fn, seed)
+
+
+register_device_stage("torch", device_stage)  # Loader(device=...) finds it: procpipe/_consumer/device_stages.py

@@ -70,8 +70,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .._core.notes import add_note
-from .._streaming import Block, Shards
+from .. import Shards
+from .._ext import Block, add_note
 from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 from .worker_setup import become_torch_worker

@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeGuard
 
-from .._core.shm import SharedFd, close_fd, new_memory
+from .._ext import SharedFd, close_fd, new_memory
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]
 

@@ -37,7 +37,7 @@ from typing import Any
 import dill
 import torch
 
-from .._consumer.state import DONE, DONE_BELOW, EPOCH, ended_epoch
+from .._ext import DONE, DONE_BELOW, EPOCH, ended_epoch
 from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore
