@@ -37,8 +37,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import procpipe
-from procpipe._engine.autotune import cpu_count
 from procpipe.bench.workloads import WORKLOADS, resolve
+from procpipe.config import cpu_count
 
 DEFAULT_WORKLOADS = "cpu,transfer,straggler,tiny64"
 FIXED = (1, 2, 3, 4)

@@ -48,7 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import procpipe  # noqa: E402
-from procpipe._core.cpus import cpu_budget  # noqa: E402
+from procpipe._ext import cpu_budget  # noqa: E402
 from procpipe.bench.workloads import WORKLOADS, resolve  # noqa: E402
 
 

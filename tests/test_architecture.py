@@ -21,6 +21,8 @@ included (``acyclic``). Here:
 3. **The source kind is asked once** (``_sources/resolve.py``'s ``kind_of``), in at most 3 places.
 4. **One name, one concept**: no module name in two packages.
 5. ``test_long_modules_are_reported_for_review``: a warning, not a failure, for a module over 800 lines.
+6. **The adapters' door**: the adapters and ``procpipe.bench`` import, of procpipe, only its public
+   modules, ``procpipe._ext`` and each other.
 """
 from __future__ import annotations
 
@@ -101,7 +103,7 @@ def deepest_known(name: str, known: set[str]) -> str:
 
 # --------------------------------------------------------------------------- 1. the contracts
 PYPROJECT = PACKAGE_DIR.parent / "pyproject.toml"
-CONTRACTS = ("layers", "kinds", "frameworks", "pure-orders", "acyclic")
+CONTRACTS = ("layers", "kinds", "adapters", "frameworks", "pure-orders", "acyclic")
 
 
 def contracts() -> dict[str, dict]:
@@ -356,6 +358,71 @@ def test_the_kind_checker_finds_every_kind_test() -> None:
                      "getattr(sampler, 'epoch_plan', None)", "type(indices) is not list"], lines
 
 
+# --------------------------------------------------------------------------- 6. the adapters' door
+#: The adapters and the bench tools (issue 44): built on the public API and on ``procpipe._ext``, the
+#: extension module, never on another internal module (``ray`` is engine code on a cluster: not here).
+ADAPTER_PACKAGES = ("torch", "jax", "tf", "keras", "readers", "bench")
+#: What an adapter may import of procpipe: the public modules, the extension module, the adapters.
+ADAPTER_MAY_IMPORT = ("procpipe", "config", "errors", "loader", "_ext", "ray", *ADAPTER_PACKAGES)
+_IMPORTERS = {"import_module", "__import__"}
+
+
+def adapter_report(modules: dict[str, Module]) -> list[str]:
+    """``file:line: module imports target`` for each internal import of an adapter: every ``import``
+    (top-level, in a function, under ``TYPE_CHECKING``) and each ``import_module("procpipe._x")``."""
+    known = set(modules)
+
+    def allowed(short: str) -> bool:
+        return short in ADAPTER_MAY_IMPORT or short.split(".")[0] in ADAPTER_PACKAGES
+
+    report = []
+    for _name, module in sorted(modules.items()):
+        if module.short.split(".")[0] not in ADAPTER_PACKAGES:
+            continue
+        for node, target, _ in imports_of(module, known):
+            short = modules[target].short
+            if not allowed(short):
+                report.append(f"  {where(module, node)}: {module.short} imports {short}")
+        for node in ast.walk(module.tree):
+            if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str) and node.args[0].value.startswith(PACKAGE + ".")
+                    and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in _IMPORTERS):
+                short = node.args[0].value[len(PACKAGE) + 1:]
+                if not allowed(short):
+                    report.append(f"  {where(module, node)}: {module.short} imports {short} (by name)")
+    return list(dict.fromkeys(report))  # once per line and module (``from x import a, b`` is one import)
+
+
+def test_adapters_use_only_the_public_api_and_the_extension_module() -> None:
+    report = adapter_report(read_modules())
+    if report:
+        pytest.fail("an adapter (or procpipe.bench) imports an internal module other than procpipe._ext (add what "
+                    "it needs to procpipe/_ext.py and import it from there):\n" + "\n".join(report), pytrace=False)
+
+
+def test_the_adapter_checker_finds_every_internal_import() -> None:
+    modules = _modules_of({
+        "procpipe": "from ._core.rng import sample_rng\n",
+        "procpipe._ext": "from ._core.rng import sample_rng\n",
+        "procpipe._core": "",
+        "procpipe._core.rng": "",
+        "procpipe._engine": "",
+        "procpipe._engine.policy": "",
+        "procpipe.loader": "",
+        "procpipe.torch": ("from .._ext import sample_rng\nfrom .. import Shards\nfrom ..loader import Loader\n"
+                           "from . import device\nfrom .._core.rng import sample_rng\n"),
+        "procpipe.torch.device": ("def f():\n    from .._engine import policy\n"
+                                  "def g():\n    import importlib\n    importlib.import_module('procpipe._core.rng')\n"
+                                  "    importlib.import_module('procpipe.loader')\n"),
+        "procpipe.bench": "if TYPE_CHECKING:\n    import procpipe._core.rng\n",
+    })
+    lines = sorted(line.split(": ", 1)[1] for line in adapter_report(modules))
+    assert lines == ["bench imports _core.rng", "torch imports _core.rng", "torch.device imports _core.rng (by name)",
+                     "torch.device imports _engine.policy"], lines
+
+
+
+
 # --------------------------------------------------------------------------- 4. one name, one concept
 def repeated_module_names(paths: list[Path]) -> dict[str, list[str]]:
     """Module file names (``__init__.py`` aside) that stand in more than one package, with where."""
@@ -370,6 +437,28 @@ def test_no_module_name_stands_for_two_concepts() -> None:
     """A module's name says the one thing it holds: ``kinds.py`` in three packages meant three things."""
     repeated = repeated_module_names(sorted(PACKAGE_DIR.rglob("*.py")))
     assert not repeated, f"module names used in more than one package (name each by what it holds): {repeated}"
+
+
+def repeated_class_names(modules: dict[str, Module]) -> dict[str, list[str]]:
+    """Class names defined in more than one module (nested classes included), with where."""
+    where_defined: dict[str, list[str]] = {}
+    for name, module in sorted(modules.items()):
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.ClassDef):
+                where_defined.setdefault(node.name, []).append(name)
+    return {cls: places for cls, places in sorted(where_defined.items()) if len(set(places)) > 1}
+
+
+def test_no_class_name_stands_for_two_concepts() -> None:
+    """Two classes named ``EpochIterator`` (the Loader's and the torch facade's) were two concepts."""
+    repeated = repeated_class_names(read_modules())
+    assert not repeated, f"class names defined in more than one module (name each by what it is): {repeated}"
+
+
+def test_the_class_name_checker_finds_a_repeated_class() -> None:
+    modules = _modules_of({"procpipe.a": "class Batching:\n    pass\n", "procpipe.b": "class Batching:\n    pass\n",
+                           "procpipe.c": "class Order:\n    pass\n"})
+    assert repeated_class_names(modules) == {"Batching": ["procpipe.a", "procpipe.b"]}
 
 
 def test_the_name_checker_finds_a_repeated_name() -> None:

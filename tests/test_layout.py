@@ -1,6 +1,6 @@
 """The package's layout as the docs promise it: every import the docs show works, the top of
-``procpipe/`` holds only the public modules and packages, and ARCHITECTURE.md's table "Where does
-X live" names files that exist.
+``procpipe/`` holds only the public modules and packages (and ``_ext.py``, the adapters' door), and
+ARCHITECTURE.md's table "Where does X live" names files that exist.
 
 The public surface is read from the docs themselves (docs/, README.md, examples/): each
 ``from procpipe... import name`` and ``import procpipe...`` they show is imported here, so a
@@ -84,7 +84,8 @@ def test_every_documented_import_works(module: str, name: str | None) -> None:
 @pytest.mark.unit
 def test_the_top_of_the_package_is_the_public_modules_and_packages() -> None:
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert modules == ["__init__.py", "config.py", "errors.py", "loader.py"], modules
+    # the public modules, and _ext: the extension API the adapters use (procpipe/_ext.py's docstring)
+    assert modules == ["__init__.py", "_ext.py", "config.py", "errors.py", "loader.py"], modules
     assert not [p for p in PACKAGE.rglob("torch_*.py")], "torch code belongs in procpipe/torch/"
     mixture = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*mix*.py"))
     assert all(m.startswith("_sources/mix/") for m in mixture), mixture

@@ -172,12 +172,12 @@ def test_state_of_a_prefetching_device_stage_does_not_count_batches_it_holds(mon
     goes through it: taken while the thread holds batches, it must not count them as returned."""
     transfers: list[_CountingTransfer] = []
 
-    def threaded(self, it):  # DeviceStage.__call__ as on CUDA: a Prefetcher thread over the source
+    def threaded(self, it):  # TorchDeviceStage.__call__ as on CUDA: a Prefetcher thread over the source
         transfer = _CountingTransfer()
         transfers.append(transfer)
         return Prefetcher(it, transfer, depth=self.prefetch)
 
-    monkeypatch.setattr(torch_device.DeviceStage, "__call__", threaded)
+    monkeypatch.setattr(torch_device.TorchDeviceStage, "__call__", threaded)
     k, prefetch = 3, 3
     with contextlib.ExitStack() as stack:
         first = loader_for(stack, "indexed", workers, True, 0, device="cpu", prefetch=prefetch)

@@ -21,10 +21,9 @@ the tuner's, the backend's and the device stage's, read from these parts.
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
 from .._core.shm import Segments
 from .._core.stats import EpochCounters, snapshot
@@ -38,26 +37,9 @@ from .._worker.start_method import resolve as resolve_start_method
 from .._worker.worker_spec import WorkerSpec
 from ..config import LoaderConfig, engine_config
 from ..errors import ShippingError
+from .device_stages import DeviceStage, device_stage_factory
 from .iteration_context import IterationContext, LoaderIterator
-from .nodes import Node
 from .shutdown import close_engine, watch_exit
-
-#: The module whose ``device_stage(device, prefetch, device_fn, seed)`` makes ``device=``'s stage. It is
-#: an adapter's (procpipe.torch), loaded by name the first time a Loader is given ``device=``: the
-#: consumer never imports the adapter, and plain ``import procpipe`` never imports torch.
-DEVICE_STAGE_MODULE = "procpipe.torch.device"
-
-
-class DeviceStage(Protocol):
-    """What the Loader needs of ``device=``'s stage (``procpipe.torch.device.DeviceStage``)."""
-
-    slots_held: int  # ring slots the stage may hold while it copies from them
-
-    def __call__(self, it: Node) -> Node: ...
-
-    def info(self) -> dict[str, int]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,5 +146,5 @@ def assemble(config: LoaderConfig, kind: SourceKind) -> LoaderParts:
 def make_device_stage(config: LoaderConfig) -> DeviceStage:
     """``device=``'s stage: checked before any worker starts."""
     device = config.device
-    make = importlib.import_module(DEVICE_STAGE_MODULE).device_stage
-    return cast(DeviceStage, make(device.device, config.execution.prefetch, device.device_fn, config.batching.seed))
+    make = device_stage_factory()  # the adapter's (torch), through the registry: _consumer/device_stages.py
+    return make(device.device, config.execution.prefetch, device.device_fn, config.batching.seed)

@@ -26,9 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .._core.cpus import cpu_budget
-from .._engine.autotune import schedstat_seconds
-from .._engine.policy import CONTENDED
+from .._ext import CONTENDED, cpu_budget, schedstat_seconds
 
 MiB = 2**20
 

@@ -17,7 +17,7 @@ for epoch in range(10):
   ``jax.make_array_from_process_local_data``; strings, lists of them and object arrays
   stay as they are.
 - **Copied ahead.** A thread makes the next ``prefetch`` batches' arrays while the step
-  runs (procpipe's own device-stage thread, ``procpipe._consumer.prefetch.Prefetcher``).
+  runs (procpipe's own device-stage thread, ``procpipe._ext.Prefetcher``).
 - **Multi-process.** Each process loads its rows (``shard=procpipe.jax.shard(sharding)``:
   ``(jax.process_index(), jax.process_count())`` by default, checked by :func:`iterator`);
   processes whose batches differ in size get an error naming every size, not a hang.

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from .._sources.combine import combine_states
+from .. import combine_states
 
 __all__ = ["LoaderCheckpointHandler", "LoaderRestore", "LoaderSave", "saved_states"]
 

@@ -1,7 +1,7 @@
 """``procpipe.jax.iterator``: passes over a loader, each batch as global ``jax.Array``s, copied ahead.
 
 Each ``iter()`` of a :class:`GlobalBatches` is one ``loader.iterate(stage)`` (one epoch, or the
-loader's ``epochs=N``), with ``stage`` the prefetching thread of ``procpipe._consumer.prefetch``
+loader's ``epochs=N``), with ``stage`` the prefetching thread of ``procpipe._ext``
 (``Prefetcher``): it takes the loader's numpy batches ahead of the training loop and makes the
 global arrays there (:class:`procpipe.jax.arrays.Converter`: ``make_array_from_process_local_data``,
 whose copies to the devices run while the step runs), keeping with each batch the loader's
@@ -24,8 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from .._consumer.nodes import Node
-from .._consumer.prefetch import Mapped, Prefetcher
+from .._ext import Mapped, Node, Prefetcher
 from .arrays import Converter, default_sharding, describe, shard
 
 __all__ = ["GlobalBatches", "iterator"]

@@ -35,7 +35,7 @@ import numpy as np
 from keras import ops, tree
 from keras.utils import PyDataset
 
-from .._sources.saved_state import returned_nothing
+from .._ext import returned_nothing
 
 try:  # Keras >= 3.x accepts a DataAdapter instance as `x`: exact epoch boundaries
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter as _DataAdapter
@@ -186,7 +186,7 @@ class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassin
             spec = self._element_spec
             if spec is None:
                 spec = procpipe_tf.element_spec(self.loader, map_batch=_standardize)
-            self._tf_dataset = procpipe_tf.dataset(_Passes(self), element_spec=spec)
+            self._tf_dataset = procpipe_tf.dataset(_KerasPasses(self), element_spec=spec)
         return self._tf_dataset
 
     @property
@@ -202,7 +202,7 @@ class KerasDataset(PyDataset, _DataAdapter):  # type: ignore[misc]  # subclassin
         return None
 
 
-class _Passes:
+class _KerasPasses:
     """The passes of a ``KerasDataset`` as ``procpipe.tf.dataset`` iterates them: standardized batches."""
 
     def __init__(self, owner: KerasDataset) -> None:

@@ -131,7 +131,7 @@ def dataset(
         reserve(views)
     spec = _infer(loader) if element_spec is None else element_spec
     plan = _compile(spec, ())
-    passes = _Passes(loader, plan, views)
+    passes = _DatasetPasses(loader, plan, views)
     result = tf.data.Dataset.from_generator(passes, output_signature=spec)
     if autotune:
         return result
@@ -269,7 +269,7 @@ def _spec(value: Any, path: tuple, batch: int | bool | None) -> Any:
 
 
 # ------------------------------------------------------------------------------ converting batches
-class _Leaf:
+class _ElementLeaf:
     """One ``tf.TensorSpec`` of the element_spec, compiled for the per-batch check."""
 
     __slots__ = ("dims", "dtype", "path", "string")
@@ -295,7 +295,7 @@ class _Node:
 
 def _compile(spec: ElementSpec, path: tuple) -> Any:
     if isinstance(spec, tf.TensorSpec):
-        return _Leaf(path, spec)
+        return _ElementLeaf(path, spec)
     if isinstance(spec, Mapping):
         keys = tuple(spec.keys())
         return _Node(path, keys, dict, [_compile(spec[k], path + (k,)) for k in keys])
@@ -335,7 +335,7 @@ def _copy(array: np.ndarray) -> np.ndarray:
     return out
 
 
-class _Batch:
+class _HeldBatch:
     """What converting one batch needs: whether its views may be handed over, and those that were."""
 
     __slots__ = ("share", "views")
@@ -385,9 +385,9 @@ class _Held:
             weakref.finalize(view, gone)
 
 
-def _convert(node: Any, value: Any, batch: _Batch) -> Any:
+def _convert(node: Any, value: Any, batch: _HeldBatch) -> Any:
     """``value`` checked against the compiled spec ``node``, its arrays as ``batch.owned`` gives them."""
-    if type(node) is _Leaf:
+    if type(node) is _ElementLeaf:
         return _leaf(node, value, batch)
     if node.keys is not None:
         if not isinstance(value, Mapping) or len(value) != len(node.keys) or any(k not in value for k in node.keys):
@@ -405,7 +405,7 @@ def _convert(node: Any, value: Any, batch: _Batch) -> Any:
     return tuple(items) if node.kind is tuple else node.kind(*items)
 
 
-def _leaf(leaf: _Leaf, value: Any, batch: _Batch) -> Any:
+def _leaf(leaf: _ElementLeaf, value: Any, batch: _HeldBatch) -> Any:
     value = _numpy(value)
     if leaf.string:
         if isinstance(value, list):
@@ -428,7 +428,7 @@ def _leaf(leaf: _Leaf, value: Any, batch: _Batch) -> Any:
     return batch.owned(value)
 
 
-def _check_shape(leaf: _Leaf, shape: tuple) -> None:
+def _check_shape(leaf: _ElementLeaf, shape: tuple) -> None:
     dims = leaf.dims
     if dims is None:
         return
@@ -437,7 +437,7 @@ def _check_shape(leaf: _Leaf, shape: tuple) -> None:
 
 
 # ------------------------------------------------------------------------------ passes
-class _Passes:
+class _DatasetPasses:
     """``from_generator``'s generator: each call is one pass, one ``iter(loader)``.
 
     The generator's body, and so ``iter(loader)``, runs when TensorFlow asks for the pass's
@@ -468,7 +468,7 @@ class _Passes:
         try:
             plan, held = self._plan, self._held
             for batch in self._loader:
-                converted = _Batch(held.room())
+                converted = _HeldBatch(held.room())
                 element = _convert(plan, batch, converted)
                 del batch  # a copied batch's ring slot is free before TensorFlow holds the element
                 if converted.views:

@@ -1,8 +1,8 @@
 """PyTorch adapter: a drop-in ``DataLoader`` (needs ``torch``).
 
 ``import procpipe`` never imports this package; it is loaded by ``import procpipe.torch``, or by the
-first ``Loader(device=...)``, whose stage is ``procpipe.torch.device`` (loaded by name:
-``procpipe._consumer.assembly.DEVICE_STAGE_MODULE``).
+first ``Loader(device=...)``, whose stage is ``procpipe.torch.device``'s (the device-stage registry's
+``"torch"`` stage: ``procpipe._ext.register_device_stage``).
 
 - ``procpipe.torch.DataLoader``: ``torch.utils.data.DataLoader`` with procpipe's engine.
   Same arguments, same meaning, same batches in the same order; switch by changing one
@@ -39,13 +39,13 @@ from typing import Any, TypedDict, TypeVar, cast
 import torch
 import torch.utils.data as _tud
 
-from .._worker.start_method import spoken_as
+from .._ext import spoken_as
 from ..config import START_METHODS, LoaderConfig
 from ..errors import ShippingError, Words
 from ..loader import Loader
 from .device import CudaTransfer, Stage, resolve_device
 from .draws import generators_of
-from .epoch import EpochIterator
+from .epoch import FacadeIterator
 from .kinds import DatasetKind, TorchArguments, dataset_kind
 from .sampling import SamplerBatches
 from .snapshots import is_stateful
@@ -221,8 +221,8 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         self._pp_loader: Loader | None = None
         self._pp_current: Loader | None = None  # the loader of the latest iteration (stats())
         self._pp_epoch_loader: weakref.ref[Loader] | None = None  # the running epoch's (persistent_workers=False)
-        self._pp_live: weakref.ref[EpochIterator] | None = None  # persistent workers: the iterator iter() hands back
-        self._pp_latest: EpochIterator | None = None  # an IterableDataset's latest iterator, held (__iter__)
+        self._pp_live: weakref.ref[FacadeIterator] | None = None  # persistent workers: the iterator iter() hands back
+        self._pp_latest: FacadeIterator | None = None  # an IterableDataset's latest iterator, held (__iter__)
         self._pp_iterated = False
         self._pp_epochs = 0
         self._pp_transfer: CudaTransfer | None = None
@@ -319,7 +319,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
         return clone
 
     # ---------------------------------------------------------------- iteration
-    def __iter__(self) -> EpochIterator:
+    def __iter__(self) -> FacadeIterator:
         self._pp_latest = None  # (the previous iteration's, if nobody else holds it, ends now)
         reuse = self.persistent_workers and self.num_workers > 0 and self._pp_iterated
         live = self._pp_live() if self._pp_live is not None and reuse else None
@@ -420,7 +420,7 @@ class DataLoader(_tud.DataLoader[_T_co]):  # type: ignore[misc]  # torch is type
             stage = Stage(epoch, lambda b: (convert(b), None), 0, self.timeout, keep_state=keep)
         self._pp_state.set_stage(stage)
         self._pp_state.started_iteration()
-        iterator = EpochIterator(
+        iterator = FacadeIterator(
             epoch,
             convert,
             stage,

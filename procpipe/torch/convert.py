@@ -17,10 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._consumer.nodes import Node
-from .._consumer.prefetch import Mapped
-from .._core.notes import add_note
-from .._core.rng import device_scope
+from .._ext import Mapped, Node, add_note, device_scope
 
 __all__ = ["apply_device_fn", "cpu_stage", "to_torch"]
 

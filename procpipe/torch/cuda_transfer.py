@@ -22,12 +22,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .._core.rings import ring_of
+from .._ext import ALIGN, ring_of
 from .convert import apply_device_fn, to_torch
 
 __all__ = ["CudaTransfer", "RingPins"]
 
-_ALIGN = 64  # byte alignment of each tensor inside a pinned staging buffer
 _THREAD = threading.local()  # per thread: the CUDA stream a transfer made current there
 
 
@@ -310,14 +309,14 @@ class CudaTransfer:
 
     def _staged(self, sources: list[torch.Tensor]) -> tuple[list, Any]:
         sizes = [t.numel() * t.element_size() for t in sources]
-        total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+        total = sum(-(-n // ALIGN) * ALIGN for n in sizes)  # each tensor aligned as in the ring
         buffer = self.pool.take(total)  # may wait for the copy that last read it
         staged, offset = [], 0
         for tensor, n in zip(sources, sizes, strict=True):
             view = buffer[offset : offset + n].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)  # host copy out of the ring (synchronous)
             staged.append(view)
-            offset += -(-n // _ALIGN) * _ALIGN
+            offset += -(-n // ALIGN) * ALIGN
         moved = [view.to(self.device, non_blocking=True) for view in staged]  # on our stream (_use_stream)
         event = torch.cuda.Event()
         event.record(self.stream)

@@ -2,7 +2,7 @@
 
 Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly ->
 **prefetch/device stage** -> consumer. It takes each batch the epoch iterator yields
-(numpy views of a ring slot) and hands the consumer torch tensors. ``DeviceStage`` (made
+(numpy views of a ring slot) and hands the consumer torch tensors. ``TorchDeviceStage`` (made
 once per loader) builds it from three modules, one job each:
 
 - ``"cpu"``: procpipe/torch/convert.py: ``to_torch`` (tensors sharing the ring's memory,
@@ -16,8 +16,12 @@ Both nodes pass the epoch iterator's state through (``Prefetcher`` keeps it with
 its thread takes ahead and reports that of the batch it returned last), so
 ``Loader.state_dict()`` never counts the batches the stage holds as returned.
 
-``import procpipe`` never imports this module: ``procpipe.loader`` loads it only when a
-``device`` is given. ``procpipe.torch.DataLoader`` uses the same thread (``Stage``, this
+``import procpipe`` never imports this module. ``device_stage`` is the factory of the device-stage
+registry's ``"torch"`` stage (``procpipe._ext.register_device_stage``): this module registers it when
+imported, and pyproject.toml declares it as the entry point ``torch`` of the group
+``procpipe.device_stages``, which the first ``Loader(device=...)`` loads.
+
+``procpipe.torch.DataLoader`` uses the same thread (``Stage``, this
 module's name for ``Prefetcher``) for its ``device=``, ``pin_memory=True`` and ``timeout``.
 """
 
@@ -28,12 +32,11 @@ from typing import Any
 
 import torch
 
-from .._consumer.nodes import Node
-from .._consumer.prefetch import Prefetcher
+from .._ext import Node, Prefetcher, register_device_stage
 from .convert import cpu_stage, to_torch
 from .cuda_transfer import CudaTransfer
 
-__all__ = ["CudaTransfer", "DeviceStage", "Stage", "device_stage", "resolve_device", "to_torch"]
+__all__ = ["CudaTransfer", "Stage", "TorchDeviceStage", "device_stage", "resolve_device", "to_torch"]
 
 Stage = Prefetcher  # the name procpipe.torch (the DataLoader facade) uses for the prefetching thread
 
@@ -63,7 +66,7 @@ def resolve_device(device: Any) -> torch.device:
     return resolved
 
 
-class DeviceStage:
+class TorchDeviceStage:
     """``Loader(device=...)``'s stage, made once per loader: ``stage(epoch_iterator)`` wraps
     one iteration; ``close()`` (``Loader.close``) releases the CUDA registrations."""
 
@@ -104,6 +107,9 @@ class DeviceStage:
 
 def device_stage(
     device: Any, prefetch: int, device_fn: Callable[[Any], Any] | None = None, seed: int = 0
-) -> DeviceStage:
+) -> TorchDeviceStage:
     """For ``Loader(device=...)``: validate ``device`` and return ``stage(epoch_iterator)``."""
-    return DeviceStage(resolve_device(device), prefetch, device_fn, seed)
+    return TorchDeviceStage(resolve_device(device), prefetch, device_fn, seed)
+
+
+register_device_stage("torch", device_stage)  # Loader(device=...) finds it: procpipe/_consumer/device_stages.py

@@ -20,7 +20,7 @@ from .sampling import SamplerBatches
 from .snapshots import ReplicaEnded
 from .state import FacadeState
 
-__all__ = ["EpochIterator"]
+__all__ = ["FacadeIterator"]
 
 
 def _taken_over() -> dict[str, Any]:
@@ -28,7 +28,7 @@ def _taken_over() -> dict[str, Any]:
     return {"_stage": None, "_owned": None, "_state": None, "_draws": None, "_loader": None}
 
 
-class EpochIterator:
+class FacadeIterator:
     """One epoch of a ``procpipe.torch.DataLoader``."""
 
     def __init__(
@@ -65,7 +65,7 @@ class EpochIterator:
         (code that reaches into it: ``pid``, ``is_alive()``, ``join()``). Empty once closed."""
         return [] if self._loader is None else self._loader.worker_processes
 
-    def __iter__(self) -> EpochIterator:
+    def __iter__(self) -> FacadeIterator:
         return self
 
     def __len__(self) -> int:
@@ -122,7 +122,7 @@ class EpochIterator:
         and position are let go now, before the new one starts (``adopt`` follows)."""
         self._finish()
 
-    def adopt(self, other: EpochIterator) -> None:
+    def adopt(self, other: FacadeIterator) -> None:
         """Become ``other`` (the new epoch's iterator), as torch's one iterator of persistent workers is
         reset and handed back by ``iter(loader)``: code holding this object reads the new epoch."""
         self.__dict__.update(other.__dict__)

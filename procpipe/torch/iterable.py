@@ -70,8 +70,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from .._core.notes import add_note
-from .._sources.stream import Block, Shards
+from .. import Shards
+from .._ext import Block, add_note
 from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 from .state_schema import FETCHER_ENDED, FETCHER_STATE, ReplicaState
@@ -80,7 +80,7 @@ from .worker_setup import become_torch_worker
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
 
-    from .._worker.worker_spec import WorkerSpec
+    from .._ext import WorkerSpec
 
 __all__ = [
     "BatchFetcher",

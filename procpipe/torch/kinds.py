@@ -41,10 +41,10 @@ from .snapshots import is_stateful
 from .state import FacadeState
 from .tensor_batches import PackingCollate, from_default, pack, unpack, unpack_convert
 
-__all__ = ["Batching", "DatasetKind", "IterableStyle", "MapStyle", "TorchArguments", "dataset_kind"]
+__all__ = ["BatchOptions", "DatasetKind", "IterableStyle", "MapStyle", "TorchArguments", "dataset_kind"]
 
 
-class Batching(NamedTuple):
+class BatchOptions(NamedTuple):
     """The Loader's ``batch_size`` and ``collate_fn`` for an epoch, where planning it changed them."""
 
     batch_size: int | None
@@ -117,7 +117,7 @@ class MapStyle:
         """``num_workers=0``: None, a Loader without workers reads the dataset."""
         return None
 
-    def plan_epoch(self, persistent_loader: bool) -> Batching | None:
+    def plan_epoch(self, persistent_loader: bool) -> BatchOptions | None:
         """Before an epoch's Loader iterates. ``batch_size=None``: draw the epoch's sampler items,
         and load each as one index or, for lists of indices, as one ``dataset[list]`` call (a
         loader's workers do one or the other). Returns the Loader's new ``batch_size`` and
@@ -135,7 +135,7 @@ class MapStyle:
             )
         batches.bulk = bulk
         source.mode = BULK if bulk else UNBATCHED
-        return Batching(1, self.bulk_collate) if bulk else Batching(None, None)
+        return BatchOptions(1, self.bulk_collate) if bulk else BatchOptions(None, None)
 
     def new_loader(
         self, options: Mapping[str, Any], base_seed: int, shared_seed: int | None, epoch: int, state: FacadeState
@@ -177,7 +177,7 @@ class IterableStyle:
         dataset = in_process(self.dataset, shared_seed)
         return state.in_process(dataset, self.replica_batch_size, self.drop_last, self.replica_collate)
 
-    def plan_epoch(self, persistent_loader: bool) -> Batching | None:
+    def plan_epoch(self, persistent_loader: bool) -> BatchOptions | None:
         """Nothing to plan: each replica reads its own."""
         return None
 

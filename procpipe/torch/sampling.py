@@ -18,9 +18,7 @@ from typing import Any
 import dill
 import torch.utils.data as _tud
 
-from .._core.rng import reseed_current_sample
-from .._worker.identity import worker_index
-from .._worker.produce import collate_privately
+from .._ext import collate_privately, reseed_current_sample, worker_index
 from .draws import PullStates
 from .snapshots import Tagged
 from .tensor_batches import InProcess, Keyed, Packed, pack_for_consumer, sample_to_wire, unpack

@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeGuard
 
-from .._core.shm import SharedFd, close_fd, new_memory
+from .._ext import SharedFd, close_fd, new_memory
 from .state_schema import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, ReplicaState
 
 __all__ = ["ReplicaEnded", "SnapshotStore", "Tagged", "capture", "has_state", "is_stateful", "restore"]

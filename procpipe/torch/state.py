@@ -39,7 +39,7 @@ from typing import Any, cast
 import dill
 import torch
 
-from .._sources.saved_state import DONE, DONE_BELOW, EPOCH, ended_epoch
+from .._ext import DONE, DONE_BELOW, EPOCH, ended_epoch
 from .draws import generators_of
 from .iterable import BatchFetcher
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, is_stateful, restore

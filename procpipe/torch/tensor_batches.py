@@ -25,11 +25,10 @@ import numpy as np
 import torch
 import torch.utils.data as _tud
 
-from .._core import classref, collate
-from .._core.tensors import DTYPE_NAMES as _DTYPE_NAMES
-from .._core.tensors import numpy_tensor as _numpy_tensor
-from .._core.tensors import tensor_numpy as _tensor_numpy
-from .._worker.identity import worker_index
+from .._ext import DTYPE_NAMES as _DTYPE_NAMES
+from .._ext import DillRefPickler, RefPickler, describe_path, find_value, unsendable_error, worker_index
+from .._ext import numpy_tensor as _numpy_tensor
+from .._ext import tensor_numpy as _tensor_numpy
 from ..errors import CollateError, summarize_indices
 
 __all__ = [
@@ -173,7 +172,7 @@ class Packed(NamedTuple):
     arrays: list[Any]  # those arrays, in the ring
 
 
-class _RefPickler(classref.Pickler):
+class _RefPickler(RefPickler):
     def __init__(self, file: Any, arrays: list[Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays = arrays
@@ -216,7 +215,7 @@ def pack(obj: Any) -> Packed:
         _RefPickler(buffer, arrays).dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError):
 
-        class _DillRefPickler(classref.DillPickler):  # lambdas, local classes...
+        class _DillRefPickler(DillRefPickler):  # lambdas, local classes...
             def persistent_id(self, o: Any) -> Any:
                 return _persistent_id(self, o)
 
@@ -258,7 +257,7 @@ def pack_for_consumer(obj: Any, samples: Sequence[Keyed] = ()) -> Packed | InPro
     """``obj`` as it leaves for the consumer: packed in a worker, as is in the consumer's process.
 
     A value that cannot be sent (an open file, a generator...) raises the ``CollateError`` the
-    core raises for one (``collate.unsendable_error``), naming its place: in the sample (of
+    core raises for one (``unsendable_error``), naming its place: in the sample (of
     ``samples``, by identity) that holds it, with that sample's index, else in ``obj``."""
     if worker_index() is None:
         return InProcess(obj)
@@ -277,19 +276,19 @@ def _refuses_pickle(value: Any) -> bool:
 
 
 def _unsendable(obj: Any, samples: Sequence[Keyed], exc: Exception) -> CollateError:
-    found = collate.find_value(obj, _refuses_pickle)
+    found = find_value(obj, _refuses_pickle)
     if found is None:  # (only the whole object fails to pickle)
-        return collate.unsendable_error("the batch", None, exc, *_FIX_IN)
+        return unsendable_error("the batch", None, exc, *_FIX_IN)
     path, value = found
     for keyed in samples:
-        inside = collate.find_value(keyed.sample, lambda v: v is value)
+        inside = find_value(keyed.sample, lambda v: v is value)
         if inside is not None:
-            where = f"{collate.describe_path(inside[0])} of index {keyed.index}"
-            return collate.unsendable_error(where, value, exc, *_FIX_IN)
-    where = collate.describe_path(path, "batch") if path else "the batch"
+            where = f"{describe_path(inside[0])} of index {keyed.index}"
+            return unsendable_error(where, value, exc, *_FIX_IN)
+    where = describe_path(path, "batch") if path else "the batch"
     if samples:
         where += f" (of {summarize_indices([k.index for k in samples])})"
-    return collate.unsendable_error(where, value, exc, *_FIX_IN)
+    return unsendable_error(where, value, exc, *_FIX_IN)
 
 
 def unpack(packed: Packed | InProcess) -> Any:
