@@ -17,7 +17,7 @@ from procpipe._sources.indexed.index_plan import IndexPlan
 from procpipe._sources.mix.mix_kind import Mixing, MixKind, MixStreamKind
 from procpipe._sources.resolve import kind_of, resolve_kind
 from procpipe._sources.sample_names import IndexNames, RecordNames
-from procpipe._sources.stream import ShardPlan
+from procpipe._sources.stream import ShardPlan, ShardProducer
 from procpipe._sources.stream.stream_kind import StreamKind
 from procpipe._worker.index_producer import IndexProducer
 from procpipe._worker.worker_spec import GROWING, PER_INDEX, PER_RECORD
@@ -56,8 +56,12 @@ def test_each_source_kind_answers_plan_reader_driver_and_cache_layout(name: str)
     assert kind.order.epoch_plan is (ShardPlan if streaming else IndexPlan)
     assert isinstance(kind.names, RecordNames if streaming else IndexNames)
     assert isinstance(kind, Mixing) is name.startswith("mix")
-    if streaming:  # the configured copy of the Shards reads its own blocks
-        assert kind.producer is kind.source is kind.order.source  # type: ignore[attr-defined]
+    if streaming:  # the order's ShardProducer (a copy of the Shards) reads the blocks; the source is the Shards
+        assert isinstance(kind.producer, ShardProducer)
+        assert kind.producer is kind.order.producer and kind.source is kind.order.shards  # type: ignore[attr-defined]
+        assert kind.producer.shards is not kind.source and type(kind.producer.shards) is type(kind.source)
+        if name in ("shards", "growing"):
+            assert kind.source is source  # (the user's own object, never changed)
         assert kind.producer.cache_kind == (GROWING if name == "growing" else PER_RECORD)
     else:
         assert isinstance(kind.producer, IndexProducer) and kind.source is source
@@ -233,3 +237,31 @@ def test_the_fn_only_loop_gives_what_run_sample_gives(case) -> None:
     if fast[0] != "samples":
         assert named[0] == named[1] == named[2] == status_fast[1] in indices, "the scope names the failing index"
     assert (fast[0] == "samples") is (case in ("no fn", "fn", "draws", "None with collate_fn", "None unbatched"))
+
+
+class _EpochTagged(procpipe.Shards):
+    """A subclass on the hooks: its records carry the epoch ``reading`` said, its shards open through ``open_shard``."""
+
+    def __init__(self) -> None:
+        super().__init__([0, 1], open_shard, cycle_length=2, block_length=2, lengths=[3, 3])
+        self.epoch = None  # per-process state, kept in the loader's copy only
+        self.opened = 0  # (set, not mutated in place: the loader's copy is shallow)
+
+    def open_shard(self, shard: int):
+        self.opened += 1
+        epoch = self.epoch
+        return (int(record) + 1000 * epoch for record in super().open_shard(shard))
+
+    def reading(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_shards_subclass_reads_through_its_hooks_and_the_users_object_is_never_changed() -> None:
+    source = _EpochTagged()
+    before = dict(vars(source))
+    with procpipe.Loader(source, batch_size=2, workers=0, epochs=2) as loader:
+        records = sorted(int(r) for batch in loader for r in np.asarray(batch).ravel())
+    assert records == sorted([*range(3), *range(100, 103), *range(1000, 1003), *range(1100, 1103)])
+    assert vars(source) == before and source.epoch is None and source.opened == 0
+    producer = resolve_kind(source, config()).producer
+    assert producer.shards is not source and type(producer.shards) is _EpochTagged

@@ -50,9 +50,9 @@ class Kind:
             shards = Shards([(0, 7), (100, 5), (200, 9), (300, 0), (400, 4)], open_shard, cycle_length=2,
                             block_length=3)
             self.config = ShardOrder(shards, batch_size=4, shuffle=True, seed=3, drop_last=False)
-            self.source = self.config.source
+            self.source = shards
             self.epoch_plan = self.config.epoch_plan
-        producer = IndexProducer(self.source) if name == "indexed" else self.source
+        producer = IndexProducer(self.source) if name == "indexed" else self.config.producer
         self.spec = WorkerSpec(source=self.source, producer=producer, fn=None, collate_fn=None, batched=True, seed=0)
         self.scope = SampleScope(0)
 

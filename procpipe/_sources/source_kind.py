@@ -48,7 +48,8 @@ class SourceKind:
 
     Attributes:
         order: the epochs' order (``batches(epoch)``, ``len()``, ``epoch_plan``): the order.
-        source: what the workers read (a stream's configured copy of its ``Shards``).
+        source: the source the workers' spec names (``WorkerSpec.source``): the user's, or a
+            mixture of streams' combined ``Shards``.
         producer: the worker side (``spec.producer``): how a task is produced, the cache's layout.
         names: how messages name its samples and tasks (``workers=0``'s ``InlineDriver``).
     """

@@ -7,7 +7,7 @@ A Loader resolves its source's kind once (``procpipe._sources.resolve``) and put
 - ``IndexProducer`` (here): an indexed dataset (``len`` and ``source[i]``), a ``procpipe.Mix``
   of them, or a torch map-style ``Dataset``: a task is a list of indices
   (``produce.produce_indices``), the cache has one entry per index.
-- the configured ``procpipe.Shards`` itself (``_sources/stream/shards.py``; the torch facade's
+- ``ShardProducer`` (``_sources/stream/shard_producer.py``), a ``procpipe.Shards``' (the torch facade's
   ``IterableDataset`` replicas are one): a task is a ``Block`` of a shard, the cache is keyed by
   ``(shard, record)``: laid out for every record (``lengths`` known), else growing as records
   arrive (``stream_cache.py``).
@@ -97,7 +97,7 @@ def first_scope(spec: WorkerSpec) -> SampleScope:
 
 def first_record_cached(spec: WorkerSpec, scope: SampleScope, found: tuple[Any, Any, Any]) -> tuple[Any, Any]:
     """A stream's ``first_cached``: ``found`` is ``(cache index, key, record)`` of its first
-    record (``Shards.first_record``, read in ``scope``, a ``first_scope(spec)``); returns the
+    record (``ShardProducer.first_record``, read in ``scope``, a ``first_scope(spec)``); returns the
     index and ``fn`` of the record."""
     index, key, record = found
     scope.enter(0, key)

@@ -3,7 +3,7 @@
 ``produce`` is what a worker (and ``workers=0``, the calling process) runs per task, so both
 give identical results; it hands the task to the source kind's reader (``spec.producer``,
 worker_spec.py ``Producer``), resolved once by the Loader: ``produce_indices`` here for a list of indices, or
-``Shards.produce_block`` for a stream's block. Both run each sample through the one
+``ShardProducer.produce_block`` for a stream's block. Both run each sample through the one
 per-sample pipeline (stages.py ``run_sample``). What to do with a failing sample is the
 pipeline's: with ``spec.skip`` the sample is left out and reported in ``Produced.skipped``;
 otherwise its exception propagates, and ``scope.index`` still names the failing index (it is
@@ -52,7 +52,7 @@ def produce(
 ) -> Produced:
     """Produce one task into ``buffer`` (a ring slot of ``capacity`` bytes; inline where it
     does not fit), as the source kind's reader does it (``spec.producer``, worker_spec.py ``Producer``): a
-    list of indices (``produce_indices``), or a stream's ``Block`` (``Shards.produce_block``).
+    list of indices (``produce_indices``), or a stream's ``Block`` (``ShardProducer.produce_block``).
     ``status``, if given, receives the index being loaded (``status[1]``), so the coordinator
     can name a stuck sample."""
     return spec.producer.produce(spec, scope, epoch, task, buffer, capacity, status)

@@ -1,7 +1,7 @@
 """One sample through the user's stages: the one per-sample pipeline of every source kind.
 
 An indexed source's batch (``produce.produce_indices``) and a stream's block
-(``_sources.stream.shards.Shards.produce_block``) differ in how they get their samples (``source[i]``,
+(``_sources.stream.shard_producer.ShardProducer.produce_block``) differ in how they get their samples (``source[i]``,
 or the next record of a shard's iterator) and in how they name them (an index, or a
 ``RecordKey``), not in what happens to each sample next::
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 #: ``Producer.cache_kind``: how ``cache=...`` lays its file out for the source (never saved).
 CacheKind = Literal["per index", "per record", "growing"]
 PER_INDEX: Final = "per index"  # one entry per index (cache.py)
-PER_RECORD: Final = "per record"  # one per record of a stream with lengths (cache.py, ``Shards.cache_index``)
+PER_RECORD: Final = "per record"  # one per record of a stream with lengths (cache.py, ``ShardProducer.cache_index``)
 GROWING: Final = "growing"  # a stream without lengths: chunks appended as records arrive (stream_cache.py)
 
 
@@ -41,7 +41,7 @@ class Produced:
     layout: list | None  # None: every sample was skipped
     nbytes: int
     in_slot: bool
-    # The indices in the batch; a streaming source's block (``Shards.produce_block``): its records'
+    # The indices in the batch; a streaming source's block (``ShardProducer.produce_block``): its records'
     # ``RecordKey``s (tuples). Sequence: read only, and covariant (a ``list[RecordKey]`` fits).
     kept: Sequence[int | tuple[int, int]]
     skipped: Sequence[tuple[int | tuple[int, int], Exception]]  # (index or key, exception) left out (spec.skip)

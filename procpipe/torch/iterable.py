@@ -63,7 +63,7 @@ import functools
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import dill
 import numpy as np
@@ -76,11 +76,6 @@ from ..errors import RemoteTraceback, WorkerError
 from .snapshots import ReplicaEnded, SnapshotStore, Tagged, capture, has_state, restore
 from .state_schema import FETCHER_ENDED, FETCHER_STATE, ReplicaState
 from .worker_setup import become_torch_worker
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
-
-    from .._ext import WorkerSpec
 
 __all__ = [
     "BatchFetcher",
@@ -380,8 +375,9 @@ class _ReplicaBatches:
 class Replicas(Shards):
     """A streaming source of ``num_workers`` shards: shard ``w`` is worker ``w``'s replica.
 
-    The copy in each worker process binds itself to the first replica it opens (its
-    worker's, as ``worker_for`` asks): it sets ``get_worker_info()``, seeds the
+    The loader's copy (the one its ``ShardProducer`` holds and reads through ``open_shard``
+    and ``reading``; never the facade's own object), in each worker process, binds itself to
+    the first replica it opens (its worker's, as ``worker_for`` asks): it sets ``get_worker_info()``, seeds the
     generators and runs ``worker_init_fn`` then, once per process; each epoch opens a
     new iterator over the same dataset object (so with ``persistent_workers`` what the
     replica keeps in its attributes persists across epochs, as with torch).
@@ -395,28 +391,25 @@ class Replicas(Shards):
         self._worker: int | None = None  # the replica this process iterates (set when bound)
         self._init_error: RaisedInReplica | None = None
         self._current: _ReplicaBatches | None = None
-        self._epoch = spec.first_epoch  # the epoch of the block being read (produce_block)
+        self._epoch = spec.first_epoch  # the epoch of the block being read (reading)
         self._reopen_at = 0  # reopening(): the record the next open() must resume at
         # this process's replica's last snapshots (the store's): (epoch, position, state)
         self._snapshots: list[tuple[int, int, ReplicaState]] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
+        state = dict(self.__dict__)
         state["_current"] = None
         state["_snapshots"] = []
         return state
 
-    def configured(self, block_length: int, mode: str, batch_size: int | None) -> Self:
-        clone = super().configured(block_length, mode, batch_size)  # (a copy of self: a Replicas)
-        clone.open_fn = clone.open  # the copy opens its own replicas
-        return clone
-
     def worker_for(self, shard: int) -> int | None:
         return shard
 
-    def produce_block(self, spec: WorkerSpec, scope: Any, epoch: int, block: Block, *args: Any, **kwargs: Any) -> Any:
+    def open_shard(self, shard: int) -> _ReplicaBatches:
+        return self.open(self.shards[shard])  # (this object: the loader's copy, in the worker's process)
+
+    def reading(self, epoch: int) -> None:
         self._epoch = epoch  # (open needs it: an IterDataPipe's shared seed is per epoch)
-        return super().produce_block(spec, scope, epoch, block, *args, **kwargs)
 
     def reopening(self, block: Block) -> None:
         self._reopen_at = block.first  # open() resumes there, from a snapshot (or refuses)

@@ -9,26 +9,24 @@ else ``0, 1, ...``. So its elements are shuffled across the whole dataset each e
 within a slice, and each comes exactly once per epoch (the slices partition the order).
 
 A shard's records depend on the epoch, which ``open_fn(shard)`` is not given: the combined
-``Shards`` (``EpochShards``) says it, in the reading thread, before each block it reads
-(``produce_block``), and ``IndexSlices`` reads it there. The epoch's permutation is computed
-once per process and epoch (the last two are kept: with ``epochs=N`` the next epoch begins
-before this one ends). ``cache=`` is refused: a shard's records change from epoch to epoch.
+``Shards`` (``EpochShards``) says it, in the reading thread, before each block is read (its
+``reading`` hook, called by ``ShardProducer.produce_block``), and ``IndexSlices`` reads it
+there. The epoch's permutation is computed once per process and epoch (the last two are kept:
+with ``epochs=N`` the next epoch begins before this one ends). ``cache=`` is refused: a shard's
+records change from epoch to epoch.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..stream import Shards
 from .mixture import Mix, is_stream
 from .slice_sizes import virtual_shards
-
-if TYPE_CHECKING:
-    from ..._worker.worker_spec import WorkerSpec
 
 _SLICES_KEY = 0x4D6958  # spawn-key prefix of the slices' permutations ("MiX"), apart from Mix's own keys
 _reading = threading.local()  # .epoch: the epoch of the block this thread is reading
@@ -91,15 +89,10 @@ def _elements(dataset: Any, indices: list[int]) -> Iterator[Any]:
 
 class EpochShards(Shards):
     """The combined ``Shards`` of a mixture holding an indexed source: says the epoch of each
-    block to the slices (``IndexSlices``) while it is read, and refuses ``cache=``."""
+    block to the slices (``IndexSlices``) before it is read (``reading``), and refuses ``cache=``."""
 
-    def produce_block(self, spec: WorkerSpec, scope: Any, epoch: int, block: Any, *args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_reading, "epoch", None)
-        _reading.epoch = epoch
-        try:
-            return super().produce_block(spec, scope, epoch, block, *args, **kwargs)
-        finally:
-            _reading.epoch = previous
+    def reading(self, epoch: int) -> None:
+        _reading.epoch = epoch  # (in this thread: the slices opened for the block read it)
 
     def name(self, shard: int) -> str:
         """Shard ``shard`` for a message: a slice is named with the dataset it is cut from."""
@@ -111,10 +104,7 @@ class EpochShards(Shards):
             return f"slice {inner} of the epoch order of the indexed {kind}: the mixture's source {j}, depth first"
         return super().name(shard)
 
-    def cache_length(self) -> int:
-        raise _no_cache()
-
-    def first_record(self, scope: Any) -> Any:
+    def check_cache(self) -> None:
         raise _no_cache()
 
 

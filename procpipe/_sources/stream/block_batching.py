@@ -25,7 +25,7 @@ from ..._core.tree import ARRAY, DICT, INLINE, SEQ
 from ..._worker.produce import collate_privately
 from ...errors import CollateError
 from .blocks import Block, RecordKey
-from .shards import CHUNKS, STACK
+from .shard_producer import CHUNKS, STACK
 
 
 @dataclass(frozen=True)

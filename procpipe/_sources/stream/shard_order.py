@@ -19,12 +19,13 @@ from ..epoch_order import epoch_order
 from .block_batching import BatchingConfig
 from .even_ranks import Chunking, RankLimits, even_ranks_unsupported
 from .shard_plan import ShardPlan
-from .shards import CHUNKS, RECORDS, STACK, Shards
+from .shard_producer import CHUNKS, RECORDS, STACK, ShardProducer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from ...config import Batching, Faults, Stages
+    from .shards import Shards
 
 
 class ShardOrder:
@@ -32,8 +33,9 @@ class ShardOrder:
 
     Checks what streaming does not support and decides how blocks are laid out.
     ``batches(epoch)`` is the epoch's shard order (the ``Iteration`` builds each epoch from it,
-    with ``epoch_plan``); ``source`` is the configured copy of the Shards that the workers
-    (or ``workers=0``) read from.
+    with ``epoch_plan``); ``shards`` is the source (the user's, never changed) and ``producer``
+    the workers' side (``ShardProducer``: a copy of it, with the block layout), which the workers
+    (or ``workers=0``) read with.
     """
 
     epoch_plan = ShardPlan
@@ -124,7 +126,7 @@ class ShardOrder:
             self.mode = CHUNKS
         else:
             self.mode = STACK
-        self.source = shards.configured(self.block_length, self.mode, batch_size)
+        self.producer = ShardProducer(shards, self.block_length, self.mode, batch_size)  # (its copy: once per loader)
         self.batching = BatchingConfig(self.mode, batch_size, self.drop_last, collate_fn, shuffle_buffer, self.seed)
         self.even_ranks = bool(even_ranks) and self.shard is not None
         self._limits: tuple[int, RankLimits] | None = None  # (epoch, its cut): the last asked for

@@ -58,7 +58,7 @@ class BlockWork(Work):
 class ShardPlan(EpochPlan):
     """One epoch of a streaming source: an epoch whose length is discovered as its shards
     end. ``order`` is the shards' order (indices into ``Shards.shards``); ``config`` the
-    ``ShardOrder`` (block length, cycle length, batching, the configured source).
+    ``ShardOrder`` (block length, cycle length, batching, the source: its ``shards``).
 
     Bounds: at most ``cycle_length`` shards open; a shard has at most ``per_lane`` blocks
     in flight; the engine keeps blocks in flight, blocks waiting for their turn and batches
@@ -117,13 +117,13 @@ class ShardPlan(EpochPlan):
                 position, block = slot
                 index = self.order[position]  # (a shard bound to a worker stays bound after a resume)
                 self.states[position] = _Shard(
-                    position, index, next_block=block, used=block, worker=self.config.source.worker_for(index)
+                    position, index, next_block=block, used=block, worker=self.config.shards.worker_for(index)
                 )
         self.ended = self.completed_shards = self.opened - len(self.states)
 
     def sample_total(self) -> int | None:
         """The epoch's records, from ``Shards(lengths=...)``; None without them."""
-        lengths = self.config.source.lengths
+        lengths = self.config.shards.lengths
         return None if lengths is None else sum(lengths[s] for s in self.order)
 
     def samples_seen(self) -> int:
@@ -219,7 +219,7 @@ class ShardPlan(EpochPlan):
         """
         while self.opened < len(self.order) and self.opened - self.ended < self.config.cycle_length:
             index = self.order[self.opened]
-            state = self.states[self.opened] = _Shard(self.opened, index, worker=self.config.source.worker_for(index))
+            state = self.states[self.opened] = _Shard(self.opened, index, worker=self.config.shards.worker_for(index))
             if self.interleave is None:
                 state.next_block = state.got.below = self.resume.first_unreceived_block(state.index)
             self.opened += 1

@@ -26,8 +26,8 @@ class StreamKind(SourceKind):
         return cls(ShardOrder.of(source, config.batching, config.stages, config.faults))
 
     def __init__(self, order: ShardOrder) -> None:
-        # (the configured Shards reads its own blocks: it is the workers' source and producer both)
-        super().__init__(order, order.source, order.source, RecordNames())
+        # (the source stays the Shards the order reads; the workers read its blocks with the order's ShardProducer)
+        super().__init__(order, order.shards, order.producer, RecordNames())
 
     def settings(self) -> dict[str, Any]:
         return self.order.settings()  # type: ignore[attr-defined]  # (a ShardOrder)
