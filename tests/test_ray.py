@@ -465,10 +465,10 @@ def test_a_loader_created_right_after_a_node_was_lost_starts_on_live_nodes(clust
 
 
 def test_a_node_whose_raylet_refuses_connections_is_not_live():
-    from procpipe.ray import nodes
+    from procpipe.ray import cluster
 
     with __import__("socket").socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert not nodes.raylet_answers({"NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port})
-    assert nodes.spare_node([("a", {"CPU": 1}), ("b", {"CPU": 2})], {"CPU": 2}, set()) == "b"
+    assert not cluster.raylet_answers({"NodeManagerAddress": "127.0.0.1", "NodeManagerPort": port})
+    assert cluster.spare_node([("a", {"CPU": 1}), ("b", {"CPU": 2})], {"CPU": 2}, set()) == "b"
