@@ -557,7 +557,7 @@ class FacadeState:
             running = self.loader() if self.loader is not None else None
             if not waiting or running is None or time.monotonic() > deadline:
                 return  # (an iteration let go closed its workers: they start no more)
-            time.sleep(pause)  # the workers write files; no descriptor to wait on (bounded, rare)
+            time.sleep(pause)  # the workers write the store's shared memory: no descriptor to wait on (bounded, rare)
             pause = min(pause * 2, 0.05)
 
     def load(self, state: Any) -> int:
