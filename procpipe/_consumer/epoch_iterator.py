@@ -2,7 +2,7 @@
 
 Where it sits in the data path: coordinator -> worker -> ring slot -> reassembly ->
 **epoch iterator** -> prefetch/device stage (``Loader(device=...)``, torch/device.py) ->
-consumer. With workers, ``EpochIterator`` reads the batches of a ``Iteration`` (epochs.py)
+consumer. With workers, ``EpochIterator`` reads the batches of an ``Iteration`` (epochs.py)
 from the one queue the coordinator thread fills through each epoch's reassembly (in
 order or as they finish) and tells the coordinator of each batch the consumer took.
 With ``workers=0`` the Loader uses ``inline.InlineDriver`` instead, which drives the same
@@ -36,7 +36,7 @@ _CONSUMER_POLL_S = 1.0  # how often a waiting consumer checks that the coordinat
 
 
 class EpochIterator(LoaderIterator):
-    """One ``iter(loader)`` with workers: the epochs of a ``Iteration``, read from its one queue.
+    """One ``iter(loader)`` with workers: the epochs of an ``Iteration``, read from its one queue.
 
     ``position`` is ``(epoch, position in the epoch)`` of the batch ``next()`` returned last.
 

@@ -1,7 +1,7 @@
 """The coordinator: a background thread in the consumer's process that drives the workers.
 
 The data path, top to bottom: the consumer's ``iter(loader)`` (loader.py; its epoch
-iterator, _consumer/epoch_iterator.py) hands a ``Iteration`` of epochs and their batches (epochs.py) to
+iterator, _consumer/epoch_iterator.py) hands an ``Iteration`` of epochs and their batches (epochs.py) to
 this thread, which sends each batch to a worker process (started by pool.py; _worker/process.py
 runs in it). The worker writes the collated batch into a ring slot (shm.py, collate.py) and
 replies with its layout; here the reply becomes a batch of views of that slot, which the

@@ -1,6 +1,6 @@
 """Epochs and streams: what the coordinator and the consumer share about an iteration's batches.
 
-One ``iter(loader)`` is a ``Iteration``: one epoch (the default), N epochs or endless
+One ``iter(loader)`` is an ``Iteration``: one epoch (the default), N epochs or endless
 (``Loader(epochs=...)``). Each ``Epoch`` holds its source kind's ``EpochPlan`` (_sources/epoch_plan.py:
 ``IndexPlan`` for indexed sources, ``_sources.stream.ShardPlan`` for shards), which says which
 tasks the epoch holds and what their results become; the ``Epoch`` itself is the same for
@@ -98,7 +98,7 @@ class Job:
 
 
 class Epoch:
-    """One pass over the data within a ``Iteration``, for any source kind: the engine's side of
+    """One pass over the data within an ``Iteration``, for any source kind: the engine's side of
     an ``EpochPlan`` (_sources/epoch_plan.py), which says which tasks the epoch holds and what their
     results become. This class keeps what is the same for every kind: the jobs sent and
     their ring slots, the counters, the skip budget, the tasks to run again, and handing

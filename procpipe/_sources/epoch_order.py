@@ -38,7 +38,7 @@ def epoch_order(
 
 class GivenOrders:
     """The epoch whose order is given, not drawn: what loading a state from ``procpipe.combine_states``
-    installs in a ``IndexOrder`` or ``MixOrder`` (_sources/combine.py): the indices no rank of the saved
+    installs in an ``IndexOrder`` or ``MixOrder`` (_sources/combine.py): the indices no rank of the saved
     run had delivered, this rank's part of them, and the combined state it came from (``base``,
     kept for the states this loader saves in that epoch). One epoch at most."""
 

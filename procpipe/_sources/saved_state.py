@@ -195,7 +195,7 @@ def decode_position(state: Any, order: Any) -> Resume:
 
 def _batch_count(order: Any, epoch: int) -> int | None:
     """Batches in ``epoch``, if the order knows (a ``batches=`` callable without ``__len__`` does not;
-    a ``IndexOrder`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
+    an ``IndexOrder`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
     per_epoch = getattr(order, "epoch_batches", None)
     try:
         return per_epoch(epoch) if per_epoch is not None else len(order)

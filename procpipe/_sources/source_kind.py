@@ -40,14 +40,14 @@ class SourceKind:
     """What a Loader knows of its source once its kind is resolved (``resolve_kind``), and what
     each kind answers for itself: the saved state's settings and extras, whether a saved state is
     of this kind, a combined state (``procpipe.combine_states``) made this loader's own, and the
-    position a state resumes. ``_sources/saved_state.py`` asks these methods (its ``SourceKind``
-    protocol), so a new kind is one new class here, not a flag tested in the state's code.
+    position a state resumes. ``save_state`` and ``load_state`` below ask these methods, so a new
+    kind is one new class in its package, not a flag tested in the state's code.
 
     This base class is an indexed source whose epochs are not drawn from settings it can redraw:
-    ``IndexedKind`` (a ``IndexOrder``), ``CallerKind`` (``batches=...``) and ``MixKind`` refine it.
+    ``IndexedKind`` (an ``IndexOrder``), ``CallerKind`` (``batches=...``) and ``MixKind`` refine it.
 
     Attributes:
-        order: the epochs' order (``batches(epoch)``, ``len()``, ``epoch_plan``): the order.
+        order: the loader's order (``batches(epoch)``, ``len()``, the ``epoch_plan`` each epoch is run by).
         source: the source the workers' spec names (``WorkerSpec.source``): the user's, or a
             mixture of streams' combined ``Shards``.
         producer: the worker side (``spec.producer``): how a task is produced, the cache's layout.
@@ -72,7 +72,7 @@ class SourceKind:
         self.producer = producer
         self.names = names
 
-    # ---- saving (_sources/saved_state.py save_state)
+    # ---- saving (save_state, below)
     def settings(self) -> dict[str, Any]:
         """The order's settings a saved state must match to be resumed (_sources/saved_state.py)."""
         order: Any = self.order
@@ -91,7 +91,7 @@ class SourceKind:
         """What a state saved at ``position`` holds beyond the position and the settings."""
         return {}
 
-    # ---- loading (_sources/saved_state.py load_state)
+    # ---- loading (load_state, below)
     def check_saved_kind(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``state`` was saved by a loader over another kind of source:
         first its positions (records of a stream, or batch positions), then a mixture or not."""

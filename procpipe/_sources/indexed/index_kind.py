@@ -56,7 +56,7 @@ class CallerKind(SourceKind):
 
 
 class IndexedKind(SourceKind):
-    """An indexed source (``len``, ``[i]``) with a ``IndexOrder``: a combined state gives it the order
+    """An indexed source (``len``, ``[i]``) with an ``IndexOrder``: a combined state gives it the order
     of the epoch it resumes (``given``: ``GivenOrders``)."""
 
     warns_when_empty = True

@@ -1,7 +1,7 @@
 """Which indices each batch of an indexed source's epoch holds: ``IndexOrder`` (the loader's own
 order: shuffled, sharded, batched) and ``CallerOrder`` (the caller's ``batches=`` callable,
 used by ``procpipe.torch.DataLoader`` to follow a torch sampler). Anything with
-``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for a ``IndexOrder``.
+``batches(epoch) -> list[list[int]]`` and ``__len__`` can stand in for an ``IndexOrder``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 class DrawnOrder(Protocol):
     """An indexed order drawn from settings, which a combined state can give an epoch's order
-    (``given``): a ``IndexOrder``, or a mixture's ``MixOrder``."""
+    (``given``): an ``IndexOrder``, or a mixture's ``MixOrder``."""
 
     @property
     def given(self) -> GivenOrders: ...

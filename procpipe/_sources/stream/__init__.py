@@ -53,7 +53,7 @@ collation, leases, the coordinator's loop, worker-death recovery):
 
 Modules, in the order a block meets them on the data path:
 
-- ``shard_order.py``: what the Loader uses: ``ShardOrder`` (where a IndexOrder would be: checks,
+- ``shard_order.py``: what the Loader uses: ``ShardOrder`` (where an IndexOrder would be: checks,
   block layout, each epoch's shard order); ``workers=0`` is the Loader's one inline
   driver (procpipe/_consumer/inline.py), for every source kind.
 - ``shard_plan.py``: an epoch's plan (``ShardPlan``, ``BlockWork``): opening shards,

@@ -1,7 +1,7 @@
 """What the Loader uses for a streaming source: ``ShardOrder``.
 
 Where it sits in the data path: when its source is a ``Shards`` (shards.py), the Loader
-(procpipe/loader.py) builds a ``ShardOrder`` where it would build a IndexOrder. The plan
+(procpipe/loader.py) builds a ``ShardOrder`` where it would build an IndexOrder. The plan
 checks what streaming does not support, decides how workers lay out blocks, gives each
 epoch's shard order, and names ``ShardPlan`` (shard_plan.py) as the plan of the epochs
 the ``Iteration`` (procpipe/_engine/epochs.py) opens; with workers the coordinator then drives
