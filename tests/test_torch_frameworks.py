@@ -284,6 +284,7 @@ if stateful:
     next(it)
     acc.save_state(sys.argv[4])
     want = [x.flatten().tolist() for x, _ in it]
+    acc.wait_for_everyone()  # save_state writes the model on the main process only, after its barrier
     acc.load_state(sys.argv[4])
     out["resumed"] = [x.flatten().tolist() for x, _ in prepared] == want
 print("RESULT " + json.dumps(out))
