@@ -60,7 +60,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -90,6 +92,21 @@ def wait_until(condition: Callable[[], Any], timeout: float = 10.0, what: str = 
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+@contextmanager
+def warnings_as_errors() -> Iterator[None]:
+    """Every warning raised inside is an error, except ``SlowStartWarning``: whether
+    ``start_method="auto"`` can fork depends on the threads of the test process (a pytest-xdist
+    worker runs execnet's threads, which procpipe cannot tell from a library's), and the warning
+    comes once per process, at whichever test starts workers first. The tests of that warning
+    are in test_startup.py."""
+    from procpipe._worker.start_method import SlowStartWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", SlowStartWarning)
+        yield
 
 
 def _alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ from conftest import (
     ring_views,
     shm_files,
     to_py,
+    warnings_as_errors,
 )
 
 import procpipe
@@ -190,8 +191,7 @@ def big(i):
 
 
 def test_batch_larger_than_its_slot_grows_the_ring():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no overflow warning: the ring grows instead
+    with warnings_as_errors():  # no overflow warning: the ring grows instead
         with Loader(list(range(40)), big, batch_size=4, workers=2, slot_bytes=4096) as loader:
             runs, overflows = [], []
             for _ in range(2):
@@ -213,8 +213,7 @@ def growing_collate(samples):
 
 
 def test_variable_size_batches_outgrowing_the_ring_are_delivered():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings_as_errors():
         with Loader(list(range(32)), batch_size=4, workers=2, collate_fn=growing_collate) as loader:
             batches = list(loader)
     assert len(batches) == 8

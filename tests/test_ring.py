@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 
 import numpy as np
 import pytest
-from conftest import loader_token, mappings, segment_fds, segments
+from conftest import loader_token, mappings, segment_fds, segments, warnings_as_errors
 
 import procpipe
 import procpipe._core.rings
@@ -27,8 +26,7 @@ def check_batches(batches, plan):
 def test_short_batch_first_does_not_size_the_slots():
     # One worker runs the tasks in order, so the 1-sample batch is the first to arrive.
     plan = [[0]] + [list(range(1 + 8 * k, 9 + 8 * k)) for k in range(12)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the overflow warning would fail the test
+    with warnings_as_errors():  # the overflow warning would fail the test
         with procpipe.Loader(range(200), image, batch_size=1, workers=1, batches=lambda e: plan) as loader:
             batches = list(loader)
             stats = loader.stats()
@@ -39,8 +37,7 @@ def test_short_batch_first_does_not_size_the_slots():
 
 def test_issue_repro_many_workers_few_batches():
     # The short last batch (300 = 9 * 32 + 12) often finishes first with 12 workers.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings_as_errors():
         with procpipe.Loader(range(300), image, batch_size=32, workers=12, shuffle=True) as loader:
             assert sum(len(b) for b in loader) == 300
             stats = loader.stats()
@@ -55,8 +52,7 @@ def growing(i):
 
 
 def test_ring_grows_when_batches_outgrow_their_slots():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings_as_errors():
         with procpipe.Loader(range(160), growing, batch_size=4, workers=1, prefetch=1) as loader:
             token = loader_token(loader)
             first_slot_bytes = None

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data as tud
-from conftest import loader_token, mappings
+from conftest import loader_token, mappings, warnings_as_errors
 
 from procpipe.torch import DataLoader
 from procpipe.torch.iterable import ReplicaLostError
@@ -299,8 +299,7 @@ def test_len_of_an_iterable_dataset(cls):
     it = iter(loader)
     with pytest.raises(TypeError):
         len(it)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # yields no more than len() said: no warning
+    with warnings_as_errors():  # yields no more than len() said: no warning
         assert sum(len(b) for b in it) == 7
     assert len(make(cls, Sized(7, 7), 2, batch_size=2, drop_last=True)) == 3
 
@@ -310,8 +309,7 @@ def test_len_of_an_iterable_dataset(cls):
 def test_warns_when_more_is_yielded_than_len_said(cls, num_workers):
     loader = make(cls, Sized(6, 3), num_workers, batch_size=1)
     it = iter(loader)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # len(loader) not asked before iter(): no warning
+    with warnings_as_errors():  # len(loader) not asked before iter(): no warning
         assert next(it).tolist() == [0]
     len(loader)
     it = iter(loader)
