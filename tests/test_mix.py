@@ -347,6 +347,60 @@ def test_stream_mixture_checks():
         assert len(flat(loader)) == 10
 
 
+class EpochRecords(Shards):
+    """A ``Shards`` subclass that reads through its own hooks: ``open_shard`` takes the shard's
+    index (not ``open_fn``), its records carry the epoch ``reading`` told it, and ``check_cache``
+    refuses. Inside a mixture, each hook must still be this leaf's."""
+
+    epoch = None
+
+    def reading(self, epoch):
+        self.epoch = epoch
+
+    def open_shard(self, shard):
+        source, i, records = self.shards[shard]
+        return [10_000_000 * (self.epoch + 1) + source * 100_000 + i * 100 + r for r in range(records)]
+
+    def check_cache(self):
+        raise ValueError("EpochRecords: the records change every epoch")
+
+
+def unused_open_fn(shard):
+    raise AssertionError("open_fn read: the subclass's open_shard was bypassed")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shards_subclass_reads_through_its_own_hooks_inside_a_mixture(workers):
+    leaf = EpochRecords([(7, i, 3) for i in range(4)], unused_open_fn, cycle_length=2)
+    mix = Mix([stream(0, 5), Mix([leaf, stream(1, 2)], [1, 1])], [1, 1], with_source=True)
+    with Loader(mix, batch_size=4, workers=workers, shuffle=True, seed=5, epochs=2, with_epoch=True) as loader:
+        got = [(e, k, x) for e, (ks, xs) in loader for k, x in zip(np.asarray(ks).tolist(), np.asarray(xs).tolist(),
+                                                                     strict=True)]
+    for epoch in (0, 1):
+        mine = sorted(x for e, k, x in got if e == epoch and x >= 10_000_000)
+        assert mine == [10_000_000 * (epoch + 1) + 700_000 + i * 100 + r for i in range(4) for r in range(3)]
+        assert {k for e, k, x in got if e == epoch and x >= 10_000_000} == {1}  # with_source: the outer source
+        others = sorted(x for e, k, x in got if e == epoch and x < 10_000_000)
+        assert others == sorted(x for s, n in ((0, 5), (1, 2)) for i in range(n) for x in read_shard((s, i, 2)))
+    assert leaf.epoch is None  # the loader told its own copy the epoch, not the user's object
+    with pytest.raises(ValueError, match="EpochRecords: the records change every epoch"):
+        Loader(Mix([leaf, stream(0, 2)], [1, 1]), batch_size=2, workers=0, cache="memory")
+
+
+def test_a_shard_of_a_stream_mixture_is_named_by_its_leaf_in_messages():
+    mix = Mix([stream(0, 2), Shards(["a.txt", "b.txt"], broken_shard, cycle_length=2)], [1, 1])
+    with Loader(mix, batch_size=2, workers=0) as loader, pytest.raises(OSError) as raised:
+        list(loader)
+    assert any("'b.txt': the mixture's source 1, depth first" in note for note in raised.value.__notes__), \
+        raised.value.__notes__
+
+
+def broken_shard(name):
+    if name == "b.txt":
+        raise OSError("b.txt is unreadable")
+    yield from range(3)
+
+
 def test_stream_mixture_ranks_split_the_shards():
     def run(rank):
         mix = Mix([stream(0, 5), stream(1, 4)], [1, 1])

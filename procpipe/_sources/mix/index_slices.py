@@ -8,10 +8,10 @@ source's position with ``shuffle=True`` (``epoch`` 0's every epoch with ``reshuf
 else ``0, 1, ...``. So its elements are shuffled across the whole dataset each epoch, not only
 within a slice, and each comes exactly once per epoch (the slices partition the order).
 
-A shard's records depend on the epoch, which ``open_fn(shard)`` is not given: the combined
-``Shards`` (``EpochShards``) says it, in the reading thread, before each block is read (its
-``reading`` hook, called by ``ShardProducer.produce_block``), and ``IndexSlices`` reads it
-there. The epoch's permutation is computed once per process and epoch (the last two are kept:
+A shard's records depend on the epoch, which ``open_fn(shard)`` is not given: the source's
+``SliceShards`` says it, in the reading thread, before each block is read (its ``reading`` hook,
+called through the mixture's ``MixedShards`` by ``ShardProducer.produce_block``), and
+``IndexSlices`` reads it there. The epoch's permutation is computed once per process and epoch (the last two are kept:
 with ``epochs=N`` the next epoch begins before this one ends). ``cache=`` is refused: a shard's
 records change from epoch to epoch.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from .slice_sizes import virtual_shards
 _SLICES_KEY = 0x4D6958  # spawn-key prefix of the slices' permutations ("MiX"), apart from Mix's own keys
 _reading = threading.local()  # .epoch: the epoch of the block this thread is reading
 
-__all__ = ["EpochShards", "IndexSlices", "leaf_streams"]
+__all__ = ["IndexSlices", "SliceShards", "leaf_streams"]
 
 
 class IndexSlices:
@@ -87,22 +87,18 @@ def _elements(dataset: Any, indices: list[int]) -> Iterator[Any]:
         yield dataset[index]
 
 
-class EpochShards(Shards):
-    """The combined ``Shards`` of a mixture holding an indexed source: says the epoch of each
-    block to the slices (``IndexSlices``) before it is read (``reading``), and refuses ``cache=``."""
+class SliceShards(Shards):
+    """The ``Shards`` of an indexed source in a mixture with streams: its shards are the slices
+    of each epoch's order (``IndexSlices``), told the epoch of each block before it is read
+    (``reading``); ``cache=`` is refused."""
 
     def reading(self, epoch: int) -> None:
         _reading.epoch = epoch  # (in this thread: the slices opened for the block read it)
 
     def name(self, shard: int) -> str:
-        """Shard ``shard`` for a message: a slice is named with the dataset it is cut from."""
-        j, inner = self.shards[shard]
-        open_fns = getattr(self.open_fn, "open_fns", None)  # (OpenMixed: each leaf's open_fn)
-        leaf = open_fns[j] if isinstance(open_fns, list) else None
-        if isinstance(leaf, IndexSlices):
-            kind = type(leaf.dataset).__name__
-            return f"slice {inner} of the epoch order of the indexed {kind}: the mixture's source {j}, depth first"
-        return super().name(shard)
+        """A slice, named with the dataset it is cut from."""
+        kind = type(cast(IndexSlices, self.open_fn).dataset).__name__
+        return f"slice {shard} of the epoch order of the indexed {kind}"
 
     def check_cache(self) -> None:
         raise _no_cache()
@@ -134,7 +130,7 @@ def leaf_streams(mix: Mix, seed: int, shuffle: bool, reshuffle: bool) -> list[Sh
         slices = IndexSlices(source, size, leaf, seed, shuffle, reshuffle)
         lengths = slices.lengths()
         out.append(
-            Shards(
+            SliceShards(
                 list(range(len(lengths))),
                 slices,
                 cycle_length=first.cycle_length,

@@ -14,26 +14,29 @@ is per open shard (``cycle_length``), not per source.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import copy
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..stream import ShardOrder, Shards
-from .index_slices import EpochShards, IndexSlices, leaf_streams
+from ..stream.blocks import Block
+from .index_slices import leaf_streams
 from .mixture import Mix, MixOrder
 
 
-class OpenMixed:
-    """``open_fn`` of the combined ``Shards``: shard ``(j, shard)`` is ``shard`` of the ``j``-th
-    stream of the mixture (depth first), opened with that stream's own ``open_fn``; with
-    ``tags`` (``Mix(with_source=True)``), each record comes as ``(k, record)``."""
+class OpenLeaf:
+    """``open_fn`` of ``MixedShards``: shard ``(j, i)`` is shard ``i`` of the ``j``-th stream of
+    the mixture (depth first), opened through that stream's own ``open_shard`` (so a ``Shards``
+    subclass reads inside a mixture as it does alone); with ``tags`` (``Mix(with_source=True)``),
+    each record comes as ``(k, record)``."""
 
-    def __init__(self, open_fns: list[Callable[[Any], Iterable[Any]]], tags: list[int] | None) -> None:
-        self.open_fns = open_fns
+    def __init__(self, leaves: list[Shards], tags: list[int] | None) -> None:
+        self.leaves = leaves
         self.tags = tags
 
-    def __call__(self, shard: tuple[int, Any]) -> Iterable[Any]:
-        j, inner = shard
-        records = self.open_fns[j](inner)
+    def __call__(self, shard: tuple[int, int]) -> Iterable[Any]:
+        j, i = shard
+        records = self.leaves[j].open_shard(i)
         return records if self.tags is None else _tagged(self.tags[j], records)
 
 
@@ -42,32 +45,65 @@ def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         yield k, record
 
 
-def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: bool = True) -> Shards:
-    """One ``Shards`` holding every shard of every stream of ``mix``, in the mixture's index order
-    (an indexed source among them: the slices of its epoch order, ``_sources/mix/index_slices.py``, read
-    with the loader's ``seed``, ``shuffle`` and ``reshuffle``)."""
-    streams = leaf_streams(mix, seed, shuffle, reshuffle)
-    sliced = any(isinstance(stream.open_fn, IndexSlices) for stream in streams)
-    for name in ("cycle_length", "block_length"):
-        values = {getattr(stream, name) for stream in streams}
-        if len(values) > 1:
-            raise ValueError(
-                f"Mix: the streams of a mixture are read as one interleave, so they must share "
-                f"{name}; got {sorted(values, key=str)}: give every Shards the same {name}"
-            )
-    tags = None
-    if mix.with_source:
-        tags = mix.leaf_owners()
-    lengths = [stream.lengths for stream in streams]
-    combined = (EpochShards if sliced else Shards)(
-        [(j, shard) for j, stream in enumerate(streams) for shard in stream.shards],
-        OpenMixed([stream.open_fn for stream in streams], tags),
-        cycle_length=streams[0].cycle_length,
-        block_length=streams[0].block_length,
-        lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part or ()],
-    )
-    combined.replayable = all(stream.replayable for stream in streams)
-    return combined
+class MixedShards(Shards):
+    """One ``Shards`` holding every shard of every stream of a mixture (its leaves, depth first):
+    shard ``(j, i)`` is shard ``i`` of leaf ``j``. Every hook a ``Shards`` subclass may override is
+    its leaf's: ``open_shard`` (through ``OpenLeaf``), ``reading`` (every leaf is told the epoch of
+    each block), ``check_cache`` (every leaf is asked), ``worker_for``, ``reopening``, ``name``
+    and ``replayable`` (all leaves must be). The leaves are the loader's shallow copies, never the
+    user's objects, as for a ``Shards`` read alone (``ShardProducer``)."""
+
+    def __init__(self, leaves: list[Shards], tags: list[int] | None) -> None:
+        leaves = [copy.copy(leaf) for leaf in leaves]
+        for setting in ("cycle_length", "block_length"):
+            values = {getattr(leaf, setting) for leaf in leaves}
+            if len(values) > 1:
+                raise ValueError(
+                    f"Mix: the streams of a mixture are read as one interleave, so they must share "
+                    f"{setting}; got {sorted(values, key=str)}: give every Shards the same {setting}"
+                )
+        lengths = [leaf.lengths for leaf in leaves]
+        super().__init__(
+            [(j, i) for j, leaf in enumerate(leaves) for i in range(len(leaf.shards))],
+            OpenLeaf(leaves, tags),
+            cycle_length=leaves[0].cycle_length,
+            block_length=leaves[0].block_length,
+            lengths=None if any(n is None for n in lengths) else [n for part in lengths for n in part or ()],
+        )
+        self.leaves = leaves
+        self.replayable = all(leaf.replayable for leaf in leaves)
+
+    def _leaf(self, shard: int) -> tuple[Shards, int]:
+        j, i = self.shards[shard]
+        return self.leaves[j], i
+
+    def reading(self, epoch: int) -> None:
+        for leaf in self.leaves:
+            leaf.reading(epoch)
+
+    def check_cache(self) -> None:
+        for leaf in self.leaves:
+            leaf.check_cache()
+
+    def name(self, shard: int) -> str:
+        """The leaf's name for its shard, and which source of the mixture it is."""
+        leaf, i = self._leaf(shard)
+        return f"{leaf.name(i)}: the mixture's source {self.shards[shard][0]}, depth first"
+
+    def worker_for(self, shard: int) -> int | None:
+        leaf, i = self._leaf(shard)
+        return leaf.worker_for(i)
+
+    def reopening(self, block: Block) -> None:
+        leaf, i = self._leaf(block.shard)
+        leaf.reopening(Block(i, block.number, block.first, block.length, block.skip))
+
+
+def combined_shards(mix: Mix, seed: int = 0, shuffle: bool = False, reshuffle: bool = True) -> MixedShards:
+    """The ``MixedShards`` of ``mix``, in the mixture's index order (an indexed source among them:
+    the slices of its epoch order, ``_sources/mix/index_slices.py``, read with the loader's
+    ``seed``, ``shuffle`` and ``reshuffle``)."""
+    return MixedShards(leaf_streams(mix, seed, shuffle, reshuffle), mix.leaf_owners() if mix.with_source else None)
 
 
 class MixShardOrder(ShardOrder):

@@ -7,7 +7,7 @@ and how a worker lays a block out, and builds the workers' producer (``ShardProd
 of the Shards, the layout, the shards open in this process), which its kind (stream_kind.py)
 puts in ``WorkerSpec.producer``. The producer reads every shard through ``open_shard`` and says
 each block's epoch with ``reading``: the hooks a subclass overrides (``procpipe.torch``'s
-``Replicas``, a ``Mix``'s ``EpochShards``), beside ``worker_for``, ``reopening`` and ``replayable``.
+``Replicas``, a ``Mix``'s ``MixedShards`` and ``SliceShards``), beside ``worker_for``, ``reopening`` and ``replayable``.
 """
 
 from __future__ import annotations
