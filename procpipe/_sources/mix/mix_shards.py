@@ -72,13 +72,16 @@ class MixedShards(Shards):
         )
         self.leaves = leaves
         self.replayable = all(leaf.replayable for leaf in leaves)
+        # the leaves that want each block's epoch (a subclass's reading): a block costs per such
+        # leaf, not per source of the mixture
+        self.told_epoch = [leaf for leaf in leaves if type(leaf).reading is not Shards.reading]
 
     def _leaf(self, shard: int) -> tuple[Shards, int]:
         j, i = self.shards[shard]
         return self.leaves[j], i
 
     def reading(self, epoch: int) -> None:
-        for leaf in self.leaves:
+        for leaf in self.told_epoch:
             leaf.reading(epoch)
 
     def check_cache(self) -> None:
