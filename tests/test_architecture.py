@@ -299,7 +299,6 @@ KIND_ATTRIBUTES = {"produce_block", "epoch_plan", "mixing", "check_progress", "s
 #: The other modules that may still test a kind (at most 3), and why.
 KIND_TESTS_ALLOWED: dict[str, str] = {
     "_sources.mix.mixture": "a mixture's own tree (nested mixtures), and that its sources are all streams or all indexed",
-    "_sources.saved_state": "the position format (a stream's progress or an index plan's), for any sampler it is given",
 }
 MAX_KIND_TEST_MODULES = 3
 

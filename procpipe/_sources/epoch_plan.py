@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 
 class EmptyBatch:
@@ -114,6 +114,35 @@ def ready(position: int, batch: Any, samples: int) -> Ready:
     return _new_tuple(Ready, (position, batch, samples))
 
 
+class PositionFormat(Protocol):
+    """How a kind writes an epoch's progress (what the consumer has had of it) in a saved state,
+    and reads it back checked (``ValueError`` naming what is corrupt): the resumed epoch's under
+    keys of its own, each later epoch's as the rest of an ``ahead`` entry (saved_state.py writes
+    the rest of the state). Each kind's epoch plan names its format (``EpochPlan.positions``):
+    ``IndexPositions`` (indexed/index_positions.py), ``StreamPositions``
+    (stream/stream_positions.py)."""
+
+    def empty(self) -> Any:
+        """The progress of an epoch of which nothing was returned."""
+        ...
+
+    def write(self, done: Any) -> dict[str, Any]:
+        """The resumed epoch's progress, as the saved state's keys."""
+        ...
+
+    def write_ahead(self, done: Any) -> list[Any]:
+        """A later epoch's progress, as the rest of its ``[epoch, ...]`` entry of ``ahead``."""
+        ...
+
+    def read(self, order: Any, state: dict[str, Any], epoch: int) -> Any:
+        """The resumed epoch's progress from a saved state, checked against ``order``."""
+        ...
+
+    def read_ahead(self, order: Any, epoch: int, rest: list[Any]) -> Any:
+        """A later epoch's progress from the rest of its ``ahead`` entry, checked."""
+        ...
+
+
 class EpochPlan:
     """The contract every source kind's per-epoch plan implements (see the module docstring).
 
@@ -125,6 +154,7 @@ class EpochPlan:
 
     ordered: bool
     skips_tasks: bool = True
+    positions: ClassVar[PositionFormat]  # how a saved state holds an epoch's progress
 
     # ---- dispatch
     @property

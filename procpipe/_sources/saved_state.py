@@ -26,11 +26,11 @@ state through them, not by raw strings.
 
 A *position* is the part that says where a consumer stands: what every consumer-side node
 (``procpipe._consumer.nodes``) returns from ``get_state()`` and takes back in ``reset()``. One
-encoder and one decoder (``encode_position``, ``decode_position``), so the format is written once.
-A order that checks its own progress states (``check_progress``: the ``ShardOrder`` of a
-``procpipe.Shards`` source) is a streaming one; this module does not import ``_sources.stream`` (whose
-``workers=0`` node uses it). ``save_state`` wraps a position with the version and the settings;
-``load_state`` checks a saved state against this loader's source kind (``kinds.py``: same kind of
+encoder and one decoder (``encode_position``, ``decode_position``), so the format is written once;
+an epoch's progress in it is written and read by its kind's ``PositionFormat`` (the ``positions``
+of the order's epoch plan: indexed/index_positions.py, stream/stream_positions.py), so this module
+tests no kind. ``save_state`` wraps a position with the version and the settings;
+``load_state`` checks a saved state against this loader's source kind (source_kind.py: same kind of
 source, same data, same settings) and for corruption, and returns the ``Resume`` the next
 ``iter(loader)`` starts from.
 """
@@ -38,12 +38,12 @@ source, same data, same settings) and for corruption, and returns the ``Resume``
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from .._core.checks import is_count
-from .._core.reassembly import Progress, ResumePoint
+from .._core.reassembly import ResumePoint
+from .epoch_plan import PositionFormat
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; typing_extensions is read by type checkers only
@@ -137,36 +137,26 @@ class Resume(tuple):
         return default if self.until is LOADER_EPOCHS else self.until
 
 
-def is_streaming(order: Any) -> bool:
-    """``order`` plans a streaming source (its epochs' progress is a ``StreamProgress`` state)."""
-    return callable(getattr(order, "check_progress", None))
+def _positions(order: Any) -> PositionFormat:
+    """How ``order``'s kind writes an epoch's progress (its epoch plan's ``positions``)."""
+    return order.epoch_plan.positions
 
 
 def encode_position(order: Any, point: ResumePoint) -> dict[str, Any]:
     """``point`` (what was returned, in the form ``Epoch.consumer_progress()`` gives) as a plain dict."""
     epoch, done, ahead, until = point
-    if is_streaming(order):
-        progress = {STREAM: done, AHEAD: [[n, p] for n, p in sorted(ahead.items())]}
-    else:
-        done = _as_progress(done)
-        ahead = {n: _as_progress(p) for n, p in ahead.items()}
-        progress = {
-            DONE_BELOW: done.below,
-            DONE: sorted(done.beyond),
-            AHEAD: [[n, p.below, sorted(p.beyond)] for n, p in sorted(ahead.items())],
-        }
-    return {EPOCH: epoch, **progress, UNTIL: until}
-
-
-def _as_progress(done: Any) -> Progress:
-    """Positions returned, as a ``Progress`` (a decoded position holds frozensets)."""
-    return done if isinstance(done, Progress) else Progress(done or ())
+    positions = _positions(order)
+    return {
+        EPOCH: epoch,
+        **positions.write(done),
+        AHEAD: [[n, *positions.write_ahead(p)] for n, p in sorted(ahead.items())],
+        UNTIL: until,
+    }
 
 
 def start_position(order: Any, epoch: int, until: int | None) -> dict[str, Any]:
     """The position of an iteration that starts at ``epoch`` and has returned nothing yet."""
-    empty = None if is_streaming(order) else Progress()
-    return encode_position(order, ResumePoint(epoch, empty, {}, until))
+    return encode_position(order, ResumePoint(epoch, _positions(order).empty(), {}, until))
 
 
 def decode_position(state: Any, order: Any) -> Resume:
@@ -180,27 +170,10 @@ def decode_position(state: Any, order: Any) -> Resume:
     epoch = state.get(EPOCH)
     if not is_count(epoch, 0):
         raise ValueError(f"corrupt procpipe Loader state: epoch={epoch!r}")
-    if is_streaming(order):
-        done = order.check_progress(state.get(STREAM), epoch)
-        until, ahead = _until_and_ahead(state, epoch, functools.partial(_stream_ahead_entry, order))
-    else:
-
-        def progress(number: int, rest: list) -> frozenset:
-            return _index_progress(_batch_count(order, number), number, rest)
-
-        done = progress(epoch, [state.get(DONE_BELOW), state.get(DONE)])
-        until, ahead = _until_and_ahead(state, epoch, progress)
+    positions = _positions(order)
+    done = positions.read(order, state, epoch)
+    until, ahead = _until_and_ahead(state, epoch, functools.partial(positions.read_ahead, order))
     return Resume(epoch, done, until, ahead)
-
-
-def _batch_count(order: Any, epoch: int) -> int | None:
-    """Batches in ``epoch``, if the order knows (a ``batches=`` callable without ``__len__`` does not;
-    an ``IndexOrder`` resumed from ``procpipe.combine_states`` has its own count for the resumed epoch)."""
-    per_epoch = getattr(order, "epoch_batches", None)
-    try:
-        return per_epoch(epoch) if per_epoch is not None else len(order)
-    except TypeError:
-        return None
 
 
 def _until_and_ahead(
@@ -223,31 +196,3 @@ def _until_and_ahead(
             raise ValueError(f"corrupt procpipe Loader state: ahead entry {entry!r:.200}")
         ahead[n] = progress(n, entry[1:])
     return until, ahead
-
-
-def _index_progress(count: int | None, epoch: int, rest: list) -> frozenset:
-    """``[done_below, done]`` of an indexable source's epoch, checked: the positions returned.
-
-    ``count``: batches per epoch (None: unknown); a position past it is refused before any
-    set is built (``done_below=10**10`` would otherwise exhaust memory).
-    """
-    ok = len(rest) == 2
-    if ok:
-        below, beyond = rest
-        ok = is_count(below, 0) and isinstance(beyond, list) and all(is_count(x, below + 1) for x in beyond)
-    if not ok:
-        raise ValueError(f"corrupt procpipe Loader state: done_below, done = {rest!r:.200} for epoch {epoch}")
-    if count is not None and (below > count or (beyond and max(beyond) >= count)):
-        raise ValueError(
-            f"procpipe Loader state out of range: done_below, done = {rest!r:.200} for epoch {epoch}, "
-            f"but an epoch of this loader has {count} batches (positions 0 to {count - 1}); "
-            "the state is corrupt or from another loader"
-        )
-    return frozenset(itertools.chain(range(below), beyond))
-
-
-def _stream_ahead_entry(order: Any, epoch: int, rest: list) -> dict:
-    """``[stream]`` of an ``ahead`` entry of a streaming source's state, checked."""
-    if len(rest) != 1 or rest[0] is None:
-        raise ValueError(f"corrupt procpipe Loader state: ahead entry for epoch {epoch}: {rest!r:.200}")
-    return order.check_progress(rest[0], epoch)

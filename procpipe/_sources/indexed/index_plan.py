@@ -17,6 +17,7 @@ from ..._core import collate
 from ..._core.reassembly import Ordered, Progress, Sloppy
 from ..._core.shm import ALIGN
 from ..epoch_plan import EMPTY, EpochPlan, Loaded, Offer, Ready, Work, ready
+from .index_positions import IndexPositions
 
 _FRESH = (Offer((1,)),)  # the next batch never sent (any worker)
 
@@ -25,6 +26,7 @@ class IndexPlan(EpochPlan):
     """One epoch's batches of indices (``batches``); ``done``: positions delivered before a resume."""
 
     skips_tasks = True  # on_error="skip" may leave out a batch whose collation failed
+    positions = IndexPositions()
 
     def __init__(
         self, order: Any, number: int, batches: list[list[int]], ordered: bool, done: Any = frozenset()

@@ -24,6 +24,7 @@ from ..epoch_plan import EMPTY, EpochPlan, Failure, Loaded, Offer, Ready, Work
 from .block_batching import Output
 from .blocks import Block, split_block_layout
 from .interleave import StreamProgress
+from .stream_positions import StreamPositions
 
 _NO_RECORDS: list[tuple[int, int, int]] = []  # the coverage of a batch not recorded (never modified)
 
@@ -74,6 +75,7 @@ class ShardPlan(EpochPlan):
     """
 
     skips_tasks = False  # on_error="skip": a failed block cannot be left out (its shard cannot be read past it)
+    positions = StreamPositions()
 
     def __init__(self, config: Any, number: int, order: list[int], ordered: bool, resumed: Any = None) -> None:
         resumed = resumed or None  # (a fresh epoch may be given an empty set of positions)
