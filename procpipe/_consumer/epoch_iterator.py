@@ -23,6 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
+from .._core.deferred_interrupt import raise_deferred
 from .._core.reassembly import ResumePoint
 from .._engine.commands import CancelIteration, StartIteration
 from .._engine.epochs import EndOfIteration, Epoch, EpochEnd, Failure, Iteration
@@ -91,6 +92,7 @@ class EpochIterator(LoaderIterator):
             return self._next()
 
     def _next(self) -> Any:
+        raise_deferred()  # a Ctrl-C that landed as the previous batch died (deferred_interrupt.py)
         if self._done:
             self._over()
         iteration = self._iteration

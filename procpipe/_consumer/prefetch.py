@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._core.deferred_interrupt import raise_deferred
 from .._engine.epochs import iteration_over
 from .._worker import fork_safety
 from .nodes import Node
@@ -194,6 +195,7 @@ class Prefetcher(Node):
             self._thread = fork_safety.start_thread(_stage_main, "procpipe-device-stage", args)
 
     def __next__(self) -> Any:
+        raise_deferred()  # a Ctrl-C that landed as a batch died (deferred_interrupt.py)
         if self._finished:
             raise StopIteration
         if self._requests is not None and not self._pending:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from ..errors import SharedMemoryError
+from .deferred_interrupt import defer
 from .memory_budget import format_bytes
 from .shm import PAGE, Segments, close_fd, map_fd, room
 from .stats import EpochCounters
@@ -164,8 +165,16 @@ class Ring:
 
 
 def _end_lease(lease: Any) -> None:
-    """A slot lease's ``__del__``: the last array viewing the slot is gone, the slot goes back."""
-    lease.on_release(lease.slot)
+    """A slot lease's ``__del__``: the last array viewing the slot is gone, the slot goes back.
+
+    A Ctrl-C whose handler runs in here is deferred to the loader's next step
+    (deferred_interrupt.py): raised in a ``__del__``, it would be lost. (Landed before the
+    slot was appended to its free list, it leaves the slot out of use, as a batch still held
+    would: the iteration is being interrupted.)"""
+    try:
+        lease.on_release(lease.slot)
+    except KeyboardInterrupt:
+        defer()
 
 
 def ring_of(array: Any) -> Ring | None:
