@@ -11,9 +11,9 @@ within a slice, and each comes exactly once per epoch (the slices partition the 
 A shard's records depend on the epoch, which ``open_fn(shard)`` is not given: the source's
 ``SliceShards`` says it, in the reading thread, before each block is read (its ``reading`` hook,
 called through the mixture's ``MixedShards`` by ``ShardProducer.produce_block``), and
-``IndexSlices`` reads it there. The epoch's permutation is computed once per process and epoch (the last two are kept:
-with ``epochs=N`` the next epoch begins before this one ends). ``cache=`` is refused: a shard's
-records change from epoch to epoch.
+``IndexSlices`` reads it there. The epoch's permutation is computed once per process and epoch
+(the last two are kept: with ``epochs=N`` the next epoch begins before this one ends).
+``cache=`` is refused: a shard's records change from epoch to epoch.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def _tagged(k: int, records: Iterable[Any]) -> Iterator[tuple[int, Any]]:
 class MixedShards(Shards):
     """One ``Shards`` holding every shard of every stream of a mixture (its leaves, depth first):
     shard ``(j, i)`` is shard ``i`` of leaf ``j``. Every hook a ``Shards`` subclass may override is
-    its leaf's: ``open_shard`` (through ``OpenLeaf``), ``reading`` (every leaf is told the epoch of
-    each block), ``check_cache`` (every leaf is asked), ``worker_for``, ``reopening``, ``name``
+    its leaf's: ``open_shard`` (through ``OpenLeaf``), ``reading`` (each leaf that overrides it is
+    told the epoch of every block), ``check_cache`` (every leaf is asked), ``worker_for``, ``reopening``, ``name``
     and ``replayable`` (all leaves must be). The leaves are the loader's shallow copies, never the
     user's objects, as for a ``Shards`` read alone (``ShardProducer``)."""
 
