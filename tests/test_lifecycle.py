@@ -398,10 +398,11 @@ def test_ctrl_c_exits_without_noise_or_waiting_for_queued_batches(tmp_path, pres
 
 
 CTRL_C_IN_A_FINALIZER_SCRIPT = r"""
-import signal
+import signal, sys
 import numpy as np
 import procpipe
 from procpipe._core import rings
+from procpipe._consumer.prefetch import Prefetcher
 
 release, armed = rings.RingSet.release, []
 
@@ -416,6 +417,8 @@ def release_then_ctrl_c(self, slot):
 rings.RingSet.release = release_then_ctrl_c
 with procpipe.Loader(np.arange(64), batch_size=4, workers=1) as loader:
     it = iter(loader)
+    if sys.argv[1] == "prefetched":  # a device stage's thread takes the batches (a JAX or CUDA transfer's place)
+        it = Prefetcher(it, lambda b: (b, None), depth=2)
     taken = [next(it).tolist()]  # (the first batch may come before the ring is made)
     batch = next(it)
     assert rings.ring_of(batch) is not None  # a view of a ring slot: its lease's __del__ returns it
@@ -430,23 +433,52 @@ with procpipe.Loader(np.arange(64), batch_size=4, workers=1) as loader:
         print("interrupted at next()", flush=True)
     taken += [b.tolist() for b in it]  # (as after a Jupyter interrupt: the iteration goes on)
     print("every sample once:", sorted(x for b in taken for x in b) == list(range(64)), flush=True)
+    getattr(it, "close", lambda: None)()
 """
 
 
-def test_a_ctrl_c_in_a_batchs_finalizer_is_raised_at_the_next_step_not_lost(tmp_path) -> None:
+@pytest.mark.parametrize("stage", ["plain", "prefetched"])
+def test_a_ctrl_c_in_a_batchs_finalizer_is_raised_at_the_next_step_not_lost(tmp_path, stage: str) -> None:
     """Python cannot raise a KeyboardInterrupt out of a ``__del__`` (it prints "Exception ignored"
     and goes on): a Ctrl-C whose handler ran as a batch's last view died was lost, and the training
     loop ran on (seen once in CI: the Ctrl-C test's child did not exit). The lease defers it to the
-    iterator's next step, before a batch is taken: nothing lost, the iteration can go on."""
+    iterator's next step, before a batch is taken: nothing lost, the iteration can go on. Behind a
+    device stage, in the main thread's ``next()`` (the stage's thread takes batches too)."""
     from conftest import CTRL_C_READY, run_python
 
     script = tmp_path / "finalizer.py"
     script.write_text(CTRL_C_READY + CTRL_C_IN_A_FINALIZER_SCRIPT)
-    out = run_python([str(script)])
+    out = run_python([str(script), stage])
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines() == ["after the finalizer", "interrupted at next()", "every sample once: True"], \
         out.stdout + out.stderr
     assert "Exception ignored" not in out.stderr and "KeyboardInterrupt" not in out.stderr, out.stderr
+
+
+@pytest.mark.unit  # starts no process (tests/conftest.py)
+def test_a_deferred_ctrl_c_is_raised_in_the_main_thread_only_and_once() -> None:
+    """A device stage's thread also takes batches (and calls ``raise_deferred``): the interrupt
+    must wait for the main thread, where Python raises a Ctrl-C's, and come once."""
+    import threading
+
+    from procpipe._core.deferred_interrupt import defer, raise_deferred
+
+    raised: list[BaseException] = []
+
+    def in_a_thread() -> None:
+        try:
+            raise_deferred()
+        except BaseException as exc:  # noqa: BLE001 - what the thread saw is the result
+            raised.append(exc)
+
+    defer()
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and raised == []
+    with pytest.raises(KeyboardInterrupt):
+        raise_deferred()
+    raise_deferred()  # once: nothing is pending now
 
 
 _EXITING_WORKERS_SCRIPT = r'''
