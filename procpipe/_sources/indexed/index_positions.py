@@ -21,8 +21,8 @@ class IndexPositions:
         return Progress()
 
     def write(self, done: Any) -> dict[str, Any]:
-        done = _as_progress(done)
-        return {DONE_BELOW: done.below, DONE: sorted(done.beyond)}
+        below, beyond = self.write_ahead(done)
+        return {DONE_BELOW: below, DONE: beyond}
 
     def write_ahead(self, done: Any) -> list[Any]:
         done = _as_progress(done)

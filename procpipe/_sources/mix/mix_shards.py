@@ -49,9 +49,9 @@ class MixedShards(Shards):
     """One ``Shards`` holding every shard of every stream of a mixture (its leaves, depth first):
     shard ``(j, i)`` is shard ``i`` of leaf ``j``. Every hook a ``Shards`` subclass may override is
     its leaf's: ``open_shard`` (through ``OpenLeaf``), ``reading`` (each leaf that overrides it is
-    told the epoch of every block), ``check_cache`` (every leaf is asked), ``worker_for``, ``reopening``, ``name``
-    and ``replayable`` (all leaves must be). The leaves are the loader's shallow copies, never the
-    user's objects, as for a ``Shards`` read alone (``ShardProducer``)."""
+    told the epoch of every block), ``check_cache`` (every leaf is asked), ``worker_for``,
+    ``reopening``, ``name`` and ``replayable`` (all leaves must be). The leaves are the loader's
+    shallow copies, never the user's objects, as for a ``Shards`` read alone (``ShardProducer``)."""
 
     def __init__(self, leaves: list[Shards], tags: list[int] | None) -> None:
         leaves = [copy.copy(leaf) for leaf in leaves]
@@ -76,9 +76,10 @@ class MixedShards(Shards):
         # leaf, not per source of the mixture
         self.told_epoch = [leaf for leaf in leaves if type(leaf).reading is not Shards.reading]
 
-    def _leaf(self, shard: int) -> tuple[Shards, int]:
+    def _leaf(self, shard: int) -> tuple[int, Shards, int]:
+        """Shard ``shard`` as (its leaf's position, the leaf, its index there)."""
         j, i = self.shards[shard]
-        return self.leaves[j], i
+        return j, self.leaves[j], i
 
     def reading(self, epoch: int) -> None:
         for leaf in self.told_epoch:
@@ -90,15 +91,15 @@ class MixedShards(Shards):
 
     def name(self, shard: int) -> str:
         """The leaf's name for its shard, and which source of the mixture it is."""
-        leaf, i = self._leaf(shard)
-        return f"{leaf.name(i)}: the mixture's source {self.shards[shard][0]}, depth first"
+        j, leaf, i = self._leaf(shard)
+        return f"{leaf.name(i)}: the mixture's source {j}, depth first"
 
     def worker_for(self, shard: int) -> int | None:
-        leaf, i = self._leaf(shard)
+        _, leaf, i = self._leaf(shard)
         return leaf.worker_for(i)
 
     def reopening(self, block: Block) -> None:
-        leaf, i = self._leaf(block.shard)
+        _, leaf, i = self._leaf(block.shard)
         leaf.reopening(Block(i, block.number, block.first, block.length, block.skip))
 
 
